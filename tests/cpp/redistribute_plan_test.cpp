@@ -130,19 +130,23 @@ TEST_P(EveryPair, PlanSimulatesExactly) {
     ASSERT_EQ(hypershard::testing::check_shards(a, global, shards), "") << a.to_string();
     for (const auto& b : layouts) {
       const auto plan = plan_redistribute(a, b);
-      const std::string where = a.to_string() + " -> " + b.to_string() + " on " + mesh->to_string() +
-                                "\nplan:\n" + plan.to_string();
-      ASSERT_EQ(plan.steps.empty(), a == b) << where;
+      // Built only when an assertion fails (gtest streams lazily).
+      const auto where = [&] {
+        return a.to_string() + " -> " + b.to_string() + " on " + mesh->to_string() + "\nplan:\n" + plan.to_string();
+      };
+      ASSERT_EQ(plan.steps.empty(), a == b) << where();
       for (size_t i = 0; i < plan.steps.size(); ++i)
-        ASSERT_EQ(plan.steps[i].from, i == 0 ? a : plan.steps[i - 1].to) << where;
-      if (!plan.steps.empty()) ASSERT_EQ(plan.steps.back().to, b) << where;
+        ASSERT_EQ(plan.steps[i].from, i == 0 ? a : plan.steps[i - 1].to) << where();
+      if (!plan.steps.empty()) {
+        ASSERT_EQ(plan.steps.back().to, b) << where();
+      }
 
       const auto run = hypershard::testing::run_plan(plan, mesh, shards);
-      ASSERT_EQ(hypershard::testing::check_shards(b, global, run.shards), "") << where;
+      ASSERT_EQ(hypershard::testing::check_shards(b, global, run.shards), "") << where();
       for (size_t i = 0; i < plan.steps.size(); ++i)
-        ASSERT_EQ(run.elements_sent[i], plan.steps[i].elements_sent) << where << "\nstep " << i;
+        ASSERT_EQ(run.elements_sent[i], plan.steps[i].elements_sent) << where() << "\nstep " << i;
 
-      ASSERT_LE(plan.total_elements(), gather_everything_cost(a, b)) << where;
+      ASSERT_LE(plan.total_elements(), gather_everything_cost(a, b)) << where();
 
       // Single-axis transitions (every other axis identical) are one direct step.
       for (int64_t axis = 0; axis < mesh->ndim(); ++axis) {
@@ -151,14 +155,14 @@ TEST_P(EveryPair, PlanSimulatesExactly) {
         const bool shard_end_ok = (sa.kind != 2 || sa.minor_most) && (sb.kind != 2 || sb.minor_most);
         const bool compatible_fill = !(sa.kind == 0 && sb.kind == 1 && a.partial_op() && a.partial_op() != b.partial_op());
         // P -> P (another op) and S -> P are two steps by design: through Replicate.
-        if (!shard_end_ok || !compatible_fill || sb.kind == 1 && sa.kind != 0) continue;
+        if (!shard_end_ok || !compatible_fill || (sb.kind == 1 && sa.kind != 0)) continue;
         ++single_axis;
-        ASSERT_EQ(plan.steps.size(), 1u) << where;
+        ASSERT_EQ(plan.steps.size(), 1u) << where();
         const StepKind expected[3][3] = {
             {StepKind::LocalChunk /*R->R unused*/, StepKind::PartialFill, StepKind::LocalChunk},
             {StepKind::AllReduce, StepKind::AllReduce /*P->P: skipped*/, StepKind::ReduceScatter},
             {StepKind::AllGather, StepKind::AllGather /*S->P: skipped*/, StepKind::AllToAll}};
-        ASSERT_EQ(plan.steps[0].kind, expected[sa.kind][sb.kind]) << where;
+        ASSERT_EQ(plan.steps[0].kind, expected[sa.kind][sb.kind]) << where();
       }
       ++pairs;
     }
