@@ -1,0 +1,91 @@
+"""hypershard: a C++ distributed tensor (DTensor) engine behind PyTorch's dispatcher.
+
+This version exposes the layout core: meshes, layouts and their three notations (torch-style
+placements, Hyper-Parallel alias tuples, MindSpore tensor_map), shard geometry, and the
+redistribution planner. All of it runs in C++ (``hypershard._C``); see ``hypershard.layout`` for
+the small Python conveniences.
+"""
+
+import torch  # noqa: F401  (loads libtorch and its dependencies before _C)
+
+from . import _C
+
+if _C._torch_version != torch.__version__:
+    raise ImportError(
+        f"hypershard._C was built against torch {_C._torch_version}, but torch "
+        f"{torch.__version__} is installed; rebuild it (make build, or "
+        "pip install --no-build-isolation -e .)"
+    )
+
+from ._C import (  # noqa: E402
+    AliasLayout,
+    Layout,
+    LayoutError,
+    Mesh,
+    Placement,
+    Placements,
+    RedistributePlan,
+    RedistributeStep,
+    ReduceOp,
+    Span,
+    StepKind,
+    chunk_span,
+    numel,
+    parse_alias,
+    parse_reduce_op,
+    plan_redistribute,
+    reduce_op_name,
+    step_kind_name,
+    to_alias,
+    to_placements,
+    to_tensor_map,
+)
+from . import layout  # noqa: E402
+from .layout import (  # noqa: E402
+    alias,
+    from_alias,
+    from_placements,
+    from_tensor_map,
+    make_layout,
+    mesh,
+    placement,
+    placements,
+)
+
+LayoutError.__module__ = __name__  # shown as hypershard.LayoutError in tracebacks
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AliasLayout",
+    "Layout",
+    "LayoutError",
+    "Mesh",
+    "Placement",
+    "Placements",
+    "RedistributePlan",
+    "RedistributeStep",
+    "ReduceOp",
+    "Span",
+    "StepKind",
+    "alias",
+    "chunk_span",
+    "from_alias",
+    "from_placements",
+    "from_tensor_map",
+    "layout",
+    "make_layout",
+    "mesh",
+    "numel",
+    "parse_alias",
+    "parse_reduce_op",
+    "placement",
+    "placements",
+    "plan_redistribute",
+    "reduce_op_name",
+    "step_kind_name",
+    "to_alias",
+    "to_placements",
+    "to_tensor_map",
+    "__version__",
+]
