@@ -52,12 +52,22 @@ from .layout import (  # noqa: E402
     placements,
 )
 
+from .placement_types import Partial, Replicate, Shard  # noqa: E402
+from .dtensor import DTensor, DeviceMesh, distribute_tensor, init_device_mesh  # noqa: E402
+
 LayoutError.__module__ = __name__  # shown as hypershard.LayoutError in tracebacks
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AliasLayout",
+    "DTensor",
+    "DeviceMesh",
+    "Partial",
+    "Replicate",
+    "Shard",
+    "distribute_tensor",
+    "init_device_mesh",
     "Layout",
     "LayoutError",
     "Mesh",

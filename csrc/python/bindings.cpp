@@ -253,6 +253,9 @@ void bind_redistribute_plan(py::module_& m) {
 }
 
 }  // namespace
+
+void bind_runtime(py::module_& m);  // runtime_bindings.cpp
+
 }  // namespace hypershard::python
 
 PYBIND11_MODULE(_C, m) {
@@ -265,4 +268,5 @@ PYBIND11_MODULE(_C, m) {
   hypershard::python::bind_layout(m);
   hypershard::python::bind_placements(m);
   hypershard::python::bind_redistribute_plan(m);
+  hypershard::python::bind_runtime(m);
 }

@@ -1,0 +1,105 @@
+// The contract between the dispatch framework (runtime/dispatch.cpp) and the operator rules
+// (one file per family in this folder).
+//
+// preprocess builds an OpCall: the schema-normalised arguments with, for every tensor
+// argument, its layout (a plain tensor counts as Replicate on the call's mesh). A rule is a pure
+// function OpCall -> OpPlan: the layout each tensor argument must have for the local call (the
+// framework redistributes first where it differs), the layout of every returned tensor, and
+// optionally a rewrite of non-tensor arguments into local terms or an expand implementation
+// that replaces the plain ATen call. Plans are cached per op by a key of the input layouts,
+// dtypes and the scalar arguments the rule declares relevant.
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "layout/error.h"
+#include "layout/intern.h"
+#include "runtime/device_mesh.h"
+
+namespace hypershard::ops {
+
+using layout::Layout;
+using layout::ReduceOp;
+using layout::LayoutPtr;
+
+struct TensorArg {
+  int64_t arg = 0;    // schema argument index
+  int64_t item = -1;  // position inside a Tensor[] / Tensor?[] argument; -1 for a single tensor
+  LayoutPtr layout;   // a plain tensor: Replicate on the call's mesh with its own shape
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  bool is_dtensor = false;
+};
+
+struct OpCall {
+  const c10::OperatorHandle* op = nullptr;
+  const c10::IValue* args = nullptr;  // the schema's arguments, in order
+  std::vector<TensorArg> tensors;
+  runtime::DeviceMeshPtr mesh;
+
+  const c10::FunctionSchema& schema() const { return op->schema(); }
+  std::string name() const;  // "aten::add.Tensor"
+  const c10::IValue& arg(int64_t index) const { return args[index]; }
+  int64_t num_args() const { return static_cast<int64_t>(schema().arguments().size()); }
+  // Index of the named schema argument; raises when the schema has none.
+  int64_t arg_index(const char* name) const;
+  // Index into `tensors` of schema argument `arg` (item `item`), or -1 (None / absent).
+  int64_t tensor_index(int64_t arg, int64_t item = -1) const;
+  const Layout& layout(int64_t tensor) const { return *tensors.at(tensor).layout; }
+  std::string describe_inputs() const;  // "self [4, 6] ("dp", "None"), other [6] ("None",)"
+};
+
+using LocalizeFn = std::function<void(const OpCall&, c10::IValue* args)>;
+using ExpandFn = std::function<void(const OpCall&, torch::jit::Stack&)>;
+
+struct OpPlan {
+  std::vector<LayoutPtr> inputs;   // per OpCall::tensors
+  std::vector<LayoutPtr> outputs;  // per returned tensor, lists flattened
+  LocalizeFn localize;             // optional
+  ExpandFn expand;                 // optional: pops the arguments, pushes the returns
+};
+
+using Rule = OpPlan (*)(const OpCall&);
+
+// Which non-tensor arguments join the plan-cache key.
+enum class KeyScalars : int8_t {
+  kAll,   // every non-tensor argument (safe default: dims, sizes, flags)
+  kNone,  // none: the plan depends on layouts and dtypes only (alpha, lr, eps, ...)
+};
+
+struct RuleEntry {
+  Rule rule = nullptr;
+  KeyScalars key = KeyScalars::kAll;
+};
+
+// One registry for every family; filled by register_all (no static initialisers).
+class Registry {
+ public:
+  void add(const std::string& op_name, Rule rule, KeyScalars key = KeyScalars::kAll);
+  const RuleEntry* find(const std::string& op_name) const;
+  std::vector<std::string> names() const;
+
+ private:
+  std::unordered_map<std::string, RuleEntry> rules_;
+};
+
+const Registry& registry();
+
+// ------------------------------------------------------------------ helpers for rules
+
+// The house error: "hypershard: <op>: argument <name> (#i) <layout>: <problem>; allowed: <set>".
+[[noreturn]] void fail_argument(const OpCall& call, int64_t tensor, const std::string& problem,
+                                const std::string& allowed);
+[[noreturn]] void fail_call(const OpCall& call, const std::string& problem);
+
+LayoutPtr make_layout(const Layout& like, std::vector<int64_t> shape, layout::DimAxes dims,
+                      layout::PartialOps partial = {});
+LayoutPtr replicate_like(const Layout& like, std::vector<int64_t> shape);
+LayoutPtr intern(const Layout& layout);
+
+}  // namespace hypershard::ops

@@ -1,0 +1,90 @@
+#include "ops/op_call.h"
+
+#include <algorithm>
+
+#include "ops/families.h"
+
+namespace hypershard::ops {
+
+std::string OpCall::name() const {
+  const auto& n = schema().operator_name();
+  return n.overload_name.empty() ? n.name : n.name + "." + n.overload_name;
+}
+
+int64_t OpCall::arg_index(const char* name) const {
+  const auto index = schema().argumentIndexWithName(name);
+  if (!index) fail_call(*this, std::string("internal error: no argument named '") + name + "'");
+  return static_cast<int64_t>(*index);
+}
+
+int64_t OpCall::tensor_index(int64_t arg, int64_t item) const {
+  for (size_t i = 0; i < tensors.size(); ++i)
+    if (tensors[i].arg == arg && tensors[i].item == item) return static_cast<int64_t>(i);
+  return -1;
+}
+
+std::string OpCall::describe_inputs() const {
+  std::string out;
+  for (const auto& t : tensors) {
+    const auto& arg_name = schema().arguments()[t.arg].name();
+    out += (out.empty() ? "" : ", ") + arg_name;
+    if (t.item >= 0) out += "[" + std::to_string(t.item) + "]";
+    out += " " + (t.layout ? t.layout->to_string() : std::string("?"));
+    if (!t.is_dtensor) out += " (plain tensor)";
+  }
+  return out.empty() ? "no tensor arguments" : out;
+}
+
+void fail_argument(const OpCall& call, int64_t tensor, const std::string& problem, const std::string& allowed) {
+  const auto& t = call.tensors.at(tensor);
+  std::string arg = call.schema().arguments()[t.arg].name();
+  if (t.item >= 0) arg += "[" + std::to_string(t.item) + "]";
+  layout::fail(call.name(), "argument " + arg + " (#" + std::to_string(t.arg) + ") " + t.layout->to_string() +
+                                ": " + problem + "; allowed: " + allowed);
+}
+
+void fail_call(const OpCall& call, const std::string& problem) {
+  layout::fail(call.name(), problem + " (inputs: " + call.describe_inputs() + ")");
+}
+
+LayoutPtr intern(const Layout& layout) { return layout::intern_layout(layout); }
+
+LayoutPtr make_layout(const Layout& like, std::vector<int64_t> shape, layout::DimAxes dims, layout::PartialOps partial) {
+  return intern(Layout::create(like.mesh(), std::move(shape), std::move(dims), std::move(partial)));
+}
+
+LayoutPtr replicate_like(const Layout& like, std::vector<int64_t> shape) {
+  return intern(Layout::replicate(like.mesh(), std::move(shape)));
+}
+
+void Registry::add(const std::string& op_name, Rule rule, KeyScalars key) {
+  HS_CHECK(rules_.emplace(op_name, RuleEntry{rule, key}).second, "registry", "two rules for ", op_name);
+}
+
+const RuleEntry* Registry::find(const std::string& op_name) const {
+  auto it = rules_.find(op_name);
+  return it == rules_.end() ? nullptr : &it->second;
+}
+
+std::vector<std::string> Registry::names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, entry] : rules_) out.push_back(name);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+const Registry& registry() {
+  static const Registry* instance = [] {
+    auto* r = new Registry();
+    register_all(*r);
+    return r;
+  }();
+  return *instance;
+}
+
+void register_all(Registry& r) {
+  register_pointwise(r);
+  register_tensor_ops(r);
+}
+
+}  // namespace hypershard::ops

@@ -1,0 +1,90 @@
+// Identity views, factories and scalar extraction.
+//
+//   detach, alias, lift_fresh        same layout (a view of the same local)
+//   *_like (empty/zeros/ones/full)   the input's sharding; Partial axes become Replicate,
+//                                    since a freshly filled tensor is not a sum of parts
+//   new_empty_strided                sizes are GLOBAL: the source's sharding when the sizes equal
+//                                    the source's shape (autograd asks for this), else Replicate
+//   new_empty/new_zeros/new_ones/new_full  Replicate of the GLOBAL size
+//   _local_scalar_dense (item, tolist)     the input is reduced and gathered first, so every
+//                                    rank reads the same global value
+#include <ATen/ATen.h>
+
+#include "ops/families.h"
+
+namespace hypershard::ops {
+namespace {
+
+LayoutPtr without_partial(const Layout& l) {
+  return make_layout(l, l.global_shape(), l.dim_axes(), {});
+}
+
+OpPlan same_layout_rule(const OpCall& call) {
+  OpPlan plan;
+  for (const auto& t : call.tensors) plan.inputs.push_back(t.layout);
+  plan.outputs.push_back(call.tensors.at(0).layout);
+  return plan;
+}
+
+OpPlan like_rule(const OpCall& call) {
+  OpPlan plan;
+  for (const auto& t : call.tensors) plan.inputs.push_back(t.layout);
+  plan.outputs.push_back(without_partial(call.layout(0)));
+  return plan;
+}
+
+std::vector<int64_t> size_arg(const OpCall& call, const char* name) {
+  const auto& v = call.arg(call.arg_index(name));
+  if (v.isIntList()) return v.toIntVector();
+  std::vector<int64_t> out;
+  for (const auto& s : v.toSymIntVector()) out.push_back(s.expect_int());
+  return out;
+}
+
+// Rewrites the `size` argument (and `stride`, when present) to this rank's local shape.
+void localize_size(const OpCall& call, c10::IValue* args, const LayoutPtr& out) {
+  const auto local = out->local_shape_at(call.mesh->position());
+  args[call.arg_index("size")] = c10::IValue(local);
+  const auto stride_index = call.schema().argumentIndexWithName("stride");
+  if (stride_index) {
+    std::vector<int64_t> strides(local.size(), 1);
+    for (int64_t i = static_cast<int64_t>(local.size()) - 2; i >= 0; --i)
+      strides[i] = strides[i + 1] * std::max<int64_t>(local[i + 1], 1);
+    args[*stride_index] = c10::IValue(strides);
+  }
+}
+
+OpPlan new_sized_rule(const OpCall& call) {
+  const auto size = size_arg(call, "size");
+  const Layout& self = call.layout(0);
+  OpPlan plan;
+  plan.inputs.push_back(call.tensors[0].layout);
+  // new_empty_strided with the source's own shape: autograd allocating a gradient buffer.
+  const bool like_source = call.schema().name() == "aten::new_empty_strided" && size == self.global_shape();
+  auto out = like_source ? without_partial(self) : replicate_like(self, size);
+  plan.outputs.push_back(out);
+  plan.localize = [out](const OpCall& c, c10::IValue* args) { localize_size(c, args, out); };
+  return plan;
+}
+
+OpPlan gather_scalar_rule(const OpCall& call) {
+  OpPlan plan;
+  plan.inputs.push_back(replicate_like(call.layout(0), call.layout(0).global_shape()));
+  return plan;
+}
+
+}  // namespace
+
+void register_tensor_ops(Registry& r) {
+  for (const char* op : {"aten::alias", "aten::detach", "aten::lift_fresh"})
+    r.add(op, &same_layout_rule, KeyScalars::kNone);
+  // Random *_like ops are not here: they need the random-op rules (same draw on every replica).
+  for (const char* op : {"aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like"})
+    r.add(op, &like_rule, KeyScalars::kNone);
+  for (const char* op : {"aten::new_empty_strided", "aten::new_empty", "aten::new_zeros", "aten::new_ones",
+                         "aten::new_full"})
+    r.add(op, &new_sized_rule, KeyScalars::kAll);
+  r.add("aten::_local_scalar_dense", &gather_scalar_rule, KeyScalars::kNone);
+}
+
+}  // namespace hypershard::ops

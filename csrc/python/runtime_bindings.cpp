@@ -1,0 +1,83 @@
+// hypershard._C runtime bindings: DeviceMesh, DTensor construction and inspection,
+// redistribution, dispatch statistics. Bindings only, no logic.
+#include <torch/csrc/utils/pybind.h>
+#include <torch/python.h>
+
+#include "layout/error.h"
+#include "layout/intern.h"
+#include "runtime/dispatch.h"
+#include "runtime/dtensor_impl.h"
+#include "runtime/redistribute.h"
+
+namespace py = pybind11;
+
+namespace hypershard::python {
+namespace {
+
+using runtime::DeviceMesh;
+using runtime::DeviceMeshPtr;
+
+c10::DeviceType parse_device_type(const std::string& name) { return c10::Device(name).type(); }
+
+}  // namespace
+
+void bind_runtime(py::module_& m) {
+  py::class_<DeviceMesh, DeviceMeshPtr>(m, "DeviceMesh",
+                                        "A mesh with this rank's c10d process group for every axis.")
+      .def(py::init([](std::shared_ptr<layout::Mesh> mesh, int64_t rank, const std::string& device_type,
+                       std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups) {
+             return std::make_shared<DeviceMesh>(std::const_pointer_cast<const layout::Mesh>(mesh), rank,
+                                                 parse_device_type(device_type), std::move(groups));
+           }),
+           py::arg("mesh"), py::arg("rank"), py::arg("device_type"), py::arg("groups"))
+      .def_property_readonly("mesh", [](const DeviceMesh& d) { return std::const_pointer_cast<layout::Mesh>(d.mesh()); })
+      .def_property_readonly("rank", &DeviceMesh::rank)
+      .def_property_readonly("position", &DeviceMesh::position)
+      .def_property_readonly("device_type", [](const DeviceMesh& d) { return c10::DeviceTypeName(d.device_type(), true); })
+      .def("coordinate", &DeviceMesh::coordinate, py::arg("axis"))
+      .def("group",
+           [](const DeviceMesh& d, int64_t axis) {
+             return c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(&d.group(axis));
+           },
+           py::arg("axis"), "This rank's c10d process group along `axis`.")
+      .def("submesh", &DeviceMesh::submesh, py::arg("names"))
+      .def("__str__", &DeviceMesh::to_string)
+      .def("__repr__", [](const DeviceMesh& d) { return "DeviceMesh" + d.to_string(); });
+
+  m.def("install_dispatch", &runtime::install_dispatch);
+  m.def("sync_registrations", &runtime::sync_registrations);
+  m.def("is_dtensor", [](const at::Tensor& t) { return runtime::is_dtensor(t); }, py::arg("tensor"));
+  m.def("layout_of", [](const at::Tensor& t) { return *runtime::checked_dtensor(t, "layout_of").layout(); },
+        py::arg("tensor"));
+  m.def("device_mesh_of", [](const at::Tensor& t) { return runtime::checked_dtensor(t, "device_mesh_of").device_mesh(); },
+        py::arg("tensor"));
+  m.def("local_of", [](const at::Tensor& t) { return runtime::checked_dtensor(t, "local_of").local(); },
+        py::arg("tensor"), "This rank's local tensor, not differentiable (use to_local for autograd).");
+  m.def("from_local",
+        [](const at::Tensor& local, const DeviceMeshPtr& mesh, const layout::Layout& layout) {
+          runtime::sync_registrations();
+          return runtime::from_local(local, mesh, layout::intern_layout(layout));
+        },
+        py::arg("local"), py::arg("device_mesh"), py::arg("layout"));
+  m.def("to_local", &runtime::to_local, py::arg("tensor"));
+  m.def("redistribute",
+        [](const at::Tensor& t, const layout::Layout& layout) {
+          return runtime::redistribute(t, layout::intern_layout(layout));
+        },
+        py::arg("tensor"), py::arg("layout"));
+  m.def("dispatch_stats", [] {
+    const auto s = runtime::dispatch_stats();
+    return py::dict(py::arg("calls") = s.calls, py::arg("cache_hits") = s.cache_hits,
+                    py::arg("interned_layouts") = layout::interned_count(),
+                    py::arg("cached_plans") = layout::cached_plan_count());
+  });
+  m.def("reset_dispatch_stats", &runtime::reset_dispatch_stats);
+  m.def("traffic", [] {
+    const auto t = runtime::traffic();
+    return py::dict(py::arg("collectives") = t.collectives, py::arg("bytes_sent") = t.bytes_sent);
+  });
+  m.def("reset_traffic", &runtime::reset_traffic);
+  m.def("rule_names", &runtime::rule_names);
+}
+
+}  // namespace hypershard::python

@@ -1,0 +1,42 @@
+#include "runtime/device_mesh.h"
+
+#include "layout/error.h"
+
+namespace hypershard::runtime {
+
+DeviceMesh::DeviceMesh(layout::MeshPtr mesh, int64_t rank, c10::DeviceType device_type,
+                       std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups)
+    : mesh_(std::move(mesh)), rank_(rank), device_type_(device_type), groups_(std::move(groups)) {
+  HS_CHECK(mesh_ != nullptr, "device mesh", "no mesh given");
+  position_ = mesh_->position_of(rank_);
+  HS_CHECK(static_cast<int64_t>(groups_.size()) == mesh_->ndim(), "device mesh", groups_.size(),
+           " process groups given for mesh ", mesh_->to_string(), "; allowed: one per axis");
+  for (int64_t axis = 0; axis < mesh_->ndim(); ++axis) {
+    if (!groups_[axis].defined()) {
+      HS_CHECK(mesh_->shape()[axis] == 1, "device mesh", "axis '", mesh_->axis_names()[axis],
+               "' of size ", mesh_->shape()[axis], " has no process group");
+      continue;
+    }
+    HS_CHECK(groups_[axis]->getSize() == mesh_->shape()[axis], "device mesh", "the process group of axis '",
+             mesh_->axis_names()[axis], "' has ", groups_[axis]->getSize(), " ranks; the axis has ",
+             mesh_->shape()[axis]);
+    HS_CHECK(groups_[axis]->getRank() == coordinate(axis), "device mesh", "rank ", rank_,
+             " is rank ", groups_[axis]->getRank(), " in the group of axis '", mesh_->axis_names()[axis],
+             "' but has coordinate ", coordinate(axis), " on it; the group must list the ranks in coordinate order");
+  }
+}
+
+c10d::ProcessGroup& DeviceMesh::group(int64_t axis) const {
+  const auto& group = groups_.at(axis);
+  HS_CHECK(group.defined(), "device mesh", "axis '", mesh_->axis_names()[axis], "' has no process group");
+  return *group;
+}
+
+std::shared_ptr<DeviceMesh> DeviceMesh::submesh(const std::vector<std::string>& names) const {
+  auto sub = mesh_->submesh(names, rank_);
+  std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups;
+  for (const auto& name : names) groups.push_back(groups_[mesh_->axis_index(name)]);
+  return std::make_shared<DeviceMesh>(std::move(sub), rank_, device_type_, std::move(groups));
+}
+
+}  // namespace hypershard::runtime

@@ -1,0 +1,494 @@
+#include "runtime/dispatch.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/AutogradState.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <mutex>
+#include <shared_mutex>
+#include <unordered_map>
+
+#include "layout/error.h"
+#include "ops/families.h"
+#include "runtime/dtensor_impl.h"
+#include "runtime/redistribute.h"
+
+namespace hypershard::runtime {
+namespace {
+
+// ------------------------------------------------------------------ per-op information
+
+enum class ReturnKind : int8_t { kFresh, kView, kWritten };
+
+struct ReturnInfo {
+  ReturnKind kind = ReturnKind::kFresh;
+  int64_t arg = -1;  // the aliased argument
+};
+
+struct KeyHash {
+  size_t operator()(const std::vector<int64_t>& key) const {
+    uint64_t h = 1469598103934665603ull;
+    for (int64_t v : key) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
+    return static_cast<size_t>(h);
+  }
+};
+
+constexpr size_t kMaxPlansPerOp = 4096;
+
+struct OpInfo {
+  std::string name;
+  const ops::RuleEntry* rule = nullptr;
+  std::vector<ReturnInfo> returns;
+  std::vector<int8_t> written_args;  // per schema argument
+  bool is_view = false;
+  std::shared_mutex mutex;
+  std::unordered_map<std::vector<int64_t>, std::shared_ptr<const ops::OpPlan>, KeyHash> plans;
+};
+
+std::atomic<int64_t> g_calls{0};
+std::atomic<int64_t> g_hits{0};
+
+OpInfo* build_op_info(const c10::OperatorHandle& op) {
+  auto* info = new OpInfo();
+  const auto& schema = op.schema();
+  const auto& n = schema.operator_name();
+  info->name = n.overload_name.empty() ? n.name : n.name + "." + n.overload_name;
+  info->rule = ops::registry().find(info->name);
+  const auto& args = schema.arguments();
+  info->written_args.assign(args.size(), 0);
+  for (size_t a = 0; a < args.size(); ++a)
+    info->written_args[a] = args[a].alias_info() && args[a].alias_info()->isWrite();
+  for (const auto& ret : schema.returns()) {
+    ReturnInfo r;
+    if (const auto* alias = ret.alias_info()) {
+      for (size_t a = 0; a < args.size(); ++a) {
+        const auto* arg_alias = args[a].alias_info();
+        if (arg_alias && arg_alias->beforeSets() == alias->beforeSets()) {
+          r.arg = static_cast<int64_t>(a);
+          break;
+        }
+      }
+      r.kind = alias->isWrite() ? ReturnKind::kWritten : ReturnKind::kView;
+      if (r.kind == ReturnKind::kView) info->is_view = true;
+    }
+    info->returns.push_back(r);
+  }
+  return info;
+}
+
+OpInfo& op_info(const c10::OperatorHandle& op) {
+  static std::shared_mutex mutex;
+  static auto* table = new std::unordered_map<const void*, OpInfo*>();  // never destroyed
+  const void* key = &op.schema();
+  {
+    std::shared_lock<std::shared_mutex> read(mutex);
+    auto it = table->find(key);
+    if (it != table->end()) return *it->second;
+  }
+  std::unique_lock<std::shared_mutex> write(mutex);
+  auto& slot = (*table)[key];
+  if (!slot) slot = build_op_info(op);
+  return *slot;
+}
+
+// ------------------------------------------------------------------ preprocess
+
+bool is_tensor_list_type(const c10::TypePtr& type) {
+  if (type->kind() != c10::TypeKind::ListType) return false;
+  auto elem = type->expectRef<c10::ListType>().getElementType();
+  if (elem->kind() == c10::TypeKind::OptionalType) elem = elem->expectRef<c10::OptionalType>().getElementType();
+  return elem->kind() == c10::TypeKind::TensorType;
+}
+
+void add_tensor(ops::OpCall& call, const at::Tensor& t, int64_t arg, int64_t item) {
+  if (!t.defined()) return;
+  ops::TensorArg ta;
+  ta.arg = arg;
+  ta.item = item;
+  ta.dtype = t.scalar_type();
+  if (auto* impl = dtensor_impl(t)) {
+    ta.is_dtensor = true;
+    ta.layout = impl->layout();
+    if (!call.mesh) {
+      call.mesh = impl->device_mesh();
+    } else if (call.mesh != impl->device_mesh() && !call.mesh->same_mesh(*impl->device_mesh())) {
+      layout::fail(call.name(), "operands live on different meshes: " + call.mesh->to_string() + " and " +
+                                    impl->device_mesh()->to_string() + "; allowed: one mesh per op");
+    }
+  }
+  call.tensors.push_back(std::move(ta));
+}
+
+void collect_tensors(ops::OpCall& call) {
+  const auto& args = call.schema().arguments();
+  for (size_t a = 0; a < args.size(); ++a) {
+    const c10::IValue& v = call.args[a];
+    if (v.isTensor()) {
+      add_tensor(call, v.toTensor(), static_cast<int64_t>(a), -1);
+    } else if (v.isTensorList()) {
+      auto list = v.toTensorList();
+      for (size_t i = 0; i < list.size(); ++i) add_tensor(call, list.get(i), static_cast<int64_t>(a), static_cast<int64_t>(i));
+    } else if (v.isList() && is_tensor_list_type(args[a].type())) {
+      auto list = v.toList();
+      for (size_t i = 0; i < list.size(); ++i) {
+        const c10::IValue item = list.get(i);
+        if (item.isTensor()) add_tensor(call, item.toTensor(), static_cast<int64_t>(a), static_cast<int64_t>(i));
+      }
+    }
+  }
+}
+
+// Key of one non-tensor argument (values that can change a plan).
+void append_scalar_key(std::vector<int64_t>& key, const c10::IValue& v) {
+  if (v.isNone()) {
+    key.push_back(-7);
+  } else if (v.isInt() || v.isBool()) {
+    key.push_back(v.isInt() ? v.toInt() : static_cast<int64_t>(v.toBool()));
+  } else if (v.isDouble()) {
+    const double d = v.toDouble();
+    int64_t bits;
+    std::memcpy(&bits, &d, sizeof(bits));
+    key.push_back(bits);
+  } else if (v.isIntList()) {
+    const auto list = v.toIntList();
+    key.push_back(static_cast<int64_t>(list.size()));
+    for (int64_t x : list) key.push_back(x);
+  } else if (v.isBoolList()) {
+    const auto list = v.toBoolList();
+    key.push_back(static_cast<int64_t>(list.size()));
+    for (bool x : list) key.push_back(x);
+  } else if (v.isString()) {
+    key.push_back(static_cast<int64_t>(std::hash<std::string>()(v.toStringRef())));
+  } else if (v.isDevice()) {
+    key.push_back(static_cast<int64_t>(v.toDevice().type()) * 1000 + v.toDevice().index());
+  } else if (v.isScalar()) {
+    append_scalar_key(key, v.toScalar().isFloatingPoint() ? c10::IValue(v.toScalar().toDouble())
+                                                          : c10::IValue(v.toScalar().toLong()));
+  } else if (v.isTensor() || v.isTensorList() || v.isList()) {
+    // tensors are keyed separately
+  } else {
+    key.push_back(static_cast<int64_t>(v.tagKind().size()) * 7919 + 13);  // by kind only
+  }
+}
+
+std::vector<int64_t> plan_key(const ops::OpCall& call, const ops::RuleEntry& rule) {
+  std::vector<int64_t> key;
+  key.reserve(call.tensors.size() * 2 + 4);
+  for (const auto& t : call.tensors) {
+    if (t.is_dtensor) {
+      key.push_back(reinterpret_cast<int64_t>(t.layout.get()));
+    } else {
+      const auto& v = call.args[t.arg];
+      const at::Tensor tensor = t.item < 0 ? v.toTensor()
+                                           : (v.isTensorList() ? v.toTensorList().get(t.item) : v.toList().get(t.item).toTensor());
+      key.push_back(-1 - tensor.dim());
+      for (int64_t s : tensor.sizes()) key.push_back(s);
+    }
+    key.push_back((t.arg << 20) + (t.item << 8) + static_cast<int64_t>(t.dtype));
+  }
+  if (rule.key == ops::KeyScalars::kAll)
+    for (int64_t a = 0; a < call.num_args(); ++a) append_scalar_key(key, call.args[a]);
+  return key;
+}
+
+const at::Tensor& arg_tensor(const c10::IValue* args, const ops::TensorArg& t, at::Tensor& scratch) {
+  const auto& v = args[t.arg];
+  if (t.item < 0) return v.toTensor();
+  scratch = v.isTensorList() ? v.toTensorList().get(t.item) : v.toList().get(t.item).toTensor();
+  return scratch;
+}
+
+[[noreturn]] void missing_operator(const ops::OpCall& call) {
+  TORCH_CHECK(false, "hypershard: Missing operator ", call.name(), ": no distributed rule for this op; inputs: ",
+              call.describe_inputs());
+}
+
+std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call) {
+  auto key = plan_key(call, *info.rule);
+  {
+    std::shared_lock<std::shared_mutex> read(info.mutex);
+    auto it = info.plans.find(key);
+    if (it != info.plans.end()) {
+      g_hits.fetch_add(1, std::memory_order_relaxed);
+      return it->second;
+    }
+  }
+  // Miss: plain tensors become Replicate layouts, then the rule runs.
+  for (auto& t : call.tensors) {
+    if (t.is_dtensor) continue;
+    at::Tensor scratch;
+    const auto& tensor = arg_tensor(call.args, t, scratch);
+    t.layout = intern_layout(layout::Layout::replicate(call.mesh->mesh(), tensor.sizes().vec()));
+  }
+  auto plan = std::make_shared<ops::OpPlan>(info.rule->rule(call));
+  HS_CHECK(plan->inputs.size() == call.tensors.size(), info.name,
+           "internal error: the rule returned ", plan->inputs.size(), " input layouts for ", call.tensors.size(), " tensors");
+  std::unique_lock<std::shared_mutex> write(info.mutex);
+  if (info.plans.size() >= kMaxPlansPerOp) info.plans.clear();  // bounded, whatever the workload
+  info.plans.emplace(std::move(key), plan);
+  return plan;
+}
+
+// ------------------------------------------------------------------ gradient layout policy
+
+// A leaf's .grad keeps the leaf's layout: incoming gradients are redistributed to it before
+// they are accumulated (this is where data-parallel gradient reduction happens).
+void install_grad_hook(const at::Tensor& leaf, DTensorImpl& impl) {
+  if (!impl.claim_grad_hook()) return;
+  c10::weak_intrusive_ptr<c10::TensorImpl> weak(leaf.getIntrusivePtr());
+  leaf.register_hook([weak](const at::Tensor& grad) -> at::Tensor {
+    auto strong = weak.lock();
+    auto* grad_impl = dtensor_impl(grad);
+    if (!strong || !grad_impl) return grad;
+    const auto& target = static_cast<DTensorImpl*>(strong.get())->layout();
+    return grad_impl->layout() == target ? grad : redistribute(grad, target);
+  });
+}
+
+// ------------------------------------------------------------------ view geometry
+
+at::Tensor meta_shadow(const at::Tensor& t) {
+  const auto sizes = t.sizes();
+  const auto strides = t.strides();
+  int64_t extent = t.numel() == 0 ? 0 : 1;
+  for (int64_t d = 0; d < t.dim(); ++d) extent += (sizes[d] - 1) * strides[d];
+  auto base = at::empty({t.storage_offset() + extent}, t.options().device(c10::kMeta));
+  return base.as_strided(sizes, strides, t.storage_offset());
+}
+
+// Runs the view op on meta tensors with the inputs' GLOBAL geometry; returns each output's
+// (strides, offset), which the wrappers then report.
+std::vector<std::pair<std::vector<int64_t>, int64_t>> view_geometry(const c10::OperatorHandle& op,
+                                                                    const std::vector<c10::IValue>& original) {
+  torch::jit::Stack meta;
+  meta.reserve(original.size());
+  for (const auto& v : original) {
+    if (v.isTensor() && v.toTensor().defined()) meta.emplace_back(meta_shadow(v.toTensor()));
+    else meta.push_back(v);
+  }
+  op.callBoxed(&meta);
+  std::vector<std::pair<std::vector<int64_t>, int64_t>> out;
+  for (const auto& r : meta) {
+    if (r.isTensor()) out.emplace_back(r.toTensor().strides().vec(), r.toTensor().storage_offset());
+    else if (r.isTensorList())
+      for (const auto& t : r.toTensorList()) out.emplace_back(static_cast<at::Tensor>(t).strides().vec(), static_cast<at::Tensor>(t).storage_offset());
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------ the fallback
+
+void set_arg_tensor(c10::IValue* args, const ops::TensorArg& t, at::Tensor local) {
+  auto& v = args[t.arg];
+  if (t.item < 0) {
+    v = std::move(local);
+  } else if (v.isTensorList()) {
+    auto list = v.toTensorList();
+    if (list.use_count() > 1) {  // never write into the caller's list
+      list = list.copy();
+      v = list;
+    }
+    list.set(t.item, std::move(local));
+  } else {
+    auto list = v.toList();
+    if (list.use_count() > 1) {
+      list = list.copy();
+      v = list;
+    }
+    list.set(t.item, std::move(local));
+  }
+}
+
+void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  g_calls.fetch_add(1, std::memory_order_relaxed);
+  sync_registrations();
+  OpInfo& info = op_info(op);
+  const size_t num_args = op.schema().arguments().size();
+  c10::IValue* args = stack->data() + (stack->size() - num_args);
+
+  ops::OpCall call;
+  call.op = &op;
+  call.args = args;
+  try {
+    collect_tensors(call);
+  } catch (const layout::LayoutError& e) {
+    TORCH_CHECK(false, e.what());
+  }
+  TORCH_CHECK(call.mesh != nullptr, "hypershard: ", info.name, ": reached the DTensor fallback without a DTensor argument");
+  if (!info.rule) missing_operator(call);
+
+  std::shared_ptr<const ops::OpPlan> plan;
+  try {
+    plan = infer(info, call);
+  } catch (const layout::LayoutError& e) {
+    TORCH_CHECK(false, e.what());
+  }
+
+  // Keep what the returns need: the wrappers of written arguments, and (views) the global args.
+  std::vector<c10::IValue> original;
+  if (info.is_view) original.assign(args, args + num_args);
+  std::vector<c10::IValue> written;
+  for (size_t a = 0; a < num_args; ++a)
+    if (info.written_args[a]) {
+      written.resize(num_args);
+      written[a] = args[a];
+    }
+
+  for (size_t i = 0; i < call.tensors.size(); ++i) {
+    const auto& t = call.tensors[i];
+    at::Tensor scratch;
+    const at::Tensor& value = arg_tensor(args, t, scratch);
+    if (t.is_dtensor) {
+      auto* impl = dtensor_impl(value);
+      if (value.requires_grad() && value.is_leaf()) install_grad_hook(value, *impl);
+      at::Tensor local = impl->local();
+      if (plan->inputs[i] != t.layout) local = redistribute_local(local, t.layout, plan->inputs[i], *call.mesh);
+      set_arg_tensor(args, t, std::move(local));
+    } else if (plan->inputs[i] && plan->inputs[i] != t.layout) {
+      // A plain operand taken as Replicate, cut to what the rule needs (a chunk, a fill).
+      auto replicated = intern_layout(layout::Layout::replicate(call.mesh->mesh(), value.sizes().vec()));
+      set_arg_tensor(args, t, redistribute_local(value, replicated, plan->inputs[i], *call.mesh));
+    }
+  }
+  if (plan->localize) plan->localize(call, args);
+
+  std::vector<std::pair<std::vector<int64_t>, int64_t>> geometry;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    if (info.is_view) {
+      c10::AutogradState::get_tls_state().set_view_replay_enabled(true);
+      geometry = view_geometry(op, original);
+    }
+    if (plan->expand) plan->expand(call, *stack);
+    else op.callBoxed(stack);
+  }
+
+  // wrap_output
+  const size_t num_returns = info.returns.size();
+  c10::IValue* rets = stack->data() + (stack->size() - num_returns);
+  size_t out_index = 0, view_index = 0;
+  for (size_t r = 0; r < num_returns; ++r) {
+    c10::IValue& v = rets[r];
+    const ReturnInfo& ri = info.returns[r];
+    if (ri.kind == ReturnKind::kWritten && ri.arg >= 0 && written[ri.arg].isTensor()) {
+      const at::Tensor& wrapper = written[ri.arg].toTensor();
+      if (auto* impl = dtensor_impl(wrapper)) {
+        const at::Tensor local = v.toTensor();
+        const auto& layout = plan->outputs.at(out_index);
+        if (layout != impl->layout() || local.sizes() != impl->local().sizes()) impl->replace(local, layout);
+        else if (!local.is_same(impl->local())) impl->replace(local, layout);
+      }
+      v = written[ri.arg];
+      ++out_index;
+    } else if (v.isTensor()) {
+      at::Tensor local = v.toTensor();
+      if (local.defined()) {
+        auto wrapped = make_dtensor(std::move(local), plan->outputs.at(out_index), call.mesh);
+        if (ri.kind == ReturnKind::kView && view_index < geometry.size()) {
+          dtensor_impl(wrapped)->set_geometry(geometry[view_index].first, geometry[view_index].second);
+          ++view_index;
+        }
+        v = std::move(wrapped);
+      }
+      ++out_index;
+    } else if (v.isTensorList()) {
+      auto list = v.toTensorList();
+      c10::List<at::Tensor> wrapped;
+      wrapped.reserve(list.size());
+      for (size_t i = 0; i < list.size(); ++i) {
+        auto w = make_dtensor(list.get(i), plan->outputs.at(out_index++), call.mesh);
+        if (ri.kind == ReturnKind::kView && view_index < geometry.size()) {
+          dtensor_impl(w)->set_geometry(geometry[view_index].first, geometry[view_index].second);
+          ++view_index;
+        }
+        wrapped.push_back(std::move(w));
+      }
+      v = std::move(wrapped);
+    }
+  }
+}
+
+// ------------------------------------------------------------------ registration
+
+// Ops whose CompositeExplicitAutograd kernel would otherwise win over the backend fallback on
+// PrivateUse2 (and would run on the storage-less wrapper): register the fallback for them.
+// CompositeImplicitAutograd ops are left alone: they must decompose.
+void maybe_register(const c10::OperatorHandle& op) {
+  if (!op.hasSchema()) return;
+  if (op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) return;
+  if (!op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
+      !op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional))
+    return;
+  if (op.hasKernelForDispatchKey(c10::DispatchKey::PrivateUse2)) return;
+  static auto* handles = new std::vector<c10::RegistrationHandleRAII>();  // kept for the process
+  handles->push_back(c10::Dispatcher::singleton().registerImpl(
+      op.operator_name(), c10::DispatchKey::PrivateUse2,
+      c10::KernelFunction::makeFromBoxedFunction<&dtensor_fallback>(), std::nullopt, nullptr,
+      "hypershard: DTensor fallback (composite-explicit op)"));
+}
+
+// The dispatcher calls listeners with its lock held, so a listener only notes the op; the
+// registration happens at the next sync (fallback entry or a DTensor constructor).
+std::mutex g_pending_mutex;
+std::vector<c10::OperatorName>* g_pending = new std::vector<c10::OperatorName>();
+std::atomic<bool> g_has_pending{false};
+
+class Listener : public c10::OpRegistrationListener {
+ public:
+  void onOperatorRegistered(const c10::OperatorHandle& op) override {
+    std::lock_guard<std::mutex> guard(g_pending_mutex);
+    g_pending->push_back(op.operator_name());
+    g_has_pending.store(true, std::memory_order_release);
+  }
+  void onOperatorDeregistered(const c10::OperatorHandle&) override {}
+};
+
+}  // namespace
+
+void sync_registrations() {
+  if (!g_has_pending.load(std::memory_order_acquire)) return;
+  std::vector<c10::OperatorName> pending;
+  {
+    std::lock_guard<std::mutex> guard(g_pending_mutex);
+    pending.swap(*g_pending);
+    g_has_pending.store(false, std::memory_order_release);
+  }
+  for (const auto& name : pending)
+    if (auto op = c10::Dispatcher::singleton().findOp(name)) maybe_register(*op);
+}
+
+void install_dispatch() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    static auto* library = new torch::Library(torch::Library::IMPL, "_", c10::DispatchKey::PrivateUse2,
+                                              __FILE__, __LINE__);
+    library->fallback(torch::CppFunction::makeFromBoxedFunction<&dtensor_fallback>());
+    // The listener is also told of every op registered so far; sync registers them.
+    static auto* listener = new c10::RegistrationHandleRAII(
+        c10::Dispatcher::singleton().addRegistrationListener(std::make_unique<Listener>()));
+    (void)listener;
+    sync_registrations();
+    c10::AutogradState::get_tls_state().set_view_replay_enabled(true);
+  });
+}
+
+DispatchStats dispatch_stats() {
+  DispatchStats s;
+  s.calls = g_calls.load();
+  s.cache_hits = g_hits.load();
+  return s;
+}
+
+void reset_dispatch_stats() {
+  g_calls.store(0);
+  g_hits.store(0);
+}
+
+std::vector<std::string> rule_names() { return ops::registry().names(); }
+
+}  // namespace hypershard::runtime

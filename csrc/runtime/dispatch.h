@@ -1,0 +1,28 @@
+// The boxed fallback that runs every ATen op with a DTensor argument:
+// preprocess -> infer_layout (cached) -> redistribute inputs -> local call or expand impl ->
+// wrap outputs. Installed by install_dispatch() (called once when hypershard._C loads).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace hypershard::runtime {
+
+void install_dispatch();
+// Registers the fallback for composite-explicit ops defined since the last sync (cheap when
+// nothing is pending; called at fallback entry and by the DTensor constructors).
+void sync_registrations();
+
+struct DispatchStats {
+  int64_t calls = 0;
+  int64_t cache_hits = 0;
+  int64_t cache_entries = 0;
+};
+DispatchStats dispatch_stats();
+void reset_dispatch_stats();
+
+// Every op hypershard has a rule for, "aten::add.Tensor" style.
+std::vector<std::string> rule_names();
+
+}  // namespace hypershard::runtime

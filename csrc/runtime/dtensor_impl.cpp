@@ -1,0 +1,133 @@
+#include "runtime/dtensor_impl.h"
+
+#include <c10/core/InferenceMode.h>
+
+#include <algorithm>
+#include <mutex>
+#include <numeric>
+#include <unordered_map>
+
+#include "layout/error.h"
+
+namespace hypershard::runtime {
+namespace {
+
+c10::DispatchKeySet wrapper_keys(c10::DeviceType device) {
+  auto keys = c10::DispatchKeySet(c10::DispatchKey::PrivateUse2);
+  // Autocast must act on the wrapper (above autograd), not on the locals below it.
+  if (device == c10::DeviceType::CPU) keys = keys.add(c10::DispatchKey::AutocastCPU);
+  if (device == c10::DeviceType::CUDA) keys = keys.add(c10::DispatchKey::AutocastCUDA);
+  return keys;
+}
+
+}  // namespace
+
+namespace {
+std::mutex g_mesh_mutex;
+auto* g_meshes = new std::vector<DeviceMeshPtr>();  // never destroyed (see retain_mesh)
+}  // namespace
+
+int64_t retain_mesh(const DeviceMeshPtr& mesh) {
+  std::lock_guard<std::mutex> guard(g_mesh_mutex);
+  for (size_t i = 0; i < g_meshes->size(); ++i)
+    if ((*g_meshes)[i] == mesh) return static_cast<int64_t>(i);
+  g_meshes->push_back(mesh);
+  return static_cast<int64_t>(g_meshes->size() - 1);
+}
+
+DeviceMeshPtr find_mesh(int64_t handle) {
+  std::lock_guard<std::mutex> guard(g_mesh_mutex);
+  return g_meshes->at(handle);
+}
+
+DTensorImpl::DTensorImpl(at::Tensor local, LayoutPtr layout, DeviceMeshPtr mesh)
+    : c10::TensorImpl(wrapper_keys(local.device().type()), local.dtype(), local.device()),
+      local_(std::move(local)),
+      layout_(std::move(layout)),
+      mesh_(std::move(mesh)) {
+  set_storage_access_should_throw();
+  set_dense_geometry();
+}
+
+void DTensorImpl::set_geometry(c10::IntArrayRef strides, int64_t storage_offset) {
+  // Written directly: the public setters refuse on detached wrappers (allow_tensor_metadata_change
+  // is false after .detach()), yet in-place ops must refresh them.
+  sizes_and_strides_.set_sizes(layout_->global_shape());
+  sizes_and_strides_.set_strides(strides);
+  storage_offset_ = storage_offset;
+  refresh_numel();
+  refresh_contiguous();
+}
+
+void DTensorImpl::set_dense_geometry() {
+  const auto& shape = layout_->global_shape();
+  const int64_t ndim = static_cast<int64_t>(shape.size());
+  std::vector<int64_t> order(ndim);
+  std::iota(order.begin(), order.end(), 0);
+  if (local_.dim() == ndim) {
+    // Innermost dim first: keep the local's memory order (ties keep the natural order).
+    const auto local_strides = local_.strides();
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return local_strides[a] > local_strides[b];
+    });
+  }
+  std::vector<int64_t> strides(ndim, 1);
+  int64_t next = 1;
+  for (int64_t i = ndim - 1; i >= 0; --i) {
+    strides[order[i]] = next;
+    next *= std::max<int64_t>(shape[order[i]], 1);
+  }
+  set_geometry(strides, 0);
+}
+
+void DTensorImpl::replace(at::Tensor local, LayoutPtr layout) {
+  local_ = std::move(local);
+  layout_ = std::move(layout);
+  set_dense_geometry();
+}
+
+template <typename Version>
+c10::intrusive_ptr<c10::TensorImpl> DTensorImpl::detached_copy(Version&& version, bool allow_metadata_change) const {
+  auto copy = c10::make_intrusive<DTensorImpl>(local_, layout_, mesh_);
+  copy->set_geometry(strides(), storage_offset());
+  copy->set_version_counter(std::forward<Version>(version));
+  copy->set_allow_tensor_metadata_change(allow_metadata_change);
+  return copy;
+}
+
+c10::intrusive_ptr<c10::TensorImpl> DTensorImpl::shallow_copy_and_detach(
+    const c10::VariableVersion& version_counter, bool allow_tensor_metadata_change) const {
+  return detached_copy(version_counter, allow_tensor_metadata_change);
+}
+
+c10::intrusive_ptr<c10::TensorImpl> DTensorImpl::shallow_copy_and_detach(
+    c10::VariableVersion&& version_counter, bool allow_tensor_metadata_change) const {
+  return detached_copy(std::move(version_counter), allow_tensor_metadata_change);
+}
+
+void DTensorImpl::shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>& impl) {
+  // `x.data = y`: take y's local, layout and geometry.
+  auto* other = dynamic_cast<DTensorImpl*>(impl.get());
+  HS_CHECK(other != nullptr, "DTensor", "cannot set a DTensor's data to a plain tensor; "
+           "allowed: a DTensor (use hypershard.distribute_tensor first)");
+  local_ = other->local_;
+  layout_ = other->layout_;
+  mesh_ = other->mesh_;
+  set_geometry(other->strides(), other->storage_offset());
+}
+
+at::Tensor make_dtensor(at::Tensor local, LayoutPtr layout, DeviceMeshPtr mesh) {
+  HS_CHECK(!is_dtensor(local), "DTensor", "the local tensor is itself a DTensor");
+  // A wrapper is an inference tensor exactly when its local is.
+  std::optional<c10::InferenceMode> guard;
+  if (local.is_inference() != c10::InferenceMode::is_enabled()) guard.emplace(local.is_inference());
+  return at::Tensor(c10::make_intrusive<DTensorImpl>(std::move(local), std::move(layout), std::move(mesh)));
+}
+
+DTensorImpl& checked_dtensor(const at::Tensor& t, const char* what) {
+  auto* impl = dtensor_impl(t);
+  HS_CHECK(impl != nullptr, "DTensor", what, " needs a DTensor but got a plain tensor");
+  return *impl;
+}
+
+}  // namespace hypershard::runtime

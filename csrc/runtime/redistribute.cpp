@@ -1,0 +1,261 @@
+#include "runtime/redistribute.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <atomic>
+
+#include "layout/error.h"
+
+namespace hypershard::runtime {
+namespace {
+
+using layout::chunk_span;
+using layout::RedistributeStep;
+using layout::ReduceOp;
+using layout::StepKind;
+
+std::atomic<int64_t> g_collectives{0};
+std::atomic<int64_t> g_bytes{0};
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+    case ReduceOp::Avg: return c10d::ReduceOp::SUM;  // avg = sum, then divide (portable)
+    case ReduceOp::Max: return c10d::ReduceOp::MAX;
+    case ReduceOp::Min: return c10d::ReduceOp::MIN;
+    case ReduceOp::Prod: return c10d::ReduceOp::PRODUCT;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+// Mesh position of the member with coordinate `c` on `axis` in this rank's group.
+int64_t member_position(const DeviceMesh& mesh, int64_t axis, int64_t c) {
+  auto coord = mesh.mesh()->coordinate_at(mesh.position());
+  coord[axis] = c;
+  return mesh.mesh()->position_at(coord);
+}
+
+// Pads `t` along `dim` to `length` with zeros.
+at::Tensor pad_to(const at::Tensor& t, int64_t dim, int64_t length) {
+  if (t.size(dim) == length) return t;
+  auto sizes = t.sizes().vec();
+  sizes[dim] = length - t.size(dim);
+  return at::cat({t, at::zeros(sizes, t.options())}, dim);
+}
+
+at::Tensor all_gather(const RedistributeStep& step, const at::Tensor& local, const DeviceMesh& mesh) {
+  const int64_t k = mesh.mesh()->shape()[step.axis];
+  const int64_t d = step.src_dim;
+  std::vector<int64_t> lengths(k);
+  int64_t longest = 0;
+  for (int64_t c = 0; c < k; ++c) {
+    lengths[c] = step.from.local_shape_at(member_position(mesh, step.axis, c))[d];
+    longest = std::max(longest, lengths[c]);
+  }
+  // Gather equal-sized padded chunks along dim 0, then trim and join along d.
+  auto send = pad_to(local, d, longest).movedim(d, 0).contiguous();
+  auto sizes = send.sizes().vec();
+  sizes[0] = longest * k;
+  auto gathered = at::empty(sizes, send.options());
+  mesh.group(step.axis)._allgather_base(gathered, send)->wait();
+  std::vector<at::Tensor> pieces;
+  for (int64_t c = 0; c < k; ++c) pieces.push_back(gathered.narrow(0, c * longest, lengths[c]));
+  return at::cat(pieces, 0).movedim(0, d).contiguous();
+}
+
+at::Tensor reduce_op_finish(at::Tensor t, ReduceOp op, int64_t k) {
+  if (op == ReduceOp::Avg) t.div_(k);
+  return t;
+}
+
+at::Tensor all_reduce(const RedistributeStep& step, const at::Tensor& local, const DeviceMesh& mesh) {
+  std::vector<at::Tensor> tensors{local.contiguous().clone()};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = to_c10d(step.op);
+  mesh.group(step.axis).allreduce(tensors, opts)->wait();
+  return reduce_op_finish(tensors[0], step.op, mesh.mesh()->shape()[step.axis]);
+}
+
+at::Tensor reduce_scatter(const RedistributeStep& step, const at::Tensor& local, const DeviceMesh& mesh) {
+  const int64_t k = mesh.mesh()->shape()[step.axis];
+  const int64_t d = step.dst_dim;
+  const int64_t length = local.size(d);
+  const int64_t longest = chunk_span(length, k, 0).length;
+  std::vector<at::Tensor> chunks;
+  for (int64_t c = 0; c < k; ++c) {
+    const auto span = chunk_span(length, k, c);
+    chunks.push_back(pad_to(local.narrow(d, span.begin, span.length), d, longest).movedim(d, 0));
+  }
+  auto send = at::cat(chunks, 0).contiguous();
+  auto sizes = send.sizes().vec();
+  sizes[0] = longest;
+  auto received = at::empty(sizes, send.options());
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = to_c10d(step.op);
+  mesh.group(step.axis)._reduce_scatter_base(received, send, opts)->wait();
+  const int64_t mine = chunk_span(length, k, mesh.coordinate(step.axis)).length;
+  return reduce_op_finish(received.narrow(0, 0, mine).movedim(0, d).contiguous(), step.op, k);
+}
+
+at::Tensor all_to_all(const RedistributeStep& step, const at::Tensor& local, const DeviceMesh& mesh) {
+  const int64_t k = mesh.mesh()->shape()[step.axis];
+  const int64_t src = step.src_dim, dst = step.dst_dim;
+  const int64_t me = mesh.coordinate(step.axis);
+  // Send: chunk c of my block along dst goes to member c.
+  std::vector<at::Tensor> pieces;
+  std::vector<int64_t> send_counts(k), recv_counts(k);
+  const int64_t dst_length = local.size(dst);
+  for (int64_t c = 0; c < k; ++c) {
+    const auto span = chunk_span(dst_length, k, c);
+    pieces.push_back(local.narrow(dst, span.begin, span.length).contiguous().view(-1));
+    send_counts[c] = pieces.back().numel();
+  }
+  // Receive: member c's block along src, with my chunk along dst.
+  std::vector<std::vector<int64_t>> recv_shapes(k);
+  const int64_t my_dst = chunk_span(dst_length, k, me).length;
+  for (int64_t c = 0; c < k; ++c) {
+    auto shape = step.from.local_shape_at(member_position(mesh, step.axis, c));
+    shape[dst] = my_dst;
+    recv_counts[c] = layout::numel(shape);
+    recv_shapes[c] = std::move(shape);
+  }
+  auto send = at::cat(pieces, 0);
+  auto received = at::empty({std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0})}, local.options());
+  mesh.group(step.axis).alltoall_base(received, send, recv_counts, send_counts)->wait();
+  std::vector<at::Tensor> blocks;
+  int64_t offset = 0;
+  for (int64_t c = 0; c < k; ++c) {
+    blocks.push_back(received.narrow(0, offset, recv_counts[c]).view(recv_shapes[c]));
+    offset += recv_counts[c];
+  }
+  return at::cat(blocks, src);
+}
+
+at::Tensor run_step(const RedistributeStep& step, const at::Tensor& local, const DeviceMesh& mesh) {
+  const int64_t k = mesh.mesh()->shape()[step.axis];
+  const int64_t me = mesh.coordinate(step.axis);
+  if (step.kind != StepKind::LocalChunk && step.kind != StepKind::PartialFill) {
+    g_collectives.fetch_add(1, std::memory_order_relaxed);
+    g_bytes.fetch_add(step.elements_sent.at(mesh.position()) * static_cast<int64_t>(local.element_size()),
+                      std::memory_order_relaxed);
+  }
+  switch (step.kind) {
+    case StepKind::LocalChunk: {
+      const auto span = chunk_span(local.size(step.dst_dim), k, me);
+      return local.narrow(step.dst_dim, span.begin, span.length);
+    }
+    case StepKind::PartialFill:
+      if (me == 0 || step.op == ReduceOp::Max || step.op == ReduceOp::Min || step.op == ReduceOp::Avg) return local;
+      return step.op == ReduceOp::Prod ? at::ones_like(local) : at::zeros_like(local);
+    case StepKind::AllGather: return all_gather(step, local, mesh);
+    case StepKind::AllReduce: return all_reduce(step, local, mesh);
+    case StepKind::ReduceScatter: return reduce_scatter(step, local, mesh);
+    case StepKind::AllToAll: return all_to_all(step, local, mesh);
+  }
+  return local;
+}
+
+// ------------------------------------------------------------------ autograd functions
+
+struct RedistributeFunction : torch::autograd::Function<RedistributeFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, LayoutPtr dst) {
+    auto& impl = checked_dtensor(input, "redistribute");
+    ctx->saved_data["src"] = c10::IValue(reinterpret_cast<int64_t>(impl.layout().get()));
+    auto local = redistribute_local(impl.local(), impl.layout(), dst, *impl.device_mesh());
+    return make_dtensor(std::move(local), std::move(dst), impl.device_mesh());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    // Interned layouts live for the process, so the raw pointer stays valid.
+    auto target = without_partial(interned(reinterpret_cast<const layout::Layout*>(ctx->saved_data["src"].toInt())));
+    return {redistribute(grads[0], target), at::Tensor()};
+  }
+};
+
+struct FromLocalFunction : torch::autograd::Function<FromLocalFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& local,
+                            DeviceMeshPtr mesh, LayoutPtr layout) {
+    ctx->saved_data["layout"] = c10::IValue(reinterpret_cast<int64_t>(layout.get()));
+    // An alias of the local: in-place changes through either are seen by both, as in torch.
+    return make_dtensor(local.alias(), std::move(layout), std::move(mesh));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto layout = interned(reinterpret_cast<const layout::Layout*>(ctx->saved_data["layout"].toInt()));
+    auto grad = redistribute(grads[0], without_partial(layout));
+    auto local = to_local(grad);
+    // d(mean of k locals)/d(local) = 1/k for every avg-Partial axis.
+    if (layout->partial_op() == ReduceOp::Avg) {
+      int64_t k = 1;
+      for (int64_t a = 0; a < layout->mesh()->ndim(); ++a)
+        if (layout->is_partial(a)) k *= layout->mesh()->shape()[a];
+      local = local / k;
+    }
+    return {local, at::Tensor(), at::Tensor()};
+  }
+};
+
+struct ToLocalFunction : torch::autograd::Function<ToLocalFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input) {
+    auto& impl = checked_dtensor(input, "to_local");
+    ctx->saved_data["layout"] = c10::IValue(reinterpret_cast<int64_t>(impl.layout().get()));
+    ctx->saved_data["mesh"] = c10::IValue(retain_mesh(impl.device_mesh()));
+    return impl.local().alias();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto layout = interned(reinterpret_cast<const layout::Layout*>(ctx->saved_data["layout"].toInt()));
+    const DeviceMeshPtr mesh = find_mesh(ctx->saved_data["mesh"].toInt());
+    return {from_local(grads[0], mesh, without_partial(layout))};
+  }
+};
+
+}  // namespace
+
+at::Tensor run_plan(const layout::RedistributePlan& plan, const at::Tensor& local, const DeviceMesh& mesh) {
+  at::Tensor current = local;
+  for (const auto& step : plan.steps) current = run_step(step, current, mesh);
+  return current;
+}
+
+at::Tensor redistribute_local(const at::Tensor& local, const LayoutPtr& src, const LayoutPtr& dst,
+                              const DeviceMesh& mesh) {
+  if (src == dst) return local;
+  return run_plan(layout::cached_plan(src, dst), local, mesh);
+}
+
+LayoutPtr without_partial(const LayoutPtr& layout) {
+  if (!layout->has_partial()) return layout;
+  return intern_layout(layout::Layout::create(layout->mesh(), layout->global_shape(), layout->dim_axes(), {}));
+}
+
+at::Tensor redistribute(const at::Tensor& dtensor, const LayoutPtr& dst) {
+  auto& impl = checked_dtensor(dtensor, "redistribute");
+  HS_CHECK(*impl.layout()->mesh() == *dst->mesh(), "redistribute", "target mesh ", dst->mesh()->to_string(),
+           " differs from the DTensor's mesh ", impl.layout()->mesh()->to_string());
+  HS_CHECK(impl.layout()->global_shape() == dst->global_shape(), "redistribute", "target shape ",
+           layout::shape_string(dst->global_shape()), " differs from the DTensor's shape ",
+           layout::shape_string(impl.layout()->global_shape()));
+  if (impl.layout() == dst) return dtensor;
+  return RedistributeFunction::apply(dtensor, dst);
+}
+
+at::Tensor from_local(const at::Tensor& local, const DeviceMeshPtr& mesh, const LayoutPtr& layout) {
+  HS_CHECK(!is_dtensor(local), "from_local", "the local tensor is already a DTensor");
+  const auto expected = layout->local_shape_at(mesh->position());
+  HS_CHECK(local.sizes().vec() == expected, "from_local", "rank ", mesh->rank(), " has a local tensor of shape ",
+           layout::shape_string(local.sizes().vec()), " but layout ", layout->to_string(), " gives it ",
+           layout::shape_string(expected));
+  return FromLocalFunction::apply(local, mesh, layout);
+}
+
+at::Tensor to_local(const at::Tensor& dtensor) { return ToLocalFunction::apply(dtensor); }
+
+TrafficCounters traffic() { return {g_collectives.load(), g_bytes.load()}; }
+void reset_traffic() {
+  g_collectives.store(0);
+  g_bytes.store(0);
+}
+
+}  // namespace hypershard::runtime

@@ -1,0 +1,36 @@
+// Redistribution at run time: executing the layout core's plans with c10d collectives, and the
+// differentiable conversions between DTensors and local tensors.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "layout/redistribute_plan.h"
+#include "runtime/dtensor_impl.h"
+
+namespace hypershard::runtime {
+
+// Runs `plan` on this rank's local tensor (below autograd: plain tensors in and out).
+at::Tensor run_plan(const layout::RedistributePlan& plan, const at::Tensor& local, const DeviceMesh& mesh);
+at::Tensor redistribute_local(const at::Tensor& local, const LayoutPtr& src, const LayoutPtr& dst,
+                              const DeviceMesh& mesh);
+
+// Differentiable: a DTensor with layout `dst` (same global value). Backward redistributes the
+// gradient to the source layout with Partial axes made Replicate.
+at::Tensor redistribute(const at::Tensor& dtensor, const LayoutPtr& dst);
+
+// Differentiable DTensor <-> local conversions (torch DTensor semantics).
+at::Tensor from_local(const at::Tensor& local, const DeviceMeshPtr& mesh, const LayoutPtr& layout);
+at::Tensor to_local(const at::Tensor& dtensor);
+
+// `layout` with every Partial axis made Replicate: the layout of a gradient.
+LayoutPtr without_partial(const LayoutPtr& layout);
+
+// Counters of what the collectives sent, for benchmarks and tests.
+struct TrafficCounters {
+  int64_t collectives = 0;
+  int64_t bytes_sent = 0;  // the cost model's bytes of this rank
+};
+TrafficCounters traffic();
+void reset_traffic();
+
+}  // namespace hypershard::runtime

@@ -1,0 +1,262 @@
+"""The user-facing DTensor API. Everything per op runs in C++ (``hypershard._C``); this module
+only builds meshes and layouts from what users write and adds the DTensor methods.
+
+A DTensor is a ``torch.Tensor`` whose implementation is hypershard's C++ ``DTensorImpl``: it
+reports the GLOBAL shape and holds this rank's local shard. Ops on it reach hypershard's
+dispatcher fallback, so unmodified PyTorch code runs on it. ``isinstance(x, hypershard.DTensor)``
+is true for every such tensor (op outputs and parameter grads included), and these methods work
+on it: ``to_local()``, ``full_tensor()``, ``redistribute(...)``, ``placements``, ``device_mesh``,
+``layout`` (hypershard's Layout; torch's memory layout for plain tensors is unchanged).
+
+Printing, ``tolist()``, ``numpy()``, ``item()`` show GLOBAL values: for a sharded or Partial
+DTensor they gather, which is a collective — call them on every rank of the mesh.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .layout import make_layout
+from .placement_types import Partial, Replicate, Shard
+
+__all__ = ["DTensor", "DeviceMesh", "distribute_tensor", "init_device_mesh"]
+
+DeviceMesh = _C.DeviceMesh
+
+
+# ---------------------------------------------------------------------------------- meshes
+
+def init_device_mesh(device_type: str, mesh_shape: Sequence[int],
+                     mesh_dim_names: Optional[Sequence[str]] = None, *,
+                     axis_names: Optional[Sequence[str]] = None) -> DeviceMesh:
+    """A mesh over all ranks of the default process group (row-major), with one c10d process
+    group per axis. Every rank must call it with the same arguments."""
+    names = list(axis_names or mesh_dim_names or [f"axis{i}" for i in range(len(mesh_shape))])
+    if not dist.is_initialized():
+        raise RuntimeError("hypershard: init_device_mesh: torch.distributed is not initialized; "
+                           "call torch.distributed.init_process_group first")
+    mesh = _C.Mesh.create(list(mesh_shape), names, [])
+    if mesh.size != dist.get_world_size():
+        raise _C.LayoutError(
+            f"hypershard: mesh: shape {tuple(mesh_shape)} holds {mesh.size} ranks but the world "
+            f"has {dist.get_world_size()}; allowed: a shape whose product is the world size")
+    return _mesh_with_groups(mesh, device_type)
+
+
+def _mesh_with_groups(mesh: _C.Mesh, device_type: str) -> DeviceMesh:
+    rank = dist.get_rank()
+    groups = []
+    for axis in range(mesh.ndim):
+        mine = None
+        # new_group must be called by every rank for every group, in the same order.
+        for ranks in mesh.axis_groups(axis):
+            group = dist.new_group(ranks=list(ranks))
+            if rank in ranks:
+                mine = group
+        groups.append(mine)
+    return _C.DeviceMesh(mesh, rank, device_type, groups)
+
+
+def _from_torch(torch_mesh) -> DeviceMesh:
+    """Wraps a ``torch.distributed.device_mesh.DeviceMesh`` (reusing its process groups)."""
+    names = list(torch_mesh.mesh_dim_names or [f"axis{i}" for i in range(torch_mesh.ndim)])
+    mesh = _C.Mesh.create(list(torch_mesh.shape), names, torch_mesh.mesh.flatten().tolist())
+    groups = [torch_mesh.get_group(i) for i in range(torch_mesh.ndim)]
+    return _C.DeviceMesh(mesh, dist.get_rank(), torch_mesh.device_type, groups)
+
+
+DeviceMesh.from_torch = staticmethod(_from_torch)
+DeviceMesh.shape = property(lambda self: tuple(self.mesh.shape))
+DeviceMesh.ndim = property(lambda self: self.mesh.ndim)
+DeviceMesh.mesh_dim_names = property(lambda self: tuple(self.mesh.axis_names))
+DeviceMesh.size = lambda self, axis=None: self.mesh.size if axis is None else self.mesh.shape[axis]
+DeviceMesh.__getitem__ = lambda self, names: self.submesh([names] if isinstance(names, str) else list(names))
+DeviceMesh.get_local_rank = lambda self, axis=0: self.coordinate(
+    self.mesh.axis_index(axis) if isinstance(axis, str) else axis)
+
+
+# ---------------------------------------------------------------------------------- DTensor
+
+class _DTensorMeta(type):
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, torch.Tensor) and _C.is_dtensor(obj)
+
+
+class DTensor(metaclass=_DTensorMeta):
+    """``isinstance(x, DTensor)`` is true for every hypershard DTensor. Construct one with
+    ``distribute_tensor`` or ``DTensor.from_local``."""
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("hypershard: use hypershard.distribute_tensor or DTensor.from_local")
+
+    @staticmethod
+    def from_local(local: torch.Tensor, device_mesh: DeviceMesh, placements: Any = None,
+                   *, shape: Optional[Sequence[int]] = None, partial: Any = None) -> torch.Tensor:
+        """A DTensor whose local shard on this rank is ``local`` (differentiable).
+
+        ``placements``: torch-style placements (one per mesh axis), or a Hyper-Parallel alias
+        tuple such as ``("dp", "None")``; default all Replicate. ``shape``: the global shape; when
+        omitted it is computed from every rank's local shape (a collective over the sharding
+        axes), so uneven shards work."""
+        spec = placements if placements is not None else [Replicate()] * device_mesh.ndim
+        if shape is None:
+            shape = _infer_global_shape(local, device_mesh, spec, partial)
+        layout = make_layout(device_mesh.mesh, list(shape), spec, partial)
+        return _C.from_local(local, device_mesh, layout)
+
+
+def _infer_global_shape(local: torch.Tensor, device_mesh: DeviceMesh, spec: Any,
+                        partial: Any) -> list:
+    # The sharding structure from a layout of the local shape (sizes do not matter here).
+    probe = make_layout(device_mesh.mesh, list(local.shape), spec, partial)
+    shape = list(local.shape)
+    for dim, axes in enumerate(probe.dim_axes):
+        length = torch.tensor([local.shape[dim]], dtype=torch.int64)
+        # minor -> major: each sum over an axis group is the length of the parent chunk
+        for axis in reversed(axes):
+            dist.all_reduce(length, group=device_mesh.group(axis))
+        shape[dim] = int(length.item())
+    return shape
+
+
+def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements: Any = None,
+                      *, partial: Any = None) -> torch.Tensor:
+    """Distributes the global ``tensor`` (the same on every rank) with the given placements or
+    alias layout. Returns a leaf DTensor with ``tensor.requires_grad``."""
+    spec = placements if placements is not None else [Replicate()] * device_mesh.ndim
+    layout = make_layout(device_mesh.mesh, list(tensor.shape), spec, partial)
+    with torch.no_grad():
+        replicated = _C.from_local(tensor.detach(), device_mesh,
+                                   make_layout(device_mesh.mesh, list(tensor.shape), [Replicate()] * device_mesh.ndim))
+        result = _C.redistribute(replicated, layout)
+        if result is replicated:
+            result = result.detach()
+    return result.requires_grad_(tensor.requires_grad)
+
+
+# ---------------------------------------------------------------------------------- methods
+
+def _placements_of(layout: _C.Layout) -> tuple:
+    out = []
+    for p in _C.to_placements(layout).per_axis:
+        if p.kind == _C.Placement.Kind.Shard:
+            out.append(Shard(p.dim))
+        elif p.kind == _C.Placement.Kind.Partial:
+            out.append(Partial(_C.reduce_op_name(p.op)))
+        else:
+            out.append(Replicate())
+    return tuple(out)
+
+
+def _to_local(self: torch.Tensor) -> torch.Tensor:
+    return _C.to_local(self)
+
+
+def _full_tensor(self: torch.Tensor) -> torch.Tensor:
+    layout = _C.layout_of(self)
+    return _C.to_local(_C.redistribute(self, _C.Layout.replicate(layout.mesh, layout.global_shape)))
+
+
+def _redistribute(self: torch.Tensor, device_mesh: Optional[DeviceMesh] = None,
+                  placements: Any = None, *, partial: Any = None) -> torch.Tensor:
+    current = _C.layout_of(self)
+    if device_mesh is not None and device_mesh.mesh != current.mesh:
+        raise _C.LayoutError("hypershard: redistribute: moving to another mesh is not supported; "
+                             "allowed: the DTensor's own mesh")
+    target = make_layout(current.mesh, current.global_shape, placements, partial)
+    return _C.redistribute(self, target)
+
+
+_torch_layout = torch.Tensor.layout
+_torch_repr = torch.Tensor.__repr__
+_torch_tolist = torch.Tensor.tolist
+_torch_numpy = torch.Tensor.numpy
+_torch_reduce_ex = torch.Tensor.__reduce_ex__
+_torch_deepcopy = torch.Tensor.__deepcopy__
+
+
+def _layout(self: torch.Tensor):
+    return _C.layout_of(self) if _C.is_dtensor(self) else _torch_layout.__get__(self)
+
+
+def _repr(self: torch.Tensor, *, tensor_contents=None) -> str:
+    if not _C.is_dtensor(self):
+        return _torch_repr(self, tensor_contents=tensor_contents)
+    with torch.no_grad():
+        full = _full_tensor(self)
+    layout = _C.layout_of(self)
+    grad = ", requires_grad=True" if self.requires_grad else ""
+    return (f"DTensor({_torch_repr(full)}, layout={layout}, "
+            f"mesh={_C.device_mesh_of(self)}{grad})")
+
+
+def _tolist(self: torch.Tensor):
+    if not _C.is_dtensor(self):
+        return _torch_tolist(self)
+    with torch.no_grad():
+        return _full_tensor(self).tolist()
+
+
+def _numpy(self: torch.Tensor, *, force: bool = False):
+    if not _C.is_dtensor(self):
+        return _torch_numpy(self, force=force)
+    with torch.no_grad():
+        return _full_tensor(self).numpy(force=force)
+
+
+def _reduce_ex(self: torch.Tensor, protocol):
+    # A DTensor pickles as its GLOBAL value (a plain tensor): what torch.save writes is the whole
+    # tensor, never this rank's shard. Reload it and distribute_tensor it onto a mesh.
+    if not _C.is_dtensor(self):
+        return _torch_reduce_ex(self, protocol)
+    with torch.no_grad():
+        full = _full_tensor(self).clone()
+    return full.__reduce_ex__(protocol)
+
+
+def _deepcopy(self: torch.Tensor, memo):
+    if not _C.is_dtensor(self):
+        return _torch_deepcopy(self, memo)
+    if id(self) in memo:
+        return memo[id(self)]
+    with torch.no_grad():
+        result = self.clone()
+    result.requires_grad_(self.requires_grad)
+    if type(self) is not torch.Tensor:  # nn.Parameter and other subclasses keep their type
+        result = type(self)(result, self.requires_grad) if isinstance(self, torch.nn.Parameter) else result
+    memo[id(self)] = result
+    return result
+
+
+def _dtensor_only(name: str, fn):
+    def method(self, *args, **kwargs):
+        if not _C.is_dtensor(self):
+            raise AttributeError(f"'Tensor' object has no attribute '{name}' (it is not a hypershard DTensor)")
+        return fn(self, *args, **kwargs)
+    method.__name__ = name
+    method.__doc__ = fn.__doc__
+    return method
+
+
+def _install_tensor_methods() -> None:
+    torch.Tensor.to_local = _dtensor_only("to_local", _to_local)
+    torch.Tensor.full_tensor = _dtensor_only("full_tensor", _full_tensor)
+    torch.Tensor.redistribute = _dtensor_only("redistribute", _redistribute)
+    torch.Tensor.placements = property(_dtensor_only("placements", lambda t: _placements_of(_C.layout_of(t))))
+    torch.Tensor.device_mesh = property(_dtensor_only("device_mesh", lambda t: _C.device_mesh_of(t)))
+    torch.Tensor.layout = property(_layout)
+    torch.Tensor.__repr__ = _repr
+    torch.Tensor.tolist = _tolist
+    torch.Tensor.numpy = _numpy
+    torch.Tensor.__reduce_ex__ = _reduce_ex
+    torch.Tensor.__deepcopy__ = _deepcopy
+
+
+_install_tensor_methods()
+_C.install_dispatch()
