@@ -252,6 +252,36 @@ at::Tensor from_local(const at::Tensor& local, const DeviceMeshPtr& mesh, const 
 
 at::Tensor to_local(const at::Tensor& dtensor) { return ToLocalFunction::apply(dtensor); }
 
+at::Tensor all_reduce_along(const at::Tensor& local, const DeviceMesh& mesh, int64_t axis, layout::ReduceOp op) {
+  if (mesh.mesh()->shape()[axis] == 1) return local.clone();
+  std::vector<at::Tensor> tensors{local.contiguous().clone()};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = to_c10d(op);
+  g_collectives.fetch_add(1, std::memory_order_relaxed);
+  mesh.group(axis).allreduce(tensors, opts)->wait();
+  return reduce_op_finish(tensors[0], op, mesh.mesh()->shape()[axis]);
+}
+
+at::Tensor all_gather_along(const at::Tensor& local, const DeviceMesh& mesh, int64_t axis, int64_t dim) {
+  const int64_t k = mesh.mesh()->shape()[axis];
+  if (k == 1) return local;
+  // Lengths first (they may differ), then padded chunks.
+  auto length = at::tensor({local.size(dim)}, at::TensorOptions().dtype(at::kLong).device(local.device()));
+  auto lengths = at::empty({k}, length.options());
+  mesh.group(axis)._allgather_base(lengths, length)->wait();
+  const auto host = lengths.cpu();
+  const int64_t longest = host.max().item<int64_t>();
+  auto send = pad_to(local, dim, longest).movedim(dim, 0).contiguous();
+  auto sizes = send.sizes().vec();
+  sizes[0] = longest * k;
+  auto gathered = at::empty(sizes, send.options());
+  g_collectives.fetch_add(1, std::memory_order_relaxed);
+  mesh.group(axis)._allgather_base(gathered, send)->wait();
+  std::vector<at::Tensor> pieces;
+  for (int64_t c = 0; c < k; ++c) pieces.push_back(gathered.narrow(0, c * longest, host[c].item<int64_t>()));
+  return at::cat(pieces, 0).movedim(0, dim).contiguous();
+}
+
 TrafficCounters traffic() { return {g_collectives.load(), g_bytes.load()}; }
 void reset_traffic() {
   g_collectives.store(0);

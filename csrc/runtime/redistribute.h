@@ -25,6 +25,12 @@ at::Tensor to_local(const at::Tensor& dtensor);
 // `layout` with every Partial axis made Replicate: the layout of a gradient.
 LayoutPtr without_partial(const LayoutPtr& layout);
 
+// Collectives along one mesh axis for expand implementations (this rank's group on `axis`).
+// all_reduce_along returns a new tensor (avg divides by the group size).
+at::Tensor all_reduce_along(const at::Tensor& local, const DeviceMesh& mesh, int64_t axis, layout::ReduceOp op);
+// Concatenates the group's tensors along `dim` in coordinate order; sizes along `dim` may differ.
+at::Tensor all_gather_along(const at::Tensor& local, const DeviceMesh& mesh, int64_t axis, int64_t dim);
+
 // Counters of what the collectives sent, for benchmarks and tests.
 struct TrafficCounters {
   int64_t collectives = 0;
