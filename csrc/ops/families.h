@@ -7,6 +7,9 @@ namespace hypershard::ops {
 
 void register_all(Registry& r);
 void register_pointwise(Registry& r);    // pointwise.cpp
-void register_tensor_ops(Registry& r);   // tensor_ops.cpp: views, factories, copies, scalars
+void register_tensor_ops(Registry& r);   // tensor_ops.cpp: identity views, factories, scalars
+void register_views(Registry& r);        // views.cpp: views and shape ops
+// views.cpp: hypershard's own reshape kernel on AutogradPrivateUse2 (called by install_dispatch).
+void register_reshape_kernel();
 
 }  // namespace hypershard::ops

@@ -85,6 +85,7 @@ const Registry& registry() {
 void register_all(Registry& r) {
   register_pointwise(r);
   register_tensor_ops(r);
+  register_views(r);
 }
 
 }  // namespace hypershard::ops

@@ -468,6 +468,7 @@ void install_dispatch() {
     static auto* library = new torch::Library(torch::Library::IMPL, "_", c10::DispatchKey::PrivateUse2,
                                               __FILE__, __LINE__);
     library->fallback(torch::CppFunction::makeFromBoxedFunction<&dtensor_fallback>());
+    ops::register_reshape_kernel();
     // The listener is also told of every op registered so far; sync registers them.
     static auto* listener = new c10::RegistrationHandleRAII(
         c10::Dispatcher::singleton().addRegistrationListener(std::make_unique<Listener>()));

@@ -1,0 +1,470 @@
+// Views and shape ops.
+//
+//   t, transpose.int, permute         the per-dim axes move with their dims
+//   unsqueeze                         a new whole dim
+//   squeeze(.dim/.dims)               squeezed dims are size 1 and must be whole (a sharded
+//                                     size-1 dim has empty shards that would not squeeze)
+//   expand                            expanded dims (size 1 -> n) and new leading dims are whole
+//   view, _unsafe_view, _reshape_alias  dims are grouped into minimal equal-product groups; only
+//                                     the major dim of a group may be sharded, and only when every
+//                                     rank's shard stays a whole block of the new major dim with
+//                                     exactly the torch.chunk split of that dim. Otherwise view and
+//                                     _reshape_alias raise (they must alias) and _unsafe_view
+//                                     gathers the offending dims first. reshape/flatten get a kernel
+//                                     of their own (register_reshape_kernel) that redistributes
+//                                     before viewing, so x.view(16, 6) of a [12, 8] tensor sharded
+//                                     on dim 1 is never computed from wrong local data.
+//   slice.Tensor, select.int, split*, unbind  local on a whole dim; a sharded dim is gathered
+//                                     first (global indices then equal local ones)
+//   cat, stack                        the cat dim whole; other dims sharded alike
+//   select_backward, slice_backward   the inverse shapes, same rule
+//   as_strided                        only on a tensor with no sharded dim (a checked backstop)
+// Partial: every op here is linear (it moves or copies elements), so Partial passes through
+// unchanged; cat/stack need all operands Partial alike (a Replicate operand is filled for free).
+#include <ATen/ATen.h>
+#include <ATen/InferSize.h>
+#include <torch/library.h>
+
+#include <numeric>
+
+#include "ops/families.h"
+#include "runtime/dtensor_impl.h"
+#include "runtime/redistribute.h"
+
+namespace hypershard::ops {
+namespace {
+
+int64_t wrap_dim(int64_t dim, int64_t ndim) {
+  const int64_t n = std::max<int64_t>(ndim, 1);
+  return dim < 0 ? dim + n : dim;
+}
+
+std::vector<int64_t> int_list(const c10::IValue& v) {
+  if (v.isIntList()) return v.toIntVector();
+  std::vector<int64_t> out;
+  for (const auto& s : v.toSymIntVector()) out.push_back(s.expect_int());
+  return out;
+}
+
+int64_t int_arg(const c10::IValue& v) { return v.isInt() ? v.toInt() : v.toSymInt().expect_int(); }
+
+// The input with `dims` made whole (their axes removed), other dims and Partial unchanged.
+LayoutPtr whole_dims(const Layout& l, const std::vector<int64_t>& dims) {
+  auto axes = l.dim_axes();
+  for (int64_t d : dims) axes[d].clear();
+  return make_layout(l, l.global_shape(), std::move(axes), l.partial());
+}
+
+OpPlan single(const OpCall& call, LayoutPtr input, LayoutPtr output) {
+  OpPlan plan;
+  plan.inputs.push_back(std::move(input));
+  for (size_t i = 1; i < call.tensors.size(); ++i) plan.inputs.push_back(call.tensors[i].layout);
+  plan.outputs.push_back(std::move(output));
+  return plan;
+}
+
+// Rewrites a size argument to this rank's local shape of `out`.
+LocalizeFn localize_sizes(const char* name, LayoutPtr out) {
+  return [name, out](const OpCall& call, c10::IValue* args) {
+    args[call.arg_index(name)] = c10::IValue(out->local_shape_at(call.mesh->position()));
+  };
+}
+
+// ------------------------------------------------------------------ permutations
+
+OpPlan permute_with(const OpCall& call, const std::vector<int64_t>& order) {
+  const Layout& in = call.layout(0);
+  std::vector<int64_t> shape;
+  layout::DimAxes dims;
+  for (int64_t d : order) {
+    shape.push_back(in.global_shape()[d]);
+    dims.push_back(in.dim_axes()[d]);
+  }
+  return single(call, call.tensors[0].layout, make_layout(in, shape, dims, in.partial()));
+}
+
+OpPlan permute_rule(const OpCall& call) {
+  const int64_t ndim = call.layout(0).ndim();
+  auto order = int_list(call.arg(1));
+  for (auto& d : order) d = wrap_dim(d, ndim);
+  return permute_with(call, order);
+}
+
+OpPlan transpose_rule(const OpCall& call) {
+  const int64_t ndim = call.layout(0).ndim();
+  std::vector<int64_t> order(ndim);
+  std::iota(order.begin(), order.end(), 0);
+  if (ndim >= 2) {
+    const bool is_t = call.schema().name() == "aten::t";
+    const int64_t a = is_t ? 0 : wrap_dim(int_arg(call.arg(1)), ndim);
+    const int64_t b = is_t ? 1 : wrap_dim(int_arg(call.arg(2)), ndim);
+    std::swap(order[a], order[b]);
+  }
+  return permute_with(call, order);
+}
+
+// ------------------------------------------------------------------ unsqueeze / squeeze / expand
+
+OpPlan unsqueeze_rule(const OpCall& call) {
+  const Layout& in = call.layout(0);
+  const int64_t dim = wrap_dim(int_arg(call.arg(1)), in.ndim() + 1);
+  auto shape = in.global_shape();
+  auto dims = in.dim_axes();
+  shape.insert(shape.begin() + dim, 1);
+  dims.insert(dims.begin() + dim, std::vector<int64_t>{});
+  return single(call, call.tensors[0].layout, make_layout(in, shape, dims, in.partial()));
+}
+
+OpPlan squeeze_rule(const OpCall& call) {
+  const Layout& in = call.layout(0);
+  std::vector<int64_t> candidates;
+  if (call.num_args() == 1) {
+    for (int64_t d = 0; d < in.ndim(); ++d) candidates.push_back(d);
+  } else if (call.arg(1).isInt()) {
+    candidates.push_back(wrap_dim(call.arg(1).toInt(), in.ndim()));
+  } else {
+    for (int64_t d : int_list(call.arg(1))) candidates.push_back(wrap_dim(d, in.ndim()));
+  }
+  std::vector<int64_t> squeezed;
+  for (int64_t d : candidates)
+    if (d < in.ndim() && in.global_shape()[d] == 1) squeezed.push_back(d);
+  auto input = whole_dims(in, squeezed);
+  std::vector<int64_t> shape;
+  layout::DimAxes dims;
+  for (int64_t d = 0; d < in.ndim(); ++d) {
+    if (std::find(squeezed.begin(), squeezed.end(), d) != squeezed.end()) continue;
+    shape.push_back(in.global_shape()[d]);
+    dims.push_back(in.dim_axes()[d]);
+  }
+  return single(call, input, make_layout(in, shape, dims, in.partial()));
+}
+
+OpPlan expand_rule(const OpCall& call) {
+  const Layout& in = call.layout(0);
+  auto size = int_list(call.arg(1));
+  const int64_t lead = static_cast<int64_t>(size.size()) - in.ndim();
+  if (lead < 0) fail_call(call, "expand to fewer dims than the tensor has");
+  layout::DimAxes dims(size.size());
+  std::vector<int64_t> whole;
+  for (int64_t o = 0; o < static_cast<int64_t>(size.size()); ++o) {
+    if (o < lead) continue;
+    const int64_t d = o - lead;
+    const int64_t from = in.global_shape()[d];
+    if (size[o] == -1) size[o] = from;
+    if (from == size[o]) dims[o] = in.dim_axes()[d];
+    else whole.push_back(d);  // size 1 broadcast: must be whole on every rank
+  }
+  auto out = make_layout(in, size, dims, in.partial());
+  auto plan = single(call, whole_dims(in, whole), out);
+  plan.localize = localize_sizes("size", out);
+  return plan;
+}
+
+// ------------------------------------------------------------------ view / reshape
+
+struct DimGroup {
+  int64_t in_begin, in_end, out_begin, out_end;
+};
+
+// Minimal groups of input and output dims with equal products (size-1 dims are their own).
+std::vector<DimGroup> dim_groups(const std::vector<int64_t>& in, const std::vector<int64_t>& out) {
+  std::vector<DimGroup> groups;
+  size_t i = 0, j = 0;
+  while (i < in.size() || j < out.size()) {
+    if (i < in.size() && in[i] == 1) {
+      const bool pair = j < out.size() && out[j] == 1;
+      groups.push_back({int64_t(i), int64_t(i + 1), int64_t(j), int64_t(j + pair)});
+      ++i;
+      j += pair;
+      continue;
+    }
+    if (j < out.size() && out[j] == 1) {
+      groups.push_back({int64_t(i), int64_t(i), int64_t(j), int64_t(j + 1)});
+      ++j;
+      continue;
+    }
+    if (i >= in.size() || j >= out.size()) break;  // only zero-size leftovers
+    DimGroup g{int64_t(i), 0, int64_t(j), 0};
+    int64_t pin = in[i++], pout = out[j++];
+    while (pin != pout) {
+      if (pin < pout && i < in.size()) pin *= in[i++];
+      else if (j < out.size()) pout *= out[j++];
+      else break;
+    }
+    g.in_end = int64_t(i);
+    g.out_end = int64_t(j);
+    groups.push_back(g);
+  }
+  return groups;
+}
+
+struct ViewPlan {
+  LayoutPtr input;   // the input layout the local view needs
+  LayoutPtr output;
+  bool exact;        // the current input layout already works
+};
+
+// Whether `in` viewed as `out_shape` keeps every shard a whole block; which dims to gather if not.
+ViewPlan plan_view(const Layout& in, const std::vector<int64_t>& out_shape) {
+  const auto& in_shape = in.global_shape();
+  const bool any_zero = layout::numel(in_shape) == 0;
+  const auto groups = dim_groups(in_shape, out_shape);
+  layout::DimAxes out_dims(out_shape.size());
+  std::vector<int64_t> gather;
+  for (const auto& g : groups) {
+    for (int64_t d = g.in_begin; d < g.in_end; ++d) {
+      if (in.dim_axes()[d].empty()) continue;
+      // Only the group's major dim may stay sharded, onto the group's major output dim.
+      if (any_zero || d != g.in_begin || g.out_begin == g.out_end) {
+        gather.push_back(d);
+        continue;
+      }
+      out_dims[g.out_begin] = in.dim_axes()[d];
+    }
+  }
+  // Exactness of the kept shards: rank by rank, the input block of the major dim must be the
+  // output block of its major dim (scaled by the inner products of the group).
+  auto candidate = Layout::create(in.mesh(), out_shape, out_dims, in.partial());
+  for (const auto& g : groups) {
+    if (g.in_begin == g.in_end || g.out_begin == g.out_end || in.dim_axes()[g.in_begin].empty()) continue;
+    if (std::find(gather.begin(), gather.end(), g.in_begin) != gather.end()) continue;
+    int64_t inner_in = 1, inner_out = 1;
+    for (int64_t d = g.in_begin + 1; d < g.in_end; ++d) inner_in *= in_shape[d];
+    for (int64_t d = g.out_begin + 1; d < g.out_end; ++d) inner_out *= out_shape[d];
+    bool exact = true;
+    for (int64_t p = 0; p < in.mesh()->size() && exact; ++p) {
+      const int64_t in_begin = in.global_offset_at(p)[g.in_begin] * inner_in;
+      const int64_t in_len = in.local_shape_at(p)[g.in_begin] * inner_in;
+      const int64_t out_begin = candidate.global_offset_at(p)[g.out_begin] * inner_out;
+      const int64_t out_len = candidate.local_shape_at(p)[g.out_begin] * inner_out;
+      exact = in_begin == out_begin && in_len == out_len;
+    }
+    if (!exact) {
+      gather.push_back(g.in_begin);
+      out_dims[g.out_begin].clear();
+    }
+  }
+  ViewPlan plan;
+  plan.exact = gather.empty();
+  plan.input = gather.empty() ? intern(in) : whole_dims(in, gather);
+  plan.output = make_layout(in, out_shape, out_dims, in.partial());
+  return plan;
+}
+
+std::vector<int64_t> view_shape(const OpCall& call, const Layout& in) {
+  return at::infer_size(int_list(call.arg(1)), layout::numel(in.global_shape()));
+}
+
+template <bool kMayGather>
+OpPlan view_rule(const OpCall& call) {
+  const Layout& in = call.layout(0);
+  const auto out_shape = view_shape(call, in);
+  const auto view = plan_view(in, out_shape);
+  if (!view.exact && !kMayGather)
+    fail_argument(call, 0, "viewing as " + layout::shape_string(out_shape) +
+                               " would cut through a sharded dim (the local shards are not whole blocks of the result)",
+                  "a view that keeps every shard whole; use reshape, which redistributes first");
+  OpPlan plan = single(call, view.input, view.output);
+  plan.localize = localize_sizes("size", view.output);
+  if (call.schema().name() == "aten::_reshape_alias") {
+    auto out = view.output;
+    plan.localize = [out](const OpCall& c, c10::IValue* args) {
+      const auto local_shape = out->local_shape_at(c.mesh->position());
+      const at::Tensor& local = args[0].toTensor();
+      auto strides = at::detail::computeStride(local.sizes(), local.strides(), local_shape);
+      TORCH_CHECK(strides.has_value(), "hypershard: _reshape_alias: the local shard cannot be aliased");
+      args[1] = c10::IValue(local_shape);
+      args[2] = c10::IValue(std::vector<int64_t>(strides->begin(), strides->end()));
+    };
+  }
+  return plan;
+}
+
+// ------------------------------------------------------------------ slicing along one dim
+
+// slice / select / split / unbind: local when `dim` is whole; otherwise gather it first.
+OpPlan along_dim_rule(const OpCall& call) {
+  const Layout& in = call.layout(0);
+  const auto dim_index = call.schema().argumentIndexWithName("dim");
+  const int64_t dim = wrap_dim(dim_index ? int_arg(call.arg(*dim_index)) : 0, in.ndim());
+  auto input = whole_dims(in, {dim});
+  const Layout& whole = *input;
+  const std::string name = call.schema().name();
+  OpPlan plan;
+  plan.inputs.push_back(input);
+  auto with_dim = [&](int64_t size) {
+    auto shape = whole.global_shape();
+    shape[dim] = size;
+    return make_layout(whole, shape, whole.dim_axes(), whole.partial());
+  };
+  const int64_t length = whole.global_shape()[dim];
+  if (name == "aten::select") {
+    auto shape = whole.global_shape();
+    auto dims = whole.dim_axes();
+    shape.erase(shape.begin() + dim);
+    dims.erase(dims.begin() + dim);
+    plan.outputs.push_back(make_layout(whole, shape, dims, whole.partial()));
+  } else if (name == "aten::slice") {
+    const auto& start_v = call.arg(2);
+    const auto& end_v = call.arg(3);
+    int64_t start = start_v.isNone() ? 0 : int_arg(start_v);
+    int64_t end = end_v.isNone() ? length : int_arg(end_v);
+    const int64_t step = int_arg(call.arg(4));
+    if (start < 0) start += length;
+    if (end < 0) end += length;
+    start = std::clamp<int64_t>(start, 0, length);
+    end = std::clamp<int64_t>(end, start, length);
+    plan.outputs.push_back(with_dim((end - start + step - 1) / step));
+  } else if (name == "aten::split") {
+    const int64_t size = int_arg(call.arg(1));
+    const int64_t pieces = size == 0 ? 1 : std::max<int64_t>((length + size - 1) / size, 1);
+    for (int64_t i = 0; i < pieces; ++i) plan.outputs.push_back(with_dim(std::min(size, length - i * size)));
+  } else if (name == "aten::split_with_sizes") {
+    for (int64_t size : int_list(call.arg(1))) plan.outputs.push_back(with_dim(size));
+  } else if (name == "aten::unbind") {
+    auto shape = whole.global_shape();
+    auto dims = whole.dim_axes();
+    shape.erase(shape.begin() + dim);
+    dims.erase(dims.begin() + dim);
+    auto piece = make_layout(whole, shape, dims, whole.partial());
+    for (int64_t i = 0; i < length; ++i) plan.outputs.push_back(piece);
+  }
+  return plan;
+}
+
+// select_backward / slice_backward: the gradient of the whole input, zero elsewhere.
+OpPlan slicing_backward_rule(const OpCall& call) {
+  const Layout& grad = call.layout(0);
+  const auto sizes = int_list(call.arg(1));
+  const int64_t dim = wrap_dim(int_arg(call.arg(2)), static_cast<int64_t>(sizes.size()));
+  const bool is_select = call.schema().name() == "aten::select_backward";
+  layout::DimAxes out_dims(sizes.size());
+  layout::DimAxes grad_dims = grad.dim_axes();
+  if (!is_select) grad_dims[dim].clear();
+  for (int64_t o = 0, g = 0; o < static_cast<int64_t>(sizes.size()); ++o) {
+    if (o == dim) {
+      if (!is_select) ++g;
+      continue;
+    }
+    out_dims[o] = grad_dims[g++];
+  }
+  auto input = make_layout(grad, grad.global_shape(), grad_dims, grad.partial());
+  auto out = make_layout(grad, sizes, out_dims, grad.partial());
+  auto plan = single(call, input, out);
+  plan.localize = localize_sizes("input_sizes", out);
+  return plan;
+}
+
+// ------------------------------------------------------------------ cat / stack
+
+OpPlan cat_rule(const OpCall& call) {
+  const bool is_stack = call.schema().name() == "aten::stack";
+  // The reference: the first DTensor operand of full rank.
+  int64_t ref = -1;
+  for (size_t i = 0; i < call.tensors.size(); ++i)
+    if (call.tensors[i].is_dtensor && (ref < 0 || call.layout(i).ndim() > call.layout(ref).ndim())) ref = int64_t(i);
+  const Layout& r = call.layout(ref);
+  const int64_t dim = wrap_dim(int_arg(call.arg(1)), r.ndim() + (is_stack ? 1 : 0));
+  layout::DimAxes dims = r.dim_axes();
+  if (!is_stack) dims[dim].clear();
+  // Partial: sum/avg pass through when every operand can take it (Replicate is filled free).
+  layout::PartialOps partial(r.mesh()->ndim());
+  if (auto op = r.partial_op()) {
+    if (*op != ReduceOp::Sum && *op != ReduceOp::Avg)
+      fail_argument(call, ref, std::string("Partial(") + layout::reduce_op_name(*op) + ") input",
+                    "Partial(sum), Partial(avg), Replicate or Shard");
+    partial = r.partial();
+  }
+  OpPlan plan;
+  int64_t total = 0;
+  for (size_t i = 0; i < call.tensors.size(); ++i) {
+    const Layout& t = call.layout(i);
+    if (!is_stack && t.ndim() == 1 && t.global_shape()[0] == 0 && r.ndim() != 1) {  // legacy empty
+      plan.inputs.push_back(call.tensors[i].layout);
+      continue;
+    }
+    if (t.ndim() != r.ndim()) fail_argument(call, int64_t(i), "a different number of dims", "operands of equal rank");
+    if (auto op = t.partial_op(); op && (!r.partial_op() || *op != *r.partial_op() || t.partial() != r.partial()))
+      fail_argument(call, int64_t(i), "a Partial operand that the others do not share", "operands Partial alike");
+    plan.inputs.push_back(make_layout(t, t.global_shape(), dims, partial));
+    total += is_stack ? 1 : t.global_shape()[dim];
+  }
+  auto shape = r.global_shape();
+  layout::DimAxes out_dims = dims;
+  if (is_stack) {
+    shape.insert(shape.begin() + dim, total);
+    out_dims.insert(out_dims.begin() + dim, std::vector<int64_t>{});
+  } else {
+    shape[dim] = total;
+  }
+  plan.outputs.push_back(make_layout(r, shape, out_dims, partial));
+  return plan;
+}
+
+// ------------------------------------------------------------------ as_strided (backstop)
+
+OpPlan as_strided_rule(const OpCall& call) {
+  const Layout& in = call.layout(0);
+  for (int64_t d = 0; d < in.ndim(); ++d)
+    if (!in.dim_axes()[d].empty())
+      fail_argument(call, 0, "as_strided on a sharded tensor cannot be mapped to the local shards",
+                    "a tensor with no sharded dim (redistribute first), or a view op with a rule");
+  const auto size = int_list(call.arg(1));
+  return single(call, call.tensors[0].layout, make_layout(in, size, layout::DimAxes(size.size()), in.partial()));
+}
+
+// ------------------------------------------------------------------ reshape (autograd level)
+
+// reshape is composite-implicit and would pick view-vs-copy from the GLOBAL strides; for a
+// sharded tensor the local shards decide. Runs at the AutogradPrivateUse2 key, so the
+// redistribution and the view are both recorded by autograd.
+at::Tensor reshape_kernel(const at::Tensor& self, c10::SymIntArrayRef proposed) {
+  auto* impl = runtime::dtensor_impl(self);
+  std::vector<int64_t> sizes;
+  for (const auto& s : proposed) sizes.push_back(s.expect_int());
+  const Layout& in = *impl->layout();
+  const auto out_shape = at::infer_size(sizes, layout::numel(in.global_shape()));
+  const auto view = plan_view(in, out_shape);
+  at::Tensor source = view.exact ? self : runtime::redistribute(self, view.input);
+  // The local shard must also be viewable; otherwise copy it (as reshape does) first.
+  const at::Tensor& local = runtime::dtensor_impl(source)->local();
+  const auto local_shape = view.output->local_shape_at(impl->device_mesh()->position());
+  if (!at::detail::computeStride(local.sizes(), local.strides(), local_shape).has_value() ||
+      !at::detail::computeStride(source.sizes(), source.strides(), out_shape).has_value())
+    return at::_ops::_unsafe_view::call(source.clone(at::MemoryFormat::Contiguous), c10::fromIntArrayRefSlow(out_shape));
+  return at::_ops::view::call(source, c10::fromIntArrayRefSlow(out_shape));
+}
+
+}  // namespace
+
+void register_reshape_kernel() {
+  static auto* library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::AutogradPrivateUse2,
+                                            __FILE__, __LINE__);
+  library->impl("reshape", TORCH_FN(reshape_kernel));
+}
+
+void register_views(Registry& r) {
+  r.add("aten::_reshape_alias", &view_rule<false>);
+  r.add("aten::_unsafe_view", &view_rule<true>);
+  r.add("aten::as_strided", &as_strided_rule);
+  r.add("aten::cat", &cat_rule);
+  r.add("aten::expand", &expand_rule);
+  r.add("aten::permute", &permute_rule);
+  r.add("aten::select.int", &along_dim_rule);
+  r.add("aten::select_backward", &slicing_backward_rule);
+  r.add("aten::slice.Tensor", &along_dim_rule);
+  r.add("aten::slice_backward", &slicing_backward_rule);
+  r.add("aten::split.Tensor", &along_dim_rule);
+  r.add("aten::split_with_sizes", &along_dim_rule);
+  r.add("aten::squeeze", &squeeze_rule);
+  r.add("aten::squeeze.dim", &squeeze_rule);
+  r.add("aten::squeeze.dims", &squeeze_rule);
+  r.add("aten::stack", &cat_rule);
+  r.add("aten::t", &transpose_rule);
+  r.add("aten::transpose.int", &transpose_rule);
+  r.add("aten::unbind.int", &along_dim_rule);
+  r.add("aten::unsqueeze", &unsqueeze_rule);
+  r.add("aten::view", &view_rule<false>);
+}
+
+}  // namespace hypershard::ops
