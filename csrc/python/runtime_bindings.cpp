@@ -60,11 +60,14 @@ void bind_runtime(py::module_& m) {
         },
         py::arg("local"), py::arg("device_mesh"), py::arg("layout"));
   m.def("to_local", &runtime::to_local, py::arg("tensor"));
+  // Collectives run without the GIL: a finished gloo work is destroyed on gloo's thread, and
+  // its saved thread-local state may drop Python references (which needs the GIL) -- holding
+  // the GIL while waiting for that work deadlocks (seen as a random hang in full_tensor).
   m.def("redistribute",
         [](const at::Tensor& t, const layout::Layout& layout) {
           return runtime::redistribute(t, layout::intern_layout(layout));
         },
-        py::arg("tensor"), py::arg("layout"));
+        py::arg("tensor"), py::arg("layout"), py::call_guard<py::gil_scoped_release>());
   m.def("dispatch_stats", [] {
     const auto s = runtime::dispatch_stats();
     return py::dict(py::arg("calls") = s.calls, py::arg("cache_hits") = s.cache_hits,
