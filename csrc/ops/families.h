@@ -11,5 +11,6 @@ void register_tensor_ops(Registry& r);   // tensor_ops.cpp: identity views, fact
 void register_views(Registry& r);        // views.cpp: views and shape ops
 // views.cpp: hypershard's own reshape kernel on AutogradPrivateUse2 (called by install_dispatch).
 void register_reshape_kernel();
+void register_matmul(Registry& r);       // matmul.cpp: mm, bmm, addmm, baddbmm, mv, addmv, dot
 
 }  // namespace hypershard::ops

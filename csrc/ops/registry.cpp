@@ -86,6 +86,7 @@ void register_all(Registry& r) {
   register_pointwise(r);
   register_tensor_ops(r);
   register_views(r);
+  register_matmul(r);
 }
 
 }  // namespace hypershard::ops

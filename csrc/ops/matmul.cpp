@@ -1,0 +1,293 @@
+// Matrix products: one einsum-style rule for every op of the family, each op a spec.
+//
+//   aten::mm.default         "mk,kn->mn"
+//   aten::bmm.default        "bmk,bkn->bmn"
+//   aten::mv.default         "mk,k->m"
+//   aten::dot.default        "k,k->"
+//   aten::addmm.default      self + "mk,kn->mn"      (self broadcast to the result)
+//   aten::baddbmm.default    self + "bmk,bkn->bmn"
+//   aten::addmv.default      self + "mk,k->m"
+// matmul, linear and einsum reach these after view, _unsafe_view, expand, t, transpose.int,
+// permute, unsqueeze and squeeze (views.cpp); their backward needs mm/bmm on transposes, mul
+// (mv, dot) and, for a broadcast bias, sum.dim_IntList (the reduction family).
+//
+// Sharding, decided per mesh axis (one role per axis):
+//   shard a kept label   (batch b, free m/n) the operands that carry the label are sharded
+//                        alike, the others Replicate; the result is sharded the same way.
+//   shard a contracted   (k) every operand carrying k is sharded alike (same axes, same order:
+//                        then the local chunks of k match, also when uneven or empty); the
+//                        local product is one term of the global sum: Partial(sum) result.
+//   carry a Partial      ONE operand Partial(sum|avg), the others Replicate on that axis: the
+//                        result is Partial with the same op.
+//   replicate            everything whole on that axis.
+// The roles each input suggests (its sharded dim's label, its Partial) are the candidates; a
+// zero-redistribution match is taken at once, otherwise every combination of the axes'
+// candidates is costed (elements moved by the redistributions, cached_plan) and the cheapest
+// wins (ties: fewer inputs redistributed, then fewer Partial result axes). Nothing is gathered
+// when a cheaper combination exists.
+//
+// Partial algebra (why each row holds):
+//   bilinear  a product with ONE sum/avg-Partial operand stays Partial with that op:
+//             (sum_i a_i) b = sum_i (a_i b). Two Partial operands on the same axis would give
+//             (sum_i a_i)(sum_j b_j) != sum_i a_i b_i, so one of them (the cheaper) is reduced
+//             first; Partials on DIFFERENT axes are fine (sum_ij a_i b_j = (sum a)(sum b)).
+//   one op    a contracted shard gives Partial(sum); it cannot meet a carried Partial(avg) on
+//             another axis (a layout has one Partial op), so such combinations are skipped.
+//   bias      self + a@b is Partial(op) only when self is Partial(op) on the same axes: a
+//             Replicate self is filled for free (sum: rank 0 keeps it, the others hold 0), as
+//             add does. A Partial self with a non-Partial product keeps its Partial too: one
+//             operand (the cheaper, mat1 on a tie) is filled the same way, so the result is
+//             Partial (the algebra of add; alpha and beta scale every part alike).
+//   other     max/min/prod-Partial operands are not bilinear: they are reduced first (an exact
+//             all-reduce), never passed through.
+// Excluded: out= and in-place variants (addmm_, baddbmm_, mm.out, ...) and addbmm, addr, ger:
+// neither the target models nor autograd reach them (a Missing operator error names them);
+// _grouped_mm is expert parallelism (its own family).
+#include <algorithm>
+#include <array>
+
+#include "ops/families.h"
+
+namespace hypershard::ops {
+namespace {
+
+constexpr char kBroadcast = '.';
+
+struct EinsumSpec {
+  const char* equation;  // "mk,kn->mn"
+  bool bias;             // schema argument 0 is added to the result (broadcast to it)
+};
+
+constexpr EinsumSpec kMm{"mk,kn->mn", false};
+constexpr EinsumSpec kBmm{"bmk,bkn->bmn", false};
+constexpr EinsumSpec kMv{"mk,k->m", false};
+constexpr EinsumSpec kDot{"k,k->", false};
+constexpr EinsumSpec kAddmm{"mk,kn->mn", true};
+constexpr EinsumSpec kBaddbmm{"bmk,bkn->bmn", true};
+constexpr EinsumSpec kAddmv{"mk,k->m", true};
+
+// One role of a mesh axis (see the header comment).
+struct AxisRole {
+  enum Kind : int8_t { kReplicate, kShard, kCarry } kind = kReplicate;
+  char label = 0;               // kShard
+  ReduceOp op = ReduceOp::Sum;  // kCarry
+  int carrier = -1;             // kCarry: the operand that stays Partial
+  bool operator==(const AxisRole& o) const {
+    return kind == o.kind && label == o.label && op == o.op && carrier == o.carrier;
+  }
+};
+
+bool is_sum_like(ReduceOp op) { return op == ReduceOp::Sum || op == ReduceOp::Avg; }
+
+// The call seen through its spec: operands first, then the bias, each with its labels.
+struct Einsum {
+  std::vector<int64_t> tensors;    // OpCall tensor index per role
+  std::vector<std::string> labels; // per role, one label per dim; the bias: the result's label,
+                                   // or kBroadcast for a size-1 dim broadcast to the result
+  int n_operands = 0;
+  std::string output;
+  std::vector<int64_t> out_shape;
+};
+
+Einsum bind(const OpCall& call, const EinsumSpec& spec) {
+  const std::string eq = spec.equation;
+  const auto arrow = eq.find("->");
+  Einsum e;
+  e.output = eq.substr(arrow + 2);
+  for (size_t begin = 0; begin < arrow;) {
+    const size_t comma = std::min(eq.find(',', begin), arrow);
+    e.labels.push_back(eq.substr(begin, comma - begin));
+    begin = comma + 1;
+  }
+  e.n_operands = static_cast<int>(e.labels.size());
+  const int64_t first = spec.bias ? 1 : 0;
+  for (int j = 0; j < e.n_operands; ++j) e.tensors.push_back(call.tensor_index(first + j));
+  if (spec.bias) e.tensors.push_back(call.tensor_index(0));
+  for (int64_t t : e.tensors)
+    if (t < 0) fail_call(call, "internal error: a matrix operand is missing");
+
+  std::array<int64_t, 128> size;
+  size.fill(-1);
+  for (int j = 0; j < e.n_operands; ++j) {
+    const auto& shape = call.layout(e.tensors[j]).global_shape();
+    const auto& labels = e.labels[j];
+    if (shape.size() != labels.size())
+      fail_argument(call, e.tensors[j], "has " + std::to_string(shape.size()) + " dims",
+                    std::to_string(labels.size()) + " dims (\"" + eq + "\")");
+    for (size_t d = 0; d < labels.size(); ++d) {
+      int64_t& s = size[static_cast<unsigned char>(labels[d])];
+      if (s >= 0 && s != shape[d])
+        fail_argument(call, e.tensors[j], std::string("size ") + std::to_string(shape[d]) + " of dim '" +
+                      labels[d] + "' differs from " + std::to_string(s) + " in another operand",
+                      "equal sizes per label of \"" + eq + "\"");
+      s = shape[d];
+    }
+  }
+  for (char c : e.output) e.out_shape.push_back(size[static_cast<unsigned char>(c)]);
+  if (spec.bias) {
+    const int64_t t = e.tensors.back();
+    const auto& shape = call.layout(t).global_shape();
+    const int64_t n = static_cast<int64_t>(e.out_shape.size()), m = static_cast<int64_t>(shape.size());
+    std::string labels;
+    for (int64_t d = 0; d < m; ++d) {
+      const int64_t o = n - m + d;
+      if (o >= 0 && shape[d] == e.out_shape[o]) labels += e.output[o];
+      else if (o >= 0 && shape[d] == 1) labels += kBroadcast;
+      else fail_argument(call, t, "shape " + layout::shape_string(shape) + " does not broadcast to the result " +
+                         layout::shape_string(e.out_shape), "a shape that broadcasts to the result");
+    }
+    e.labels.push_back(labels);
+  }
+  return e;
+}
+
+bool in_output(const Einsum& e, char label) { return e.output.find(label) != std::string::npos; }
+
+// The roles that the inputs suggest for `axis`, Replicate last.
+std::vector<AxisRole> axis_candidates(const OpCall& call, const Einsum& e, int64_t axis) {
+  std::vector<AxisRole> out;
+  auto add = [&](const AxisRole& r) {
+    if (std::find(out.begin(), out.end(), r) == out.end()) out.push_back(r);
+  };
+  for (size_t role = 0; role < e.tensors.size(); ++role) {
+    const Layout& l = call.layout(e.tensors[role]);
+    const int64_t d = l.sharded_dim(axis);
+    if (d >= 0 && e.labels[role][d] != kBroadcast) {
+      AxisRole r;
+      r.kind = AxisRole::kShard;
+      r.label = e.labels[role][d];
+      add(r);
+    } else if (const auto& op = l.partial()[axis]; op && is_sum_like(*op)) {
+      // A Partial bias is carried by filling an operand (either one: the cost decides).
+      const bool is_bias = static_cast<int>(role) >= e.n_operands;
+      for (int j = 0; j < e.n_operands; ++j) {
+        if (!is_bias && j != static_cast<int>(role)) continue;
+        AxisRole r;
+        r.kind = AxisRole::kCarry;
+        r.op = *op;
+        r.carrier = j;
+        add(r);
+      }
+    }
+  }
+  add(AxisRole{});
+  return out;
+}
+
+struct Candidate {
+  std::vector<LayoutPtr> required;  // per Einsum role
+  LayoutPtr output;
+  int64_t cost = 0;
+  int64_t changed = 0;
+  int64_t partial_axes = 0;
+};
+
+// The layouts a combination of axis roles asks for; nullopt when the roles cannot coexist.
+std::optional<Candidate> evaluate(const OpCall& call, const Einsum& e, const std::vector<AxisRole>& roles) {
+  const int64_t mesh_ndim = static_cast<int64_t>(roles.size());
+  layout::PartialOps out_partial(mesh_ndim);
+  std::optional<ReduceOp> shared;
+  for (int64_t a = 0; a < mesh_ndim; ++a) {
+    const auto& r = roles[a];
+    if (r.kind == AxisRole::kShard && !in_output(e, r.label)) out_partial[a] = ReduceOp::Sum;
+    else if (r.kind == AxisRole::kCarry) out_partial[a] = r.op;
+    if (!out_partial[a]) continue;
+    if (shared && *shared != *out_partial[a]) return std::nullopt;  // one Partial op per layout
+    shared = out_partial[a];
+  }
+
+  // The axes of each label, in the order of the first input that shards it that way.
+  auto label_axes = [&](char label) {
+    std::vector<int64_t> axes;
+    auto chosen = [&](int64_t a) {
+      return roles[a].kind == AxisRole::kShard && roles[a].label == label &&
+             std::find(axes.begin(), axes.end(), a) == axes.end();
+    };
+    for (size_t role = 0; role < e.tensors.size(); ++role)
+      for (size_t d = 0; d < e.labels[role].size(); ++d)
+        if (e.labels[role][d] == label)
+          for (int64_t a : call.layout(e.tensors[role]).dim_axes()[d])
+            if (chosen(a)) axes.push_back(a);
+    for (int64_t a = 0; a < mesh_ndim; ++a)
+      if (chosen(a)) axes.push_back(a);
+    return axes;
+  };
+
+  Candidate c;
+  for (size_t role = 0; role < e.tensors.size(); ++role) {
+    const auto& current = call.tensors[e.tensors[role]].layout;
+    const bool is_bias = static_cast<int>(role) >= e.n_operands;
+    layout::DimAxes dims;
+    for (char label : e.labels[role])
+      dims.push_back(label == kBroadcast ? std::vector<int64_t>{} : label_axes(label));
+    layout::PartialOps partial(mesh_ndim);
+    for (int64_t a = 0; a < mesh_ndim; ++a) {
+      if (!out_partial[a]) continue;
+      if (is_bias || (roles[a].kind == AxisRole::kCarry && roles[a].carrier == static_cast<int>(role)))
+        partial[a] = out_partial[a];
+    }
+    auto required = make_layout(*current, current->global_shape(), std::move(dims), std::move(partial));
+    c.cost += layout::cached_plan(current, required).total_elements();
+    c.changed += required != current;
+    c.required.push_back(std::move(required));
+  }
+  layout::DimAxes out_dims;
+  for (char label : e.output) out_dims.push_back(label_axes(label));
+  for (const auto& p : out_partial) c.partial_axes += p.has_value();
+  c.output = make_layout(call.layout(e.tensors[0]), e.out_shape, std::move(out_dims), std::move(out_partial));
+  return c;
+}
+
+bool better(const Candidate& a, const Candidate& b) {
+  if (a.cost != b.cost) return a.cost < b.cost;
+  if (a.changed != b.changed) return a.changed < b.changed;
+  return a.partial_axes < b.partial_axes;
+}
+
+template <const EinsumSpec& Spec>
+OpPlan einsum_rule(const OpCall& call) {
+  const Einsum e = bind(call, Spec);
+  const int64_t mesh_ndim = call.mesh->mesh()->ndim();
+  std::vector<std::vector<AxisRole>> options(mesh_ndim);
+  for (int64_t a = 0; a < mesh_ndim; ++a) options[a] = axis_candidates(call, e, a);
+
+  // Zero-redistribution match: each axis takes the role its inputs suggest first.
+  std::vector<AxisRole> roles(mesh_ndim);
+  for (int64_t a = 0; a < mesh_ndim; ++a) roles[a] = options[a].front();
+  std::optional<Candidate> best = evaluate(call, e, roles);
+  if (!best || best->changed != 0) {
+    best.reset();
+    std::vector<size_t> pick(mesh_ndim, 0);
+    for (bool more = true; more;) {
+      for (int64_t a = 0; a < mesh_ndim; ++a) roles[a] = options[a][pick[a]];
+      if (auto c = evaluate(call, e, roles); c && (!best || better(*c, *best))) best = std::move(c);
+      more = false;
+      for (int64_t a = mesh_ndim - 1; a >= 0 && !more; --a) {
+        if (++pick[a] < options[a].size()) more = true;
+        else pick[a] = 0;
+      }
+    }
+  }
+  if (!best) fail_call(call, "internal error: no layout for the matrix product");  // all-Replicate always fits
+
+  OpPlan plan;
+  for (const auto& t : call.tensors) plan.inputs.push_back(t.layout);
+  for (size_t role = 0; role < e.tensors.size(); ++role) plan.inputs[e.tensors[role]] = best->required[role];
+  plan.outputs.push_back(best->output);
+  return plan;
+}
+
+}  // namespace
+
+void register_matmul(Registry& r) {
+  // alpha and beta scale values only: they never change a layout.
+  r.add("aten::addmm", &einsum_rule<kAddmm>, KeyScalars::kNone);
+  r.add("aten::addmv", &einsum_rule<kAddmv>, KeyScalars::kNone);
+  r.add("aten::baddbmm", &einsum_rule<kBaddbmm>, KeyScalars::kNone);
+  r.add("aten::bmm", &einsum_rule<kBmm>, KeyScalars::kNone);
+  r.add("aten::dot", &einsum_rule<kDot>, KeyScalars::kNone);
+  r.add("aten::mm", &einsum_rule<kMm>, KeyScalars::kNone);
+  r.add("aten::mv", &einsum_rule<kMv>, KeyScalars::kNone);
+}
+
+}  // namespace hypershard::ops
