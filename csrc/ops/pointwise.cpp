@@ -17,8 +17,9 @@
 //   monotone    non-decreasing unary ops (exp, relu, sigmoid, clamp, ...) keep max/min Partials:
 //               max_i f(a_i) = f(max_i a_i).
 //   cast        float-to-float casts keep every Partial; other casts reject them.
-//   reject      everything else (comparisons, abs, pow, fill_ ...): a Partial input is an error
-//               that names the op and the argument; redistribute it first.
+//   reject      everything else (comparisons, abs, pow, fill_ ...): a sum/avg Partial input is an
+//               error that names the op and the argument (redistribute it first); a max/min/prod
+//               Partial (only made by the monotone row above) is reduced first, which is exact.
 // Excluded: ops whose value depends on position (handled by their own families).
 #include <c10/core/ScalarType.h>
 
@@ -127,13 +128,19 @@ OpPlan elementwise_rule(const OpCall& call) {
     return d;
   };
 
-  // Partial inputs the algebra cannot take are an error, never silently reduced.
+  // Partial inputs the algebra cannot keep: a sum/avg Partial is an error (it usually means a
+  // missing redistribution in the user's plan, e.g. a row-parallel output fed to relu); a
+  // max/min/prod Partial only comes from hypershard's own monotone algebra (and the backward
+  // ops that reuse such outputs), so it is reduced first, which is exact.
+  std::vector<bool> reduce_first(call.tensors.size(), false);
   for (size_t t = 0; t < call.tensors.size(); ++t) {
     const auto op = call.layout(t).partial_op();
     if (!op || is_out[t]) continue;
-    if (is_mask[t] || !output_partial(A, *op, call, static_cast<int64_t>(t), first_data))
+    if (!is_mask[t] && output_partial(A, *op, call, static_cast<int64_t>(t), first_data)) continue;
+    if (is_sum_like(*op))
       fail_argument(call, static_cast<int64_t>(t), std::string("Partial(") + layout::reduce_op_name(*op) +
                     ") input is not supported by this op", "Replicate or Shard (redistribute the Partial input first)");
+    reduce_first[t] = true;
   }
 
   std::vector<Candidate> candidates;
@@ -147,7 +154,7 @@ OpPlan elementwise_rule(const OpCall& call) {
       const int64_t d = input_dim(c.source, o);
       if (d >= 0) c.dims[o] = l.dim_axes()[d];
     }
-    if (auto op = l.partial_op()) {
+    if (auto op = l.partial_op(); op && !reduce_first[t]) {
       c.partial = output_partial(A, *op, call, c.source, first_data);
       for (int64_t a = 0; a < mesh_ndim; ++a)
         if (l.is_partial(a)) c.partial_axes.push_back(a);
@@ -181,7 +188,7 @@ OpPlan elementwise_rule(const OpCall& call) {
         if (d >= 0) dims[d] = c.dims[o];
       }
       layout::PartialOps partial(mesh_ndim);
-      if (c.partial)
+      if (c.partial)  // a reduce-first operand is reduced, then filled where the algebra needs it
         if (auto op = input_partial(A, *c.partial, static_cast<int64_t>(t), c.source, is_mask[t]))
           for (int64_t a : c.partial_axes) partial[a] = *op;
       auto required = make_layout(*current, shape, std::move(dims), std::move(partial));
@@ -253,7 +260,7 @@ void register_pointwise(Registry& r) {
                          "aten::lt.Tensor", "aten::lt.Scalar", "aten::le.Tensor", "aten::le.Scalar",
                          "aten::gt.Tensor", "aten::gt.Scalar", "aten::ge.Tensor", "aten::ge.Scalar",
                          "aten::maximum", "aten::minimum", "aten::logical_not", "aten::logical_and",
-                         "aten::logical_or", "aten::logical_xor", "aten::bitwise_not", "aten::bitwise_and.Tensor",
+                         "aten::logical_or", "aten::logical_xor", "aten::logical_and_", "aten::logical_or_", "aten::bitwise_not", "aten::bitwise_and.Tensor",
                          "aten::bitwise_or.Tensor", "aten::isnan", "aten::isinf", "aten::addcmul",
                          "aten::addcmul_", "aten::addcdiv", "aten::addcdiv_", "aten::fill_.Scalar",
                          "aten::fill_.Tensor", "aten::lerp.Tensor", "aten::lerp_.Tensor", "aten::sgn",

@@ -58,8 +58,8 @@ void bind_runtime(py::module_& m) {
           runtime::sync_registrations();
           return runtime::from_local(local, mesh, layout::intern_layout(layout));
         },
-        py::arg("local"), py::arg("device_mesh"), py::arg("layout"));
-  m.def("to_local", &runtime::to_local, py::arg("tensor"));
+        py::arg("local"), py::arg("device_mesh"), py::arg("layout"), py::call_guard<py::gil_scoped_release>());
+  m.def("to_local", &runtime::to_local, py::arg("tensor"), py::call_guard<py::gil_scoped_release>());
   // Collectives run without the GIL: a finished gloo work is destroyed on gloo's thread, and
   // its saved thread-local state may drop Python references (which needs the GIL) -- holding
   // the GIL while waiting for that work deadlocks (seen as a random hang in full_tensor).

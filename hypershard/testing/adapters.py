@@ -173,6 +173,12 @@ class HypershardAdapter(Adapter):
 
     def cotangent(self, tensor, like, mesh, mode):
         hs = self._hs()
+        if mode != "replicate" and hs._C.is_dtensor(like):
+            # The output's exact sharding (shard order included), Partial axes made Replicate.
+            layout = hs._C.layout_of(like)
+            target = hs.Layout.create(layout.mesh, layout.global_shape, layout.dim_axes,
+                                      [None] * layout.mesh.ndim)
+            return hs.distribute_tensor(tensor, like.device_mesh, target)
         mesh = getattr(like, "device_mesh", mesh)
         placements = getattr(like, "placements", None)
         if mode == "replicate" or placements is None:
