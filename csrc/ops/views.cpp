@@ -14,8 +14,10 @@
 //                                     of their own (register_reshape_kernel) that redistributes
 //                                     before viewing, so x.view(16, 6) of a [12, 8] tensor sharded
 //                                     on dim 1 is never computed from wrong local data.
-//   slice.Tensor, select.int, split*, unbind  local on a whole dim; a sharded dim is gathered
-//                                     first (global indices then equal local ones)
+//   slice.Tensor, select.int, split*, unbind  local on a whole dim (and a slice covering a whole
+//                                     sharded dim); otherwise the dim is gathered first (global
+//                                     indices then equal local ones) and the result, which no
+//                                     longer aliases its base, refuses in-place writes (dispatch.cpp)
 //   cat, stack                        the cat dim whole; other dims sharded alike
 //   select_backward, slice_backward   the inverse shapes, same rule
 //   as_strided                        only on a tensor with no sharded dim (a checked backstop)
@@ -287,9 +289,26 @@ OpPlan along_dim_rule(const OpCall& call) {
   const Layout& in = call.layout(0);
   const auto dim_index = call.schema().argumentIndexWithName("dim");
   const int64_t dim = wrap_dim(dim_index ? int_arg(call.arg(*dim_index)) : 0, in.ndim());
+  const std::string name = call.schema().name();
+  const int64_t full_length = in.global_shape()[dim];
+  if (name == "aten::slice") {
+    // A slice covering the whole dim (x[:, :], x[..., :n] with n >= length) stays local and
+    // keeps the sharding, so it still aliases its base.
+    const auto& start_v = call.arg(2);
+    const auto& end_v = call.arg(3);
+    const int64_t start = start_v.isNone() ? 0 : int_arg(start_v);
+    const int64_t end = end_v.isNone() ? full_length : int_arg(end_v);
+    if ((start == 0 || start <= -full_length) && end >= full_length && int_arg(call.arg(4)) == 1) {
+      auto plan = single(call, call.tensors[0].layout, call.tensors[0].layout);
+      plan.localize = [dim](const OpCall& c, c10::IValue* args) {
+        args[2] = c10::IValue(int64_t{0});
+        args[3] = c10::IValue(args[0].toTensor().size(dim));
+      };
+      return plan;
+    }
+  }
   auto input = whole_dims(in, {dim});
   const Layout& whole = *input;
-  const std::string name = call.schema().name();
   OpPlan plan;
   plan.inputs.push_back(input);
   auto with_dim = [&](int64_t size) {

@@ -338,12 +338,20 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
       written[a] = args[a];
     }
 
+  // A view of a redistributed input does not alias the caller's tensor.
+  bool detached_view = false;
   for (size_t i = 0; i < call.tensors.size(); ++i) {
     const auto& t = call.tensors[i];
     at::Tensor scratch;
     const at::Tensor& value = arg_tensor(args, t, scratch);
     if (t.is_dtensor) {
       auto* impl = dtensor_impl(value);
+      if (info.written_args[t.arg] && impl->is_detached_view())
+        TORCH_CHECK(false, "hypershard: ", info.name, ": argument ", op.schema().arguments()[t.arg].name(),
+                    " is a view that had to be redistributed (for example a slice across a sharded dim), so it "
+                    "does not alias its base and writing into it would be lost; allowed: redistribute the base "
+                    "first (so that the view is local), or write into a copy");
+      if (info.is_view && (impl->is_detached_view() || plan->inputs[i] != t.layout)) detached_view = true;
       if (value.requires_grad() && value.is_leaf()) install_grad_hook(value, *impl);
       at::Tensor local = impl->local();
       if (plan->inputs[i] != t.layout) local = redistribute_local(local, t.layout, plan->inputs[i], *call.mesh);
@@ -393,6 +401,7 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
           dtensor_impl(wrapped)->set_geometry(geometry[view_index].first, geometry[view_index].second);
           ++view_index;
         }
+        if (ri.kind == ReturnKind::kView && detached_view) dtensor_impl(wrapped)->mark_detached_view();
         v = std::move(wrapped);
       }
       ++out_index;
@@ -406,6 +415,7 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
           dtensor_impl(w)->set_geometry(geometry[view_index].first, geometry[view_index].second);
           ++view_index;
         }
+        if (ri.kind == ReturnKind::kView && detached_view) dtensor_impl(w)->mark_detached_view();
         wrapped.push_back(std::move(w));
       }
       v = std::move(wrapped);

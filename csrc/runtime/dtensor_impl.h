@@ -43,8 +43,13 @@ class DTensorImpl final : public c10::TensorImpl {
   // Dense global strides in the dimension order of the local's strides.
   void set_dense_geometry();
 
-  // Whether the gradient-layout hook is installed (see runtime/autograd.cpp); set once.
+  // Whether the gradient-layout hook is installed (see dispatch.cpp); set once.
   bool claim_grad_hook() { return !grad_hook_.exchange(true); }
+
+  // A "view" whose input had to be redistributed first (e.g. a slice across a sharded dim): it
+  // reads like a view but does not alias its base, so writing into it is refused.
+  bool is_detached_view() const { return detached_view_; }
+  void mark_detached_view() { detached_view_ = true; }
 
   c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
       const c10::VariableVersion& version_counter, bool allow_tensor_metadata_change) const override;
@@ -61,6 +66,7 @@ class DTensorImpl final : public c10::TensorImpl {
   LayoutPtr layout_;
   DeviceMeshPtr mesh_;
   std::atomic<bool> grad_hook_{false};
+  bool detached_view_ = false;
 };
 
 inline DTensorImpl* dtensor_impl(const at::TensorBase& t) {
