@@ -111,6 +111,10 @@ bool Layout::has_partial() const {
   return std::any_of(partial_.begin(), partial_.end(), [](const auto& p) { return p.has_value(); });
 }
 
+bool Layout::is_sharded_anywhere() const {
+  return std::any_of(dim_axes_.begin(), dim_axes_.end(), [](const auto& axes) { return !axes.empty(); });
+}
+
 std::optional<ReduceOp> Layout::partial_op() const {
   for (const auto& p : partial_)
     if (p) return p;

@@ -63,6 +63,7 @@ class Layout {
   bool is_partial(int64_t axis) const { return partial_.at(axis).has_value(); }
   bool is_replicate(int64_t axis) const { return !is_sharded(axis) && !is_partial(axis); }
   bool has_partial() const;
+  bool is_sharded_anywhere() const;  // some dim is split over some axis
   // The reduce op shared by all Partial axes (nullopt when none is Partial).
   std::optional<ReduceOp> partial_op() const;
 

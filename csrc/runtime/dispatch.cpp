@@ -29,12 +29,19 @@ struct ReturnInfo {
   int64_t arg = -1;  // the aliased argument
 };
 
-struct KeyHash {
-  size_t operator()(const std::vector<int64_t>& key) const {
-    uint64_t h = 1469598103934665603ull;
-    for (int64_t v : key) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
-    return static_cast<size_t>(h);
-  }
+// A plan-cache key lives on the stack (no heap allocation on the cached path); the map stores
+// owned copies and is searched by hash, then by content.
+using PlanKey = c10::SmallVector<int64_t, 24>;
+
+uint64_t hash_key(const PlanKey& key) {
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t v : key) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
+  return h;
+}
+
+struct CachedPlan {
+  std::vector<int64_t> key;
+  std::shared_ptr<const ops::OpPlan> plan;
 };
 
 constexpr size_t kMaxPlansPerOp = 4096;
@@ -46,7 +53,7 @@ struct OpInfo {
   std::vector<int8_t> written_args;  // per schema argument
   bool is_view = false;
   std::shared_mutex mutex;
-  std::unordered_map<std::vector<int64_t>, std::shared_ptr<const ops::OpPlan>, KeyHash> plans;
+  std::unordered_multimap<uint64_t, CachedPlan> plans;
 };
 
 std::atomic<int64_t> g_calls{0};
@@ -143,7 +150,8 @@ void collect_tensors(ops::OpCall& call) {
 }
 
 // Key of one non-tensor argument (values that can change a plan).
-void append_scalar_key(std::vector<int64_t>& key, const c10::IValue& v) {
+template <typename Key>
+void append_scalar_key(Key& key, const c10::IValue& v) {
   if (v.isNone()) {
     key.push_back(-7);
   } else if (v.isInt() || v.isBool()) {
@@ -175,9 +183,7 @@ void append_scalar_key(std::vector<int64_t>& key, const c10::IValue& v) {
   }
 }
 
-std::vector<int64_t> plan_key(const ops::OpCall& call, const ops::RuleEntry& rule) {
-  std::vector<int64_t> key;
-  key.reserve(call.tensors.size() * 2 + 4);
+void plan_key(const ops::OpCall& call, const ops::RuleEntry& rule, PlanKey& key) {
   for (const auto& t : call.tensors) {
     if (t.is_dtensor) {
       key.push_back(reinterpret_cast<int64_t>(t.layout.get()));
@@ -192,7 +198,6 @@ std::vector<int64_t> plan_key(const ops::OpCall& call, const ops::RuleEntry& rul
   }
   if (rule.key == ops::KeyScalars::kAll)
     for (int64_t a = 0; a < call.num_args(); ++a) append_scalar_key(key, call.args[a]);
-  return key;
 }
 
 const at::Tensor& arg_tensor(const c10::IValue* args, const ops::TensorArg& t, at::Tensor& scratch) {
@@ -208,14 +213,19 @@ const at::Tensor& arg_tensor(const c10::IValue* args, const ops::TensorArg& t, a
 }
 
 std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call) {
-  auto key = plan_key(call, *info.rule);
+  PlanKey key;
+  plan_key(call, *info.rule, key);
+  const uint64_t hash = hash_key(key);
+  auto same = [&](const CachedPlan& c) {
+    return c.key.size() == key.size() && std::equal(key.begin(), key.end(), c.key.begin());
+  };
   {
     std::shared_lock<std::shared_mutex> read(info.mutex);
-    auto it = info.plans.find(key);
-    if (it != info.plans.end()) {
-      g_hits.fetch_add(1, std::memory_order_relaxed);
-      return it->second;
-    }
+    for (auto [it, end] = info.plans.equal_range(hash); it != end; ++it)
+      if (same(it->second)) {
+        g_hits.fetch_add(1, std::memory_order_relaxed);
+        return it->second.plan;
+      }
   }
   // Miss: plain tensors become Replicate layouts, then the rule runs.
   for (auto& t : call.tensors) {
@@ -229,7 +239,7 @@ std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call) {
            "internal error: the rule returned ", plan->inputs.size(), " input layouts for ", call.tensors.size(), " tensors");
   std::unique_lock<std::shared_mutex> write(info.mutex);
   if (info.plans.size() >= kMaxPlansPerOp) info.plans.clear();  // bounded, whatever the workload
-  info.plans.emplace(std::move(key), plan);
+  info.plans.emplace(hash, CachedPlan{std::vector<int64_t>(key.begin(), key.end()), plan});
   return plan;
 }
 
@@ -329,7 +339,7 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
   }
 
   // Keep what the returns need: the wrappers of written arguments, and (views) the global args.
-  std::vector<c10::IValue> original;
+  std::vector<c10::IValue> original;  // for the meta shadow of views
   if (info.is_view) original.assign(args, args + num_args);
   std::vector<c10::IValue> written;
   for (size_t a = 0; a < num_args; ++a)
@@ -340,6 +350,9 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
 
   // A view of a redistributed input does not alias the caller's tensor.
   bool detached_view = false;
+  // Views of tensors with no sharded dim whose wrapper geometry is the local's take the local
+  // result's geometry (no meta shadow needed).
+  bool geometry_from_local = info.is_view;
   for (size_t i = 0; i < call.tensors.size(); ++i) {
     const auto& t = call.tensors[i];
     at::Tensor scratch;
@@ -354,6 +367,9 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
       if (info.is_view && (impl->is_detached_view() || plan->inputs[i] != t.layout)) detached_view = true;
       if (value.requires_grad() && value.is_leaf()) install_grad_hook(value, *impl);
       at::Tensor local = impl->local();
+      if (geometry_from_local)
+        geometry_from_local = !t.layout->is_sharded_anywhere() && plan->inputs[i] == t.layout &&
+                              value.strides() == local.strides() && value.storage_offset() == local.storage_offset();
       if (plan->inputs[i] != t.layout) local = redistribute_local(local, t.layout, plan->inputs[i], *call.mesh);
       set_arg_tensor(args, t, std::move(local));
     } else if (plan->inputs[i] && plan->inputs[i] != t.layout) {
@@ -370,7 +386,7 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     if (info.is_view) {
       c10::AutogradState::get_tls_state().set_view_replay_enabled(true);
-      geometry = view_geometry(op, original);
+      if (!geometry_from_local) geometry = view_geometry(op, original);
     }
     if (plan->expand) plan->expand(call, *stack);
     else op.callBoxed(stack);
@@ -396,6 +412,7 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
     } else if (v.isTensor()) {
       at::Tensor local = v.toTensor();
       if (local.defined()) {
+        if (ri.kind == ReturnKind::kView && geometry_from_local) geometry.emplace_back(local.strides().vec(), local.storage_offset());
         auto wrapped = make_dtensor(std::move(local), plan->outputs.at(out_index), call.mesh);
         if (ri.kind == ReturnKind::kView && view_index < geometry.size()) {
           dtensor_impl(wrapped)->set_geometry(geometry[view_index].first, geometry[view_index].second);
@@ -410,6 +427,10 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
       c10::List<at::Tensor> wrapped;
       wrapped.reserve(list.size());
       for (size_t i = 0; i < list.size(); ++i) {
+        if (ri.kind == ReturnKind::kView && geometry_from_local) {
+          const at::Tensor item = list.get(i);
+          geometry.emplace_back(item.strides().vec(), item.storage_offset());
+        }
         auto w = make_dtensor(list.get(i), plan->outputs.at(out_index++), call.mesh);
         if (ri.kind == ReturnKind::kView && view_index < geometry.size()) {
           dtensor_impl(w)->set_geometry(geometry[view_index].first, geometry[view_index].second);

@@ -62,20 +62,22 @@ void DTensorImpl::set_geometry(c10::IntArrayRef strides, int64_t storage_offset)
 void DTensorImpl::set_dense_geometry() {
   const auto& shape = layout_->global_shape();
   const int64_t ndim = static_cast<int64_t>(shape.size());
-  std::vector<int64_t> order(ndim);
-  std::iota(order.begin(), order.end(), 0);
-  if (local_.dim() == ndim) {
-    // Innermost dim first: keep the local's memory order (ties keep the natural order).
+  c10::SmallVector<int64_t, 6> strides(ndim, 1);
+  if (local_.dim() != ndim || local_.is_contiguous()) {
+    for (int64_t i = ndim - 2; i >= 0; --i) strides[i] = strides[i + 1] * std::max<int64_t>(shape[i + 1], 1);
+  } else {
+    // Keep the local's memory order (innermost first; ties keep the natural order).
+    c10::SmallVector<int64_t, 6> order(ndim);
+    std::iota(order.begin(), order.end(), 0);
     const auto local_strides = local_.strides();
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
       return local_strides[a] > local_strides[b];
     });
-  }
-  std::vector<int64_t> strides(ndim, 1);
-  int64_t next = 1;
-  for (int64_t i = ndim - 1; i >= 0; --i) {
-    strides[order[i]] = next;
-    next *= std::max<int64_t>(shape[order[i]], 1);
+    int64_t next = 1;
+    for (int64_t i = ndim - 1; i >= 0; --i) {
+      strides[order[i]] = next;
+      next *= std::max<int64_t>(shape[order[i]], 1);
+    }
   }
   set_geometry(strides, 0);
 }
