@@ -12,5 +12,6 @@ void register_views(Registry& r);        // views.cpp: views and shape ops
 // views.cpp: hypershard's own reshape kernel on AutogradPrivateUse2 (called by install_dispatch).
 void register_reshape_kernel();
 void register_matmul(Registry& r);       // matmul.cpp: mm, bmm, addmm, baddbmm, mv, addmv, dot
+void register_reductions(Registry& r);   // reductions.cpp: sum, mean, amax, max, var, norms, any/all, ...
 
 }  // namespace hypershard::ops

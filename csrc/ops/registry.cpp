@@ -87,6 +87,7 @@ void register_all(Registry& r) {
   register_tensor_ops(r);
   register_views(r);
   register_matmul(r);
+  register_reductions(r);
 }
 
 }  // namespace hypershard::ops
