@@ -3,6 +3,7 @@ AccumulateGrad, and a two-layer MLP trained with AdamW, all compared with one de
 
 import torch
 
+import hypershard as hs
 from hypershard.testing import Case, Input, assert_all_passed, in_distributed_run, run_cases
 
 MESH2 = ((2,), ("a",))
@@ -97,13 +98,21 @@ def autograd_cases():
     return cases
 
 
+def replicated(t):
+    """The block boundary of a tensor-parallel plan: a row-parallel output (Partial) is reduced
+    before the next non-linear op. Identity on plain tensors (the reference run)."""
+    if not in_distributed_run():
+        return t
+    return t.redistribute(placements=[hs.Replicate()] * t.device_mesh.ndim)
+
+
 def mlp_train(x, w1, b1, w2, b2):
     params = [w1, b1, w2, b2]
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     losses = []
     for _ in range(3):
         hidden = torch.relu(x @ w1.t() + b1)
-        loss = (hidden @ w2.t() + b2).pow(2).mean()
+        loss = replicated(hidden @ w2.t() + b2).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -113,13 +122,15 @@ def mlp_train(x, w1, b1, w2, b2):
 
 def mlp_cases():
     cases = []
-    for mesh, w1p, b1p, xp in ((MESH2, ["S(0)"], ["S(0)"], ["R"]),       # column-parallel first layer
-                               (MESH2, ["R"], ["R"], ["S(0)"]),          # data parallel
-                               (MESH22, ["R", "S(0)"], ["R", "S(0)"], ["S(0)", "R"])):  # dp x tp
-        w2p = ["R"] * len(mesh[0])
+    # (mesh, w1, b1, w2, x): column-parallel then row-parallel (Megatron MLP), data parallel,
+    # and dp x tp
+    for mesh, w1p, b1p, w2p, xp in ((MESH2, ["S(0)"], ["S(0)"], ["S(1)"], ["R"]),
+                                    (MESH2, ["R"], ["R"], ["R"], ["S(0)"]),
+                                    (MESH22, ["R", "S(0)"], ["R", "S(0)"], ["R", "S(1)"], ["S(0)", "R"])):
+        b2p = ["R"] * len(mesh[0])
         cases.append(Case(f"mlp{mesh[0]}{w1p}{xp}", mlp_train, [
             Input((8, 6), placements=xp, requires_grad=False), Input((16, 6), placements=w1p),
-            Input((16,), placements=b1p), Input((4, 16), placements=w2p), Input((4,), placements=w2p)],
+            Input((16,), placements=b1p), Input((4, 16), placements=w2p), Input((4,), placements=b2p)],
             mesh, check_grad=False, rtol=1e-5, atol=1e-6))
     return cases
 
