@@ -11,6 +11,8 @@ void register_tensor_ops(Registry& r);   // tensor_ops.cpp: identity views, fact
 void register_views(Registry& r);        // views.cpp: views and shape ops
 // views.cpp: hypershard's own reshape kernel on AutogradPrivateUse2 (called by install_dispatch).
 void register_reshape_kernel();
+// tensor_ops.cpp: one_hot on AutogradPrivateUse2 (its composite kernel would escape the DTensor).
+void register_one_hot_kernel();
 void register_matmul(Registry& r);       // matmul.cpp: mm, bmm, addmm, baddbmm, mv, addmv, dot
 void register_reductions(Registry& r);   // reductions.cpp: sum, mean, amax, max, var, norms, any/all, ...
 

@@ -29,7 +29,14 @@ std::string OpCall::describe_inputs() const {
     const auto& arg_name = schema().arguments()[t.arg].name();
     out += (out.empty() ? "" : ", ") + arg_name;
     if (t.item >= 0) out += "[" + std::to_string(t.item) + "]";
-    out += " " + (t.layout ? t.layout->to_string() : std::string("?"));
+    if (t.layout) {
+      out += " " + t.layout->to_string();
+    } else {  // a plain tensor before its Replicate layout is made
+      const auto& v = args[t.arg];
+      const at::Tensor tensor = t.item < 0 ? v.toTensor()
+                                           : (v.isTensorList() ? v.toTensorList().get(t.item) : v.toList().get(t.item).toTensor());
+      out += " " + layout::shape_string(tensor.sizes().vec());
+    }
     if (!t.is_dtensor) out += " (plain tensor)";
   }
   return out.empty() ? "no tensor arguments" : out;

@@ -8,9 +8,16 @@
 //   new_empty/new_zeros/new_ones/new_full  Replicate of the GLOBAL size
 //   _local_scalar_dense (item, tolist)     the input is reduced and gathered first, so every
 //                                    rank reads the same global value
+//   one_hot                          a kernel of its own at the autograd key (its composite kernel
+//                                    would scatter DTensor data into a plain zeros tensor): the
+//                                    index keeps its sharding, the new class dim is whole;
+//                                    num_classes=-1 takes the GLOBAL max (a collective)
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include "ops/families.h"
+#include "runtime/dtensor_impl.h"
+#include "runtime/redistribute.h"
 
 namespace hypershard::ops {
 namespace {
@@ -73,7 +80,39 @@ OpPlan gather_scalar_rule(const OpCall& call) {
   return plan;
 }
 
+at::Tensor one_hot_kernel(const at::Tensor& self, int64_t num_classes) {
+  auto& impl = runtime::checked_dtensor(self, "one_hot");
+  const Layout& in = *impl.layout();
+  const auto& mesh = *impl.device_mesh();
+  TORCH_CHECK(!in.has_partial(), "hypershard: aten::one_hot: argument self (#0) ", in.to_string(),
+              ": a Partial index has no meaning; allowed: Replicate or Shard");
+  const at::Tensor& local = impl.local();
+  if (num_classes == -1) {
+    // The GLOBAL max: local max (of a possibly empty shard), then max over the sharding axes.
+    auto top = local.numel() > 0 ? local.max().reshape({1}) : at::full({1}, -1, local.options());
+    for (int64_t axis = 0; axis < mesh.mesh()->ndim(); ++axis)
+      if (in.is_sharded(axis)) top = runtime::all_reduce_along(top, mesh, axis, ReduceOp::Max);
+    num_classes = top.item<int64_t>() + 1;
+  }
+  at::Tensor out_local;
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    out_local = at::one_hot(local, num_classes);
+  }
+  auto shape = in.global_shape();
+  shape.push_back(num_classes);
+  auto dims = in.dim_axes();
+  dims.emplace_back();
+  return runtime::make_dtensor(std::move(out_local), make_layout(in, shape, dims), impl.device_mesh());
+}
+
 }  // namespace
+
+void register_one_hot_kernel() {
+  static auto* library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::AutogradPrivateUse2,
+                                            __FILE__, __LINE__);
+  library->impl("one_hot", TORCH_FN(one_hot_kernel));
+}
 
 void register_tensor_ops(Registry& r) {
   for (const char* op : {"aten::alias", "aten::detach", "aten::lift_fresh"})

@@ -329,6 +329,14 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
     TORCH_CHECK(false, e.what());
   }
   TORCH_CHECK(call.mesh != nullptr, "hypershard: ", info.name, ": reached the DTensor fallback without a DTensor argument");
+  // A composite kernel that allocates a plain tensor and writes DTensor data into it (F.one_hot
+  // does: zeros + scatter_) would return a plain tensor built from one rank's shard.
+  for (size_t a = 0; a < num_args; ++a)
+    if (info.written_args[a] && args[a].isTensor() && args[a].toTensor().defined() && !is_dtensor(args[a].toTensor()))
+      TORCH_CHECK(false, "hypershard: ", info.name, ": writes into the plain tensor argument ",
+                  op.schema().arguments()[a].name(), " from DTensor inputs (", call.describe_inputs(),
+                  "); the result would hold one rank's shard; allowed: a DTensor destination (create it with "
+                  "hypershard.distribute_tensor or a *_like op on a DTensor)");
   if (!info.rule) missing_operator(call);
 
   std::shared_ptr<const ops::OpPlan> plan;
@@ -500,6 +508,7 @@ void install_dispatch() {
                                               __FILE__, __LINE__);
     library->fallback(torch::CppFunction::makeFromBoxedFunction<&dtensor_fallback>());
     ops::register_reshape_kernel();
+    ops::register_one_hot_kernel();
     // The listener is also told of every op registered so far; sync registers them.
     static auto* listener = new c10::RegistrationHandleRAII(
         c10::Dispatcher::singleton().addRegistrationListener(std::make_unique<Listener>()));

@@ -10,7 +10,7 @@ import sys
 import torch
 
 import hypershard as hs
-from hypershard.testing import Case, Input, assert_all_passed, current_mesh, in_distributed_run, run_cases
+from hypershard.testing import Case, Input, assert_all_passed, current_mesh, in_distributed_run, randint, run_cases
 
 MESH2 = ((2,), ("a",))
 MESH4 = ((4,), ("a",))
@@ -134,6 +134,40 @@ def no_python_frames(x, w):
     return y.detach()
 
 
+def storage_refuses(x):
+    """A storage-less wrapper must fail loudly where a plain tensor exposes its memory: no caller
+    may read a shard's bytes believing they are the whole tensor."""
+    if in_distributed_run():
+        for attempt in (lambda: x.data_ptr(), lambda: x.untyped_storage(), lambda: x.storage()):
+            try:
+                attempt()
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue
+            raise AssertionError("storage access on a DTensor did not raise")
+    return x * 1
+
+
+def one_hot(index):
+    return torch.nn.functional.one_hot(index, num_classes=-1).float() + torch.nn.functional.one_hot(index, 7).sum()
+
+
+def plain_destination(index):
+    if not in_distributed_run():
+        raise RuntimeError("writes into the plain tensor argument")
+    out = torch.zeros(index.shape[0], 5)
+    return out.scatter_(1, index.unsqueeze(1), 1.0)
+
+
+def on_submesh(x):
+    """mesh["tp"]: the sub-mesh of this rank along tp, sharing the parent's process groups."""
+    if not in_distributed_run():
+        return (x * 3).detach()
+    sub = current_mesh()["b"]
+    assert sub.shape == (2,) and sub.mesh_dim_names == ("b",)
+    y = hs.distribute_tensor(x.detach().full_tensor(), sub, [hs.Shard(1)])
+    return (y * 3).full_tensor()
+
+
 def api_cases():
     cases = []
     for mesh, placements in ((MESH2, ["S(0)"]), (MESH4, ["S(1)"]), (MESH22, ["S(0)", "P"]), (MESH2, ["P"])):
@@ -158,6 +192,12 @@ def api_cases():
         Case("plain_operand", plain_operand, [Input((4, 6), placements=["S(1)"])], MESH2),
         Case("no_python_frames", no_python_frames, [Input((4, 6), placements=["S(0)"]), Input((6, 5), placements=["R"])],
              MESH2, check_grad=False),
+        Case("storage_refuses", storage_refuses, [Input((4, 6), placements=["S(0)"])], MESH2, check_grad=False),
+        Case("one_hot", one_hot, [Input((5, 3), torch.int64, placements=["S(0)", "S(1)"], init=randint(0, 6))], MESH22),
+        Case("one_hot_uneven", one_hot, [Input((3,), torch.int64, placements=["S(0)"], init=randint(0, 6))], MESH4),
+        Case("plain_destination_refused", plain_destination, [Input((4,), torch.int64, placements=["S(0)"], init=randint(0, 5))],
+             MESH2, expect_error="writes into the plain tensor argument"),
+        Case("submesh", on_submesh, [Input((4, 6), placements=["R", "R"])], MESH22, check_grad=False),
         Case("missing_operator", fft, [Input((4, 6), placements=["S(0)"])], MESH2,
              expect_error="Missing operator aten::_fft_r2c"),
         Case("different_meshes", other_mesh, [Input((4, 6), placements=["R"])], MESH2,
