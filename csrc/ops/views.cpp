@@ -20,6 +20,7 @@
 //                                     longer aliases its base, refuses in-place writes (dispatch.cpp)
 //   cat, stack                        the cat dim whole; other dims sharded alike
 //   select_backward, slice_backward   the inverse shapes, same rule
+//   constant_pad_nd                   padded dims whole, the others keep their sharding
 //   as_strided                        only on a tensor with no sharded dim (a checked backstop)
 // Partial: every op here is linear (it moves or copies elements), so Partial passes through
 // unchanged; cat/stack need all operands Partial alike (a Replicate operand is filled for free).
@@ -420,6 +421,30 @@ OpPlan cat_rule(const OpCall& call) {
   return plan;
 }
 
+// ------------------------------------------------------------------ constant_pad_nd
+
+// Padded dims are made whole (the added elements sit at the global ends); the others keep their
+// sharding. Padding with a non-zero value is not linear, so a Partial input must be reduced then.
+OpPlan constant_pad_rule(const OpCall& call) {
+  const Layout& in = call.layout(0);
+  const auto pad = int_list(call.arg(1));
+  const int64_t ndim = in.ndim();
+  if (pad.size() % 2 != 0 || static_cast<int64_t>(pad.size()) / 2 > ndim)
+    fail_call(call, "the padding must have an even length of at most twice the number of dims");
+  std::vector<int64_t> padded;
+  auto shape = in.global_shape();
+  for (size_t i = 0; i < pad.size() / 2; ++i) {
+    const int64_t d = ndim - 1 - static_cast<int64_t>(i);
+    padded.push_back(d);
+    shape[d] += pad[2 * i] + pad[2 * i + 1];
+  }
+  const double value = call.arg(2).toScalar().toDouble();
+  if (in.has_partial() && value != 0.0)
+    fail_argument(call, 0, "padding a Partial tensor with a non-zero value", "Replicate or Shard, or value 0");
+  auto input = whole_dims(in, padded);
+  return single(call, input, make_layout(in, shape, input->dim_axes(), in.partial()));
+}
+
 // ------------------------------------------------------------------ as_strided (backstop)
 
 OpPlan as_strided_rule(const OpCall& call) {
@@ -467,6 +492,7 @@ void register_views(Registry& r) {
   r.add("aten::_unsafe_view", &view_rule<true>);
   r.add("aten::as_strided", &as_strided_rule);
   r.add("aten::cat", &cat_rule);
+  r.add("aten::constant_pad_nd", &constant_pad_rule);
   r.add("aten::expand", &expand_rule);
   r.add("aten::permute", &permute_rule);
   r.add("aten::select.int", &along_dim_rule);

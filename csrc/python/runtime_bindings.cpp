@@ -81,6 +81,13 @@ void bind_runtime(py::module_& m) {
   });
   m.def("reset_traffic", &runtime::reset_traffic);
   m.def("rule_names", &runtime::rule_names);
+  m.def("op_counts", [] {
+    py::list out;
+    for (const auto& c : runtime::op_counts()) out.append(py::make_tuple(c.name, c.calls, c.has_rule));
+    return out;
+  }, "[(op name, calls since reset, has a rule)] for every op that reached hypershard");
+  m.def("reset_op_counts", &runtime::reset_op_counts);
+  m.def("set_coverage_mode", &runtime::set_coverage_mode, py::arg("on"));
 }
 
 }  // namespace hypershard::python

@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <shared_mutex>
@@ -52,11 +53,18 @@ struct OpInfo {
   std::vector<ReturnInfo> returns;
   std::vector<int8_t> written_args;  // per schema argument
   bool is_view = false;
+  std::atomic<int64_t> calls{0};  // for coverage reports
   std::shared_mutex mutex;
   std::unordered_multimap<uint64_t, CachedPlan> plans;
 };
 
 std::atomic<int64_t> g_calls{0};
+// Coverage mode (hypershard.coverage only): an op without a rule is recorded and computed on
+// gathered (Replicate) inputs instead of raising, so one run lists every missing op.
+std::atomic<bool> g_coverage_mode{false};
+
+std::shared_mutex g_infos_mutex;
+auto* g_infos = new std::unordered_map<const void*, OpInfo*>();  // never destroyed
 std::atomic<int64_t> g_hits{0};
 
 OpInfo* build_op_info(const c10::OperatorHandle& op) {
@@ -88,16 +96,14 @@ OpInfo* build_op_info(const c10::OperatorHandle& op) {
 }
 
 OpInfo& op_info(const c10::OperatorHandle& op) {
-  static std::shared_mutex mutex;
-  static auto* table = new std::unordered_map<const void*, OpInfo*>();  // never destroyed
   const void* key = &op.schema();
   {
-    std::shared_lock<std::shared_mutex> read(mutex);
-    auto it = table->find(key);
-    if (it != table->end()) return *it->second;
+    std::shared_lock<std::shared_mutex> read(g_infos_mutex);
+    auto it = g_infos->find(key);
+    if (it != g_infos->end()) return *it->second;
   }
-  std::unique_lock<std::shared_mutex> write(mutex);
-  auto& slot = (*table)[key];
+  std::unique_lock<std::shared_mutex> write(g_infos_mutex);
+  auto& slot = (*g_infos)[key];
   if (!slot) slot = build_op_info(op);
   return *slot;
 }
@@ -313,6 +319,41 @@ void set_arg_tensor(c10::IValue* args, const ops::TensorArg& t, at::Tensor local
   }
 }
 
+// Coverage mode only: every DTensor input gathered to Replicate (Partial reduced), the op run on
+// the full values, every tensor output wrapped as Replicate. Slow but exact.
+void replicate_fallback(const c10::OperatorHandle& op, OpInfo& info, ops::OpCall& call, torch::jit::Stack* stack) {
+  const size_t num_args = op.schema().arguments().size();
+  c10::IValue* args = stack->data() + (stack->size() - num_args);
+  for (const auto& t : call.tensors) {
+    if (!t.is_dtensor) continue;
+    at::Tensor scratch;
+    const at::Tensor& value = arg_tensor(args, t, scratch);
+    auto* impl = dtensor_impl(value);
+    auto full = intern_layout(layout::Layout::replicate(t.layout->mesh(), t.layout->global_shape()));
+    set_arg_tensor(args, t, redistribute_local(impl->local(), t.layout, full, *call.mesh));
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    op.callBoxed(stack);
+  }
+  const size_t num_returns = info.returns.size();
+  c10::IValue* rets = stack->data() + (stack->size() - num_returns);
+  auto wrap = [&](const at::Tensor& local) {
+    return make_dtensor(local, intern_layout(layout::Layout::replicate(call.mesh->mesh(), local.sizes().vec())), call.mesh);
+  };
+  for (size_t r = 0; r < num_returns; ++r) {
+    c10::IValue& v = rets[r];
+    if (v.isTensor() && v.toTensor().defined()) {
+      v = wrap(v.toTensor());
+    } else if (v.isTensorList()) {
+      c10::List<at::Tensor> wrapped;
+      for (const at::Tensor& t : v.toTensorList()) wrapped.push_back(wrap(t));
+      v = std::move(wrapped);
+    }
+  }
+}
+
 void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   g_calls.fetch_add(1, std::memory_order_relaxed);
   sync_registrations();
@@ -337,7 +378,12 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
                   op.schema().arguments()[a].name(), " from DTensor inputs (", call.describe_inputs(),
                   "); the result would hold one rank's shard; allowed: a DTensor destination (create it with "
                   "hypershard.distribute_tensor or a *_like op on a DTensor)");
-  if (!info.rule) missing_operator(call);
+  info.calls.fetch_add(1, std::memory_order_relaxed);
+  if (!info.rule) {
+    if (!g_coverage_mode.load(std::memory_order_relaxed)) missing_operator(call);
+    replicate_fallback(op, info, call, stack);
+    return;
+  }
 
   std::shared_ptr<const ops::OpPlan> plan;
   try {
@@ -531,5 +577,21 @@ void reset_dispatch_stats() {
 }
 
 std::vector<std::string> rule_names() { return ops::registry().names(); }
+
+void set_coverage_mode(bool on) { g_coverage_mode.store(on); }
+
+std::vector<OpCount> op_counts() {
+  std::vector<OpCount> out;
+  std::shared_lock<std::shared_mutex> read(g_infos_mutex);
+  for (const auto& [key, info] : *g_infos)
+    if (info->calls.load() > 0) out.push_back({info->name, info->calls.load(), info->rule != nullptr});
+  std::sort(out.begin(), out.end(), [](const OpCount& a, const OpCount& b) { return a.name < b.name; });
+  return out;
+}
+
+void reset_op_counts() {
+  std::shared_lock<std::shared_mutex> read(g_infos_mutex);
+  for (const auto& [key, info] : *g_infos) info->calls.store(0);
+}
 
 }  // namespace hypershard::runtime

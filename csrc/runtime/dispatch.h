@@ -25,4 +25,16 @@ void reset_dispatch_stats();
 // Every op hypershard has a rule for, "aten::add.Tensor" style.
 std::vector<std::string> rule_names();
 
+// Per-op call counts since the last reset, for coverage reports.
+struct OpCount {
+  std::string name;
+  int64_t calls;
+  bool has_rule;
+};
+std::vector<OpCount> op_counts();
+void reset_op_counts();
+// Coverage mode: a missing rule is recorded and the op computed on gathered inputs instead of
+// raising (hypershard.coverage uses it to list every missing op in one run).
+void set_coverage_mode(bool on);
+
 }  // namespace hypershard::runtime

@@ -1,0 +1,69 @@
+"""Tiny HuggingFace models and a training loop shared by `make demo`, hypershard.coverage and
+the Level1 tests. Models are built from a config with random weights (no hub access)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["TINY_CONFIGS", "make_batches", "tiny_config", "tiny_model", "train"]
+
+# Sizes divisible by 2 and 4 (heads, kv heads, intermediate, vocab) unless overridden.
+TINY_CONFIGS: dict = {
+    "qwen3": dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, head_dim=8, max_position_embeddings=64,
+                  tie_word_embeddings=False, rope_theta=10000.0),
+}
+
+
+def tiny_config(model_type: str, **overrides: Any):
+    """A tiny transformers config of `model_type` (see TINY_CONFIGS), with `overrides`."""
+    from transformers import AutoConfig
+
+    values = dict(TINY_CONFIGS.get(model_type, {}))
+    values.update(overrides)
+    config = AutoConfig.for_model(model_type, **values)
+    config._attn_implementation = values.get("attn_implementation", "sdpa")
+    return config
+
+
+def tiny_model(config, seed: int = 0) -> torch.nn.Module:
+    """The causal-LM model of `config` with weights drawn from `seed` (identical on every rank)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)
+    return model.float().train()
+
+
+def make_batches(vocab_size: int, steps: int, batch: int = 4, seq: int = 16, seed: int = 1,
+                 ignore_fraction: float = 0.1) -> list:
+    """`steps` batches of (input_ids, labels) with some labels set to the ignore index -100."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(steps):
+        ids = torch.randint(0, vocab_size, (batch, seq), generator=g)
+        labels = ids.clone()
+        labels[torch.rand(batch, seq, generator=g) < ignore_fraction] = -100
+        batches.append((ids, labels))
+    return batches
+
+
+def train(model: torch.nn.Module, batches: list, lr: float = 1e-3, clip: Optional[float] = 1.0,
+          on_step: Optional[Callable[[int, float], None]] = None) -> list:
+    """AdamW steps (one per batch) with clip_grad_norm_; returns the loss of every step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    losses = []
+    for step, (ids, labels) in enumerate(batches):
+        loss = model(input_ids=ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        value = float(loss.detach().item())
+        losses.append(value)
+        if on_step is not None:
+            on_step(step, value)
+    return losses
