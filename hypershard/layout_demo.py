@@ -1,4 +1,4 @@
-"""hypershard demo: the layout core at work (python -m hypershard.demo --help).
+"""hypershard demo: the layout core at work (python -m hypershard.layout_demo --help).
 
 Until the runtime lands, the demo shows what the C++ layout core computes for a 2-D tensor on a
 2-D mesh (dp, tp): which slice of the global tensor each rank holds (uneven sizes included), the
@@ -113,7 +113,7 @@ def _show_plan(src_name: str, src: hs.Layout, dst_name: str, dst: hs.Layout,
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m hypershard.demo",
+        prog="python -m hypershard.layout_demo",
         description="Show hypershard's layout core: shard geometry of a 2-D tensor on a 2-D "
                     "(dp, tp) mesh, the three layout notations, and redistribution plans.")
     parser.add_argument("--shape", default="6,5", type=lambda s: _parse_ints(s, ","),
