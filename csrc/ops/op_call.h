@@ -12,6 +12,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <c10/util/SmallVector.h>
 
 #include <functional>
 #include <memory>
@@ -39,7 +40,7 @@ struct TensorArg {
 struct OpCall {
   const c10::OperatorHandle* op = nullptr;
   const c10::IValue* args = nullptr;  // the schema's arguments, in order
-  std::vector<TensorArg> tensors;
+  c10::SmallVector<TensorArg, 4> tensors;  // on the stack for the usual op
   runtime::DeviceMeshPtr mesh;
 
   const c10::FunctionSchema& schema() const { return op->schema(); }

@@ -43,7 +43,7 @@ std::string OpCall::describe_inputs() const {
 }
 
 void fail_argument(const OpCall& call, int64_t tensor, const std::string& problem, const std::string& allowed) {
-  const auto& t = call.tensors.at(tensor);
+  const auto& t = call.tensors[tensor];
   std::string arg = call.schema().arguments()[t.arg].name();
   if (t.item >= 0) arg += "[" + std::to_string(t.item) + "]";
   layout::fail(call.name(), "argument " + arg + " (#" + std::to_string(t.arg) + ") " + t.layout->to_string() +

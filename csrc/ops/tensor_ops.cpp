@@ -29,7 +29,7 @@ LayoutPtr without_partial(const Layout& l) {
 OpPlan same_layout_rule(const OpCall& call) {
   OpPlan plan;
   for (const auto& t : call.tensors) plan.inputs.push_back(t.layout);
-  plan.outputs.push_back(call.tensors.at(0).layout);
+  plan.outputs.push_back(call.tensors[0].layout);
   return plan;
 }
 

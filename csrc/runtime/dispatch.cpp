@@ -54,6 +54,7 @@ struct OpInfo {
   std::vector<int8_t> written_args;  // per schema argument
   bool is_view = false;
   std::atomic<int64_t> calls{0};  // for coverage reports
+  std::atomic<uint64_t> generation{0};  // bumped when the plan cache is cleared
   std::shared_mutex mutex;
   std::unordered_multimap<uint64_t, CachedPlan> plans;
 };
@@ -97,14 +98,26 @@ OpInfo* build_op_info(const c10::OperatorHandle& op) {
 
 OpInfo& op_info(const c10::OperatorHandle& op) {
   const void* key = &op.schema();
+  // Per-thread direct-mapped cache: no lock on the per-op path once an op was seen.
+  struct Slot {
+    const void* key = nullptr;
+    OpInfo* info = nullptr;
+  };
+  thread_local Slot slots[256];
+  Slot& slot_cache = slots[(reinterpret_cast<uintptr_t>(key) >> 4) & 255];
+  if (slot_cache.key == key) return *slot_cache.info;
   {
     std::shared_lock<std::shared_mutex> read(g_infos_mutex);
     auto it = g_infos->find(key);
-    if (it != g_infos->end()) return *it->second;
+    if (it != g_infos->end()) {
+      slot_cache = {key, it->second};
+      return *it->second;
+    }
   }
   std::unique_lock<std::shared_mutex> write(g_infos_mutex);
   auto& slot = (*g_infos)[key];
   if (!slot) slot = build_op_info(op);
+  slot_cache = {key, slot};
   return *slot;
 }
 
@@ -225,11 +238,27 @@ std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call) {
   auto same = [&](const CachedPlan& c) {
     return c.key.size() == key.size() && std::equal(key.begin(), key.end(), c.key.begin());
   };
+  // Per-thread direct-mapped cache in front of the shared one (plans are immutable).
+  struct Slot {
+    const OpInfo* info = nullptr;
+    uint64_t hash = 0;
+    uint64_t generation = 0;
+    CachedPlan entry;
+  };
+  thread_local std::vector<Slot> slots(1024);
+  Slot& slot = slots[(hash ^ reinterpret_cast<uintptr_t>(&info)) & 1023];
+  const uint64_t generation = info.generation.load(std::memory_order_acquire);
+  if (slot.info == &info && slot.hash == hash && slot.generation == generation && same(slot.entry)) {
+    g_hits.fetch_add(1, std::memory_order_relaxed);
+    return slot.entry.plan;
+  }
+  auto remember = [&](const CachedPlan& c) { slot = Slot{&info, hash, generation, c}; };
   {
     std::shared_lock<std::shared_mutex> read(info.mutex);
     for (auto [it, end] = info.plans.equal_range(hash); it != end; ++it)
       if (same(it->second)) {
         g_hits.fetch_add(1, std::memory_order_relaxed);
+        remember(it->second);
         return it->second.plan;
       }
   }
@@ -244,8 +273,12 @@ std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call) {
   HS_CHECK(plan->inputs.size() == call.tensors.size(), info.name,
            "internal error: the rule returned ", plan->inputs.size(), " input layouts for ", call.tensors.size(), " tensors");
   std::unique_lock<std::shared_mutex> write(info.mutex);
-  if (info.plans.size() >= kMaxPlansPerOp) info.plans.clear();  // bounded, whatever the workload
-  info.plans.emplace(hash, CachedPlan{std::vector<int64_t>(key.begin(), key.end()), plan});
+  if (info.plans.size() >= kMaxPlansPerOp) {  // bounded, whatever the workload
+    info.plans.clear();
+    info.generation.fetch_add(1, std::memory_order_release);  // invalidates the per-thread slots
+  }
+  auto it = info.plans.emplace(hash, CachedPlan{std::vector<int64_t>(key.begin(), key.end()), plan});
+  remember(it->second);
   return plan;
 }
 
@@ -393,20 +426,29 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
   }
 
   // Keep what the returns need: the wrappers of written arguments, and (views) the global args.
-  std::vector<c10::IValue> original;  // for the meta shadow of views
-  if (info.is_view) original.assign(args, args + num_args);
-  std::vector<c10::IValue> written;
+  // Views of tensors with no sharded dim whose wrapper geometry is the local's take the local
+  // result's geometry; the others need the global arguments for a meta shadow.
+  bool geometry_from_local = info.is_view;
+  for (size_t i = 0; i < call.tensors.size() && geometry_from_local; ++i) {
+    const auto& t = call.tensors[i];
+    if (!t.is_dtensor) continue;
+    at::Tensor scratch;
+    const at::Tensor& value = arg_tensor(args, t, scratch);
+    const at::Tensor& local = dtensor_impl(value)->local();
+    geometry_from_local = !t.layout->is_sharded_anywhere() && plan->inputs[i] == t.layout &&
+                          value.strides() == local.strides() && value.storage_offset() == local.storage_offset();
+  }
+  std::vector<c10::IValue> original;
+  if (info.is_view && !geometry_from_local) original.assign(args, args + num_args);
+  c10::SmallVector<c10::IValue, 4> written;
   for (size_t a = 0; a < num_args; ++a)
     if (info.written_args[a]) {
-      written.resize(num_args);
+      if (written.empty()) written.resize(num_args);
       written[a] = args[a];
     }
 
   // A view of a redistributed input does not alias the caller's tensor.
   bool detached_view = false;
-  // Views of tensors with no sharded dim whose wrapper geometry is the local's take the local
-  // result's geometry (no meta shadow needed).
-  bool geometry_from_local = info.is_view;
   for (size_t i = 0; i < call.tensors.size(); ++i) {
     const auto& t = call.tensors[i];
     at::Tensor scratch;
@@ -421,9 +463,6 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
       if (info.is_view && (impl->is_detached_view() || plan->inputs[i] != t.layout)) detached_view = true;
       if (value.requires_grad() && value.is_leaf()) install_grad_hook(value, *impl);
       at::Tensor local = impl->local();
-      if (geometry_from_local)
-        geometry_from_local = !t.layout->is_sharded_anywhere() && plan->inputs[i] == t.layout &&
-                              value.strides() == local.strides() && value.storage_offset() == local.storage_offset();
       if (plan->inputs[i] != t.layout) local = redistribute_local(local, t.layout, plan->inputs[i], *call.mesh);
       set_arg_tensor(args, t, std::move(local));
     } else if (plan->inputs[i] && plan->inputs[i] != t.layout) {
@@ -453,7 +492,7 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
   for (size_t r = 0; r < num_returns; ++r) {
     c10::IValue& v = rets[r];
     const ReturnInfo& ri = info.returns[r];
-    if (ri.kind == ReturnKind::kWritten && ri.arg >= 0 && written[ri.arg].isTensor()) {
+    if (ri.kind == ReturnKind::kWritten && ri.arg >= 0 && !written.empty() && written[ri.arg].isTensor()) {
       const at::Tensor& wrapper = written[ri.arg].toTensor();
       if (auto* impl = dtensor_impl(wrapper)) {
         const at::Tensor local = v.toTensor();
