@@ -18,12 +18,13 @@
 //   collective  amax/amin/max/min/prod/any/all/linalg_vector_norm: local reduction, then an
 //               all-reduce along the reduced axes inside the op (max, min, prod, or/and on
 //               bool-as-uint8; norms reduce sum |x|^p, or max/min for p = +-inf, and take the
-//               1/p power after): the output is the GLOBAL value, Replicate on those axes. Not
-//               Partial(max|min|prod): the pointwise family rejects those Partials in every
-//               consumer (sub, div, eq — amax's own backward), so a Partial output could only
-//               be redistributed later at the same cost. max/min reduce a NaN flag alongside
-//               (c10d max/min need not propagate NaN); a rank whose shard of a reduced dim is
-//               empty contributes the op's identity.
+//               1/p power after): the output is the GLOBAL value, Replicate on those axes.
+//               Not Partial(max|min|prod) outputs, although they would be exact: every
+//               non-monotone consumer (sub, div, eq in amax's own backward, ...) reduces them
+//               first at the same cost, and that later reduction is not NaN-safe (c10d max/min
+//               drop NaN depending on the rank order), whereas here max/min reduce a NaN flag
+//               alongside. A rank whose shard of a reduced dim is empty contributes the op's
+//               identity.
 //   select      max.dim/min.dim/argmax/argmin over a sharded dim: each rank reduces its shard,
 //               adds its global offset (argmax without dim: the global flat index), and the
 //               (value, index) candidates are gathered along the reduced axes; the winner is the
