@@ -7,6 +7,7 @@
 //   aten::max.dim, min.dim, argmax, argmin                                (select: value + index)
 //   aten::var.correction, std.correction                                  (moments)
 //   aten::_foreach_norm.Scalar                                            (one norm per element)
+//   aten::value_selecting_reduction_backward            (a kernel at the autograd key, see below)
 //
 // Sharding: dims that are not reduced keep their mesh axes (they shift left when keepdim is
 // false); a reduced dim becomes size 1 (keepdim) or disappears. What happens to the mesh axes
@@ -44,14 +45,19 @@
 //   max.dim/argmax, var/std and norms never take Partial (indices and moments of a sum are not
 //   the sums of the parts' indices and moments).
 //
+// Backward: the formulas reach unsqueeze, expand, view (views family), pointwise ops and these
+// reductions; max.dim/min.dim's value_selecting_reduction_backward gets a kernel of its own at
+// the autograd key (register_reduction_kernels, below). Not covered: prod.default's backward
+// calls nonzero (no rule yet); amax/amin/max/min and +-inf norms over a sharded dim divide by
+// mask.sum(dim), a Partial(sum) count that the pointwise div refuses as a divisor.
+//
 // Excluded: complex var/std over a sharded dim (rejected); var_mean/std_mean, nansum,
-// logsumexp, aminmax, count_nonzero (no rule yet). The backward formulas reach unsqueeze,
-// expand and view (views family) and pointwise ops; outside both: max.dim/min.dim backward
-// scatters into a plain zeros tensor (scatter_ with a plain self), prod.default backward calls
-// nonzero; neither has a rule yet.
+// logsumexp, aminmax, count_nonzero (no rule yet).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/core/ScalarType.h>
+#include <c10/core/WrapDimMinimal.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -526,7 +532,33 @@ OpPlan foreach_norm_rule(const OpCall& call) {
   return plan;
 }
 
+// ------------------------------------------------------------------ max.dim backward (autograd level)
+
+// value_selecting_reduction_backward (max.dim/min.dim/kthvalue/mode backward) is
+// composite-implicit: it scatters the gradient into a PLAIN zeros tensor of the input's global
+// size, which hypershard refuses (that tensor would hold one rank's shard). This kernel builds
+// the same gradient from DTensor ops: where(GLOBAL index == position along dim, grad, 0). Runs
+// at the AutogradPrivateUse2 key, so autograd records its ops (double backward works).
+at::Tensor value_selecting_reduction_backward_kernel(const at::Tensor& grad, int64_t dim, const at::Tensor& indices,
+                                                     c10::SymIntArrayRef sizes, bool keepdim) {
+  const int64_t ndim = static_cast<int64_t>(sizes.size());
+  if (ndim == 0) return grad.clone();
+  dim = c10::maybe_wrap_dim(dim, ndim);
+  const auto g = keepdim ? grad : grad.unsqueeze(dim);
+  const auto index = keepdim ? indices : indices.unsqueeze(dim);
+  std::vector<int64_t> shape(ndim, 1);
+  shape[dim] = sizes[dim].expect_int();
+  const auto positions = at::arange(shape[dim], index.options()).view(shape);  // plain: Replicate
+  return at::where(index.eq(positions), g, at::zeros({}, g.options()));
+}
+
 }  // namespace
+
+void register_reduction_kernels() {
+  static auto* library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::AutogradPrivateUse2,
+                                            __FILE__, __LINE__);
+  library->impl("value_selecting_reduction_backward", TORCH_FN(value_selecting_reduction_backward_kernel));
+}
 
 void register_reductions(Registry& r) {
   using K = Kind;
