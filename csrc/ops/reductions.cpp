@@ -7,6 +7,7 @@
 //   aten::max.dim, min.dim, argmax, argmin                                (select: value + index)
 //   aten::var.correction, std.correction                                  (moments)
 //   aten::_foreach_norm.Scalar                                            (one norm per element)
+//   aten::value_selecting_reduction_backward            (a kernel at the autograd key, see below)
 //
 // Sharding: dims that are not reduced keep their mesh axes (they shift left when keepdim is
 // false); a reduced dim becomes size 1 (keepdim) or disappears. What happens to the mesh axes
@@ -18,12 +19,13 @@
 //   collective  amax/amin/max/min/prod/any/all/linalg_vector_norm: local reduction, then an
 //               all-reduce along the reduced axes inside the op (max, min, prod, or/and on
 //               bool-as-uint8; norms reduce sum |x|^p, or max/min for p = +-inf, and take the
-//               1/p power after): the output is the GLOBAL value, Replicate on those axes. Not
-//               Partial(max|min|prod): the pointwise family rejects those Partials in every
-//               consumer (sub, div, eq — amax's own backward), so a Partial output could only
-//               be redistributed later at the same cost. max/min reduce a NaN flag alongside
-//               (c10d max/min need not propagate NaN); a rank whose shard of a reduced dim is
-//               empty contributes the op's identity.
+//               1/p power after): the output is the GLOBAL value, Replicate on those axes.
+//               Not Partial(max|min|prod) outputs, although they would be exact: every
+//               non-monotone consumer (sub, div, eq in amax's own backward, ...) reduces them
+//               first at the same cost, and that later reduction is not NaN-safe (c10d max/min
+//               drop NaN depending on the rank order), whereas here max/min reduce a NaN flag
+//               alongside. A rank whose shard of a reduced dim is empty contributes the op's
+//               identity.
 //   select      max.dim/min.dim/argmax/argmin over a sharded dim: each rank reduces its shard,
 //               adds its global offset (argmax without dim: the global flat index), and the
 //               (value, index) candidates are gathered along the reduced axes; the winner is the
@@ -43,14 +45,19 @@
 //   max.dim/argmax, var/std and norms never take Partial (indices and moments of a sum are not
 //   the sums of the parts' indices and moments).
 //
+// Backward: the formulas reach unsqueeze, expand, view (views family), pointwise ops and these
+// reductions; max.dim/min.dim's value_selecting_reduction_backward gets a kernel of its own at
+// the autograd key (register_reduction_kernels, below). Not covered: prod.default's backward
+// calls nonzero (no rule yet); amax/amin/max/min and +-inf norms over a sharded dim divide by
+// mask.sum(dim), a Partial(sum) count that the pointwise div refuses as a divisor.
+//
 // Excluded: complex var/std over a sharded dim (rejected); var_mean/std_mean, nansum,
-// logsumexp, aminmax, count_nonzero (no rule yet). The backward formulas reach unsqueeze,
-// expand and view (views family) and pointwise ops; outside both: max.dim/min.dim backward
-// scatters into a plain zeros tensor (scatter_ with a plain self), prod.default backward calls
-// nonzero; neither has a rule yet.
+// logsumexp, aminmax, count_nonzero (no rule yet).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/core/ScalarType.h>
+#include <c10/core/WrapDimMinimal.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -525,7 +532,33 @@ OpPlan foreach_norm_rule(const OpCall& call) {
   return plan;
 }
 
+// ------------------------------------------------------------------ max.dim backward (autograd level)
+
+// value_selecting_reduction_backward (max.dim/min.dim/kthvalue/mode backward) is
+// composite-implicit: it scatters the gradient into a PLAIN zeros tensor of the input's global
+// size, which hypershard refuses (that tensor would hold one rank's shard). This kernel builds
+// the same gradient from DTensor ops: where(GLOBAL index == position along dim, grad, 0). Runs
+// at the AutogradPrivateUse2 key, so autograd records its ops (double backward works).
+at::Tensor value_selecting_reduction_backward_kernel(const at::Tensor& grad, int64_t dim, const at::Tensor& indices,
+                                                     c10::SymIntArrayRef sizes, bool keepdim) {
+  const int64_t ndim = static_cast<int64_t>(sizes.size());
+  if (ndim == 0) return grad.clone();
+  dim = c10::maybe_wrap_dim(dim, ndim);
+  const auto g = keepdim ? grad : grad.unsqueeze(dim);
+  const auto index = keepdim ? indices : indices.unsqueeze(dim);
+  std::vector<int64_t> shape(ndim, 1);
+  shape[dim] = sizes[dim].expect_int();
+  const auto positions = at::arange(shape[dim], index.options()).view(shape);  // plain: Replicate
+  return at::where(index.eq(positions), g, at::zeros({}, g.options()));
+}
+
 }  // namespace
+
+void register_reduction_kernels() {
+  static auto* library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::AutogradPrivateUse2,
+                                            __FILE__, __LINE__);
+  library->impl("value_selecting_reduction_backward", TORCH_FN(value_selecting_reduction_backward_kernel));
+}
 
 void register_reductions(Registry& r) {
   using K = Kind;

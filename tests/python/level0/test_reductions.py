@@ -1,41 +1,37 @@
-"""Level 0: the reductions family (csrc/ops/reductions.cpp) on real multi-process gloo meshes.
+"""Level 0: the reductions family (csrc/ops/reductions.cpp) on real multi-process gloo meshes,
+through hypershard.testing.
 
 Every case distributes seeded global inputs with the given placements, runs the op on DTensors
-and compares the gathered output (twice: the second call hits the plan cache) and the input
-gradients (backward of a seeded random cotangent) with the same op on plain tensors in one
-process. Expect-error cases check that EVERY rank raises the same message. Cases are batched:
-one launch per world size (2 and 4 ranks), each running all its cases, with a timeout that kills
-the ranks.
+(twice: the second call hits the plan cache and is the one compared) and compares the gathered
+outputs and the input gradients (backward of a seeded random cotangent) with the same op on one
+process. Meshes (2,), (4,) and (2, 2): one launch of 2 ranks and one of 4. Expect-error cases
+check that EVERY rank raises the same message. Partial inputs are made of random parts that
+reduce to the global value (not "rank 0 holds it"), so a reduction that mishandles a Partial
+gives a wrong value. Some cases also assert the output placements and the number of
+collectives of the forward op.
 
-TODO(harness): switch to hypershard.testing (Case/Input/run_cases) once it lands in main; this
-file keeps a small self-contained launcher until then (spawned ranks, a free port from bind(0),
-gloo, OMP_NUM_THREADS=1).
+Gradients that need rules of other families are not compared (see NO_BACKWARD and
+PARTIAL_DIVISOR_BACKWARD); a tripwire case per gap expects today's error, so it fails (and
+says so) once the gap closes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import faulthandler
-import multiprocessing as mp
-import os
-import queue as queue_module
-import signal
-import socket
 import time
-import traceback
 import warnings
 from typing import Callable, Optional
 
 import pytest
 import torch
 
-LAUNCH_TIMEOUT_S = 240.0  # per launch; a hang kills the ranks and fails every case left
+hs = pytest.importorskip("hypershard")
+from hypershard.testing import Case, HypershardAdapter, Input, current_mesh, run_cases  # noqa: E402
+
+LAUNCH_TIMEOUT_S = 240  # per launch; each takes ~5-25 s on 2 cores
 M2, M4, M22 = (2,), (4,), (2, 2)
 MESH_NAMES = {M2: ("dp",), M4: ("dp",), M22: ("dp", "tp")}
-WORLD = {M2: 2, M4: 4, M22: 4}
 INF = float("inf")
-
 
 # ------------------------------------------------------------------------------------ cases
 
@@ -48,7 +44,7 @@ class Inp:
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
+class Spec:
     name: str
     fn: str                      # key into FNS
     mesh: tuple
@@ -56,6 +52,7 @@ class Case:
     grad: bool = True            # compare input gradients too
     expect_error: Optional[str] = None
     expect_placements: Optional[tuple] = None  # repr of output 0's placements
+    collectives: Optional[int] = None          # collectives this rank's forward op runs
 
 
 def _first(out):
@@ -64,7 +61,6 @@ def _first(out):
 
 def _sum_out(x):
     out_shape = list(x.shape[1:])
-    import hypershard as hs
     if hs._C.is_dtensor(x):
         out = hs.distribute_tensor(torch.zeros(out_shape, dtype=x.dtype), x.device_mesh, ["R"] * x.device_mesh.ndim)
     else:
@@ -149,9 +145,8 @@ FNS: dict[str, Callable] = {
 }
 
 # Gradients reach ops outside this family (see the family header); forward still compared:
-#   max.dim/min.dim  -> scatter_ into a plain zeros tensor (value_selecting_reduction_backward)
 #   prod.default     -> nonzero
-NO_BACKWARD = {"max_0", "max_m1_kd", "min_0", "min_1", "prod", "norm0_0"}  # norm0: no gradient in torch
+NO_BACKWARD = {"prod", "norm0_0"}  # norm0: no gradient in torch
 # Backward divides by mask.sum(dim) (a Partial(sum) count when the reduced dim is sharded); the
 # pointwise family rejects a Partial divisor. These get grad=False on sharded reduced dims and
 # one tripwire case each (expect_error) below.
@@ -192,7 +187,7 @@ def _make_cases() -> list:
     def add(fn, mesh, inputs, suffix="", **kw):
         tag = "|".join(f"{list(i.shape)}{i.spec}{'' if i.dtype == 'float32' else i.dtype}"
                        f"{'' if i.init in ('randn', 'bool') else ':' + i.init}" for i in inputs)
-        cases.append(Case(f"{fn}|{'x'.join(map(str, mesh))}|{tag}{suffix}", fn, mesh, tuple(inputs), **kw))
+        cases.append(Spec(f"{fn}|{'x'.join(map(str, mesh))}|{tag}{suffix}", fn, mesh, tuple(inputs), **kw))
 
     for mesh, layouts in LAYOUTS.items():
         for shape, spec in layouts:
@@ -207,8 +202,8 @@ def _make_cases() -> list:
                 add(fn, mesh, [Inp(shape, spec, init="ties")], grad=False)
             for fn in BOOL_FNS:
                 add(fn, mesh, [Inp(shape, spec, dtype="bool", init="bool")], grad=False)
-            for fn in ("max_0", "min_1", "amax_0", "max"):
-                add(fn, mesh, [Inp(shape, spec, init="ties")], grad=False)
+            for fn in ("max_0", "min_1", "amax_0", "max"):  # max.dim's gradient goes to the first max
+                add(fn, mesh, [Inp(shape, spec, init="ties")], grad=fn in ("max_0", "min_1"))
             for fn in ("max_0", "min_1", "amax_0", "max", "argmax", "argmin_0", "norm_inf", "any_0"):
                 add(fn, mesh, [Inp(shape, spec, init="nan")], grad=False)
             for fn in ("sum_0", "sum", "amax_0", "amin_m2_kd", "max", "max_0", "prod_0", "argmin_0"):
@@ -229,20 +224,28 @@ def _make_cases() -> list:
                                                   _reduced_dims(fn, 3) & _sharded_dims(shape, spec))
             add(fn, mesh, [Inp(shape, spec, init="pos" if fn.startswith("prod") else "randn")], grad=grad)
 
-    # Output placements: sum/mean -> Partial(sum); collective and select ops -> Replicate (global).
+    # Output placements, and the collectives of the forward op: sum/mean -> Partial(sum) with
+    # none; collective ops -> Replicate with one all-reduce per reduced axis; select ops and
+    # var/std -> one gather per gathered tensor.
     P, R = "Partial(sum)", "Replicate()"
     placements = [
-        ("sum_0", M2, (4, 6), ["S(0)"], (P,)), ("mean_0", M2, (5, 3), ["S(0)"], (P,)),
-        ("sum_0", M2, (4, 6), ["S(1)"], ("Shard(dim=0)",)), ("sum_m1_kd", M22, (4, 6), ["S(0)", "S(1)"], ("Shard(dim=0)", P)),
-        ("sum_01", M22, (3, 5), ["S(0)", "S(0)"], (P, P)), ("amax_0", M2, (4, 6), ["S(0)"], (R,)),
-        ("max_0", M4, (5, 3), ["S(0)"], (R,)), ("argmax_0", M4, (5, 3), ["S(0)"], (R,)),
-        ("var_0", M22, (5, 6), ["S(1)", "S(0)"], ("Shard(dim=0)", R)), ("norm2_0", M2, (4, 6), ["S(0)"], (R,)),
-        ("prod_0", M2, (4, 6), ["S(0)"], (R,)), ("amax_0", M22, (4, 6), ["S(0)", "S(1)"], (R, "Shard(dim=0)")),
+        ("sum_0", M2, (4, 6), ["S(0)"], (P,), 0), ("mean_0", M2, (5, 3), ["S(0)"], (P,), 0),
+        ("sum_0", M2, (4, 6), ["S(1)"], ("Shard(dim=0)",), 0),
+        ("sum_m1_kd", M22, (4, 6), ["S(0)", "S(1)"], ("Shard(dim=0)", P), 0),
+        ("sum_01", M22, (3, 5), ["S(0)", "S(0)"], (P, P), 0), ("mean_01", M4, (5, 3), ["S(0)"], (P,), 0),
+        ("amax_0", M2, (4, 6), ["S(0)"], (R,), 1), ("amax_0", M22, (4, 6), ["S(0)", "S(1)"], (R, "Shard(dim=0)"), 1),
+        ("amax_all", M22, (3, 5), ["S(0)", "S(0)"], (R, R), 2), ("prod_0", M2, (4, 6), ["S(0)"], (R,), 1),
+        ("norm2_0", M2, (4, 6), ["S(0)"], (R,), 1), ("max_0", M4, (5, 3), ["S(0)"], (R,), 2),
+        ("argmax_0", M4, (5, 3), ["S(0)"], (R,), 2), ("argmax", M22, (4, 6), ["S(0)", "S(1)"], (R, R), 4),
+        ("var_0", M22, (5, 6), ["S(1)", "S(0)"], ("Shard(dim=0)", R), 1),
+        ("mean_m1_kd", M22, (4, 6), ["S(0)", "R"], ("Shard(dim=0)", R), 0),
     ]
-    for fn, mesh, shape, spec, expected in placements:
+    for fn, mesh, shape, spec, expected, collectives in placements:
         add(fn, mesh, [Inp(shape, spec, init="pos" if fn.startswith("prod") else "randn")],
             grad=fn not in NO_BACKWARD and fn not in PARTIAL_DIVISOR_BACKWARD, expect_placements=expected,
-            suffix="|placements")
+            collectives=collectives, suffix="|placements")
+    add("foreach_norm", M22, [Inp((4, 6), ["S(0)", "S(1)"]), Inp((3, 5), ["S(0)", "S(1)"])], grad=False,
+        collectives=2, suffix="|one-collective-per-axis")
 
     # Partial inputs the algebra keeps (a Partial leaf's gradient is compared as its full value).
     for mesh, spec in ((M2, ["P(sum)"]), (M22, ["P(sum)", "S(0)"]), (M22, ["S(1)", "P(sum)"])):
@@ -286,233 +289,124 @@ def _make_cases() -> list:
     # Tripwires: backward paths that need other families today (see PARTIAL_DIVISOR_BACKWARD and
     # NO_BACKWARD). When one of these starts passing, give the matching cases grad=True.
     tripwire = {"grad": True, "suffix": "|backward-gap"}
-    add("amax_0", M2, [Inp((4, 5), ["S(0)"])], expect_error="backward:hypershard: aten::div.Tensor: argument other", **tripwire)
-    add("max_0", M2, [Inp((4, 5), ["S(0)"])], expect_error="backward:hypershard: Missing operator aten::scatter_", **tripwire)
-    add("prod", M2, [Inp((4, 5), ["S(0)"], init="pos")], expect_error="backward:hypershard: Missing operator aten::nonzero",
+    add("amax_0", M2, [Inp((4, 5), ["S(0)"])], expect_error="hypershard: aten::div.Tensor: argument other", **tripwire)
+    add("prod", M2, [Inp((4, 5), ["S(0)"], init="pos")], expect_error="hypershard: Missing operator aten::nonzero",
         **tripwire)
     names = [case.name for case in cases]
     assert len(names) == len(set(names)), sorted(n for n in set(names) if names.count(n) > 1)
     return cases
 
 
-CASES = _make_cases()
-CASES_BY_NAME = {case.name: case for case in CASES}
+SPECS = _make_cases()
 
 
-# ------------------------------------------------------------------------------------ one case
+# ------------------------------------------------------------------------------------ harness
 
-def _global_input(inp: Inp, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    dtype = getattr(torch, inp.dtype)
-    if inp.init == "bool":
-        return torch.rand(inp.shape, generator=g) > 0.7
-    if inp.init == "randint":
-        return torch.randint(-50, 50, inp.shape, generator=g, dtype=dtype)
-    if inp.init == "ties":
-        return torch.randint(0, 3, inp.shape, generator=g).to(dtype)
-    t = torch.randn(inp.shape, generator=g, dtype=dtype)
-    if inp.init == "pos":
-        return t.abs() + 0.5
-    if inp.init == "nan":
-        t[torch.rand(inp.shape, generator=g) > 0.85] = float("nan")
-    return t
-
-
-def _seed(name: str, i: int) -> int:
-    return (sum(ord(c) * (k + 1) for k, c in enumerate(name)) * 31 + i) % (2 ** 31)
+def _init(kind: str) -> Callable:
+    def init(shape, dtype, generator):
+        if kind == "bool":
+            return torch.rand(shape, generator=generator) > 0.7
+        if kind == "randint":
+            return torch.randint(-50, 50, shape, generator=generator).to(dtype)
+        if kind == "ties":
+            return torch.randint(0, 3, shape, generator=generator).to(dtype)
+        t = torch.randn(shape, generator=generator, dtype=dtype)
+        if kind == "pos":
+            return t.abs() + 0.5
+        if kind == "nan":
+            t[torch.rand(shape, generator=generator) > 0.85] = float("nan")
+        return t
+    return init
 
 
-def _compare(what: str, got: torch.Tensor, want: torch.Tensor) -> Optional[str]:
-    if got.dtype != want.dtype or got.shape != want.shape:
-        return f"{what}: got {got.dtype}{list(got.shape)}, expected {want.dtype}{list(want.shape)}"
-    try:
-        if want.is_floating_point():
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
-        elif not torch.equal(got, want):
-            return f"{what}: got {got.tolist()}, expected {want.tolist()}"
-    except AssertionError as e:
-        return f"{what}: {str(e).splitlines()[0]} ({' '.join(str(e).split())[:300]})"
-    return None
+class NoisyPartialAdapter(HypershardAdapter):
+    """hypershard, with Partial inputs made of random parts: sum -> x / n + noise_i (the noise
+    sums to 0 over the group), avg -> x + noise_i, prod -> f_i (times x on the group's first
+    rank; the f_i multiply to 1), max/min -> x on the group's first rank and something
+    smaller/larger on the others (bool: False/True). As in test_matmul.py."""
+
+    def distribute(self, tensor, mesh, layout):
+        if layout.kind != "placements" or not any(p.kind == "P" for p in layout.items):
+            return super().distribute(tensor, mesh, layout)
+        placements = self.placements(layout)
+        base = [hs.Replicate() if p.kind == "P" else q for p, q in zip(layout.items, placements)]
+        local = hs.distribute_tensor(tensor, mesh, base).to_local().clone()
+        axes = [a for a, p in enumerate(layout.items) if p.kind == "P"]
+        op = layout.items[axes[0]].op
+        # Seeded by the coordinates on the sharding axes only: the same on a Partial group.
+        key = [mesh.coordinate(a) for a, p in enumerate(layout.items) if p.kind == "S"]
+        noise = torch.randn(local.shape, generator=torch.Generator().manual_seed(
+            7919 + sum((c + 1) * 31 ** k for k, c in enumerate(key)) + local.numel()))
+        coords = [mesh.coordinate(a) for a in axes]
+        centred = sum(c - (mesh.size(a) - 1) / 2 for c, a in zip(coords, axes))  # sums to 0
+        count = 1
+        for a in axes:
+            count *= mesh.size(a)
+        if local.dtype == torch.bool:
+            if any(coords):
+                local = torch.zeros_like(local) if op == "max" else torch.ones_like(local)
+        elif op == "sum":
+            local = local / count + noise * centred
+        elif op == "avg":
+            local = local + noise * centred
+        elif op == "product":
+            local = (torch.ones_like(local) if any(coords) else local) * torch.exp(0.3 * noise * centred)
+        elif any(coords):
+            local = local - (1 + noise.abs()) if op == "max" else local + (1 + noise.abs())
+        return hs.DTensor.from_local(local.to(tensor.dtype), mesh, placements, shape=list(tensor.shape))
 
 
-def _as_list(out) -> list:
-    return list(out) if isinstance(out, (tuple, list)) else [out]
+def _checked(fn: Callable, spec: Spec) -> Callable:
+    """The distributed call: once for the plan cache, then again (compared), asserting the
+    output placements and the number of collectives of that second call."""
 
-
-def _run_case(case: Case, mesh, hs) -> tuple[str, str]:
-    """('passed' | 'failed' | 'raised', message) for this rank."""
-    fn = FNS[case.fn]
-    globals_ = [_global_input(inp, _seed(case.name, i)) for i, inp in enumerate(case.inputs)]
-    floating = [t.is_floating_point() and case.grad for t in globals_]
-
-    def distributed():
-        xs = [hs.distribute_tensor(t.detach().clone().requires_grad_(f), mesh, inp.spec)
-              for t, f, inp in zip(globals_, floating, case.inputs)]
-        return xs, fn(*xs)
-
-    if case.expect_error is not None:
-        phase = ""
-        try:
-            xs, out = distributed()
-            if case.expect_error.startswith("backward:"):
-                phase = "backward:"
-                y = _first(out)
-                y.backward(hs.distribute_tensor(torch.ones(y.shape, dtype=y.dtype), mesh, ["R"] * len(case.mesh)))
-        except Exception as e:  # noqa: BLE001 - every error is compared
-            message = phase + str(e).strip().splitlines()[0]
-            if case.expect_error not in message:
-                return "failed", f"raised {message!r}, expected {case.expect_error!r}"
-            return "raised", message
-        return "failed", f"did not raise (expected {case.expect_error!r})"
-
-    # single-process reference
-    ref_in = [t.clone().requires_grad_(f) for t, f in zip(globals_, floating)]
-    ref_out = _as_list(fn(*ref_in))
-    cot = None
-    if any(floating) and ref_out[0].requires_grad:
-        y = ref_out[0]
-        cot = torch.randn(y.shape, generator=torch.Generator().manual_seed(_seed(case.name, 99)), dtype=y.dtype)
-        ref_grads = torch.autograd.grad(y, [t for t in ref_in if t.requires_grad], cot, allow_unused=True)
-
-    problems = []
-    for attempt in range(2):  # the second call hits the plan cache
-        xs, out = distributed()
-        outs = _as_list(out)
-        if len(outs) != len(ref_out):
-            return "failed", f"{len(outs)} outputs, expected {len(ref_out)}"
-        for k, (got, want) in enumerate(zip(outs, ref_out)):
-            if not hs._C.is_dtensor(got):
-                problems.append(f"output {k} is a plain tensor")
-                continue
-            problem = _compare(f"output {k} (call {attempt})", got.full_tensor(), want.detach())
-            if problem:
-                problems.append(problem)
-        if case.expect_placements is not None:
-            got = tuple(repr(p) for p in outs[0].placements)
-            if got != case.expect_placements:
-                problems.append(f"placements {got}, expected {case.expect_placements}")
+    def run(*args):
+        fn(*args)
+        hs._C.reset_traffic()
+        out = fn(*args)
+        ran = hs._C.traffic()["collectives"]
+        problems = []
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        if spec.expect_placements is not None:
+            got = tuple(repr(p) for p in first.placements)
+            if got != spec.expect_placements:
+                problems.append(f"placements {got}, expected {spec.expect_placements}")
+        if spec.collectives is not None and ran != spec.collectives:
+            problems.append(f"{ran} collectives on rank {current_mesh().rank}, expected {spec.collectives}")
         if problems:
-            break
-    if not problems and cot is not None:
-        y = outs[0]
-        y.backward(hs.distribute_tensor(cot, mesh, ["R"] * len(case.mesh)))
-        grads = [x.grad for x in xs if x.requires_grad]
-        for k, (got, want) in enumerate(zip(grads, ref_grads)):
-            if got is None or want is None:
-                if (got is None) != (want is None):
-                    problems.append(f"grad {k}: got {got is not None and 'a tensor'}, expected {want}")
-                continue
-            problem = _compare(f"grad {k}", got.full_tensor(), want)
-            if problem:
-                problems.append(problem)
-    return ("failed", "; ".join(problems)) if problems else ("passed", "")
+            raise AssertionError("; ".join(problems))
+        return out
+    return run
 
 
-# ------------------------------------------------------------------------------------ launcher
-
-def _worker(rank: int, world: int, port: int, names: list, results) -> None:
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent dumps stacks on a timeout
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", message=".*degrees of freedom is <= 0")  # var over one element: nan, as torch
-    import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    import hypershard as hs
-    meshes = {shape: hs.init_device_mesh("cpu", shape, MESH_NAMES[shape])
-              for shape in (M2, M4, M22) if WORLD[shape] == world}
-    for name in names:
-        case = CASES_BY_NAME[name]
-        start = time.monotonic()
-        try:
-            status, message = _run_case(case, meshes[case.mesh], hs)
-        except Exception:  # noqa: BLE001
-            status, message = "failed", traceback.format_exc(limit=6).strip().replace("\n", " | ")[-1500:]
-        results.put((rank, name, status, message, time.monotonic() - start))
-    dist.barrier()
-    dist.destroy_process_group()
-    results.put((rank, None, "done", "", 0.0))
+def _case(spec: Spec) -> Case:
+    inputs = [Input(i.shape, getattr(torch, i.dtype), placements=i.spec, init=_init(i.init),
+                    requires_grad=None if spec.grad else False) for i in spec.inputs]
+    return Case(spec.name, FNS[spec.fn], inputs, mesh=(spec.mesh, MESH_NAMES[spec.mesh]),
+                dist_fn=_checked(FNS[spec.fn], spec), expect_error=spec.expect_error,
+                check_grad=spec.grad, atol=1e-5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(world: int, names: list, timeout: float = LAUNCH_TIMEOUT_S) -> dict:
-    """Runs `names` on `world` spawned ranks; {name: (status, message)} merged over ranks."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, world, port, names, results), daemon=True)
-             for rank in range(world)]
-    for p in procs:
-        p.start()
-    per_case: dict = {}
-    done = 0
-    deadline = time.monotonic() + timeout
-    try:
-        while done < world:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                rank, name, status, message, seconds = results.get(timeout=min(remaining, 1.0))
-            except queue_module.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    time.sleep(1.0)  # let the other ranks report what they can
-                    break
-                continue
-            if name is None:
-                done += 1
-            else:
-                per_case.setdefault(name, {})[rank] = (status, message)
-    finally:
-        if any(p.is_alive() for p in procs) and done < world:
-            for p in procs:
-                if p.is_alive():
-                    os.kill(p.pid, signal.SIGUSR1)
-            time.sleep(1.0)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=5)
-    merged = {}
-    for name in names:
-        ranks = per_case.get(name, {})
-        if len(ranks) < world:
-            merged[name] = ("failed", f"only ranks {sorted(ranks)} reported (timeout {timeout:.0f} s or a crash)")
-            continue
-        statuses = {s for s, _ in ranks.values()}
-        messages = {m for _, m in ranks.values()}
-        if statuses == {"passed"}:
-            merged[name] = ("passed", "")
-        elif statuses == {"raised"}:
-            merged[name] = ("passed", "") if len(messages) == 1 else \
-                ("failed", f"ranks raised different messages: {sorted(messages)}")
-        else:
-            merged[name] = ("failed", " / ".join(f"rank {r}: {m}" for r, (s, m) in sorted(ranks.items()) if s != "passed"))
-    return merged
+CASES = [_case(spec) for spec in SPECS]
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
-    merged = {}
-    for world in (2, 4):
-        names = [case.name for case in CASES if WORLD[case.mesh] == world]
-        merged.update(launch(world, names))
-    return merged
+def results():
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*degrees of freedom is <= 0")  # var of 1 element: nan
+        result = run_cases(CASES, backend=NoisyPartialAdapter(), timeout=LAUNCH_TIMEOUT_S)
+    print(f"\ntest_reductions: {len(CASES)} cases in {time.perf_counter() - start:.1f} s "
+          f"({len(result.launches)} launches)")
+    return result
 
 
 @pytest.mark.parametrize("name", [case.name for case in CASES])
 def test_reduction(results, name):
-    status, message = results[name]
-    assert status == "passed", message
+    results.check(name)
 
 
 def test_rules_registered():
-    import hypershard as hs
     reductions = {"aten::sum", "aten::sum.dim_IntList", "aten::sum.IntList_out", "aten::mean", "aten::mean.dim",
                   "aten::amax", "aten::amin", "aten::max", "aten::max.dim", "aten::min", "aten::min.dim",
                   "aten::argmax", "aten::argmin", "aten::var.correction", "aten::std.correction",
