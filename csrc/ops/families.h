@@ -15,5 +15,8 @@ void register_reshape_kernel();
 void register_one_hot_kernel();
 void register_matmul(Registry& r);       // matmul.cpp: mm, bmm, addmm, baddbmm, mv, addmv, dot
 void register_reductions(Registry& r);   // reductions.cpp: sum, mean, amax, max, var, norms, any/all, ...
+void register_loss(Registry& r);         // loss.cpp: softmax, log_softmax, nll_loss(2d), backwards
+// loss.cpp: cross_entropy_loss on AutogradPrivateUse2 (label smoothing on class-sharded logits).
+void register_cross_entropy_kernel();
 
 }  // namespace hypershard::ops
