@@ -18,5 +18,8 @@ void register_reductions(Registry& r);   // reductions.cpp: sum, mean, amax, max
 // reductions.cpp: max.dim/min.dim backward on AutogradPrivateUse2 (its composite kernel would
 // scatter into a plain tensor).
 void register_reduction_kernels();
+void register_loss(Registry& r);         // loss.cpp: softmax, log_softmax, nll_loss(2d), backwards
+// loss.cpp: cross_entropy_loss on AutogradPrivateUse2 (label smoothing on class-sharded logits).
+void register_cross_entropy_kernel();
 
 }  // namespace hypershard::ops

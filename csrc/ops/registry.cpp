@@ -95,6 +95,7 @@ void register_all(Registry& r) {
   register_views(r);
   register_matmul(r);
   register_reductions(r);
+  register_loss(r);
 }
 
 }  // namespace hypershard::ops
