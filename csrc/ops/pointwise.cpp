@@ -20,17 +20,18 @@
 //   reject      everything else (comparisons, abs, pow, fill_ ...): a sum/avg Partial input is an
 //               error that names the op and the argument (redistribute it first); a max/min/prod
 //               Partial (only made by the monotone row above) is reduced first, which is exact.
+// The engine (elementwise_layouts, pointwise.h) is shared with the _foreach_* list ops
+// (foreach.cpp), which run it once per list position.
 // Excluded: ops whose value depends on position (handled by their own families).
 #include <c10/core/ScalarType.h>
 
 #include <algorithm>
 
 #include "ops/families.h"
+#include "ops/pointwise.h"
 
 namespace hypershard::ops {
 namespace {
-
-enum class Algebra : int8_t { kReject, kLinear, kBilinear, kNumerator, kScale, kNegate, kMonotone, kCast, kIdentity };
 
 bool is_sum_like(ReduceOp op) { return op == ReduceOp::Sum || op == ReduceOp::Avg; }
 bool is_max_like(ReduceOp op) { return op == ReduceOp::Max || op == ReduceOp::Min; }
@@ -78,10 +79,10 @@ std::optional<ReduceOp> input_partial(Algebra algebra, ReduceOp out_op, int64_t 
   }
 }
 
-std::vector<int64_t> broadcast_shape(const OpCall& call) {
+std::vector<int64_t> broadcast_shape(const OpCall& call, const std::vector<int64_t>& operands) {
   std::vector<int64_t> out;
-  for (const auto& t : call.tensors) {
-    const auto& shape = t.layout->global_shape();
+  for (int64_t t : operands) {
+    const auto& shape = call.layout(t).global_shape();
     if (shape.size() > out.size()) out.insert(out.begin(), shape.size() - out.size(), 1);
     for (size_t i = 0; i < shape.size(); ++i) {
       int64_t& o = out[out.size() - shape.size() + i];
@@ -97,29 +98,55 @@ struct Candidate {
   layout::DimAxes dims;  // per output dim
   std::optional<ReduceOp> partial;
   std::vector<int64_t> partial_axes;
-  int64_t source = -1;   // the operand the candidate copies
+  int64_t source = -1;   // the operand the candidate copies (an index into call.tensors)
 };
 
-template <Algebra A, int kMaskArg>
+OpPlan elementwise_rule(const OpCall& call, Algebra algebra, int64_t mask_arg) {
+  std::vector<int64_t> operands(call.tensors.size());
+  for (size_t t = 0; t < operands.size(); ++t) operands[t] = static_cast<int64_t>(t);
+  auto layouts = elementwise_layouts(call, algebra, mask_arg, operands);
+  OpPlan plan;
+  plan.inputs = std::move(layouts.inputs);
+  plan.outputs.assign(call.schema().returns().size(), layouts.output);
+  return plan;
+}
+
+template <Algebra A, int64_t kMask>
 OpPlan elementwise_rule(const OpCall& call) {
-  const auto out_shape = broadcast_shape(call);
+  return elementwise_rule(call, A, kMask);
+}
+
+template <Algebra A, int64_t kMask = kNoMask>
+void add(Registry& r, const char* name) {
+  r.add(name, &elementwise_rule<A, kMask>, KeyScalars::kNone);
+}
+
+// Casts: the dtype decides whether a Partial survives, so it joins the key.
+void add_cast(Registry& r, const char* name) { r.add(name, &elementwise_rule<Algebra::kCast, kNoMask>, KeyScalars::kAll); }
+
+}  // namespace
+
+ElementwiseLayouts elementwise_layouts(const OpCall& call, Algebra algebra, int64_t mask_arg,
+                                       const std::vector<int64_t>& operands) {
+  const auto out_shape = broadcast_shape(call, operands);
   const int64_t out_ndim = static_cast<int64_t>(out_shape.size());
   const int64_t mesh_ndim = call.mesh->mesh()->ndim();
-  const auto& returns = call.schema().returns();
   const auto& args = call.schema().arguments();
+  const size_t n = operands.size();
 
-  // Operand roles: out= buffers take no part; a written first argument is in-place self.
-  std::vector<bool> is_out(call.tensors.size(), false), is_mask(call.tensors.size(), false);
-  int64_t inplace_self = -1, first_data = -1;
-  for (size_t i = 0; i < call.tensors.size(); ++i) {
-    const auto& arg = args[call.tensors[i].arg];
+  // Operand roles (k indexes `operands`): out= buffers take no part; a written first argument
+  // is in-place self.
+  std::vector<bool> is_out(n, false), is_mask(n, false);
+  int64_t inplace_self = -1, first_data = -1;  // indices into call.tensors
+  for (size_t k = 0; k < n; ++k) {
+    const auto& t = call.tensors[operands[k]];
+    const auto& arg = args[t.arg];
     const bool written = arg.alias_info() && arg.alias_info()->isWrite();
-    if (written && call.tensors[i].arg == 0) inplace_self = static_cast<int64_t>(i);
-    else if (written) is_out[i] = true;
-    is_mask[i] = call.tensors[i].arg == kMaskArg;
-    if (!is_out[i] && !is_mask[i] && first_data < 0) first_data = static_cast<int64_t>(i);
+    if (written && t.arg == 0) inplace_self = operands[k];
+    else if (written) is_out[k] = true;
+    is_mask[k] = t.arg == mask_arg;
+    if (!is_out[k] && !is_mask[k] && first_data < 0) first_data = operands[k];
   }
-  (void)returns;
 
   auto input_dim = [&](int64_t t, int64_t out_dim) -> int64_t {  // -1: broadcast / absent
     const auto& shape = call.layout(t).global_shape();
@@ -132,37 +159,39 @@ OpPlan elementwise_rule(const OpCall& call) {
   // missing redistribution in the user's plan, e.g. a row-parallel output fed to relu); a
   // max/min/prod Partial only comes from hypershard's own monotone algebra (and the backward
   // ops that reuse such outputs), so it is reduced first, which is exact.
-  std::vector<bool> reduce_first(call.tensors.size(), false);
-  for (size_t t = 0; t < call.tensors.size(); ++t) {
+  std::vector<bool> reduce_first(n, false);
+  for (size_t k = 0; k < n; ++k) {
+    const int64_t t = operands[k];
     const auto op = call.layout(t).partial_op();
-    if (!op || is_out[t]) continue;
-    if (!is_mask[t] && output_partial(A, *op, call, static_cast<int64_t>(t), first_data)) continue;
+    if (!op || is_out[k]) continue;
+    if (!is_mask[k] && output_partial(algebra, *op, call, t, first_data)) continue;
     if (is_sum_like(*op))
-      fail_argument(call, static_cast<int64_t>(t), std::string("Partial(") + layout::reduce_op_name(*op) +
+      fail_argument(call, t, std::string("Partial(") + layout::reduce_op_name(*op) +
                     ") input is not supported by this op", "Replicate or Shard (redistribute the Partial input first)");
-    reduce_first[t] = true;
+    reduce_first[k] = true;
   }
 
   std::vector<Candidate> candidates;
-  for (size_t t = 0; t < call.tensors.size(); ++t) {
-    if (is_out[t] || (inplace_self >= 0 && static_cast<int64_t>(t) != inplace_self)) continue;
+  for (size_t k = 0; k < n; ++k) {
+    const int64_t t = operands[k];
+    if (is_out[k] || (inplace_self >= 0 && t != inplace_self)) continue;
     const auto& l = call.layout(t);
     Candidate c;
-    c.source = static_cast<int64_t>(t);
+    c.source = t;
     c.dims.assign(out_ndim, {});
     for (int64_t o = 0; o < out_ndim; ++o) {
-      const int64_t d = input_dim(c.source, o);
+      const int64_t d = input_dim(t, o);
       if (d >= 0) c.dims[o] = l.dim_axes()[d];
     }
-    if (auto op = l.partial_op(); op && !reduce_first[t]) {
-      c.partial = output_partial(A, *op, call, c.source, first_data);
+    if (auto op = l.partial_op(); op && !reduce_first[k]) {
+      c.partial = output_partial(algebra, *op, call, t, first_data);
       for (int64_t a = 0; a < mesh_ndim; ++a)
         if (l.is_partial(a)) c.partial_axes.push_back(a);
     }
-    if (inplace_self >= 0 && static_cast<int64_t>(t) == inplace_self) {
+    if (t == inplace_self) {
       // self's sharding must survive: a broadcast self dim that another operand shards is an error.
       if (static_cast<int64_t>(l.global_shape().size()) != out_ndim || l.global_shape() != out_shape)
-        fail_argument(call, c.source, "an in-place op cannot broadcast self to " + layout::shape_string(out_shape),
+        fail_argument(call, t, "an in-place op cannot broadcast self to " + layout::shape_string(out_shape),
                       "operands that broadcast to self's shape");
     }
     candidates.push_back(std::move(c));
@@ -170,26 +199,27 @@ OpPlan elementwise_rule(const OpCall& call) {
   if (candidates.empty()) fail_call(call, "internal error: no operand to take the output layout from");
 
   const Layout& any = call.layout(candidates[0].source);
-  OpPlan best;
+  ElementwiseLayouts best;
   int64_t best_cost = -1;
   for (const auto& c : candidates) {
-    OpPlan plan;
+    ElementwiseLayouts plan;
     int64_t cost = 0;
-    for (size_t t = 0; t < call.tensors.size(); ++t) {
+    for (size_t k = 0; k < n; ++k) {
+      const int64_t t = operands[k];
       const auto& current = call.tensors[t].layout;
-      if (is_out[t]) {
+      if (is_out[k]) {
         plan.inputs.push_back(current);
         continue;
       }
       const auto& shape = current->global_shape();
       layout::DimAxes dims(shape.size());
       for (int64_t o = 0; o < out_ndim; ++o) {
-        const int64_t d = input_dim(static_cast<int64_t>(t), o);
+        const int64_t d = input_dim(t, o);
         if (d >= 0) dims[d] = c.dims[o];
       }
       layout::PartialOps partial(mesh_ndim);
       if (c.partial)  // a reduce-first operand is reduced, then filled where the algebra needs it
-        if (auto op = input_partial(A, *c.partial, static_cast<int64_t>(t), c.source, is_mask[t]))
+        if (auto op = input_partial(algebra, *c.partial, t, c.source, is_mask[k]))
           for (int64_t a : c.partial_axes) partial[a] = *op;
       auto required = make_layout(*current, shape, std::move(dims), std::move(partial));
       cost += layout::cached_plan(current, required).total_elements();
@@ -198,8 +228,7 @@ OpPlan elementwise_rule(const OpCall& call) {
     layout::PartialOps out_partial(mesh_ndim);
     if (c.partial)
       for (int64_t a : c.partial_axes) out_partial[a] = *c.partial;
-    auto out = make_layout(any, out_shape, c.dims, std::move(out_partial));
-    for (size_t r = 0; r < call.schema().returns().size(); ++r) plan.outputs.push_back(out);
+    plan.output = make_layout(any, out_shape, c.dims, std::move(out_partial));
     if (best_cost < 0 || cost < best_cost) {
       best = std::move(plan);
       best_cost = cost;
@@ -207,18 +236,6 @@ OpPlan elementwise_rule(const OpCall& call) {
   }
   return best;
 }
-
-constexpr int kNoMask = -1;
-
-template <Algebra A, int kMask = kNoMask>
-void add(Registry& r, const char* name) {
-  r.add(name, &elementwise_rule<A, kMask>, KeyScalars::kNone);
-}
-
-// Casts: the dtype decides whether a Partial survives, so it joins the key.
-void add_cast(Registry& r, const char* name) { r.add(name, &elementwise_rule<Algebra::kCast, kNoMask>, KeyScalars::kAll); }
-
-}  // namespace
 
 void register_pointwise(Registry& r) {
   using A = Algebra;
