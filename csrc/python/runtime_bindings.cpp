@@ -71,9 +71,12 @@ void bind_runtime(py::module_& m) {
   m.def("dispatch_stats", [] {
     const auto s = runtime::dispatch_stats();
     return py::dict(py::arg("calls") = s.calls, py::arg("cache_hits") = s.cache_hits,
+                    py::arg("cache_entries") = s.cache_entries,
                     py::arg("interned_layouts") = layout::interned_count(),
                     py::arg("cached_plans") = layout::cached_plan_count());
   });
+  m.def("cached_op_plans", &runtime::cached_op_plans,
+        "The number of cached op plans per op, as (name, count) pairs (ops without plans left out).");
   m.def("reset_dispatch_stats", &runtime::reset_dispatch_stats);
   m.def("traffic", [] {
     const auto t = runtime::traffic();

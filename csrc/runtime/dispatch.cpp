@@ -609,7 +609,19 @@ DispatchStats dispatch_stats() {
   DispatchStats s;
   s.calls = g_calls.load();
   s.cache_hits = g_hits.load();
+  for (const auto& [name, count] : cached_op_plans()) s.cache_entries += count;
   return s;
+}
+
+std::vector<std::pair<std::string, int64_t>> cached_op_plans() {
+  std::vector<std::pair<std::string, int64_t>> out;
+  std::shared_lock<std::shared_mutex> read(g_infos_mutex);
+  for (const auto& [key, info] : *g_infos) {
+    std::shared_lock<std::shared_mutex> plans(info->mutex);
+    if (!info->plans.empty()) out.emplace_back(info->name, static_cast<int64_t>(info->plans.size()));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 void reset_dispatch_stats() {

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace hypershard::runtime {
@@ -17,9 +18,11 @@ void sync_registrations();
 struct DispatchStats {
   int64_t calls = 0;
   int64_t cache_hits = 0;
-  int64_t cache_entries = 0;
+  int64_t cache_entries = 0;  // op plans cached, all ops together
 };
 DispatchStats dispatch_stats();
+// The number of cached op plans per op ("aten::add.Tensor"), ops without plans left out, sorted.
+std::vector<std::pair<std::string, int64_t>> cached_op_plans();
 void reset_dispatch_stats();
 
 // Every op hypershard has a rule for, "aten::add.Tensor" style.
