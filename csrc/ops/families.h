@@ -21,5 +21,6 @@ void register_reduction_kernels();
 void register_loss(Registry& r);         // loss.cpp: softmax, log_softmax, nll_loss(2d), backwards
 // loss.cpp: cross_entropy_loss on AutogradPrivateUse2 (label smoothing on class-sharded logits).
 void register_cross_entropy_kernel();
+void register_foreach(Registry& r);      // foreach.cpp: _foreach_* list ops, _fused_adam(w)_/_fused_sgd_
 
 }  // namespace hypershard::ops

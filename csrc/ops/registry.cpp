@@ -96,6 +96,7 @@ void register_all(Registry& r) {
   register_matmul(r);
   register_reductions(r);
   register_loss(r);
+  register_foreach(r);
 }
 
 }  // namespace hypershard::ops

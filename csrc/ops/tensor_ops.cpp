@@ -1,6 +1,7 @@
 // Identity views, factories and scalar extraction.
 //
 //   detach, alias, lift_fresh        same layout (a view of the same local)
+//   detach_                          same layout, in place (zero_grad(set_to_none=False))
 //   *_like (empty/zeros/ones/full)   the input's sharding; Partial axes become Replicate,
 //                                    since a freshly filled tensor is not a sum of parts
 //   new_empty_strided                sizes are GLOBAL: the source's sharding when the sizes equal
@@ -115,7 +116,7 @@ void register_one_hot_kernel() {
 }
 
 void register_tensor_ops(Registry& r) {
-  for (const char* op : {"aten::alias", "aten::detach", "aten::lift_fresh"})
+  for (const char* op : {"aten::alias", "aten::detach", "aten::detach_", "aten::lift_fresh"})
     r.add(op, &same_layout_rule, KeyScalars::kNone);
   // Random *_like ops are not here: they need the random-op rules (same draw on every replica).
   for (const char* op : {"aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like"})
