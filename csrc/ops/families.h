@@ -15,5 +15,12 @@ void register_reshape_kernel();
 void register_one_hot_kernel();
 void register_matmul(Registry& r);       // matmul.cpp: mm, bmm, addmm, baddbmm, mv, addmv, dot
 void register_reductions(Registry& r);   // reductions.cpp: sum, mean, amax, max, var, norms, any/all, ...
+void register_embedding(Registry& r);    // embedding.cpp: embedding (vocab-parallel too) and its backward
+// embedding.cpp: aten::embedding on AutogradPrivateUse2 and hypershard::embedding_vocab_backward
+// (a row-sharded table's gradient stays on its rows).
+void register_embedding_kernels();
+void register_normalization(Registry& r);  // normalization.cpp: layer/group norm, softmax
+void register_attention(Registry& r);    // attention.cpp: scaled dot-product attention (CPU kernel)
+void register_random(Registry& r);       // random.cpp: random fills, *_like draws, dropout
 
 }  // namespace hypershard::ops

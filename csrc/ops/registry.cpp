@@ -95,6 +95,10 @@ void register_all(Registry& r) {
   register_views(r);
   register_matmul(r);
   register_reductions(r);
+  register_embedding(r);
+  register_normalization(r);
+  register_attention(r);
+  register_random(r);
 }
 
 }  // namespace hypershard::ops

@@ -509,6 +509,7 @@ void install_dispatch() {
     library->fallback(torch::CppFunction::makeFromBoxedFunction<&dtensor_fallback>());
     ops::register_reshape_kernel();
     ops::register_one_hot_kernel();
+    ops::register_embedding_kernels();
     // The listener is also told of every op registered so far; sync registers them.
     static auto* listener = new c10::RegistrationHandleRAII(
         c10::Dispatcher::singleton().addRegistrationListener(std::make_unique<Listener>()));
