@@ -250,7 +250,8 @@ void register_pointwise(Registry& r) {
   for (const char* op : {"aten::mul.Tensor", "aten::mul_.Tensor", "aten::mul.out"}) add<A::kBilinear>(r, op);
   for (const char* op : {"aten::div.Tensor", "aten::div_.Tensor", "aten::div.out", "aten::div.Tensor_mode",
                          "aten::threshold_backward", "aten::gelu_backward", "aten::silu_backward",
-                         "aten::sigmoid_backward", "aten::tanh_backward", "aten::softplus_backward"})
+                         "aten::sigmoid_backward", "aten::tanh_backward", "aten::softplus_backward",
+                         "aten::native_dropout_backward"})
     add<A::kNumerator>(r, op);
   // Scaled by a Python scalar / identity-like.
   for (const char* op : {"aten::mul.Scalar", "aten::mul_.Scalar", "aten::div.Scalar", "aten::div_.Scalar"})

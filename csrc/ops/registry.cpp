@@ -97,6 +97,10 @@ void register_all(Registry& r) {
   register_reductions(r);
   register_loss(r);
   register_foreach(r);
+  register_embedding(r);
+  register_normalization(r);
+  register_attention(r);
+  register_random(r);
 }
 
 }  // namespace hypershard::ops

@@ -596,6 +596,7 @@ void install_dispatch() {
     ops::register_one_hot_kernel();
     ops::register_reduction_kernels();
     ops::register_cross_entropy_kernel();
+    ops::register_embedding_kernels();
     // The listener is also told of every op registered so far; sync registers them.
     static auto* listener = new c10::RegistrationHandleRAII(
         c10::Dispatcher::singleton().addRegistrationListener(std::make_unique<Listener>()));
