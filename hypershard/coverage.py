@@ -13,21 +13,10 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import sys
-import tempfile
 from pathlib import Path
 
-
-def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    names, shape = [], []
-    for item in text.split(","):
-        name, _, size = item.partition("=")
-        if not size.isdigit() or not name:
-            raise argparse.ArgumentTypeError(f"mesh {text!r}: expected NAME=SIZE[,NAME=SIZE...], e.g. dp=2,tp=2")
-        names.append(name.strip())
-        shape.append(int(size))
-    return tuple(shape), tuple(names)
+from .launch import mesh_size, parse_mesh, spawn_local_ranks
 
 
 def parse_overrides(items: list) -> dict:
@@ -83,18 +72,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
 
-    import torch.multiprocessing as mp
-
-    world = 1
-    for size in args.mesh[0]:
-        world *= size
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "coverage.json")
-        mp.start_processes(_rank, args=(world, port, args, out), nprocs=world, start_method="spawn")
-        report = json.loads(Path(out).read_text())
+    report = spawn_local_ranks(_rank, mesh_size(args.mesh[0]), args)
 
     ops = report["ops"]
     missing = [name for name, _, has_rule in ops if not has_rule]

@@ -15,13 +15,11 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from .coverage import parse_mesh
+from .launch import mesh_size, parse_mesh, spawn_local_ranks
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
@@ -115,20 +113,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="demo_out", help="output folder (default demo_out)")
     args = parser.parse_args(argv)
 
-    import torch.multiprocessing as mp
-
-    world = 1
-    for size in args.mesh[0]:
-        world *= size
+    world = mesh_size(args.mesh[0])
     mesh_text = " x ".join(f"{n}={s}" for s, n in zip(*args.mesh))
     print(f"hypershard demo: Qwen3ForCausalLM (tiny, random init) on a {world}-rank CPU mesh ({mesh_text})")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = os.path.join(tmp, "result.json")
-        mp.start_processes(_rank, args=(world, port, args, result_file), nprocs=world, start_method="spawn")
-        result = json.loads(Path(result_file).read_text())
+    result = spawn_local_ranks(_rank, world, args)
     single, single_seconds = _single_device(args)
     distributed = result["losses"]
 
