@@ -1,6 +1,6 @@
 """make demo: a real HuggingFace Qwen3 model (tiny config, random weights) trains on a 4-rank
-CPU mesh (dp=2 x tp=2 by default) through hypershard, then the same steps run on one device and
-the two are compared step by step. Writes demo_out/loss_curve.png and demo_out/losses.json.
+CPU mesh (dp=2 x tp=2 by default) through hypershard, fitting one batch, then the same steps run
+on one device and the two are compared step by step. Writes demo_out/loss_curve.png and demo_out/losses.json.
 
     python -m hypershard.demo [--mesh dp=2,tp=2] [--steps 8] [--out demo_out]
 
@@ -35,7 +35,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
 
     mesh = hs.init_device_mesh("cpu", *args.mesh)
     config = tiny_config("qwen3")
-    batches = make_batches(config.vocab_size, args.steps, batch=args.batch, seq=args.seq)
+    batches = make_batches(config.vocab_size, 1, batch=args.batch, seq=args.seq) * args.steps  # fit one batch
     model = parallelize(tiny_model(config), mesh)
     bar = None
     if rank == 0:
@@ -48,7 +48,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
             bar.update(1)
 
     start = time.perf_counter()
-    losses = train(model, batches, on_step=on_step)
+    losses = train(model, batches, lr=args.lr, on_step=on_step)
     elapsed = time.perf_counter() - start
     if bar is not None:
         bar.close()
@@ -69,7 +69,7 @@ def _single_device(args: argparse.Namespace) -> tuple[list, float]:
 
     torch.set_num_threads(1)
     config = tiny_config("qwen3")
-    batches = make_batches(config.vocab_size, args.steps, batch=args.batch, seq=args.seq)
+    batches = make_batches(config.vocab_size, 1, batch=args.batch, seq=args.seq) * args.steps  # fit one batch
     bar = tqdm(total=args.steps, desc="one device", unit="step", leave=True)
 
     def on_step(step: int, loss: float) -> None:
@@ -77,7 +77,7 @@ def _single_device(args: argparse.Namespace) -> tuple[list, float]:
         bar.update(1)
 
     start = time.perf_counter()
-    losses = train(tiny_model(config), batches, on_step=on_step)
+    losses = train(tiny_model(config), batches, lr=args.lr, on_step=on_step)
     bar.close()
     return losses, time.perf_counter() - start
 
@@ -110,6 +110,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
     parser.add_argument("--batch", type=int, default=4, help="global batch size (default 4)")
     parser.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
+    parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (default 1e-2)")
     parser.add_argument("--out", default="demo_out", help="output folder (default demo_out)")
     args = parser.parse_args(argv)
 
