@@ -144,10 +144,14 @@ void softmax_expand(const std::vector<int64_t>& axes, const OpCall& call, Stack&
     max = at::full(shape, -INFINITY, xf.options());
   }
   max = all_reduce_axes(max, call, axes, ReduceOp::Max);
-  const auto shifted = xf - max;
-  const auto e = shifted.exp();
-  const auto sum = all_reduce_axes(e.sum(dim, true), call, axes, ReduceOp::Sum);
-  const auto out = kLog ? shifted - sum.log() : e / sum;
+  // In place where possible: the logits are the largest tensor of a training step.
+  auto out = xf - max;
+  if (kLog) {
+    out.sub_(all_reduce_axes(out.exp().sum(dim, true), call, axes, ReduceOp::Sum).log_());
+  } else {
+    out.exp_();
+    out.div_(all_reduce_axes(out.sum(dim, true), call, axes, ReduceOp::Sum));
+  }
   replace_args(call, stack, {out.to(out_dtype)});
 }
 
@@ -177,7 +181,14 @@ void softmax_backward_expand(const std::vector<int64_t>& axes, const OpCall& cal
     out = out.to(at::kFloat);
   }
   const auto sum = all_reduce_axes((kLog ? grad : grad * out).sum(dim, true), call, axes, ReduceOp::Sum);
-  const auto result = kLog ? grad - out.exp() * sum : out * (grad - sum);
+  at::Tensor result;
+  if (kLog) {
+    result = out.exp();
+    result.mul_(sum.neg()).add_(grad);
+  } else {
+    result = grad - sum;
+    result.mul_(out);
+  }
   replace_args(call, stack, {result.to(input_dtype)});
 }
 
@@ -269,9 +280,9 @@ void check_nll_shapes(const OpCall& call, const NllArgs& a, bool two_d) {
   if (target != rows)
     fail_argument(call, a.target, "shape does not match input " + layout::shape_string(self),
                   "target of shape " + layout::shape_string(rows));
-  if (a.weight >= 0 && layout::numel(call.layout(a.weight).global_shape()) != self[class_dim])
+  if (a.weight >= 0 && (call.layout(a.weight).ndim() != 1 || call.layout(a.weight).global_shape()[0] != self[class_dim]))
     fail_argument(call, a.weight, "is not defined for all classes",
-                  layout::str_cat("a weight of ", self[class_dim], " elements"));
+                  layout::str_cat("a 1-d weight of ", self[class_dim], " elements"));
 }
 
 // The sharding of self for the local call: self's own, or its rows sharded like target (class
@@ -293,7 +304,9 @@ at::Tensor local_targets(const Nll& n, const OpCall& call, const at::Tensor& sel
   const auto t = target.to(at::kLong);
   const auto used = t.ne(ignore);
   const auto bad = used.logical_and(t.lt(0).logical_or(t.ge(n_classes)));
-  if (bad.any().item<bool>()) {
+  if (!t.is_cpu()) {  // no host sync on accelerators: a device-side assert, as torch's kernels
+    at::_assert_async(bad.any().logical_not(), "hypershard: nll_loss: a target is out of bounds");
+  } else if (bad.any().item<bool>()) {
     TORCH_CHECK_INDEX(false, "Target ", t.masked_select(bad)[0].item<int64_t>(), " is out of bounds.");
   }
   const int64_t offset = n.self->global_offset_at(call.mesh->position())[n.class_dim];
@@ -316,14 +329,16 @@ void nll_forward_expand(const Nll& n, const OpCall& call, Stack& stack) {
   const int64_t local_reduction = n.reduction == kMean ? kSum : n.reduction;
   auto [out, total] = k2d ? at::nll_loss2d_forward(self, target, weight, local_reduction, ignore)
                           : at::nll_loss_forward(self, target, weight, local_reduction, ignore);
-  if (n.reduction == kNone) {
-    out = all_reduce_axes(out, call, n.class_axes, ReduceOp::Sum);
+  // Half types are reduced in float32 (as torch's CPU kernels accumulate them).
+  const auto wide = is_low_precision(out) ? at::kFloat : out.scalar_type();
+  if (n.reduction == kNone && !n.class_axes.empty()) {
+    out = all_reduce_axes(out.to(wide), call, n.class_axes, ReduceOp::Sum).to(out.scalar_type());
   } else if (n.reduction == kMean) {
     auto axes = n.class_axes;
     axes.insert(axes.end(), n.row_axes.begin(), n.row_axes.end());
-    const auto packed = all_reduce_axes(at::stack({out, total.to(out.scalar_type())}), call, axes, ReduceOp::Sum);
+    const auto packed = all_reduce_axes(at::stack({out.to(wide), total.to(wide)}), call, axes, ReduceOp::Sum);
     total = packed[1].to(total.scalar_type());
-    out = packed[0] / packed[1];
+    out = (packed[0] / packed[1]).to(out.scalar_type());
   }
   replace_args(call, stack, {out, total});
 }

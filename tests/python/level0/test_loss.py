@@ -243,6 +243,33 @@ def _no_gather_cases(c):
                            mesh=mesh, expect=expected_loss_layout(red, mesh, rows), max_bytes=4 * 64))
 
 
+def lm_head_ce(reduction, ls):
+    """Logits from an LM head (hidden @ W^T, W's rows = the vocabulary), then cross entropy."""
+    return lambda h, w, t: F.cross_entropy(h @ w.t(), t, reduction=reduction, label_smoothing=ls, ignore_index=IGNORE)
+
+
+def _model_cases(c):
+    # an LM head sharded on the vocabulary (x data-parallel on (2, 2)): gradients of the hidden
+    # states and of the head through vocab-parallel cross entropy
+    for mesh, hp, wp, tp in ((M2, ["R"], ["S(0)"], ["R"]), (M4, ["R"], ["S(0)"], ["R"]),
+                             (M22, ["S(0)", "R"], ["R", "S(0)"], ["S(0)", "R"])):
+        tag = "x".join(map(str, mesh[0]))
+        for red in REDUCTIONS:
+            c.append(C(f"lm_head|{tag}|{red}", lm_head_ce(red, 0.1), [X((6, 5), hp), X((7, 5), wp), T((6,), 7, tp)],
+                       mesh=mesh))
+    # bfloat16 logits (collectives in float32). One device rounds every op of the composite to
+    # bfloat16 in its own order; gradients agree to a few bfloat16 ulps of O(1) values, while a
+    # wrong pick, mask or total would be off by O(0.1).
+    for mesh, xp in ((M2, ["S(1)"]), (M22, ["S(0)", "S(1)"])):
+        tag = "x".join(map(str, mesh[0]))
+        for red in REDUCTIONS:
+            c.append(C(f"ce_bf16|{tag}|{xp}|{red}", ce(red, 0.1),
+                       [Input((6, 7), torch.bfloat16, placements=xp), T((6,), 7, ["R"] * len(xp))], mesh=mesh,
+                       atol=1e-2))
+        c.append(C(f"softmax_bf16|{tag}|{xp}", softmax(-1), [Input((6, 7), torch.bfloat16, placements=xp)], mesh=mesh,
+                   atol=1e-2))
+
+
 def _shape_cases(c):
     # HF causal LM: (batch, seq, vocab) logits, view(-1, V)
     for mesh, lp, tp in ((M2, ["S(0)"], ["S(0)"]), (M2, ["S(2)"], ["R"]), (M4, ["S(2)"], ["R"]),
@@ -299,6 +326,7 @@ def _cases():
     _softmax_cases(c)
     _loss_cases(c)
     _no_gather_cases(c)
+    _model_cases(c)
     _shape_cases(c)
     _error_cases(c)
     return c
