@@ -258,6 +258,12 @@ at::Tensor all_reduce_along(const at::Tensor& local, const DeviceMesh& mesh, int
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
   g_collectives.fetch_add(1, std::memory_order_relaxed);
+  {  // the planner's all_reduce cost: reduce_scatter + all_gather of the flattened chunks
+    const int64_t k = mesh.mesh()->shape()[axis], n = local.numel();
+    const int64_t piece = chunk_span(n, k, mesh.coordinate(axis)).length;
+    g_bytes.fetch_add((n - piece + piece * (k - 1)) * static_cast<int64_t>(local.element_size()),
+                      std::memory_order_relaxed);
+  }
   mesh.group(axis).allreduce(tensors, opts)->wait();
   return reduce_op_finish(tensors[0], op, mesh.mesh()->shape()[axis]);
 }
@@ -276,6 +282,7 @@ at::Tensor all_gather_along(const at::Tensor& local, const DeviceMesh& mesh, int
   sizes[0] = longest * k;
   auto gathered = at::empty(sizes, send.options());
   g_collectives.fetch_add(1, std::memory_order_relaxed);
+  g_bytes.fetch_add(send.numel() * (k - 1) * static_cast<int64_t>(send.element_size()), std::memory_order_relaxed);
   mesh.group(axis)._allgather_base(gathered, send)->wait();
   std::vector<at::Tensor> pieces;
   for (int64_t c = 0; c < k; ++c) pieces.push_back(gathered.narrow(0, c * longest, host[c].item<int64_t>()));

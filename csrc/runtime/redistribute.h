@@ -31,7 +31,8 @@ at::Tensor all_reduce_along(const at::Tensor& local, const DeviceMesh& mesh, int
 // Concatenates the group's tensors along `dim` in coordinate order; sizes along `dim` may differ.
 at::Tensor all_gather_along(const at::Tensor& local, const DeviceMesh& mesh, int64_t axis, int64_t dim);
 
-// Counters of what the collectives sent, for benchmarks and tests.
+// Counters of what the collectives sent, for benchmarks and tests (redistributions and the
+// expand implementations' all_reduce_along / all_gather_along alike).
 struct TrafficCounters {
   int64_t collectives = 0;
   int64_t bytes_sent = 0;  // the cost model's bytes of this rank

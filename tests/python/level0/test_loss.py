@@ -27,6 +27,11 @@ import torch.nn.functional as F
 hs = pytest.importorskip("hypershard")
 from hypershard.testing import Case, Input, current_mesh, run_cases, uniform  # noqa: E402
 
+try:
+    from transformers.loss.loss_utils import ForCausalLMLoss
+except ImportError:  # transformers is optional here
+    ForCausalLMLoss = None
+
 LAUNCH_TIMEOUT_S = 240
 
 M2 = ((2,), ("x",))
@@ -279,6 +284,16 @@ def _shape_cases(c):
             for ls in (0.0, 0.1):
                 c.append(C(f"hf|{tag}|{lp}|{red}|ls{ls}", hf_ce(red, ls), [X((2, 3, 7), lp), T((2, 3), 7, tp)],
                            mesh=mesh))
+    # transformers' own causal-LM loss (pad + shift the labels, flatten, cross_entropy; sum /
+    # num_items_in_batch when given)
+    if ForCausalLMLoss is not None:
+        for mesh, lp, tp in ((M2, ["S(0)"], ["S(0)"]), (M2, ["S(2)"], ["R"]), (M4, ["S(2)"], ["R"]),
+                             (M22, ["S(0)", "S(2)"], ["S(0)", "R"])):
+            tag = "x".join(map(str, mesh[0]))
+            for items in (None, 5):
+                c.append(C(f"hf_causal_lm_loss|{tag}|{lp}|items{items}",
+                           lambda l, t, items=items: ForCausalLMLoss(l, t, vocab_size=7, num_items_in_batch=items),
+                           [X((2, 4, 7), lp), T((2, 4), 7, tp)], mesh=mesh))
     # 3-D and 4-D logits with the class dim 1 (nll_loss2d after a view for 3-D)
     for mesh, shape, xp, tp in ((M2, (2, 7, 3), ["S(1)"], ["R"]), (M2, (2, 7, 3), ["S(0)"], ["S(0)"]),
                                 (M2, (3, 5, 4), ["S(2)"], ["S(1)"]), (M2, (2, 7, 2, 3), ["S(1)"], ["R"]),
@@ -302,6 +317,22 @@ def _shape_cases(c):
     c.append(C("ce_all_ignored|2|vocab", ce("mean"),
                [X((4, 7), ["S(1)"]), Input((4,), torch.int64, init=lambda s, d, g: torch.full(s, IGNORE))],
                ))
+
+
+def weighted_tokens(x, t, v):  # per-token losses weighted by v: a Partial v gives a Partial grad
+    return torch.dot(F.cross_entropy(x, t, reduction="none"), v)
+
+
+def _partial_grad_cases(c):
+    # the gradient of a none loss is Partial(sum) on y: kept through nll_loss_backward and
+    # _log_softmax_backward_data (linear in the gradient) where self is not sharded on y
+    c.append(C("nll_backward_partial_grad|22", weighted_tokens,
+               [X((6, 7), ["S(0)", "R"]), T((6,), 7, ["S(0)", "R"]), X((6,), ["R", "P"])], mesh=M22))
+    c.append(C("nll_backward_partial_grad|2", weighted_tokens, [X((6, 7), ["R"]), T((6,), 7), X((6,), ["P"])]))
+    # ... and an error where the classes are sharded on y: every shard needs the whole gradient
+    c.append(Case("nll_backward_partial_grad_on_class_axis|22", fn=weighted_tokens,
+                  inputs=[X((6, 7), ["S(0)", "S(1)"]), T((6,), 7, ["S(0)", "R"]), X((6,), ["R", "P"])], mesh=M22,
+                  expect_error="aten::nll_loss_backward: argument grad_output (#0)"))
 
 
 def _error_cases(c):
@@ -328,6 +359,7 @@ def _cases():
     _no_gather_cases(c)
     _model_cases(c)
     _shape_cases(c)
+    _partial_grad_cases(c)
     _error_cases(c)
     return c
 
