@@ -50,8 +50,9 @@
 // Partial: a Partial self / input / output / target / weight is an error naming the argument
 // (a softmax or a picked log-prob of a sum is not the sum of the parts'). The backward ops are
 // linear in grad_output: a Partial(sum|avg) grad_output is kept on the mesh axes the result is
-// not sharded on; on a sharding axis it is an error (each shard needs the whole gradient);
-// a max/min/prod Partial grad is reduced first (exact).
+// not sharded on (the softmax backward ops then take grad's sharding; nll_loss_backward, whose
+// result follows self, raises when every choice of sharding uses a Partial axis: each shard
+// needs the whole gradient); a max/min/prod Partial grad is reduced first (exact).
 // Excluded: _softmax/_log_softmax out= variants, multi_margin/binary losses (not reached by the
 // target models); a target out of [0, C) raises torch's "Target t is out of bounds." only on
 // the ranks whose shard holds it (a data-dependent check).
@@ -301,7 +302,9 @@ layout::DimAxes nll_self_dims(const Layout& self, const Layout& target, int64_t 
 // ones) -> -1, passed as the ignore_index (never a local class).
 at::Tensor local_targets(const Nll& n, const OpCall& call, const at::Tensor& self, const at::Tensor& target, int64_t ignore) {
   const int64_t n_classes = n.self->global_shape()[n.class_dim];
-  const auto t = target.to(at::kLong);
+  // Byte targets widen (-1 must be representable); other dtypes stay, so the local kernel
+  // raises torch's own dtype error.
+  const auto t = target.scalar_type() == at::kByte ? target.to(at::kLong) : target;
   const auto used = t.ne(ignore);
   const auto bad = used.logical_and(t.lt(0).logical_or(t.ge(n_classes)));
   if (!t.is_cpu()) {  // no host sync on accelerators: a device-side assert, as torch's kernels
@@ -459,9 +462,9 @@ std::tuple<at::Tensor, at::Tensor> nll_nd(const at::Tensor& input, const at::Ten
   if (input.dim() == 4) return at::nll_loss2d_forward_symint(input, target, weight, reduction, ignore_index);
   const auto n = input.sym_size(0), c = input.sym_size(1);
   auto out_size = input.sym_sizes().slice(2).vec();
-  TORCH_CHECK(target.sym_sizes().slice(1) == c10::SymIntArrayRef(out_size), "Expected target size ",
-              input.sym_sizes(), ", got ", target.sym_sizes());
   out_size.insert(out_size.begin(), n);
+  TORCH_CHECK(target.sym_sizes().slice(1) == input.sym_sizes().slice(2), "Expected target size ",
+              c10::SymIntArrayRef(out_size), ", got ", target.sym_sizes());
   const bool empty = input.sym_numel() == 0;
   const auto in = input.contiguous().view_symint(empty ? std::vector<c10::SymInt>{n, c, 0, 0}
                                                        : std::vector<c10::SymInt>{n, c, 1, -1});
