@@ -33,6 +33,9 @@ MeshPtr Mesh::create(std::vector<int64_t> shape, std::vector<std::string> axis_n
   for (const auto& name : axis_names) {
     HS_CHECK(!name.empty(), kContext, "an axis name is empty; allowed: non-empty unique names");
     HS_CHECK(name != "None", kContext, "'None' is reserved for an unsplit dim and cannot name an axis");
+    HS_CHECK(name.find('"') == std::string::npos || name.find('\'') == std::string::npos, kContext,
+             "axis name '", name, "' holds both quote characters; allowed: names the alias notation "
+             "can quote (no \" or no ')");
     HS_CHECK(seen_names.insert(name).second, kContext, "axis name '", name,
              "' is used twice; allowed: unique names");
   }

@@ -8,7 +8,19 @@
 namespace hypershard::layout {
 namespace {
 
-std::string quoted(const std::string& name) { return "\"" + name + "\""; }
+// A name as the lexer reads it back: in double quotes, or in single quotes when it holds a
+// double quote (Mesh::create rejects names holding both).
+std::string quoted(const std::string& name) {
+  const char quote = name.find('"') == std::string::npos ? '"' : '\'';
+  return quote + name + quote;
+}
+
+// Whether the lexer reads `name` as one bare word (partial(...) prints such names unquoted).
+bool is_bare_word(const std::string& name) {
+  return !name.empty() && std::all_of(name.begin(), name.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '_';
+  });
+}
 
 std::string dim_alias_string(const std::vector<std::string>& names) {
   if (names.empty()) return quoted("None");
@@ -208,7 +220,7 @@ std::string AliasLayout::to_string() const {
   for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min, ReduceOp::Prod}) {
     std::string names;
     for (const auto& [name, axis_op] : partial)
-      if (axis_op == op) names += (names.empty() ? "" : ", ") + name;
+      if (axis_op == op) names += (names.empty() ? "" : ", ") + (is_bare_word(name) ? name : quoted(name));
     if (!names.empty()) groups += str_cat(groups.empty() ? "" : "; ", reduce_op_name(op), ": ", names);
   }
   return out + " partial(" + groups + ")";

@@ -42,6 +42,9 @@ struct OpCall {
   const c10::IValue* args = nullptr;  // the schema's arguments, in order
   c10::SmallVector<TensorArg, 4> tensors;  // on the stack for the usual op
   runtime::DeviceMeshPtr mesh;
+  // Set while autograd's engine runs a backward pass: the formulas there are torch's, not the
+  // user's, so a rule may insert a redistribution it would refuse in forward code.
+  bool in_backward = false;
 
   const c10::FunctionSchema& schema() const { return op->schema(); }
   std::string name() const;  // "aten::add.Tensor"

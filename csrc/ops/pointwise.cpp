@@ -155,17 +155,19 @@ ElementwiseLayouts elementwise_layouts(const OpCall& call, Algebra algebra, int6
     return d;
   };
 
-  // Partial inputs the algebra cannot keep: a sum/avg Partial is an error (it usually means a
-  // missing redistribution in the user's plan, e.g. a row-parallel output fed to relu); a
-  // max/min/prod Partial only comes from hypershard's own monotone algebra (and the backward
-  // ops that reuse such outputs), so it is reduced first, which is exact.
+  // Partial inputs the algebra cannot keep: a sum/avg Partial is an error in forward code (it
+  // usually means a missing redistribution in the user's plan, e.g. a row-parallel output fed
+  // to relu); inside a backward pass the formula is torch's (amax's divides the gradient by a
+  // count summed over the reduced dim), so it is reduced first. A max/min/prod Partial only
+  // comes from hypershard's own monotone algebra (and the backward ops that reuse such
+  // outputs), so it is reduced first too; both are exact.
   std::vector<bool> reduce_first(n, false);
   for (size_t k = 0; k < n; ++k) {
     const int64_t t = operands[k];
     const auto op = call.layout(t).partial_op();
     if (!op || is_out[k]) continue;
     if (!is_mask[k] && output_partial(algebra, *op, call, t, first_data)) continue;
-    if (is_sum_like(*op))
+    if (is_sum_like(*op) && !call.in_backward)
       fail_argument(call, t, std::string("Partial(") + layout::reduce_op_name(*op) +
                     ") input is not supported by this op", "Replicate or Shard (redistribute the Partial input first)");
     reduce_first[k] = true;

@@ -22,9 +22,7 @@
 //               1/p power after): the output is the GLOBAL value, Replicate on those axes.
 //               Not Partial(max|min|prod) outputs, although they would be exact: every
 //               non-monotone consumer (sub, div, eq in amax's own backward, ...) reduces them
-//               first at the same cost, and that later reduction is not NaN-safe (c10d max/min
-//               drop NaN depending on the rank order), whereas here max/min reduce a NaN flag
-//               alongside. A rank whose shard of a reduced dim is empty contributes the op's
+//               first at the same cost. A rank whose shard of a reduced dim is empty contributes the op's
 //               identity.
 //   select      max.dim/min.dim/argmax/argmin over a sharded dim: each rank reduces its shard,
 //               adds its global offset (argmax without dim: the global flat index), and the
@@ -192,24 +190,13 @@ c10::Scalar extreme(c10::ScalarType type, bool lowest) {
 
 const runtime::DeviceMesh& mesh_of(const OpCall& call) { return *call.mesh; }
 
-// max/min all-reduce along `axes`. c10d backends need not propagate NaN through max/min, so
-// floating tensors carry a NaN flag in the same buffer (one collective per axis).
+// max/min all-reduce along `axes` (runtime::all_reduce_along keeps NaN; gloo has no bool max).
 at::Tensor all_reduce_extremum(at::Tensor t, const OpCall& call, const std::vector<int64_t>& axes, bool is_max) {
   const ReduceOp op = is_max ? ReduceOp::Max : ReduceOp::Min;
-  if (!at::isFloatingType(t.scalar_type())) {
-    const bool is_bool = t.scalar_type() == at::kBool;
-    if (is_bool) t = t.to(at::kByte);
-    for (int64_t axis : axes) t = runtime::all_reduce_along(t, mesh_of(call), axis, op);
-    return is_bool ? t.to(at::kBool) : t;
-  }
-  const auto nan = at::isnan(t);
-  auto flag = nan.to(t.scalar_type());
-  if (!is_max) flag = flag.neg();
-  const int64_t n = t.numel();
-  auto packed = at::cat({t.masked_fill(nan, 0).reshape(-1), flag.reshape(-1)});
-  for (int64_t axis : axes) packed = runtime::all_reduce_along(packed, mesh_of(call), axis, op);
-  const auto values = packed.narrow(0, 0, n).view(t.sizes());
-  return values.masked_fill(packed.narrow(0, n, n).view(t.sizes()).ne(0), std::numeric_limits<double>::quiet_NaN());
+  const bool is_bool = t.scalar_type() == at::kBool;
+  if (is_bool) t = t.to(at::kByte);
+  for (int64_t axis : axes) t = runtime::all_reduce_along(t, mesh_of(call), axis, op);
+  return is_bool ? t.to(at::kBool) : t;
 }
 
 at::Tensor all_reduce_axes(at::Tensor t, const OpCall& call, const std::vector<int64_t>& axes, ReduceOp op) {

@@ -4,6 +4,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/AutogradState.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
@@ -215,6 +216,7 @@ void plan_key(const ops::OpCall& call, const ops::RuleEntry& rule, PlanKey& key)
     }
     key.push_back((t.arg << 20) + (t.item << 8) + static_cast<int64_t>(t.dtype));
   }
+  key.push_back(call.in_backward);
   if (rule.key == ops::KeyScalars::kAll)
     for (int64_t a = 0; a < call.num_args(); ++a) append_scalar_key(key, call.args[a]);
 }
@@ -397,6 +399,7 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
   ops::OpCall call;
   call.op = &op;
   call.args = args;
+  call.in_backward = torch::autograd::get_current_graph_task_id() >= 0;
   try {
     collect_tensors(call);
   } catch (const layout::LayoutError& e) {

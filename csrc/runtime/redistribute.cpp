@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <atomic>
+#include <limits>
 
 #include "layout/error.h"
 
@@ -69,15 +70,40 @@ at::Tensor reduce_op_finish(at::Tensor t, ReduceOp op, int64_t k) {
   return t;
 }
 
-at::Tensor all_reduce(const RedistributeStep& step, const at::Tensor& local, const DeviceMesh& mesh) {
-  std::vector<at::Tensor> tensors{local.contiguous().clone()};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = to_c10d(step.op);
-  mesh.group(step.axis).allreduce(tensors, opts)->wait();
-  return reduce_op_finish(tensors[0], step.op, mesh.mesh()->shape()[step.axis]);
+// c10d backends need not propagate NaN through max/min (gloo drops it, depending on the rank
+// order), so floating tensors travel with a NaN flag in a trailing dimension of the same buffer:
+// one collective, and torch's single-device answer (NaN wins).
+bool needs_nan_flag(const at::Tensor& t, ReduceOp op) {
+  return (op == ReduceOp::Max || op == ReduceOp::Min) && at::isFloatingType(t.scalar_type());
 }
 
-at::Tensor reduce_scatter(const RedistributeStep& step, const at::Tensor& local, const DeviceMesh& mesh) {
+at::Tensor with_nan_flag(const at::Tensor& t, ReduceOp op) {
+  const auto nan = at::isnan(t);
+  auto flag = nan.to(t.scalar_type());
+  if (op == ReduceOp::Min) flag = flag.neg();  // min over ranks finds the -1 as max finds the 1
+  return at::stack({t.masked_fill(nan, 0), flag}, -1);
+}
+
+at::Tensor without_nan_flag(const at::Tensor& packed) {
+  return packed.select(-1, 0).masked_fill(packed.select(-1, 1).ne(0), std::numeric_limits<double>::quiet_NaN());
+}
+
+at::Tensor all_reduce_raw(const at::Tensor& local, const DeviceMesh& mesh, int64_t axis, ReduceOp op) {
+  const bool flagged = needs_nan_flag(local, op);
+  std::vector<at::Tensor> tensors{flagged ? with_nan_flag(local, op) : local.contiguous().clone()};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = to_c10d(op);
+  mesh.group(axis).allreduce(tensors, opts)->wait();
+  return reduce_op_finish(flagged ? without_nan_flag(tensors[0]) : tensors[0], op, mesh.mesh()->shape()[axis]);
+}
+
+at::Tensor all_reduce(const RedistributeStep& step, const at::Tensor& local, const DeviceMesh& mesh) {
+  return all_reduce_raw(local, mesh, step.axis, step.op);
+}
+
+at::Tensor reduce_scatter(const RedistributeStep& step, const at::Tensor& local_in, const DeviceMesh& mesh) {
+  const bool flagged = needs_nan_flag(local_in, step.op);
+  const at::Tensor local = flagged ? with_nan_flag(local_in, step.op) : local_in;  // flag dim last: d unchanged
   const int64_t k = mesh.mesh()->shape()[step.axis];
   const int64_t d = step.dst_dim;
   const int64_t length = local.size(d);
@@ -95,7 +121,8 @@ at::Tensor reduce_scatter(const RedistributeStep& step, const at::Tensor& local,
   opts.reduceOp = to_c10d(step.op);
   mesh.group(step.axis)._reduce_scatter_base(received, send, opts)->wait();
   const int64_t mine = chunk_span(length, k, mesh.coordinate(step.axis)).length;
-  return reduce_op_finish(received.narrow(0, 0, mine).movedim(0, d).contiguous(), step.op, k);
+  auto result = received.narrow(0, 0, mine).movedim(0, d);
+  return reduce_op_finish((flagged ? without_nan_flag(result) : result).contiguous(), step.op, k);
 }
 
 at::Tensor all_to_all(const RedistributeStep& step, const at::Tensor& local, const DeviceMesh& mesh) {
@@ -254,9 +281,6 @@ at::Tensor to_local(const at::Tensor& dtensor) { return ToLocalFunction::apply(d
 
 at::Tensor all_reduce_along(const at::Tensor& local, const DeviceMesh& mesh, int64_t axis, layout::ReduceOp op) {
   if (mesh.mesh()->shape()[axis] == 1) return local.clone();
-  std::vector<at::Tensor> tensors{local.contiguous().clone()};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = to_c10d(op);
   g_collectives.fetch_add(1, std::memory_order_relaxed);
   {  // the planner's all_reduce cost: reduce_scatter + all_gather of the flattened chunks
     const int64_t k = mesh.mesh()->shape()[axis], n = local.numel();
@@ -264,8 +288,7 @@ at::Tensor all_reduce_along(const at::Tensor& local, const DeviceMesh& mesh, int
     g_bytes.fetch_add((n - piece + piece * (k - 1)) * static_cast<int64_t>(local.element_size()),
                       std::memory_order_relaxed);
   }
-  mesh.group(axis).allreduce(tensors, opts)->wait();
-  return reduce_op_finish(tensors[0], op, mesh.mesh()->shape()[axis]);
+  return all_reduce_raw(local, mesh, axis, op);
 }
 
 at::Tensor all_gather_along(const at::Tensor& local, const DeviceMesh& mesh, int64_t axis, int64_t dim) {

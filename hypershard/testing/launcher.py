@@ -37,6 +37,7 @@ __all__ = ["run_cases"]
 CRASH_GRACE_S = 3.0      # after one rank dies, how long the others get to finish on their own
 STACK_DUMP_WAIT_S = 1.0  # how long dumped stacks get to reach the logs before the kill
 TAIL_LINES = 30
+SETUP_RETRIES = 1        # launches that fail before the first case are tried once more
 
 
 def run_cases(cases: Sequence[Case], world_size: Optional[int] = None,
@@ -75,13 +76,18 @@ def run_cases(cases: Sequence[Case], world_size: Optional[int] = None,
     merged: dict[str, CaseResult] = {}
     result = RunResult(adapter.name)
     for size, group in groups.items():
-        remaining = group
+        remaining, setup_retries = group, SETUP_RETRIES
         while remaining:
             batch = [dataclasses.replace(pc, index=i) for i, pc in enumerate(remaining)]
             info, outcome, resume_from = _launch(batch, size, adapter, timeout,
                                                  collective_timeout, keep_dir)
             result.launches.append(info)
             merged.update(outcome)
+            if info.case == "<setup>" and setup_retries > 0:
+                # Nothing ran: a rendezvous lost to an overloaded machine gets one more try;
+                # a real setup error fails the same way twice and is reported then.
+                setup_retries -= 1
+                continue
             if resume_from is None or not resume:
                 break
             remaining = remaining[resume_from:]
@@ -169,6 +175,12 @@ def _log_tail(directory: str, rank: int, after_marker: bool = False) -> str:
     return "\n".join(lines[:TAIL_LINES])
 
 
+def _all_in_setup(directory: str, world_size: int) -> bool:
+    progress = [_read_progress(os.path.join(directory, f"rank{rank}.progress"))
+                for rank in range(world_size)]
+    return all((p or {}).get("phase", "setup") == "setup" for p in progress)
+
+
 def _doing(progress: Optional[dict]) -> str:
     """What a rank was doing, in words, from its progress file."""
     if progress is None or progress.get("phase") == "setup":
@@ -229,26 +241,38 @@ def _launch(batch: list, world_size: int, adapter: Adapter, timeout: float,
 def _launch_in(directory: str, batch: list, world_size: int, adapter: Adapter, timeout: float,
                collective_timeout: float, keep_dir: bool
                ) -> tuple[LaunchInfo, dict, Optional[int]]:
-    # The parent owns the store: port 0 lets the OS pick a free one, and it outlives any rank.
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout + 60))
-    plan = LaunchPlan(world_size, "127.0.0.1", store.port, directory, batch, adapter, "cpu",
-                      collective_timeout, timeout + 60, os.getpid())
+    # The ranks are forked before the store exists: the store's server runs a thread, and a
+    # thread that holds a lock while another thread forks leaves that lock held forever in the
+    # child (a rank stuck in setup, rarely, under load).  The port follows over a pipe.
     context = multiprocessing.get_context("fork")
     procs: list = []
+    pipes: list = []
     start = time.monotonic()
     state, codes = "crash", {}
+    store = None
     try:
         for rank in range(world_size):
+            receive, send = context.Pipe(duplex=False)
+            plan = LaunchPlan(world_size, "127.0.0.1", receive, directory, batch, adapter,
+                              "cpu", collective_timeout, timeout + 60, os.getpid())
             proc = context.Process(target=rank_main, args=(rank, plan), daemon=True,
                                    name=f"hypershard-testing-rank{rank}")
             proc.start()
+            receive.close()
             procs.append(proc)
+            pipes.append(send)
             with contextlib.suppress(OSError):  # also done by the child; whoever is first wins
                 os.setpgid(proc.pid, proc.pid)
+        # The parent owns the store: port 0 lets the OS pick a free one, and it outlives any rank.
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout + 60))
+        for send in pipes:
+            with contextlib.suppress(OSError):  # a rank that already died is reported below
+                send.send(store.port)
+            send.close()
         state, codes = _supervise(procs, start + timeout)
-        if state == "hang":
-            _dump_stacks(procs, directory)
+        if state == "hang" or (state == "crash" and _all_in_setup(directory, world_size)):
+            _dump_stacks(procs, directory)  # where a live rank is stuck, for the message
     finally:  # also on KeyboardInterrupt: no rank may survive the launch
         _kill(procs)
         for proc in procs:
@@ -315,6 +339,11 @@ def _launch_in(directory: str, batch: list, world_size: int, adapter: Adapter, t
                     message += f"\n--- rank {rank} error ---\n{fatal[rank]}"
                 else:
                     message += f"\n--- rank {rank} log ---\n{_log_tail(directory, rank)}"
+            for rank in range(world_size):
+                if codes.get(rank) is None:  # alive when the others died: where it was stuck
+                    stack = _log_tail(directory, rank, after_marker=True)
+                    if stack:
+                        message += f"\n--- rank {rank} stacks ---\n{stack}"
             status = "crash"
         if fatal and in_setup:
             info.outcome = "fatal"

@@ -10,8 +10,7 @@ reduce to the global value (not "rank 0 holds it"), so a reduction that mishandl
 gives a wrong value. Some cases also assert the output placements and the number of
 collectives of the forward op.
 
-Gradients that need rules of other families are not compared (see NO_BACKWARD and
-PARTIAL_DIVISOR_BACKWARD); a tripwire case per gap expects today's error, so it fails (and
+Gradients that need rules of other families are not compared (see NO_BACKWARD); a tripwire case per gap expects today's error, so it fails (and
 says so) once the gap closes.
 """
 
@@ -147,12 +146,9 @@ FNS: dict[str, Callable] = {
 # Gradients reach ops outside this family (see the family header); forward still compared:
 #   prod.default     -> nonzero
 NO_BACKWARD = {"prod", "norm0_0"}  # norm0: no gradient in torch
-# Backward divides by mask.sum(dim) (a Partial(sum) count when the reduced dim is sharded); the
-# pointwise family rejects a Partial divisor. These get grad=False on sharded reduced dims and
-# one tripwire case each (expect_error) below.
-PARTIAL_DIVISOR_BACKWARD = {"amax_0", "amax_m1_kd", "amax_all", "amin_0", "amin_m2_kd", "max", "min",
-                            "norm_inf_0", "norm_inf", "norm_neginf_0", "softmax_like"}
-
+# amax/amin/max/min/inf-norm backward divides by mask.sum(dim): a Partial(sum) count when the
+# reduced dim is sharded, which the pointwise family reduces first inside a backward pass (in
+# forward code the same division is refused; see the test in test_pointwise).
 FLOAT_FNS = [name for name in FNS if not name.startswith(("any", "all", "foreach", "arg", "sum_out"))]
 ARG_FNS = [name for name in FNS if name.startswith("arg")]
 BOOL_FNS = [name for name in FNS if name.startswith(("any", "all"))]
@@ -174,13 +170,6 @@ def _sharded_dims(shape, spec) -> set:
     return {int(p[2:-1]) % len(shape) for p in spec if p.startswith("S(")}
 
 
-def _reduced_dims(fn: str, ndim: int) -> set:
-    probe = torch.zeros(*(range(2, 2 + ndim)))
-    out = _first(FNS[fn](probe if not fn.startswith(("any", "all")) else probe.bool()))
-    kept = [s for s in out.shape if s != 1]
-    return {d for d, s in enumerate(probe.shape) if s not in kept}
-
-
 def _make_cases() -> list:
     cases = []
 
@@ -193,17 +182,17 @@ def _make_cases() -> list:
         for shape, spec in layouts:
             if len(shape) != 2:
                 continue
-            sharded = _sharded_dims(shape, spec)
             for fn in FLOAT_FNS:
-                grad = fn not in NO_BACKWARD and not (fn in PARTIAL_DIVISOR_BACKWARD and _reduced_dims(fn, 2) & sharded)
-                add(fn, mesh, [Inp(shape, spec)], grad=grad)
+                add(fn, mesh, [Inp(shape, spec)], grad=fn not in NO_BACKWARD)
             for fn in ARG_FNS:
                 add(fn, mesh, [Inp(shape, spec)], grad=False)
                 add(fn, mesh, [Inp(shape, spec, init="ties")], grad=False)
             for fn in BOOL_FNS:
                 add(fn, mesh, [Inp(shape, spec, dtype="bool", init="bool")], grad=False)
-            for fn in ("max_0", "min_1", "amax_0", "max"):  # max.dim's gradient goes to the first max
-                add(fn, mesh, [Inp(shape, spec, init="ties")], grad=fn in ("max_0", "min_1"))
+            # ties: max.dim's gradient goes to one max (the index it returns), amax's and max's
+            # are split evenly between the tied elements (a count over the sharded dim).
+            for fn in ("max_0", "min_1", "amax_0", "max"):
+                add(fn, mesh, [Inp(shape, spec, init="ties")])
             for fn in ("max_0", "min_1", "amax_0", "max", "argmax", "argmin_0", "norm_inf", "any_0"):
                 add(fn, mesh, [Inp(shape, spec, init="nan")], grad=False)
             for fn in ("sum_0", "sum", "amax_0", "amin_m2_kd", "max", "max_0", "prod_0", "argmin_0"):
@@ -220,9 +209,8 @@ def _make_cases() -> list:
     for mesh, shape, spec in three_d:
         for fn in ("sum_01", "mean_01", "sum_m1_kd", "amax_all", "var_m1_kd", "std_01_kd", "max_m1_kd", "argmax",
                    "argmax_kd", "argmin_0", "norm_f64", "prod_m1_kd", "norm3_0"):
-            grad = fn not in NO_BACKWARD and not (fn in PARTIAL_DIVISOR_BACKWARD and
-                                                  _reduced_dims(fn, 3) & _sharded_dims(shape, spec))
-            add(fn, mesh, [Inp(shape, spec, init="pos" if fn.startswith("prod") else "randn")], grad=grad)
+            add(fn, mesh, [Inp(shape, spec, init="pos" if fn.startswith("prod") else "randn")],
+                grad=fn not in NO_BACKWARD)
 
     # Output placements, and the collectives of the forward op: sum/mean -> Partial(sum) with
     # none; collective ops -> Replicate with one all-reduce per reduced axis; select ops and
@@ -242,7 +230,7 @@ def _make_cases() -> list:
     ]
     for fn, mesh, shape, spec, expected, collectives in placements:
         add(fn, mesh, [Inp(shape, spec, init="pos" if fn.startswith("prod") else "randn")],
-            grad=fn not in NO_BACKWARD and fn not in PARTIAL_DIVISOR_BACKWARD, expect_placements=expected,
+            grad=fn not in NO_BACKWARD, expect_placements=expected,
             collectives=collectives, suffix="|placements")
     add("foreach_norm", M22, [Inp((4, 6), ["S(0)", "S(1)"]), Inp((3, 5), ["S(0)", "S(1)"])], grad=False,
         collectives=2, suffix="|one-collective-per-axis")
@@ -286,10 +274,9 @@ def _make_cases() -> list:
     add("amax_0", M2, [Inp((0, 3), ["S(0)"])], grad=False, expect_error="Expected reduction dim 0 to have non-zero size")
     add("mean_0", M2, [Inp((4, 3), ["S(0)"], dtype="int64", init="randint")], grad=False,
         expect_error="mean(): could not infer output dtype")
-    # Tripwires: backward paths that need other families today (see PARTIAL_DIVISOR_BACKWARD and
-    # NO_BACKWARD). When one of these starts passing, give the matching cases grad=True.
+    # Tripwire: a backward path that needs another family today (see NO_BACKWARD). When it
+    # starts passing, give the matching cases grad=True.
     tripwire = {"grad": True, "suffix": "|backward-gap"}
-    add("amax_0", M2, [Inp((4, 5), ["S(0)"])], expect_error="hypershard: aten::div.Tensor: argument other", **tripwire)
     add("prod", M2, [Inp((4, 5), ["S(0)"], init="pos")], expect_error="hypershard: Missing operator aten::nonzero",
         **tripwire)
     names = [case.name for case in cases]

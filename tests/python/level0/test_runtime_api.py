@@ -168,6 +168,25 @@ def on_submesh(x):
     return (y * 3).full_tensor()
 
 
+def _nan_part(x, rank):
+    """Rank `rank`'s part of a Partial(max|min) value: x shifted, with NaN at rank-dependent spots
+    (gloo's max/min drop a NaN depending on the rank order; torch's amax keeps it)."""
+    flat = torch.arange(x.numel()).view(x.shape)
+    return torch.where((flat + rank) % 5 == 0, torch.full_like(x, float("nan")), x - rank)
+
+
+def partial_extremum_with_nan(op, world, target):
+    def fn(x):
+        if not in_distributed_run():
+            stacked = torch.stack([_nan_part(x, r) for r in range(world)])
+            return stacked.amax(0) if op == "max" else stacked.amin(0)
+        mesh = current_mesh()
+        part = _nan_part(x.to_local(), torch.distributed.get_rank())
+        y = hs.DTensor.from_local(part, mesh, [hs.Partial(op)])
+        return y.redistribute(mesh, [target])
+    return fn
+
+
 def api_cases():
     cases = []
     for mesh, placements in ((MESH2, ["S(0)"]), (MESH4, ["S(1)"]), (MESH22, ["S(0)", "P"]), (MESH2, ["P"])):
@@ -198,6 +217,10 @@ def api_cases():
         Case("plain_destination_refused", plain_destination, [Input((4,), torch.int64, placements=["S(0)"], init=randint(0, 5))],
              MESH2, expect_error="writes into the plain tensor argument"),
         Case("submesh", on_submesh, [Input((4, 6), placements=["R", "R"])], MESH22, check_grad=False),
+        *(Case(f"partial_{op}_nan_to_{target}_{w}", partial_extremum_with_nan(op, w, target),
+               [Input((5, 3), placements=["R"])], mesh, check_grad=False)
+          for op in ("max", "min") for target in (hs.Replicate(), hs.Shard(0))
+          for w, mesh in ((2, MESH2), (4, MESH4))),
         Case("missing_operator", fft, [Input((4, 6), placements=["S(0)"])], MESH2,
              expect_error="Missing operator aten::_fft_r2c"),
         Case("different_meshes", other_mesh, [Input((4, 6), placements=["R"])], MESH2,
