@@ -1,6 +1,7 @@
 // hypershard._C runtime bindings: DeviceMesh, DTensor construction and inspection,
 // redistribution, dispatch statistics. Bindings only, no logic.
 #include <torch/csrc/utils/pybind.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/python.h>
 
 #include "layout/error.h"
@@ -30,6 +31,17 @@ void bind_runtime(py::module_& m) {
                                                  parse_device_type(device_type), std::move(groups));
            }),
            py::arg("mesh"), py::arg("rank"), py::arg("device_type"), py::arg("groups"))
+      .def_static(
+          "without_groups",
+          [](std::shared_ptr<layout::Mesh> mesh, int64_t rank, const std::string& device_type) {
+            std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups(mesh->ndim());
+            return std::make_shared<DeviceMesh>(std::const_pointer_cast<const layout::Mesh>(mesh), rank,
+                                                parse_device_type(device_type), std::move(groups),
+                                                /*planning_only=*/true);
+          },
+          py::arg("mesh"), py::arg("rank") = 0, py::arg("device_type") = "cpu",
+          "A mesh with no process groups: DTensors on it can be made (from_local) and planned for "
+          "(infer_plan), but not redistributed.")
       .def_property_readonly("mesh", [](const DeviceMesh& d) { return std::const_pointer_cast<layout::Mesh>(d.mesh()); })
       .def_property_readonly("rank", &DeviceMesh::rank)
       .def_property_readonly("position", &DeviceMesh::position)
@@ -84,6 +96,23 @@ void bind_runtime(py::module_& m) {
   });
   m.def("reset_traffic", &runtime::reset_traffic);
   m.def("rule_names", &runtime::rule_names);
+  m.def(
+      "infer_plan",
+      [](const std::string& name, const std::string& overload, const py::args& args, const py::kwargs& kwargs) {
+        const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+        auto stack = torch::jit::createStackForSchema(op.schema(), args, kwargs, std::nullopt);
+        const auto plan = runtime::infer_plan(op, stack);
+        auto layouts = [](const std::vector<layout::LayoutPtr>& list) {
+          py::list out;
+          for (const auto& l : list) out.append(l ? py::cast(*l) : py::none());
+          return out;
+        };
+        return py::dict(py::arg("inputs") = layouts(plan.inputs), py::arg("outputs") = layouts(plan.outputs),
+                        py::arg("localizes") = plan.localizes, py::arg("expands") = plan.expands);
+      },
+      py::arg("name"), py::arg("overload"),
+      "What the rule of op name.overload plans for these arguments (DTensors on any mesh, even "
+      "one without process groups), without running it: {inputs, outputs, localizes, expands}.");
   m.def("op_counts", [] {
     py::list out;
     for (const auto& c : runtime::op_counts()) out.append(py::make_tuple(c.name, c.calls, c.has_rule));

@@ -5,7 +5,7 @@
 namespace hypershard::runtime {
 
 DeviceMesh::DeviceMesh(layout::MeshPtr mesh, int64_t rank, c10::DeviceType device_type,
-                       std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups)
+                       std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups, bool planning_only)
     : mesh_(std::move(mesh)), rank_(rank), device_type_(device_type), groups_(std::move(groups)) {
   HS_CHECK(mesh_ != nullptr, "device mesh", "no mesh given");
   position_ = mesh_->position_of(rank_);
@@ -13,7 +13,7 @@ DeviceMesh::DeviceMesh(layout::MeshPtr mesh, int64_t rank, c10::DeviceType devic
            " process groups given for mesh ", mesh_->to_string(), "; allowed: one per axis");
   for (int64_t axis = 0; axis < mesh_->ndim(); ++axis) {
     if (!groups_[axis].defined()) {
-      HS_CHECK(mesh_->shape()[axis] == 1, "device mesh", "axis '", mesh_->axis_names()[axis],
+      HS_CHECK(planning_only || mesh_->shape()[axis] == 1, "device mesh", "axis '", mesh_->axis_names()[axis],
                "' of size ", mesh_->shape()[axis], " has no process group");
       continue;
     }

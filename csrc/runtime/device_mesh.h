@@ -15,9 +15,11 @@ namespace hypershard::runtime {
 class DeviceMesh {
  public:
   // `groups[a]` is the process group of this rank's axis-`a` group (ranks ordered by their
-  // coordinate on that axis); it may be null on a mesh of one rank per axis.
+  // coordinate on that axis); it may be null on a mesh of one rank per axis, and on any axis
+  // when `planning_only` (a mesh for process-free rule tests: plans can be made on it,
+  // collectives raise).
   DeviceMesh(layout::MeshPtr mesh, int64_t rank, c10::DeviceType device_type,
-             std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups);
+             std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups, bool planning_only = false);
 
   const layout::MeshPtr& mesh() const { return mesh_; }
   int64_t rank() const { return rank_; }

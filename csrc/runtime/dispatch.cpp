@@ -233,6 +233,16 @@ const at::Tensor& arg_tensor(const c10::IValue* args, const ops::TensorArg& t, a
               call.describe_inputs());
 }
 
+// A plain tensor operand counts as Replicate on the call's mesh, with its own shape.
+void layout_plain_tensors(ops::OpCall& call) {
+  for (auto& t : call.tensors) {
+    if (t.is_dtensor) continue;
+    at::Tensor scratch;
+    const auto& tensor = arg_tensor(call.args, t, scratch);
+    t.layout = intern_layout(layout::Layout::replicate(call.mesh->mesh(), tensor.sizes().vec()));
+  }
+}
+
 std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call) {
   PlanKey key;
   plan_key(call, *info.rule, key);
@@ -265,12 +275,7 @@ std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call) {
       }
   }
   // Miss: plain tensors become Replicate layouts, then the rule runs.
-  for (auto& t : call.tensors) {
-    if (t.is_dtensor) continue;
-    at::Tensor scratch;
-    const auto& tensor = arg_tensor(call.args, t, scratch);
-    t.layout = intern_layout(layout::Layout::replicate(call.mesh->mesh(), tensor.sizes().vec()));
-  }
+  layout_plain_tensors(call);
   auto plan = std::make_shared<ops::OpPlan>(info.rule->rule(call));
   HS_CHECK(plan->inputs.size() == call.tensors.size(), info.name,
            "internal error: the rule returned ", plan->inputs.size(), " input layouts for ", call.tensors.size(), " tensors");
@@ -587,6 +592,23 @@ void sync_registrations() {
   }
   for (const auto& name : pending)
     if (auto op = c10::Dispatcher::singleton().findOp(name)) maybe_register(*op);
+}
+
+InferredPlan infer_plan(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
+  sync_registrations();
+  OpInfo& info = op_info(op);
+  const size_t num_args = op.schema().arguments().size();
+  TORCH_CHECK(stack.size() >= num_args, "hypershard: infer_plan: ", info.name, " needs ", num_args, " arguments");
+  ops::OpCall call;
+  call.op = &op;
+  call.args = stack.data() + (stack.size() - num_args);
+  collect_tensors(call);
+  TORCH_CHECK(call.mesh != nullptr, "hypershard: infer_plan: ", info.name, ": no DTensor argument");
+  if (!info.rule) missing_operator(call);
+  layout_plain_tensors(call);
+  auto plan = info.rule->rule(call);
+  return {std::move(plan.inputs), std::move(plan.outputs), static_cast<bool>(plan.localize),
+          static_cast<bool>(plan.expand)};
 }
 
 void install_dispatch() {

@@ -8,6 +8,11 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
+#include "layout/intern.h"
+
 namespace hypershard::runtime {
 
 void install_dispatch();
@@ -24,6 +29,17 @@ DispatchStats dispatch_stats();
 // The number of cached op plans per op ("aten::add.Tensor"), ops without plans left out, sorted.
 std::vector<std::pair<std::string, int64_t>> cached_op_plans();
 void reset_dispatch_stats();
+
+// Process-free rule inference (the UT level): what the op's rule plans for `stack` (the op's
+// arguments, DTensors on a mesh that need not have process groups), without the plan cache and
+// without running or redistributing anything. Rule errors propagate (LayoutError / c10::Error).
+struct InferredPlan {
+  std::vector<layout::LayoutPtr> inputs;   // per tensor argument, in schema order
+  std::vector<layout::LayoutPtr> outputs;  // per returned tensor
+  bool localizes = false;                  // rewrites non-tensor arguments into local terms
+  bool expands = false;                    // replaces the plain local call
+};
+InferredPlan infer_plan(const c10::OperatorHandle& op, torch::jit::Stack& stack);
 
 // Every op hypershard has a rule for, "aten::add.Tensor" style.
 std::vector<std::string> rule_names();

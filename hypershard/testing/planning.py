@@ -1,0 +1,89 @@
+"""Process-free rule tests: what an operator's rule plans, without processes or collectives.
+
+A `PlanningMesh` is a mesh with no process groups; its `dtensor(shape, spec)` is a DTensor on
+the meta device (no data) whose layout is `spec` (torch-style placements like ``["S(0)", "R"]``
+or Hyper-Parallel alias dims). `plan(op, *args, **kwargs)` runs the C++ rule of `op` (an
+OpOverload such as ``torch.ops.aten.mm.default``) on those arguments, exactly as the per-op path
+would before any redistribution, and returns the layouts it asks for::
+
+    mesh = PlanningMesh({"dp": 2, "tp": 2})
+    p = plan(torch.ops.aten.mm.default, mesh.dtensor([4, 6], ["S(0)", "R"]), mesh.dtensor([6, 8], ["R", "S(1)"]))
+    assert p.output_specs == [["S(0)", "S(1)"]]
+
+Rule errors raise as they would on a real mesh (hypershard.LayoutError or RuntimeError, the same
+house-format message).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from .. import _C
+from ..layout import make_layout, mesh as make_mesh
+
+__all__ = ["PlanningMesh", "Plan", "plan", "short_spec"]
+
+
+def short_spec(layout: Optional[_C.Layout]) -> Optional[list]:
+    """Per mesh axis: "R", "S(d)", "P" (sum) or "P(op)"; None for a missing layout. The shard
+    order of a dim sharded by several axes is not shown (compare `layout.sharding_string()`)."""
+    if layout is None:
+        return None
+    out = []
+    for placement in _C.to_placements(layout).per_axis:
+        text = str(placement)
+        if text == "Replicate()":
+            out.append("R")
+        elif text.startswith("Shard("):
+            out.append("S" + text[len("Shard"):])
+        elif text == "Partial(sum)":
+            out.append("P")
+        else:
+            out.append("P" + text[len("Partial"):])
+    return out
+
+
+@dataclass
+class Plan:
+    inputs: list            # layouts per tensor argument, in schema order
+    outputs: list           # layouts per returned tensor
+    localizes: bool         # rewrites non-tensor arguments (sizes, counts) into local terms
+    expands: bool           # runs its own implementation (collectives inside the op)
+
+    @property
+    def input_specs(self) -> list:
+        return [short_spec(layout) for layout in self.inputs]
+
+    @property
+    def output_specs(self) -> list:
+        return [short_spec(layout) for layout in self.outputs]
+
+
+class PlanningMesh:
+    """A mesh without process groups, seen from `rank`."""
+
+    def __init__(self, shape: Mapping[str, int], rank: int = 0):
+        self.mesh = make_mesh(shape)
+        self.rank = rank
+        self.device_mesh = _C.DeviceMesh.without_groups(self.mesh, rank)
+
+    def layout(self, shape: Sequence[int], spec: Any, partial: Any = None) -> _C.Layout:
+        return make_layout(self.mesh, list(shape), spec, partial)
+
+    def dtensor(self, shape: Sequence[int], spec: Any, dtype: torch.dtype = torch.float32,
+                partial: Any = None) -> torch.Tensor:
+        layout = self.layout(shape, spec, partial)
+        local = torch.empty(layout.local_shape_at(self.device_mesh.position), dtype=dtype,
+                            device="meta")
+        return _C.from_local(local, self.device_mesh, layout)
+
+
+def plan(op: Any, *args: Any, **kwargs: Any) -> Plan:
+    """The plan `op`'s rule makes for these arguments (see the module docstring)."""
+    schema = op._schema
+    result = _C.infer_plan(schema.name, schema.overload_name, *args, **kwargs)
+    return Plan(list(result["inputs"]), list(result["outputs"]), result["localizes"],
+                result["expands"])

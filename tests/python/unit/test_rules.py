@@ -1,0 +1,242 @@
+"""UT: every operator family's layout inference and error paths, without processes.
+
+Each row runs the op's C++ rule on meta DTensors of a mesh that has no process groups
+(hypershard.testing.planning) and checks the layouts the rule asks for: the input layouts
+(where they differ from the given ones the per-op path redistributes first), the output
+layouts, whether the op runs its own implementation (collectives inside the op: "expands"), or
+the house-format error text. Multi-process behaviour (values, gradients, collectives) is the
+Level0 tests' job; these rows pin the inference itself, one family per table.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hypershard as hs
+from hypershard.testing.planning import PlanningMesh, plan
+
+aten = torch.ops.aten
+i64, boolean = torch.int64, torch.bool
+
+MESHES = {"tp4": {"tp": 4}, "dp2tp2": {"dp": 2, "tp": 2}}
+
+
+class T:
+    """A DTensor argument: global shape, placements, dtype; made on the row's mesh."""
+
+    def __init__(self, shape, spec, dtype=torch.float32):
+        self.shape, self.spec, self.dtype = shape, spec, dtype
+
+    def make(self, mesh: PlanningMesh):
+        return mesh.dtensor(self.shape, self.spec, self.dtype)
+
+
+def realise(value, mesh):
+    if isinstance(value, T):
+        return value.make(mesh)
+    if isinstance(value, list) and value and isinstance(value[0], T):
+        return [item.make(mesh) for item in value]
+    return value
+
+
+def S(*dims):
+    return [f"S({d})" if d is not None else "R" for d in dims]
+
+
+R1, P1 = ["R"], ["P"]
+
+# (id, mesh, op, args, kwargs, expected inputs (None: as given), expected outputs, expands)
+ROWS = {
+    "pointwise": [
+        ("add_same", "dp2tp2", aten.add.Tensor, (T([4, 6], S(0, None)), T([4, 6], S(0, None))), {},
+         None, [S(0, None)], False),
+        ("add_broadcast", "dp2tp2", aten.add.Tensor, (T([4, 6], S(0, 1)), T([6], ["R", "S(0)"])), {},
+         None, [S(0, 1)], False),
+        ("add_partials", "tp4", aten.add.Tensor, (T([4, 6], P1), T([4, 6], P1)), {}, None, [P1], False),
+        ("mul_partial_by_replicate", "tp4", aten.mul.Tensor, (T([4, 6], P1), T([4, 6], R1)), {},
+         None, [P1], False),
+        # two sum-Partials are never multiplied as such: one is reduced first
+        ("mul_two_partials", "tp4", aten.mul.Tensor, (T([4, 6], P1), T([4, 6], P1)), {},
+         [P1, R1], [P1], False),
+        ("exp_keeps_max", "tp4", aten.exp.default, (T([4, 6], ["P(max)"]),), {}, None, [["P(max)"]], False),
+        ("neg_flips_max", "tp4", aten.neg.default, (T([4, 6], ["P(max)"]),), {}, None, [["P(min)"]], False),
+        ("float_cast_keeps_partial", "tp4", aten._to_copy.default, (T([4, 6], P1),), {"dtype": torch.float64},
+         None, [P1], False),
+        ("inplace_other_follows_self", "tp4", aten.add_.Tensor, (T([4, 8], S(0)), T([4, 8], S(1))), {},
+         [S(0), S(0)], [S(0)], False),
+    ],
+    "matmul": [
+        ("mm_row_sharded", "tp4", aten.mm.default, (T([8, 6], S(0)), T([6, 8], R1)), {}, None, [S(0)], False),
+        ("mm_col_sharded", "tp4", aten.mm.default, (T([8, 6], R1), T([6, 8], S(1))), {}, None, [S(1)], False),
+        ("mm_contraction_partial", "tp4", aten.mm.default, (T([8, 6], S(1)), T([6, 8], S(0))), {},
+         None, [P1], False),
+        ("mm_2d", "dp2tp2", aten.mm.default, (T([4, 6], S(0, None)), T([6, 8], S(None, 1))), {},
+         None, [S(0, 1)], False),
+        # row-parallel linear: the bias joins the Partial (added once, zeros elsewhere)
+        ("addmm_bias_under_partial", "tp4", aten.addmm.default, (T([8], R1), T([4, 8], S(1)), T([8, 8], S(0))),
+         {}, [P1, S(1), S(0)], [P1], False),
+        ("bmm_batch", "tp4", aten.bmm.default, (T([4, 3, 5], S(0)), T([4, 5, 2], S(0))), {}, None, [S(0)], False),
+        ("mm_partial_left", "tp4", aten.mm.default, (T([4, 6], P1), T([6, 8], R1)), {}, None, [P1], False),
+        ("mm_two_partials", "tp4", aten.mm.default, (T([4, 6], P1), T([6, 8], P1)), {}, [R1, P1], [P1], False),
+    ],
+    "reductions": [
+        ("sum_sharded_dim", "tp4", aten.sum.dim_IntList, (T([8, 6], S(0)), [0]), {}, None, [P1], False),
+        ("sum_other_dim", "tp4", aten.sum.dim_IntList, (T([8, 6], S(0)), [1]), {}, None, [S(0)], False),
+        ("mean_sharded_dim", "tp4", aten.mean.dim, (T([8, 6], S(0)), [0]), {}, None, [P1], True),
+        ("amax_collective", "tp4", aten.amax.default, (T([8, 6], S(0)), [0]), {}, None, [R1], True),
+        ("max_dim_global_indices", "tp4", aten.max.dim, (T([8, 6], S(0)), 0), {}, None, [R1, R1], True),
+        ("argmax_global", "tp4", aten.argmax.default, (T([8, 6], S(0)), 0), {}, None, [R1], True),
+        ("var_sharded", "tp4", aten.var.correction, (T([8, 6], S(0)), [0]), {}, None, [R1], True),
+        ("norm_sharded", "tp4", aten.linalg_vector_norm.default, (T([8, 6], S(0)), 2.0), {}, None, [R1], True),
+        ("any_sharded", "tp4", aten.any.dim, (T([8, 6], S(0), boolean), 0), {}, None, [R1], True),
+        ("sum_keeps_other_axis", "dp2tp2", aten.sum.dim_IntList, (T([4, 6], S(0, 1)), [1]), {},
+         None, [["S(0)", "P"]], False),
+    ],
+    "views": [
+        ("view_split_whole_blocks", "tp4", aten.view.default, (T([12, 8], S(0)), [4, 3, 8]), {}, None, [S(0)], False),
+        ("view_flatten_outer", "tp4", aten.view.default, (T([4, 2, 8], S(0)), [8, 8]), {}, None, [S(0)], False),
+        ("transpose", "dp2tp2", aten.transpose.int, (T([4, 6], S(0, 1)), 0, 1), {}, None, [S(1, 0)], False),
+        ("permute", "dp2tp2", aten.permute.default, (T([4, 6, 2], S(0, 2)), [2, 0, 1]), {}, None, [S(1, 0)], False),
+        ("unsqueeze", "tp4", aten.unsqueeze.default, (T([4, 6], S(1)), 0), {}, None, [S(2)], False),
+        ("squeeze", "tp4", aten.squeeze.dim, (T([4, 1, 6], S(2)), 1), {}, None, [S(1)], False),
+        ("expand", "tp4", aten.expand.default, (T([4, 1], S(0)), [4, 6]), {}, None, [S(0)], False),
+        ("slice_other_dim", "tp4", aten.slice.Tensor, (T([8, 6], S(0)), 1, 0, 2), {}, None, [S(0)], False),
+        ("slice_sharded_dim_gathers", "tp4", aten.slice.Tensor, (T([8, 6], S(0)), 0, 0, 2), {}, [R1], [R1], False),
+        ("select_other_dim", "tp4", aten.select.int, (T([8, 6], S(0)), 1, 2), {}, None, [S(0)], False),
+        ("select_sharded_dim_gathers", "tp4", aten.select.int, (T([8, 6], S(0)), 0, 2), {}, [R1], [R1], False),
+        ("cat_other_dim", "tp4", aten.cat.default, ([T([8, 6], S(0)), T([8, 2], S(0))], 1), {}, None, [S(0)], False),
+        ("cat_sharded_dim_gathers", "tp4", aten.cat.default, ([T([8, 6], S(0)), T([4, 6], S(0))], 0), {},
+         [R1, R1], [R1], False),
+        ("split_other_dim", "tp4", aten.split.Tensor, (T([8, 6], S(0)), 3, 1), {}, None, [S(0), S(0)], False),
+        ("stack_shifts_dims", "tp4", aten.stack.default, ([T([8, 6], S(0)), T([8, 6], S(0))], 0), {},
+         None, [S(1)], False),
+    ],
+    "softmax_norm_attention": [
+        ("softmax_other_dim", "tp4", aten._softmax.default, (T([4, 6], S(0)), 1, False), {}, None, [S(0)], False),
+        # the softmax dim sharded: the collective (vocab-parallel) variant, no gather
+        ("softmax_sharded_dim", "tp4", aten._softmax.default, (T([4, 6], S(1)), 1, False), {}, None, [S(1)], True),
+        ("log_softmax_sharded_dim", "tp4", aten._log_softmax.default, (T([4, 6], S(1)), 1, False), {},
+         None, [S(1)], True),
+        ("layer_norm_rows", "tp4", aten.native_layer_norm.default,
+         (T([4, 6], S(0)), [6], T([6], R1), T([6], R1), 1e-5), {}, None, [S(0), S(0), S(0)], False),
+        ("layer_norm_normalised_dim_gathers", "tp4", aten.native_layer_norm.default,
+         (T([4, 6], S(1)), [6], T([6], R1), T([6], R1), 1e-5), {}, [R1, R1, R1], [R1, R1, R1], False),
+        ("sdpa_heads", "tp4", aten._scaled_dot_product_flash_attention_for_cpu.default,
+         (T([2, 4, 5, 8], S(1)), T([2, 4, 5, 8], S(1)), T([2, 4, 5, 8], S(1)), 0.0, True), {},
+         None, [S(1), S(1)], False),
+    ],
+    "embedding_loss": [
+        ("embedding_dim_sharded", "tp4", aten.embedding.default, (T([16, 8], S(1)), T([2, 3], R1, i64)), {},
+         None, [S(2)], False),
+        ("embedding_vocab_parallel", "tp4", aten.embedding.default, (T([16, 8], S(0)), T([2, 3], R1, i64)), {},
+         None, [P1], True),
+        ("embedding_vocab_parallel_2d", "dp2tp2", aten.embedding.default,
+         (T([16, 8], S(None, 0)), T([4, 3], S(0, None), i64)), {}, None, [["S(0)", "P"]], True),
+        ("nll_mean_global_count", "tp4", aten.nll_loss_forward.default,
+         (T([8, 6], S(0)), T([8], S(0), i64), None, 1, -100), {}, None, [R1, R1], True),
+        ("nll_none_stays_sharded", "tp4", aten.nll_loss_forward.default,
+         (T([8, 6], S(0)), T([8], S(0), i64), None, 0, -100), {}, None, [S(0), R1], False),
+        ("nll_vocab_parallel", "tp4", aten.nll_loss_forward.default,
+         (T([8, 6], S(1)), T([8], R1, i64), None, 1, -100), {}, None, [R1, R1], True),
+    ],
+    "random_factories_optim": [
+        ("dropout_sharded", "tp4", aten.native_dropout.default, (T([8, 6], S(0)), 0.1, True), {},
+         None, [S(0), S(0)], True),
+        ("bernoulli_sharded", "tp4", aten.bernoulli_.float, (T([8, 6], S(0)), 0.5), {}, None, [S(0)], True),
+        ("zeros_like", "tp4", aten.zeros_like.default, (T([8, 6], S(0)),), {}, None, [S(0)], False),
+        ("new_zeros_global_size", "tp4", aten.new_zeros.default, (T([8, 6], S(0)), [3, 5]), {}, None, [R1], False),
+        ("foreach_add_", "tp4", aten._foreach_add_.List,
+         ([T([8, 6], S(0)), T([4], R1)], [T([8, 6], S(0)), T([4], R1)]), {}, None, [], False),
+        ("foreach_scale_partial", "tp4", aten._foreach_mul.Scalar, ([T([8, 6], P1)], 2.0), {}, None, [P1], False),
+        ("foreach_norm_global", "tp4", aten._foreach_norm.Scalar, ([T([8, 6], S(0)), T([4], R1)], 2.0), {},
+         None, [R1, R1], True),
+    ],
+}
+
+# (id, mesh, op, args, kwargs, text every rank must raise)
+ERRORS = [
+    ("relu_of_sum_partial", "tp4", aten.relu.default, (T([4, 6], P1),), {},
+     "aten::relu: argument self (#0) [4, 6] (\"None\", \"None\") partial(sum: tp): Partial(sum) input is not "
+     "supported by this op; allowed: Replicate or Shard"),
+    ("partial_divisor", "tp4", aten.div.Tensor, (T([4, 6], R1), T([4, 6], P1)), {},
+     "aten::div.Tensor: argument other (#1)"),
+    ("integer_cast_of_partial", "tp4", aten._to_copy.default, (T([4, 6], P1),), {"dtype": i64},
+     "aten::_to_copy: argument self (#0)"),
+    ("inplace_broadcast_self", "tp4", aten.add_.Tensor, (T([1, 8], R1), T([4, 8], S(0))), {},
+     "an in-place op cannot broadcast self to [4, 8]"),
+    ("amax_of_sum_partial", "tp4", aten.amax.default, (T([8, 6], P1), [0]), {},
+     "Partial(sum) input is not supported by this reduction; allowed: Replicate, Shard or Partial(max)"),
+    ("view_cutting_shards", "tp4", aten.view.default, (T([12, 8], S(1)), [16, 6]), {},
+     "viewing as [16, 6] would cut through a sharded dim"),
+    ("view_flatten_inner_sharded", "tp4", aten.view.default, (T([2, 4, 8], S(1)), [8, 8]), {},
+     "viewing as [8, 8] would cut through a sharded dim"),
+    ("softmax_of_partial", "tp4", aten._softmax.default, (T([4, 6], P1), 1, False), {},
+     "a softmax of a sum is not the sum of the parts' softmaxes"),
+    ("attention_sequence_sharded", "tp4", aten._scaled_dot_product_flash_attention_for_cpu.default,
+     (T([2, 4, 8, 8], S(2)), T([2, 4, 8, 8], S(2)), T([2, 4, 8, 8], S(2)), 0.0, True), {},
+     "dim 2 (sequence) is sharded; attention needs whole sequences and head dims"),
+    ("attention_head_dim_sharded", "tp4", aten._scaled_dot_product_flash_attention_for_cpu.default,
+     (T([2, 4, 5, 8], S(3)), T([2, 4, 5, 8], S(3)), T([2, 4, 5, 8], S(3))), {},
+     "dim 3 (head_dim) is sharded"),
+    ("missing_operator", "tp4", aten._fft_r2c.default, (T([8, 6], S(0)), [1], 0, True), {},
+     "Missing operator aten::_fft_r2c: no distributed rule for this op"),
+]
+
+
+def _rows():
+    for family, rows in ROWS.items():
+        for row in rows:
+            yield pytest.param(*row, id=f"{family}:{row[0]}")
+
+
+@pytest.mark.parametrize("name,mesh_key,op,args,kwargs,inputs,outputs,expands", list(_rows()))
+def test_rule_inference(name, mesh_key, op, args, kwargs, inputs, outputs, expands):
+    mesh = PlanningMesh(MESHES[mesh_key])
+    result = plan(op, *[realise(a, mesh) for a in args], **kwargs)
+    given = [a.spec for arg in args for a in (arg if isinstance(arg, list) else [arg]) if isinstance(a, T)]
+    assert result.input_specs == (inputs if inputs is not None else given)
+    assert result.output_specs == outputs
+    assert result.expands == expands
+
+
+@pytest.mark.parametrize("name,mesh_key,op,args,kwargs,message", [pytest.param(*row, id=row[0]) for row in ERRORS])
+def test_rule_errors(name, mesh_key, op, args, kwargs, message):
+    mesh = PlanningMesh(MESHES[mesh_key])
+    with pytest.raises((hs.LayoutError, RuntimeError)) as raised:
+        plan(op, *[realise(a, mesh) for a in args], **kwargs)
+    assert message in str(raised.value)
+    assert str(raised.value).startswith("hypershard: ")
+
+
+def test_operands_on_different_meshes():
+    one, other = PlanningMesh(MESHES["tp4"]), PlanningMesh(MESHES["dp2tp2"])
+    with pytest.raises(hs.LayoutError, match="operands live on different meshes"):
+        plan(aten.add.Tensor, one.dtensor([8, 6], S(0)), other.dtensor([8, 6], S(0, None)))
+
+
+def test_inference_does_not_depend_on_the_rank():
+    # Plans are made on every rank independently and must agree (a rank-dependent plan would
+    # send the ranks into different collectives).
+    specs = set()
+    for rank in range(4):
+        mesh = PlanningMesh(MESHES["dp2tp2"], rank=rank)
+        result = plan(aten.mm.default, mesh.dtensor([5, 7], S(0, None)), mesh.dtensor([7, 3], S(None, 0)))
+        specs.add(tuple(layout.to_string() for layout in result.inputs + result.outputs))
+    assert len(specs) == 1, specs
+
+
+def test_uneven_local_shapes_on_every_rank():
+    # 5 rows over 4 ranks: 2, 2, 1, 0 -- the meta DTensors carry those local shapes.
+    for rank, rows in enumerate((2, 2, 1, 0)):
+        mesh = PlanningMesh(MESHES["tp4"], rank=rank)
+        x = mesh.dtensor([5, 3], S(0))
+        assert tuple(hs._C.local_of(x).shape) == (rows, 3)
+        assert plan(aten.relu.default, x).output_specs == [S(0)]
+
+
+def test_every_family_has_rows():
+    families = {"pointwise", "matmul", "reductions", "views", "softmax_norm_attention", "embedding_loss",
+                "random_factories_optim"}
+    assert families <= set(ROWS)
+    assert sum(len(rows) for rows in ROWS.values()) + len(ERRORS) >= 60
