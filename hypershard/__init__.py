@@ -53,7 +53,14 @@ from .layout import (  # noqa: E402
 )
 
 from .placement_types import Partial, Replicate, Shard  # noqa: E402
-from .dtensor import DTensor, DeviceMesh, distribute_tensor, init_device_mesh  # noqa: E402
+from .dtensor import (  # noqa: E402
+    DTensor,
+    DeviceMesh,
+    debug_checks,
+    distribute_tensor,
+    init_device_mesh,
+    set_debug_checks,
+)
 
 LayoutError.__module__ = __name__  # shown as hypershard.LayoutError in tracebacks
 
@@ -66,7 +73,9 @@ __all__ = [
     "Partial",
     "Replicate",
     "Shard",
+    "debug_checks",
     "distribute_tensor",
+    "set_debug_checks",
     "init_device_mesh",
     "Layout",
     "LayoutError",

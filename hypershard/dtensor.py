@@ -15,6 +15,7 @@ DTensor they gather, which is a collective — call them on every rank of the me
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -28,6 +29,25 @@ from .placement_types import Partial, Replicate, Shard
 __all__ = ["DTensor", "DeviceMesh", "distribute_tensor", "init_device_mesh"]
 
 DeviceMesh = _C.DeviceMesh
+
+
+# ---------------------------------------------------------------------------------- debug checks
+
+def set_debug_checks(enabled: bool) -> None:
+    """Debug mode: check that tensors hypershard assumes equal on every rank are equal --
+    distribute_tensor's input and every plain tensor operand of an op with DTensor operands
+    (both count as Replicate). A mismatch raises the same error on every rank. Costs two small
+    all-reduces per checked tensor. Also switched on by the environment variable
+    HYPERSHARD_DEBUG_CHECKS=1."""
+    _C.set_check_replicas(bool(enabled))
+
+
+def debug_checks() -> bool:
+    return _C.check_replicas()
+
+
+if os.environ.get("HYPERSHARD_DEBUG_CHECKS", "") not in ("", "0"):
+    set_debug_checks(True)
 
 
 # ---------------------------------------------------------------------------------- meshes
@@ -131,6 +151,8 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements:
     alias layout. Returns a leaf DTensor with ``tensor.requires_grad``."""
     spec = placements if placements is not None else [Replicate()] * device_mesh.ndim
     layout = make_layout(device_mesh.mesh, list(tensor.shape), spec, partial)
+    if _C.check_replicas():
+        _C.check_same_on_every_rank(tensor, device_mesh, "distribute_tensor: argument tensor")
     with torch.no_grad():
         replicated = _C.from_local(tensor.detach(), device_mesh,
                                    make_layout(device_mesh.mesh, list(tensor.shape), [Replicate()] * device_mesh.ndim))

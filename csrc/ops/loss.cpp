@@ -76,12 +76,6 @@ constexpr int64_t kNone = 0, kMean = 1, kSum = 2;  // at::Reduction
 
 bool is_sum_like(ReduceOp op) { return op == ReduceOp::Sum || op == ReduceOp::Avg; }
 
-int64_t wrap_dim(const OpCall& call, int64_t dim, int64_t ndim) {
-  const int64_t n = std::max<int64_t>(ndim, 1);
-  if (dim < -n || dim >= n) fail_call(call, layout::str_cat("dim ", dim, " is out of range for a ", ndim, "-d tensor"));
-  return dim < 0 ? dim + n : dim;
-}
-
 int64_t int_arg(const c10::IValue& v) { return v.isInt() ? v.toInt() : v.toSymInt().expect_int(); }
 
 std::string partial_name(const Layout& l) { return std::string("Partial(") + layout::reduce_op_name(*l.partial_op()) + ")"; }

@@ -100,6 +100,9 @@ const Registry& registry();
 [[noreturn]] void fail_argument(const OpCall& call, int64_t tensor, const std::string& problem,
                                 const std::string& allowed);
 [[noreturn]] void fail_call(const OpCall& call, const std::string& problem);
+// `dim` in [-ndim, ndim) made non-negative (a 0-d tensor takes -1 and 0); out of range is the
+// house error, raised on every rank alike before anything runs.
+int64_t wrap_dim(const OpCall& call, int64_t dim, int64_t ndim);
 
 LayoutPtr make_layout(const Layout& like, std::vector<int64_t> shape, layout::DimAxes dims,
                       layout::PartialOps partial = {});

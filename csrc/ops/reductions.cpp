@@ -81,13 +81,6 @@ struct Reduced {
   int64_t count = 1;          // GLOBAL number of elements each output element reduces
 };
 
-int64_t wrap_dim(const OpCall& call, int64_t dim, int64_t ndim) {
-  const int64_t n = std::max<int64_t>(ndim, 1);
-  if (dim < -n || dim >= n)
-    fail_call(call, layout::str_cat("dim ", dim, " is out of range for a ", ndim, "-d tensor"));
-  return dim < 0 ? dim + n : dim;
-}
-
 // The reduced dims from the "dim" argument: absent or None = every dim; an int[] that is
 // empty also means every dim, except for any.dims/all.dims (where it reduces nothing).
 Reduced reduced_dims(const OpCall& call, bool empty_is_all) {

@@ -54,6 +54,12 @@ void fail_call(const OpCall& call, const std::string& problem) {
   layout::fail(call.name(), problem + " (inputs: " + call.describe_inputs() + ")");
 }
 
+int64_t wrap_dim(const OpCall& call, int64_t dim, int64_t ndim) {
+  const int64_t n = std::max<int64_t>(ndim, 1);
+  if (dim < -n || dim >= n) fail_call(call, layout::str_cat("dim ", dim, " is out of range for a ", ndim, "-d tensor"));
+  return dim < 0 ? dim + n : dim;
+}
+
 LayoutPtr intern(const Layout& layout) { return layout::intern_layout(layout); }
 
 LayoutPtr make_layout(const Layout& like, std::vector<int64_t> shape, layout::DimAxes dims, layout::PartialOps partial) {

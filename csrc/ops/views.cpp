@@ -37,11 +37,6 @@
 namespace hypershard::ops {
 namespace {
 
-int64_t wrap_dim(int64_t dim, int64_t ndim) {
-  const int64_t n = std::max<int64_t>(ndim, 1);
-  return dim < 0 ? dim + n : dim;
-}
-
 std::vector<int64_t> int_list(const c10::IValue& v) {
   if (v.isIntList()) return v.toIntVector();
   std::vector<int64_t> out;
@@ -89,7 +84,14 @@ OpPlan permute_with(const OpCall& call, const std::vector<int64_t>& order) {
 OpPlan permute_rule(const OpCall& call) {
   const int64_t ndim = call.layout(0).ndim();
   auto order = int_list(call.arg(1));
-  for (auto& d : order) d = wrap_dim(d, ndim);
+  std::vector<bool> seen(ndim, false);
+  if (static_cast<int64_t>(order.size()) != ndim)
+    fail_call(call, layout::str_cat("dims has ", order.size(), " entries for a ", ndim, "-d tensor; allowed: a permutation of its dims"));
+  for (auto& d : order) {
+    d = wrap_dim(call, d, ndim);
+    if (seen[d]) fail_call(call, layout::str_cat("dim ", d, " appears twice in dims; allowed: a permutation of its dims"));
+    seen[d] = true;
+  }
   return permute_with(call, order);
 }
 
@@ -99,8 +101,8 @@ OpPlan transpose_rule(const OpCall& call) {
   std::iota(order.begin(), order.end(), 0);
   if (ndim >= 2) {
     const bool is_t = call.schema().name() == "aten::t";
-    const int64_t a = is_t ? 0 : wrap_dim(int_arg(call.arg(1)), ndim);
-    const int64_t b = is_t ? 1 : wrap_dim(int_arg(call.arg(2)), ndim);
+    const int64_t a = is_t ? 0 : wrap_dim(call, int_arg(call.arg(1)), ndim);
+    const int64_t b = is_t ? 1 : wrap_dim(call, int_arg(call.arg(2)), ndim);
     std::swap(order[a], order[b]);
   }
   return permute_with(call, order);
@@ -110,7 +112,7 @@ OpPlan transpose_rule(const OpCall& call) {
 
 OpPlan unsqueeze_rule(const OpCall& call) {
   const Layout& in = call.layout(0);
-  const int64_t dim = wrap_dim(int_arg(call.arg(1)), in.ndim() + 1);
+  const int64_t dim = wrap_dim(call, int_arg(call.arg(1)), in.ndim() + 1);
   auto shape = in.global_shape();
   auto dims = in.dim_axes();
   shape.insert(shape.begin() + dim, 1);
@@ -124,9 +126,9 @@ OpPlan squeeze_rule(const OpCall& call) {
   if (call.num_args() == 1) {
     for (int64_t d = 0; d < in.ndim(); ++d) candidates.push_back(d);
   } else if (call.arg(1).isInt()) {
-    candidates.push_back(wrap_dim(call.arg(1).toInt(), in.ndim()));
+    candidates.push_back(wrap_dim(call, call.arg(1).toInt(), in.ndim()));
   } else {
-    for (int64_t d : int_list(call.arg(1))) candidates.push_back(wrap_dim(d, in.ndim()));
+    for (int64_t d : int_list(call.arg(1))) candidates.push_back(wrap_dim(call, d, in.ndim()));
   }
   std::vector<int64_t> squeezed;
   for (int64_t d : candidates)
@@ -289,7 +291,7 @@ OpPlan view_rule(const OpCall& call) {
 OpPlan along_dim_rule(const OpCall& call) {
   const Layout& in = call.layout(0);
   const auto dim_index = call.schema().argumentIndexWithName("dim");
-  const int64_t dim = wrap_dim(dim_index ? int_arg(call.arg(*dim_index)) : 0, in.ndim());
+  const int64_t dim = wrap_dim(call, dim_index ? int_arg(call.arg(*dim_index)) : 0, in.ndim());
   const std::string name = call.schema().name();
   const int64_t full_length = in.global_shape()[dim];
   if (name == "aten::slice") {
@@ -356,7 +358,7 @@ OpPlan along_dim_rule(const OpCall& call) {
 OpPlan slicing_backward_rule(const OpCall& call) {
   const Layout& grad = call.layout(0);
   const auto sizes = int_list(call.arg(1));
-  const int64_t dim = wrap_dim(int_arg(call.arg(2)), static_cast<int64_t>(sizes.size()));
+  const int64_t dim = wrap_dim(call, int_arg(call.arg(2)), static_cast<int64_t>(sizes.size()));
   const bool is_select = call.schema().name() == "aten::select_backward";
   layout::DimAxes out_dims(sizes.size());
   layout::DimAxes grad_dims = grad.dim_axes();
@@ -384,7 +386,7 @@ OpPlan cat_rule(const OpCall& call) {
   for (size_t i = 0; i < call.tensors.size(); ++i)
     if (call.tensors[i].is_dtensor && (ref < 0 || call.layout(i).ndim() > call.layout(ref).ndim())) ref = int64_t(i);
   const Layout& r = call.layout(ref);
-  const int64_t dim = wrap_dim(int_arg(call.arg(1)), r.ndim() + (is_stack ? 1 : 0));
+  const int64_t dim = wrap_dim(call, int_arg(call.arg(1)), r.ndim() + (is_stack ? 1 : 0));
   layout::DimAxes dims = r.dim_axes();
   if (!is_stack) dims[dim].clear();
   // Partial: sum/avg pass through when every operand can take it (Replicate is filled free).
@@ -404,6 +406,13 @@ OpPlan cat_rule(const OpCall& call) {
       continue;
     }
     if (t.ndim() != r.ndim()) fail_argument(call, int64_t(i), "a different number of dims", "operands of equal rank");
+    // Checked here, before the inputs are gathered, so the error comes before any collective.
+    for (int64_t d = 0; d < t.ndim(); ++d)
+      if ((is_stack || d != dim) && t.global_shape()[d] != r.global_shape()[d])
+        fail_argument(call, int64_t(i), layout::str_cat("size ", t.global_shape()[d], " at dim ", d, " differs from ",
+                                                        r.global_shape()[d], " in another operand"),
+                      is_stack ? std::string("operands of equal shape")
+                               : layout::str_cat("equal sizes except along dim ", dim));
     if (auto op = t.partial_op(); op && (!r.partial_op() || *op != *r.partial_op() || t.partial() != r.partial()))
       fail_argument(call, int64_t(i), "a Partial operand that the others do not share", "operands Partial alike");
     plan.inputs.push_back(make_layout(t, t.global_shape(), dims, partial));

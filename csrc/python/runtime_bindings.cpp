@@ -120,6 +120,14 @@ void bind_runtime(py::module_& m) {
   }, "[(op name, calls since reset, has a rule)] for every op that reached hypershard");
   m.def("reset_op_counts", &runtime::reset_op_counts);
   m.def("set_coverage_mode", &runtime::set_coverage_mode, py::arg("on"));
+  m.def("set_check_replicas", &runtime::set_check_replicas, py::arg("on"));
+  m.def("check_replicas", &runtime::check_replicas);
+  m.def(
+      "check_same_on_every_rank",
+      [](const at::Tensor& tensor, const DeviceMeshPtr& mesh, const std::string& what) {
+        runtime::check_same_on_every_rank(tensor, *mesh, what);
+      },
+      py::arg("tensor"), py::arg("device_mesh"), py::arg("what"), py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace hypershard::python

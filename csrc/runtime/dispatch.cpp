@@ -64,6 +64,7 @@ std::atomic<int64_t> g_calls{0};
 // Coverage mode (hypershard.coverage only): an op without a rule is recorded and computed on
 // gathered (Replicate) inputs instead of raising, so one run lists every missing op.
 std::atomic<bool> g_coverage_mode{false};
+std::atomic<bool> g_check_replicas{false};
 
 std::shared_mutex g_infos_mutex;
 auto* g_infos = new std::unordered_map<const void*, OpInfo*>();  // never destroyed
@@ -394,6 +395,22 @@ void replicate_fallback(const c10::OperatorHandle& op, OpInfo& info, ops::OpCall
   }
 }
 
+// Debug mode: a plain operand counts as Replicate, so it must be the same on every rank.
+void check_plain_operands(const ops::OpCall& call) {
+  for (const auto& t : call.tensors) {
+    if (t.is_dtensor) continue;
+    at::Tensor scratch;
+    const auto& tensor = arg_tensor(call.args, t, scratch);
+    const std::string what = call.name() + ": argument " + call.schema().arguments()[t.arg].name() +
+                             (t.item >= 0 ? "[" + std::to_string(t.item) + "]" : "") + " (#" + std::to_string(t.arg) + ")";
+    try {
+      check_same_on_every_rank(tensor, *call.mesh, what);
+    } catch (const layout::LayoutError& e) {
+      TORCH_CHECK(false, e.what());
+    }
+  }
+}
+
 void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   g_calls.fetch_add(1, std::memory_order_relaxed);
   sync_registrations();
@@ -419,6 +436,7 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
                   op.schema().arguments()[a].name(), " from DTensor inputs (", call.describe_inputs(),
                   "); the result would hold one rank's shard; allowed: a DTensor destination (create it with "
                   "hypershard.distribute_tensor or a *_like op on a DTensor)");
+  if (g_check_replicas.load(std::memory_order_relaxed)) check_plain_operands(call);
   info.calls.fetch_add(1, std::memory_order_relaxed);
   if (!info.rule) {
     if (!g_coverage_mode.load(std::memory_order_relaxed)) missing_operator(call);
@@ -658,6 +676,8 @@ void reset_dispatch_stats() {
 std::vector<std::string> rule_names() { return ops::registry().names(); }
 
 void set_coverage_mode(bool on) { g_coverage_mode.store(on); }
+void set_check_replicas(bool on) { g_check_replicas.store(on); }
+bool check_replicas() { return g_check_replicas.load(); }
 
 std::vector<OpCount> op_counts() {
   std::vector<OpCount> out;

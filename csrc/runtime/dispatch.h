@@ -55,5 +55,9 @@ void reset_op_counts();
 // Coverage mode: a missing rule is recorded and the op computed on gathered inputs instead of
 // raising (hypershard.coverage uses it to list every missing op in one run).
 void set_coverage_mode(bool on);
+// Debug mode: every plain tensor operand of an op with DTensor operands is checked to be the
+// same on every rank (it counts as Replicate); costs two small all-reduces per such operand.
+void set_check_replicas(bool on);
+bool check_replicas();
 
 }  // namespace hypershard::runtime

@@ -291,6 +291,27 @@ at::Tensor all_reduce_along(const at::Tensor& local, const DeviceMesh& mesh, int
   return all_reduce_raw(local, mesh, axis, op);
 }
 
+void check_same_on_every_rank(const at::Tensor& tensor, const DeviceMesh& mesh, const std::string& what) {
+  // A fingerprint: sum, position-weighted sum, NaN count, numel. Equal data gives equal
+  // fingerprints; the global max and min of each entry differ iff some rank's does.
+  auto values = tensor.detach();
+  if (values.is_complex()) values = at::view_as_real(values);
+  values = values.to(at::kDouble).reshape(-1);
+  const auto weights = at::arange(1, values.numel() + 1, values.options());
+  const auto finite = values.nan_to_num(0, 0, 0);
+  auto fingerprint = at::stack({finite.sum(), (finite * weights).sum(), values.isnan().sum().to(at::kDouble),
+                                at::scalar_tensor(static_cast<double>(values.numel()), values.options())});
+  auto high = fingerprint, low = fingerprint;
+  for (int64_t axis = 0; axis < mesh.mesh()->ndim(); ++axis) {
+    high = all_reduce_along(high, mesh, axis, ReduceOp::Max);
+    low = all_reduce_along(low, mesh, axis, ReduceOp::Min);
+  }
+  HS_CHECK(at::equal(high, low), what, "a plain tensor of shape ", layout::shape_string(tensor.sizes().vec()),
+           " differs across the ranks of mesh ", mesh.to_string(),
+           ", but a plain tensor is used as Replicate; allowed: the same value on every rank (make per-rank data "
+           "a DTensor with DTensor.from_local)");
+}
+
 at::Tensor all_gather_along(const at::Tensor& local, const DeviceMesh& mesh, int64_t axis, int64_t dim) {
   const int64_t k = mesh.mesh()->shape()[axis];
   if (k == 1) return local;
