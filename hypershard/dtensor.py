@@ -15,6 +15,7 @@ DTensor they gather, which is a collective — call them on every rank of the me
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -54,9 +55,13 @@ if os.environ.get("HYPERSHARD_DEBUG_CHECKS", "") not in ("", "0"):
 
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int],
                      mesh_dim_names: Optional[Sequence[str]] = None, *,
-                     axis_names: Optional[Sequence[str]] = None) -> DeviceMesh:
+                     axis_names: Optional[Sequence[str]] = None,
+                     timeout: Optional[datetime.timedelta] = None) -> DeviceMesh:
     """A mesh over all ranks of the default process group (row-major), with one c10d process
-    group per axis. Every rank must call it with the same arguments."""
+    group per axis. Every rank must call it with the same arguments. `timeout`: of the axis
+    groups' collectives; default: the default process group's (init_process_group(timeout=...)),
+    so a rank that stops answering fails the others after that long instead of torch's 30
+    minutes for new groups."""
     names = list(axis_names or mesh_dim_names or [f"axis{i}" for i in range(len(mesh_shape))])
     if not dist.is_initialized():
         raise RuntimeError("hypershard: init_device_mesh: torch.distributed is not initialized; "
@@ -66,17 +71,28 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int],
         raise _C.LayoutError(
             f"hypershard: mesh: shape {tuple(mesh_shape)} holds {mesh.size} ranks but the world "
             f"has {dist.get_world_size()}; allowed: a shape whose product is the world size")
-    return _mesh_with_groups(mesh, device_type)
+    return _mesh_with_groups(mesh, device_type, timeout)
 
 
-def _mesh_with_groups(mesh: _C.Mesh, device_type: str) -> DeviceMesh:
+def _default_group_timeout(device_type: str) -> Optional[datetime.timedelta]:
+    """The default process group's collective timeout (None when torch does not expose it)."""
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device(device_type))
+        return backend.options._timeout
+    except Exception:  # noqa: BLE001 -- private API; new_group's own default applies then
+        return None
+
+
+def _mesh_with_groups(mesh: _C.Mesh, device_type: str,
+                      timeout: Optional[datetime.timedelta] = None) -> DeviceMesh:
     rank = dist.get_rank()
+    timeout = timeout or _default_group_timeout(device_type)
     groups = []
     for axis in range(mesh.ndim):
         mine = None
         # new_group must be called by every rank for every group, in the same order.
         for ranks in mesh.axis_groups(axis):
-            group = dist.new_group(ranks=list(ranks))
+            group = dist.new_group(ranks=list(ranks), timeout=timeout)
             if rank in ranks:
                 mine = group
         groups.append(mine)
