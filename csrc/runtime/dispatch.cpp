@@ -452,8 +452,9 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
   }
 
   // Keep what the returns need: the wrappers of written arguments, and (views) the global args.
-  // Views of tensors with no sharded dim whose wrapper geometry is the local's take the local
-  // result's geometry; the others need the global arguments for a meta shadow.
+  // Views of tensors whose wrapper geometry is the local's (same sizes and strides: nothing is
+  // split, or only over axes of one rank) take the local result's geometry; the others need
+  // the global arguments for a meta shadow.
   bool geometry_from_local = info.is_view;
   for (size_t i = 0; i < call.tensors.size() && geometry_from_local; ++i) {
     const auto& t = call.tensors[i];
@@ -461,7 +462,7 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
     at::Tensor scratch;
     const at::Tensor& value = arg_tensor(args, t, scratch);
     const at::Tensor& local = dtensor_impl(value)->local();
-    geometry_from_local = !t.layout->is_sharded_anywhere() && plan->inputs[i] == t.layout &&
+    geometry_from_local = plan->inputs[i] == t.layout && value.sizes() == local.sizes() &&
                           value.strides() == local.strides() && value.storage_offset() == local.storage_offset();
   }
   std::vector<c10::IValue> original;

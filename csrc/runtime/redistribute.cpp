@@ -242,7 +242,12 @@ struct ToLocalFunction : torch::autograd::Function<ToLocalFunction> {
 
 at::Tensor run_plan(const layout::RedistributePlan& plan, const at::Tensor& local, const DeviceMesh& mesh) {
   at::Tensor current = local;
-  for (const auto& step : plan.steps) current = run_step(step, current, mesh);
+  for (const auto& step : plan.steps) {
+    // On an axis of one rank every step is the identity (a chunk of one is the whole, a
+    // reduction over one part is the part): skip it rather than call a collective.
+    if (mesh.mesh()->shape()[step.axis] == 1) continue;
+    current = run_step(step, current, mesh);
+  }
   return current;
 }
 
