@@ -1,7 +1,8 @@
 # hypershard developer entry points. Every target works from a fresh clone:
 #
 #   make demo    set up (Debian packages, .venv, pinned deps, build), then run the demo
-#   make test    set up, then the C++ tests, the Python unit tests, level0 and level1
+#   make test    set up, then the C++ tests (plain, sanitized, fuzzed), the Python unit tests,
+#                level0 and level1
 #
 # `setup` is idempotent and incremental: packages are installed only when missing, the pinned
 # requirements only when requirements.txt changed, the extension rebuilt only when its sources
@@ -15,8 +16,21 @@ JOBS         ?= 2
 VENV         := .venv
 VENV_BIN     := $(CURDIR)/$(VENV)/bin
 PY           := $(VENV_BIN)/python
-APT_PACKAGES := g++ libgtest-dev ccache
+# clang and libclang-rt-14-dev (ASan, UBSan, libFuzzer) for test-sanitize and test-fuzz; llvm
+# for llvm-symbolizer (readable sanitizer reports).
+APT_PACKAGES := g++ libgtest-dev ccache clang libclang-rt-14-dev llvm
 CPP_BUILD    := build/cpp
+CPP_ASAN_BUILD := build/cpp-asan
+CPP_FUZZ_BUILD := build/cpp-fuzz
+SAN_CXX      ?= clang++
+# test-sanitize: layout pairs checked per exhaustive case (ASan/UBSan run ~10x slower).
+SANITIZE_PAIRS ?= 2000
+# test-fuzz: seconds of fuzzing, and fuzzing processes (libFuzzer -fork) beyond 1.
+FUZZ_SECONDS ?= 60
+FUZZ_JOBS    ?= 1
+# Every sanitizer finding stops the run with a stack trace.
+SAN_ENV      := ASAN_OPTIONS=check_initialization_order=1:strict_init_order=1 \
+                UBSAN_OPTIONS=print_stacktrace=1
 
 REQUIREMENTS_STAMP := $(VENV)/.requirements.stamp
 BUILD_STAMP        := $(VENV)/.build.stamp
@@ -27,15 +41,21 @@ EXTENSION_INPUTS   := CMakeLists.txt pyproject.toml \
 export PATH := $(VENV_BIN):$(PATH)
 export CMAKE_BUILD_PARALLEL_LEVEL := $(JOBS)
 
-.PHONY: help setup system-packages build test test-cpp test-unit test-level0 test-level1 \
+.PHONY: help setup system-packages build test test-cpp test-sanitize test-fuzz test-unit \
+        test-level0 test-level1 \
         demo bench clean distclean
 
 help:
 	@echo "make demo         set up everything, then run the demo (python -m hypershard.demo)"
-	@echo "make test         set up everything, then test-cpp, test-unit, test-level0, test-level1"
+	@echo "make test         set up everything, then test-cpp, test-sanitize, test-fuzz, test-unit,"
+	@echo "                  test-level0, test-level1"
 	@echo "make setup        Debian packages, .venv, pinned requirements, build the extension"
 	@echo "make build        (re)build the extension hypershard._C when its sources changed"
 	@echo "make test-cpp     GoogleTest tests of the layout core (no torch), in $(CPP_BUILD)"
+	@echo "make test-sanitize"
+	@echo "                  the tests of test-cpp under ASan + UBSan (clang), in $(CPP_ASAN_BUILD)"
+	@echo "make test-fuzz    fuzz the layout core with libFuzzer for FUZZ_SECONDS (default $(FUZZ_SECONDS)),"
+	@echo "                  e.g. make test-fuzz FUZZ_SECONDS=600 FUZZ_JOBS=2; in $(CPP_FUZZ_BUILD)"
 	@echo "make test-unit    Python unit tests (tests/python/unit)"
 	@echo "make test-level0  single-operator distributed tests (tests/python/level0)"
 	@echo "make test-level1  model training tests (tests/python/level1)"
@@ -72,13 +92,45 @@ $(BUILD_STAMP): $(REQUIREMENTS_STAMP) $(EXTENSION_INPUTS)
 	$(PY) -m pip install --no-build-isolation --no-deps -e .
 	touch $@
 
-test: setup test-cpp test-unit test-level0 test-level1
+test: setup test-cpp test-sanitize test-fuzz test-unit test-level0 test-level1
 
 test-cpp: system-packages $(REQUIREMENTS_STAMP)
 	cmake -S . -B $(CPP_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release \
 	  -DHS_BUILD_TESTS=ON -DHS_BUILD_EXTENSION=OFF
 	cmake --build $(CPP_BUILD) -j $(JOBS)
 	cd $(CPP_BUILD) && ctest --output-on-failure -j $(JOBS)
+
+# The GoogleTest tests built with AddressSanitizer and UndefinedBehaviorSanitizer; the exhaustive
+# planner test checks a deterministic subset of its pairs (all of them in test-cpp).
+test-sanitize: system-packages $(REQUIREMENTS_STAMP)
+	cmake -S . -B $(CPP_ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	  -DCMAKE_CXX_COMPILER=$(SAN_CXX) -DHS_SANITIZE=ON -DHS_BUILD_TESTS=ON -DHS_BUILD_EXTENSION=OFF
+	cmake --build $(CPP_ASAN_BUILD) -j $(JOBS)
+	cd $(CPP_ASAN_BUILD) && HS_EXHAUSTIVE_PAIRS=$(SANITIZE_PAIRS) $(SAN_ENV) \
+	  ctest --output-on-failure -j $(JOBS)
+
+# libFuzzer over parsing, conversion and planning (tests/cpp/fuzz/layout_fuzz.cpp), bounded by
+# FUZZ_SECONDS. The committed seeds are read from tests/cpp/fuzz/corpus; what the fuzzer finds
+# goes to $(CPP_FUZZ_BUILD)/corpus (kept between runs), a failing input to $(CPP_FUZZ_BUILD)/.
+FUZZ_FLAGS := -max_total_time=$(FUZZ_SECONDS) -timeout=10 -dict=tests/cpp/fuzz/layout_fuzz.dict \
+              -artifact_prefix=$(CPP_FUZZ_BUILD)/ -print_final_stats=1 \
+              $(if $(filter-out 0 1,$(FUZZ_JOBS)),-fork=$(FUZZ_JOBS) -ignore_crashes=0 -ignore_timeouts=0 -ignore_ooms=0)
+test-fuzz: system-packages $(REQUIREMENTS_STAMP)
+	cmake -S . -B $(CPP_FUZZ_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	  -DCMAKE_CXX_COMPILER=$(SAN_CXX) -DHS_BUILD_FUZZ=ON -DHS_BUILD_EXTENSION=OFF
+	cmake --build $(CPP_FUZZ_BUILD) -j $(JOBS)
+	@mkdir -p $(CPP_FUZZ_BUILD)/corpus
+	@echo "test-fuzz: fuzzing for $(FUZZ_SECONDS) s (log: $(CPP_FUZZ_BUILD)/fuzz.log)"
+	@rc=0; $(SAN_ENV) $(CPP_FUZZ_BUILD)/hypershard_layout_fuzz $(FUZZ_FLAGS) \
+	  $(CPP_FUZZ_BUILD)/corpus tests/cpp/fuzz/corpus > $(CPP_FUZZ_BUILD)/fuzz.log 2>&1 || rc=$$?; \
+	grep -E '^#[0-9]+:?[[:space:]].*(INITED|DONE)|^Done|^stat::(number_of_executed_units|average_exec_per_sec|new_units_added|peak_rss_mb)' \
+	  $(CPP_FUZZ_BUILD)/fuzz.log || true; \
+	if (( rc )); then \
+	  tail -n 80 $(CPP_FUZZ_BUILD)/fuzz.log; \
+	  echo "test-fuzz: FAILED (exit $$rc). The input is in $(CPP_FUZZ_BUILD)/ (crash-*, leak-*, timeout-*, oom-*);"; \
+	  echo "replay it with: $(CPP_FUZZ_BUILD)/hypershard_layout_fuzz <file>"; \
+	fi; \
+	exit $$rc
 
 # Runs pytest on a folder; a folder without tests yet passes (and runs no pytest at all).
 define run_pytest

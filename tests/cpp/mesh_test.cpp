@@ -50,6 +50,7 @@ TEST(Mesh, Errors) {
   expect_error([] { Mesh::create({2, 2}, {"dp", "dp"}); }, "axis name 'dp' is used twice");
   expect_error([] { Mesh::create({2}, {""}); }, "an axis name is empty");
   expect_error([] { Mesh::create({2}, {"None"}); }, "'None' is reserved");
+  expect_error([] { Mesh::create({2}, {"a'\"b"}); }, "axis name 'a'\"b' holds both quote characters");
   expect_error([] { Mesh::create({2, 2}, {"dp", "tp"}, {0, 1, 2}); }, "holds 4 ranks but 3 ranks were given");
   expect_error([] { Mesh::create({2}, {"dp"}, {1, 1}); }, "rank 1 appears twice");
   expect_error([] { Mesh::create({2}, {"dp"}, {-1, 1}); }, "rank -1 is negative");

@@ -34,6 +34,19 @@ TEST(Alias, ParseAndPrint) {
   EXPECT_EQ(parse_alias("(\"None\",) partial(max: dp, tp)").to_string(), "(\"None\",) partial(max: dp, tp)");
 }
 
+// Found by the fuzzer: axis names that are not bare words used to print unquoted in
+// partial(...), and names holding a double quote inside double quotes, so Layout::to_string gave
+// text that parse_alias rejected or read differently.
+TEST(Alias, NamesThatNeedQuotesRoundTrip) {
+  auto mesh = Mesh::create({2, 2, 1}, {"t p", "q\"r", "x'y"});
+  const auto layout = Layout::create(mesh, {4, 3}, {{1}, {}}, {ReduceOp::Sum, std::nullopt, ReduceOp::Sum});
+  EXPECT_EQ(layout.sharding_string(), R"x(('q"r', "None") partial(sum: "t p", "x'y"))x");
+  for (const auto& l : hypershard::testing::all_layouts(mesh, {4, 3})) {
+    const std::string text = to_alias(l).to_string();
+    ASSERT_EQ(from_alias(mesh, {4, 3}, parse_alias(text)), l) << text;
+  }
+}
+
 TEST(Alias, HyperParallelExamples) {
   auto mesh = Mesh::create({2, 4}, {"dp", "tp"});
   auto a = from_alias(mesh, {8, 16}, parse_alias("(\"dp\", \"None\")"));
