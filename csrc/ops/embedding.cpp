@@ -128,7 +128,9 @@ OpPlan embedding_rule(const OpCall& call) {
 
 int64_t int_arg(const c10::IValue& v) { return v.isInt() ? v.toInt() : v.toSymInt().expect_int(); }
 
-OpPlan embedding_dense_backward_rule(const OpCall& call) {
+// The factors both embedding backwards share: grad [indices..., H], indices [...] -> [V, H].
+// Frequencies (scale_grad_by_freq) count every occurrence of an index: they need all indices.
+FactorSpec embedding_backward_factors(const OpCall& call) {
   const int64_t g = call.tensor_index(0), idx = call.tensor_index(1);
   check_indices(call, idx);
   const Layout& grad = call.layout(g);
@@ -141,9 +143,13 @@ OpPlan embedding_dense_backward_rule(const OpCall& call) {
   spec.operands = {{g, labels + kHidden, true}, {idx, labels, false}};
   spec.outputs = {std::string{kVocab, kHidden}};
   spec.out_shapes = {{int_arg(call.arg(call.arg_index("num_weights"))), grad.global_shape().back()}};
-  spec.whole = std::string{kVocab};
-  // Frequencies count every occurrence of an index: they need all the indices.
-  if (call.arg(call.arg_index("scale_grad_by_freq")).toBool()) spec.whole += labels;
+  if (call.arg(call.arg_index("scale_grad_by_freq")).toBool()) spec.whole = labels;
+  return spec;
+}
+
+OpPlan embedding_dense_backward_rule(const OpCall& call) {
+  FactorSpec spec = embedding_backward_factors(call);
+  spec.whole += kVocab;
   const auto f = plan_factors(call, spec);
   OpPlan plan;
   plan.inputs = inputs_in_call_order(call, spec, f);
@@ -172,19 +178,7 @@ void embedding_vocab_backward_expand(const LayoutPtr& out, const OpCall& call, S
 }
 
 OpPlan embedding_vocab_backward_rule(const OpCall& call) {
-  const int64_t g = call.tensor_index(0), idx = call.tensor_index(1);
-  check_indices(call, idx);
-  const Layout& grad = call.layout(g);
-  const Layout& indices = call.layout(idx);
-  if (grad.ndim() != indices.ndim() + 1)
-    fail_argument(call, g, "has " + std::to_string(grad.ndim()) + " dims",
-                  std::to_string(indices.ndim() + 1) + " dims (the indices' dims and the embedding dim)");
-  FactorSpec spec;
-  const auto labels = index_labels(indices.ndim());
-  spec.operands = {{g, labels + kHidden, true}, {idx, labels, false}};
-  spec.outputs = {std::string{kVocab, kHidden}};
-  spec.out_shapes = {{int_arg(call.arg(call.arg_index("num_weights"))), grad.global_shape().back()}};
-  if (call.arg(call.arg_index("scale_grad_by_freq")).toBool()) spec.whole = labels;
+  FactorSpec spec = embedding_backward_factors(call);
   for (int64_t axis : call.arg(call.arg_index("vocab_axes")).toIntVector()) {
     if (axis < 0 || axis >= call.mesh->mesh()->ndim())
       fail_call(call, layout::str_cat("vocab axis ", axis, " is not a mesh axis"));

@@ -60,7 +60,8 @@ runs.  This package never imports hypershard at module level: its adapters impor
 library lazily, so the harness (with backend="torch") works before hypershard's runtime is built.
 """
 
-from .adapters import Adapter, HypershardAdapter, TorchAdapter, get_adapter, register_adapter
+from .adapters import (Adapter, HypershardAdapter, NoisyPartialAdapter, TorchAdapter, get_adapter,
+                       register_adapter)
 from .launcher import run_cases
 from .results import CaseResult, LaunchInfo, RunResult, assert_all_passed
 from .spec import (
@@ -85,6 +86,7 @@ __all__ = [
     "HypershardAdapter",
     "Input",
     "LaunchInfo",
+    "NoisyPartialAdapter",
     "RunResult",
     "TorchAdapter",
     "arange",

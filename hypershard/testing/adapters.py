@@ -189,8 +189,51 @@ class HypershardAdapter(Adapter):
         return hs.distribute_tensor(tensor, mesh, placements)
 
 
+class NoisyPartialAdapter(HypershardAdapter):
+    """hypershard, with Partial inputs made of random parts (so an op that treats a Partial as
+    "rank 0 holds the value" gives a wrong result): sum -> x / n + noise_i (the noise sums to 0
+    over the Partial group), avg -> x + noise_i, prod -> f_i (times x on the group's first rank;
+    the f_i multiply to 1), max/min -> x on the group's first rank and something smaller/larger
+    on the others (bool: False/True). Integer Partials are distributed as usual."""
+
+    name = "hypershard-noisy-partial"
+
+    def distribute(self, tensor, mesh, layout):
+        if (layout.kind != "placements" or not any(p.kind == "P" for p in layout.items)
+                or not (tensor.is_floating_point() or tensor.dtype == torch.bool)):
+            return super().distribute(tensor, mesh, layout)
+        hs = self._hs()
+        placements = self.placements(layout)
+        base = [hs.Replicate() if p.kind == "P" else q for p, q in zip(layout.items, placements)]
+        local = hs.distribute_tensor(tensor, mesh, base).to_local().clone()
+        axes = [a for a, p in enumerate(layout.items) if p.kind == "P"]
+        op = layout.items[axes[0]].op
+        # Seeded by the coordinates on the sharding axes only: the same on a Partial group.
+        key = [mesh.coordinate(a) for a, p in enumerate(layout.items) if p.kind == "S"]
+        noise = torch.randn(local.shape, generator=torch.Generator().manual_seed(
+            7919 + sum((c + 1) * 31 ** k for k, c in enumerate(key)) + local.numel()))
+        coords = [mesh.coordinate(a) for a in axes]
+        centred = sum(c - (mesh.size(a) - 1) / 2 for c, a in zip(coords, axes))  # sums to 0
+        count = 1
+        for a in axes:
+            count *= mesh.size(a)
+        if local.dtype == torch.bool:
+            if any(coords):
+                local = torch.zeros_like(local) if op == "max" else torch.ones_like(local)
+        elif op == "sum":
+            local = local / count + noise * centred
+        elif op == "avg":
+            local = local + noise * centred
+        elif op in ("prod", "product"):
+            local = (torch.ones_like(local) if any(coords) else local) * torch.exp(0.3 * noise * centred)
+        elif any(coords):
+            local = local - (1 + noise.abs()) if op == "max" else local + (1 + noise.abs())
+        return hs.DTensor.from_local(local.to(tensor.dtype), mesh, placements, shape=list(tensor.shape))
+
+
 _ADAPTERS: dict[str, Callable[[], Adapter]] = {
     "hypershard": HypershardAdapter,
+    "hypershard-noisy-partial": NoisyPartialAdapter,
     "torch": TorchAdapter,
 }
 

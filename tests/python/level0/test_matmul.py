@@ -23,42 +23,9 @@ import torch
 import torch.nn.functional as F
 
 hs = pytest.importorskip("hypershard")
-from hypershard.testing import Case, HypershardAdapter, Input, current_mesh, run_cases  # noqa: E402
+from hypershard.testing import Case, Input, NoisyPartialAdapter, current_mesh, run_cases  # noqa: E402
 
 LAUNCH_TIMEOUT_S = 240  # per launch; each takes ~10-40 s on 2 cores
-
-
-# ---------------------------------------------------------------------------------- Partial inputs
-
-class NoisyPartialAdapter(HypershardAdapter):
-    """hypershard, with Partial inputs made of random parts: on the Partial axes the ranks hold
-    x / n + noise_i (sum), x + noise_i (avg) with the noise summing to zero over the group, or x
-    on the first rank and something smaller (max) / larger (min) on the others."""
-
-    def distribute(self, tensor, mesh, layout):
-        if layout.kind != "placements" or not any(p.kind == "P" for p in layout.items):
-            return super().distribute(tensor, mesh, layout)
-        placements = self.placements(layout)
-        base = [hs.Replicate() if p.kind == "P" else q for p, q in zip(layout.items, placements)]
-        local = hs.distribute_tensor(tensor, mesh, base).to_local().clone()
-        axes = [a for a, p in enumerate(layout.items) if p.kind == "P"]
-        op = layout.items[axes[0]].op
-        # The noise is the same on every rank of a Partial group and of a Replicate axis: seeded
-        # by the coordinates on the sharding axes only.
-        key = [mesh.coordinate(a) for a, p in enumerate(layout.items) if p.kind == "S"]
-        seed = 7919 + sum((c + 1) * 31 ** k for k, c in enumerate(key)) + local.numel()
-        noise = torch.randn(local.shape, generator=torch.Generator().manual_seed(seed))
-        coords = [mesh.coordinate(a) for a in axes]
-        sizes = [mesh.size(a) for a in axes]
-        if op in ("sum", "avg"):
-            centred = sum(c - (n - 1) / 2 for c, n in zip(coords, sizes))  # sums to 0 over the group
-            count = 1
-            for n in sizes:
-                count *= n
-            local = (local / count if op == "sum" else local) + noise * centred
-        elif op in ("max", "min") and any(coords):
-            local = local - (1 + noise.abs()) if op == "max" else local + (1 + noise.abs())
-        return hs.DTensor.from_local(local, mesh, placements, shape=list(tensor.shape))
 
 
 # ---------------------------------------------------------------------------------- cases

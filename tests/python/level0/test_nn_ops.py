@@ -23,9 +23,9 @@ import torch.nn.functional as F
 hs = pytest.importorskip("hypershard")
 from hypershard.testing import (  # noqa: E402
     Case,
-    HypershardAdapter,
+    NoisyPartialAdapter,
     Input,
-        current_mesh,
+    current_mesh,
     in_distributed_run,
     randint,
     run_cases,
@@ -36,28 +36,6 @@ M2 = ((2,), ("x",))
 M4 = ((4,), ("x",))
 M22 = ((2, 2), ("x", "y"))
 TIMEOUT = 300
-
-
-class NoisyPartialAdapter(HypershardAdapter):
-    """Partial(sum) inputs as random parts that sum to the global value (not "rank 0 holds it")."""
-
-    def distribute(self, tensor, mesh, layout):
-        if (layout.kind != "placements" or not tensor.is_floating_point()
-                or not any(p.kind == "P" for p in layout.items)):
-            return super().distribute(tensor, mesh, layout)
-        placements = self.placements(layout)
-        base = [hs.Replicate() if p.kind == "P" else q for p, q in zip(layout.items, placements)]
-        local = hs.distribute_tensor(tensor, mesh, base).to_local().clone()
-        axes = [a for a, p in enumerate(layout.items) if p.kind == "P"]
-        key = [mesh.coordinate(a) for a, p in enumerate(layout.items) if p.kind == "S"]
-        seed = 7919 + sum((c + 1) * 31 ** k for k, c in enumerate(key)) + local.numel()
-        noise = torch.randn(local.shape, generator=torch.Generator().manual_seed(seed))
-        centred = sum(mesh.coordinate(a) - (mesh.size(a) - 1) / 2 for a in axes)
-        count = 1
-        for a in axes:
-            count *= mesh.size(a)
-        local = local / count + noise * centred
-        return hs.DTensor.from_local(local, mesh, placements, shape=list(tensor.shape))
 
 
 def expect(placements, fn):
