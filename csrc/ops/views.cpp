@@ -64,7 +64,16 @@ OpPlan single(const OpCall& call, LayoutPtr input, LayoutPtr output) {
 // Rewrites a size argument to this rank's local shape of `out`.
 LocalizeFn localize_sizes(const char* name, LayoutPtr out) {
   return [name, out](const OpCall& call, c10::IValue* args) {
-    args[call.arg_index(name)] = c10::IValue(out->local_shape_at(call.mesh->position()));
+    const auto local = out->local_shape_at(call.mesh->position());
+    c10::IValue& arg = args[call.arg_index(name)];
+    // Unsplit results (Replicate, or axes of one rank) keep the caller's list: no new list.
+    if (arg.isIntList()) {
+      const auto given = arg.toIntList();
+      bool same = given.size() == local.size();
+      for (size_t i = 0; same && i < local.size(); ++i) same = given.get(i) == local[i];
+      if (same) return;
+    }
+    arg = c10::IValue(local);
   };
 }
 

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <unordered_map>
 
@@ -344,15 +345,17 @@ void set_arg_tensor(c10::IValue* args, const ops::TensorArg& t, at::Tensor local
   if (t.item < 0) {
     v = std::move(local);
   } else if (v.isTensorList()) {
+    // Never write into a list someone else holds: `v` and `list` account for two references.
+    // (Counting `list` matters: "> 1" copied the whole list again for every element.)
     auto list = v.toTensorList();
-    if (list.use_count() > 1) {  // never write into the caller's list
+    if (list.use_count() > 2) {
       list = list.copy();
       v = list;
     }
     list.set(t.item, std::move(local));
   } else {
     auto list = v.toList();
-    if (list.use_count() > 1) {
+    if (list.use_count() > 2) {
       list = list.copy();
       v = list;
     }
@@ -409,6 +412,23 @@ void check_plain_operands(const ops::OpCall& call) {
       TORCH_CHECK(false, e.what());
     }
   }
+}
+
+// One returned local as a DTensor. A view takes the local's geometry (`from_local`) or the next
+// meta-shadow geometry; a view of a redistributed input is marked as not aliasing its base.
+at::Tensor wrap_view_or_output(at::Tensor local, bool is_view, const LayoutPtr& layout, const DeviceMeshPtr& mesh,
+                               bool from_local, const std::vector<std::pair<std::vector<int64_t>, int64_t>>& shadow,
+                               size_t& view_index, bool detached_view) {
+  std::optional<Geometry> geometry;
+  if (is_view && from_local) {
+    geometry = Geometry{local.strides(), local.storage_offset()};  // the local's impl outlives the call
+  } else if (is_view && view_index < shadow.size()) {
+    geometry = Geometry{shadow[view_index].first, shadow[view_index].second};
+    ++view_index;
+  }
+  auto wrapped = make_dtensor(std::move(local), layout, mesh, geometry ? &*geometry : nullptr);
+  if (is_view && detached_view) dtensor_impl(wrapped)->mark_detached_view();
+  return wrapped;
 }
 
 void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
@@ -532,13 +552,9 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
     } else if (v.isTensor()) {
       at::Tensor local = v.toTensor();
       if (local.defined()) {
-        if (ri.kind == ReturnKind::kView && geometry_from_local) geometry.emplace_back(local.strides().vec(), local.storage_offset());
-        auto wrapped = make_dtensor(std::move(local), plan->outputs.at(out_index), call.mesh);
-        if (ri.kind == ReturnKind::kView && view_index < geometry.size()) {
-          dtensor_impl(wrapped)->set_geometry(geometry[view_index].first, geometry[view_index].second);
-          ++view_index;
-        }
-        if (ri.kind == ReturnKind::kView && detached_view) dtensor_impl(wrapped)->mark_detached_view();
+        auto wrapped = wrap_view_or_output(std::move(local), ri.kind == ReturnKind::kView,
+                                           plan->outputs.at(out_index), call.mesh, geometry_from_local, geometry,
+                                           view_index, detached_view);
         v = std::move(wrapped);
       }
       ++out_index;
@@ -546,19 +562,9 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
       auto list = v.toTensorList();
       c10::List<at::Tensor> wrapped;
       wrapped.reserve(list.size());
-      for (size_t i = 0; i < list.size(); ++i) {
-        if (ri.kind == ReturnKind::kView && geometry_from_local) {
-          const at::Tensor item = list.get(i);
-          geometry.emplace_back(item.strides().vec(), item.storage_offset());
-        }
-        auto w = make_dtensor(list.get(i), plan->outputs.at(out_index++), call.mesh);
-        if (ri.kind == ReturnKind::kView && view_index < geometry.size()) {
-          dtensor_impl(w)->set_geometry(geometry[view_index].first, geometry[view_index].second);
-          ++view_index;
-        }
-        if (ri.kind == ReturnKind::kView && detached_view) dtensor_impl(w)->mark_detached_view();
-        wrapped.push_back(std::move(w));
-      }
+      for (size_t i = 0; i < list.size(); ++i)
+        wrapped.push_back(wrap_view_or_output(list.get(i), ri.kind == ReturnKind::kView, plan->outputs.at(out_index++),
+                                              call.mesh, geometry_from_local, geometry, view_index, detached_view));
       v = std::move(wrapped);
     }
   }

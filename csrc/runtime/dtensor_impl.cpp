@@ -40,13 +40,14 @@ DeviceMeshPtr find_mesh(int64_t handle) {
   return g_meshes->at(handle);
 }
 
-DTensorImpl::DTensorImpl(at::Tensor local, LayoutPtr layout, DeviceMeshPtr mesh)
+DTensorImpl::DTensorImpl(at::Tensor local, LayoutPtr layout, DeviceMeshPtr mesh, const Geometry* geometry)
     : c10::TensorImpl(wrapper_keys(local.device().type()), local.dtype(), local.device()),
       local_(std::move(local)),
       layout_(std::move(layout)),
       mesh_(std::move(mesh)) {
   set_storage_access_should_throw();
-  set_dense_geometry();
+  if (geometry) set_geometry(geometry->strides, geometry->storage_offset);  // one refresh, not two
+  else set_dense_geometry();
 }
 
 void DTensorImpl::set_geometry(c10::IntArrayRef strides, int64_t storage_offset) {
@@ -118,12 +119,12 @@ void DTensorImpl::shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>& i
   set_geometry(other->strides(), other->storage_offset());
 }
 
-at::Tensor make_dtensor(at::Tensor local, LayoutPtr layout, DeviceMeshPtr mesh) {
+at::Tensor make_dtensor(at::Tensor local, LayoutPtr layout, DeviceMeshPtr mesh, const Geometry* geometry) {
   HS_CHECK(!is_dtensor(local), "DTensor", "the local tensor is itself a DTensor");
   // A wrapper is an inference tensor exactly when its local is.
   std::optional<c10::InferenceMode> guard;
   if (local.is_inference() != c10::InferenceMode::is_enabled()) guard.emplace(local.is_inference());
-  return at::Tensor(c10::make_intrusive<DTensorImpl>(std::move(local), std::move(layout), std::move(mesh)));
+  return at::Tensor(c10::make_intrusive<DTensorImpl>(std::move(local), std::move(layout), std::move(mesh), geometry));
 }
 
 DTensorImpl& checked_dtensor(const at::Tensor& t, const char* what) {

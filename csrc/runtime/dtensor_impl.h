@@ -28,9 +28,16 @@ using layout::LayoutPtr;
 int64_t retain_mesh(const DeviceMeshPtr& mesh);
 DeviceMeshPtr find_mesh(int64_t handle);
 
+// A wrapper's global geometry when it is not the dense default (a view's strides and offset).
+struct Geometry {
+  c10::IntArrayRef strides;
+  int64_t storage_offset = 0;
+};
+
 class DTensorImpl final : public c10::TensorImpl {
  public:
-  DTensorImpl(at::Tensor local, LayoutPtr layout, DeviceMeshPtr mesh);
+  // `geometry`: null = dense strides in the local's dimension order.
+  DTensorImpl(at::Tensor local, LayoutPtr layout, DeviceMeshPtr mesh, const Geometry* geometry = nullptr);
 
   const at::Tensor& local() const { return local_; }
   const LayoutPtr& layout() const { return layout_; }
@@ -76,7 +83,7 @@ inline DTensorImpl* dtensor_impl(const at::TensorBase& t) {
 inline bool is_dtensor(const at::TensorBase& t) { return dtensor_impl(t) != nullptr; }
 
 // Wraps `local` (never itself a DTensor) as a DTensor with `layout`.
-at::Tensor make_dtensor(at::Tensor local, LayoutPtr layout, DeviceMeshPtr mesh);
+at::Tensor make_dtensor(at::Tensor local, LayoutPtr layout, DeviceMeshPtr mesh, const Geometry* geometry = nullptr);
 
 // Raises unless `t` is a DTensor.
 DTensorImpl& checked_dtensor(const at::Tensor& t, const char* what);

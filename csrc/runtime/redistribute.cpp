@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <atomic>
 #include <limits>
 
@@ -60,9 +61,15 @@ at::Tensor all_gather(const RedistributeStep& step, const at::Tensor& local, con
   sizes[0] = longest * k;
   auto gathered = at::empty(sizes, send.options());
   mesh.group(step.axis)._allgather_base(gathered, send)->wait();
-  std::vector<at::Tensor> pieces;
-  for (int64_t c = 0; c < k; ++c) pieces.push_back(gathered.narrow(0, c * longest, lengths[c]));
-  return at::cat(pieces, 0).movedim(0, d).contiguous();
+  // Even chunks need no trimming: the gathered buffer already is the result along dim 0.
+  const bool even = std::all_of(lengths.begin(), lengths.end(), [&](int64_t l) { return l == longest; });
+  at::Tensor joined = gathered;
+  if (!even) {
+    std::vector<at::Tensor> pieces;
+    for (int64_t c = 0; c < k; ++c) pieces.push_back(gathered.narrow(0, c * longest, lengths[c]));
+    joined = at::cat(pieces, 0);
+  }
+  return d == 0 ? joined : joined.movedim(0, d).contiguous();
 }
 
 at::Tensor reduce_op_finish(at::Tensor t, ReduceOp op, int64_t k) {
@@ -320,22 +327,14 @@ void check_same_on_every_rank(const at::Tensor& tensor, const DeviceMesh& mesh, 
 at::Tensor all_gather_along(const at::Tensor& local, const DeviceMesh& mesh, int64_t axis, int64_t dim) {
   const int64_t k = mesh.mesh()->shape()[axis];
   if (k == 1) return local;
-  // Lengths first (they may differ), then padded chunks.
-  auto length = at::tensor({local.size(dim)}, at::TensorOptions().dtype(at::kLong).device(local.device()));
-  auto lengths = at::empty({k}, length.options());
-  mesh.group(axis)._allgather_base(lengths, length)->wait();
-  const auto host = lengths.cpu();
-  const int64_t longest = host.max().item<int64_t>();
-  auto send = pad_to(local, dim, longest).movedim(dim, 0).contiguous();
+  auto send = local.movedim(dim, 0).contiguous();
   auto sizes = send.sizes().vec();
-  sizes[0] = longest * k;
+  sizes[0] *= k;
   auto gathered = at::empty(sizes, send.options());
   g_collectives.fetch_add(1, std::memory_order_relaxed);
   g_bytes.fetch_add(send.numel() * (k - 1) * static_cast<int64_t>(send.element_size()), std::memory_order_relaxed);
   mesh.group(axis)._allgather_base(gathered, send)->wait();
-  std::vector<at::Tensor> pieces;
-  for (int64_t c = 0; c < k; ++c) pieces.push_back(gathered.narrow(0, c * longest, host[c].item<int64_t>()));
-  return at::cat(pieces, 0).movedim(0, dim).contiguous();
+  return dim == 0 ? gathered : gathered.movedim(0, dim).contiguous();
 }
 
 TrafficCounters traffic() { return {g_collectives.load(), g_bytes.load()}; }
