@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import datetime
 import os
+import types
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -272,6 +273,24 @@ def _deepcopy(self: torch.Tensor, memo):
     return result
 
 
+class _DTensorMethod:
+    """A torch.Tensor method that exists only on hypershard DTensors: on a plain tensor the
+    attribute itself is missing (AttributeError on access), so ``hasattr(t, "full_tensor")``
+    stays False for plain tensors, as code that detects DTensors that way expects. torch's own
+    DTensor class defines these methods itself and is not affected."""
+
+    def __init__(self, name: str, fn):
+        self.name, self.fn = name, fn
+        self.__doc__ = fn.__doc__
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return self
+        if not _C.is_dtensor(obj):
+            raise AttributeError(f"'Tensor' object has no attribute '{self.name}' (it is not a hypershard DTensor)")
+        return types.MethodType(self.fn, obj)
+
+
 def _dtensor_only(name: str, fn):
     def method(self, *args, **kwargs):
         if not _C.is_dtensor(self):
@@ -283,9 +302,9 @@ def _dtensor_only(name: str, fn):
 
 
 def _install_tensor_methods() -> None:
-    torch.Tensor.to_local = _dtensor_only("to_local", _to_local)
-    torch.Tensor.full_tensor = _dtensor_only("full_tensor", _full_tensor)
-    torch.Tensor.redistribute = _dtensor_only("redistribute", _redistribute)
+    torch.Tensor.to_local = _DTensorMethod("to_local", _to_local)
+    torch.Tensor.full_tensor = _DTensorMethod("full_tensor", _full_tensor)
+    torch.Tensor.redistribute = _DTensorMethod("redistribute", _redistribute)
     torch.Tensor.placements = property(_dtensor_only("placements", lambda t: _placements_of(_C.layout_of(t))))
     torch.Tensor.device_mesh = property(_dtensor_only("device_mesh", lambda t: _C.device_mesh_of(t)))
     torch.Tensor.layout = property(_layout)
