@@ -16,6 +16,7 @@
 // buffer per rank and call, no communication. It relies on every rank's generator being in the
 // same state (torch.manual_seed(s) on every rank, as distribute_tensor relies on equal global
 // values); a draw that differs per rank cannot be detected without a collective.
+// When nothing is sharded the local call is that draw already (no expand).
 // Memory order: the global buffer takes the local's memory order (the wrapper reports the same
 // order), and a non-dense local gets a non-contiguous buffer, because CPU kernels fill
 // contiguous and strided tensors along different code paths (normal_ for >= 16 elements).
@@ -148,7 +149,9 @@ OpPlan random_rule(const OpCall& call) {
   // A second tensor (bernoulli_.Tensor / bernoulli.Tensor p, randint_like.Tensor high) is read whole.
   for (size_t t = 1; t < call.tensors.size(); ++t) plan.inputs.push_back(probabilities(call, static_cast<int64_t>(t)));
   plan.outputs.push_back(spec.out);
-  plan.expand = [spec](const OpCall& c, Stack& s) { random_expand(spec, c, s); };
+  // Nothing sharded: the local call IS the one-device draw (same generator, shape and memory).
+  if (spec.out->is_sharded_anywhere())
+    plan.expand = [spec](const OpCall& c, Stack& s) { random_expand(spec, c, s); };
   return plan;
 }
 
@@ -177,8 +180,9 @@ OpPlan native_dropout_rule(const OpCall& call) {
   plan.outputs.push_back(input);
   plan.outputs.push_back(mask);
   const auto& train = call.arg(2);
-  // Not training, or nothing to draw: the local op (a copy and a mask of ones) is exact.
-  if ((train.isNone() || train.toBool()) && layout::numel(in.global_shape()) > 0)
+  // Not training, nothing to draw or nothing sharded: the local op is exact (a Partial input's
+  // parts all get the same mask).
+  if ((train.isNone() || train.toBool()) && layout::numel(in.global_shape()) > 0 && in.is_sharded_anywhere())
     plan.expand = [mask](const OpCall& c, Stack& s) { native_dropout_expand(mask, c, s); };
   return plan;
 }
