@@ -16,7 +16,9 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "layout/error.h"
@@ -60,12 +62,17 @@ struct OpCall {
 
 using LocalizeFn = std::function<void(const OpCall&, c10::IValue* args)>;
 using ExpandFn = std::function<void(const OpCall&, torch::jit::Stack&)>;
+// A view's global geometry (strides, storage offset) from its input wrapper's, or nullopt when
+// the rule cannot tell cheaply (the framework then runs the view on meta tensors).
+using ViewGeometry = std::pair<std::vector<int64_t>, int64_t>;
+using GeometryFn = std::function<std::optional<ViewGeometry>(const at::Tensor& input)>;
 
 struct OpPlan {
   std::vector<LayoutPtr> inputs;   // per OpCall::tensors
   std::vector<LayoutPtr> outputs;  // per returned tensor, lists flattened
   LocalizeFn localize;             // optional
   ExpandFn expand;                 // optional: pops the arguments, pushes the returns
+  GeometryFn geometry;             // optional, single-output views of a sharded input
 };
 
 using Rule = OpPlan (*)(const OpCall&);

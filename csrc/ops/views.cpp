@@ -87,7 +87,15 @@ OpPlan permute_with(const OpCall& call, const std::vector<int64_t>& order) {
     shape.push_back(in.global_shape()[d]);
     dims.push_back(in.dim_axes()[d]);
   }
-  return single(call, call.tensors[0].layout, make_layout(in, shape, dims, in.partial()));
+  OpPlan plan = single(call, call.tensors[0].layout, make_layout(in, shape, dims, in.partial()));
+  // The wrapper's strides move with their dims, exactly as torch permutes them.
+  plan.geometry = [order](const at::Tensor& input) -> std::optional<ViewGeometry> {
+    std::vector<int64_t> strides;
+    strides.reserve(order.size());
+    for (int64_t d : order) strides.push_back(input.stride(d));
+    return ViewGeometry{std::move(strides), input.storage_offset()};
+  };
+  return plan;
 }
 
 OpPlan permute_rule(const OpCall& call) {
@@ -280,6 +288,14 @@ OpPlan view_rule(const OpCall& call) {
                   "a view that keeps every shard whole; use reshape, which redistributes first");
   OpPlan plan = single(call, view.input, view.output);
   plan.localize = localize_sizes("size", view.output);
+  if (view.exact && call.schema().name() != "aten::_reshape_alias") {
+    // torch's view: the input's strides recomputed for the new shape, the same offset.
+    plan.geometry = [out_shape](const at::Tensor& input) -> std::optional<ViewGeometry> {
+      auto strides = at::detail::computeStride(input.sizes(), input.strides(), out_shape);
+      if (!strides) return std::nullopt;  // not viewable: the meta shadow raises torch's error
+      return ViewGeometry{std::vector<int64_t>(strides->begin(), strides->end()), input.storage_offset()};
+    };
+  }
   if (call.schema().name() == "aten::_reshape_alias") {
     auto out = view.output;
     plan.localize = [out](const OpCall& c, c10::IValue* args) {

@@ -526,7 +526,12 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     if (info.is_view) {
       c10::AutogradState::get_tls_state().set_view_replay_enabled(true);
-      if (!geometry_from_local) geometry = view_geometry(op, original);
+      if (!geometry_from_local) {
+        std::optional<ops::ViewGeometry> cheap;
+        if (plan->geometry) cheap = plan->geometry(original.at(call.tensors[0].arg).toTensor());
+        if (cheap) geometry.push_back(std::move(*cheap));
+        else geometry = view_geometry(op, original);
+      }
     }
     if (plan->expand) plan->expand(call, *stack);
     else op.callBoxed(stack);

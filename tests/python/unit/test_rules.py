@@ -240,3 +240,26 @@ def test_every_family_has_rows():
                 "random_factories_optim"}
     assert families <= set(ROWS)
     assert sum(len(rows) for rows in ROWS.values()) + len(ERRORS) >= 60
+
+
+VIEW_CHAINS = {
+    "transpose": lambda t: t.transpose(0, 2),
+    "permute": lambda t: t.permute(2, 0, 1),
+    "view": lambda t: t.view(8, 24),
+    "transpose_twice": lambda t: t.transpose(1, 2).transpose(0, 1),
+    "permute_view_slice_permute": lambda t: t.permute(1, 0, 2).view(6, 8, 4)[1:].permute(2, 1, 0),
+    "transpose_slice_permute": lambda t: t.transpose(0, 1)[1:3].permute(1, 0, 2),
+    "t_of_view": lambda t: t.view(8, 24).t(),
+}
+
+
+@pytest.mark.parametrize("chain", list(VIEW_CHAINS))
+def test_view_geometry_equals_torch(chain):
+    # The wrapper of a view of a sharded DTensor reports the global strides and offset torch
+    # gives the same view of the global tensor (computed by the rule, or by a meta shadow).
+    for rank in (0, 3):
+        x = PlanningMesh(MESHES["tp4"], rank=rank).dtensor([8, 6, 4], S(0))
+        got, want = VIEW_CHAINS[chain](x), VIEW_CHAINS[chain](torch.empty(8, 6, 4, device="meta"))
+        assert (tuple(got.shape), got.stride(), got.storage_offset()) == \
+            (tuple(want.shape), want.stride(), want.storage_offset())
+        assert got.is_contiguous() == want.is_contiguous()
