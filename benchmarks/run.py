@@ -1112,33 +1112,30 @@ def plot(results: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(2, 3, figsize=(17, 9), dpi=100)
     d = results.get("dispatch", {}).get("variants", {})
-    ax = axes[0][0]
     if d:
         names = list(next(iter(d.values())).keys())
         width = 0.8 / max(len(d), 1)
-        for i, (vkey, ops) in enumerate(d.items()):
-            vals = [ops[n]["speedup_vs_torch_dtensor"] or math.nan for n in names]
-            ax.bar([x + i * width for x in range(len(names))], vals, width, label=vkey.replace("_", " "))
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))])
-        ax.set_xticklabels(names, rotation=35, ha="right")
-        ax.axhline(1, color="k", linewidth=0.8)
-        ax.set_yscale("log")
-        ax.set_ylabel("torch DTensor µs / hypershard µs (log)")
-        ax.set_title("dispatch: speedup vs torch DTensor")
+
+        def bars(ax, key, ylabel, title):
+            """One bar per variant and op class, log scale, a line at 1."""
+            for i, (vkey, ops) in enumerate(d.items()):
+                vals = [ops[n][key] or math.nan for n in names]
+                ax.bar([x + i * width for x in range(len(names))], vals, width, label=vkey.replace("_", " "))
+            ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))])
+            ax.set_xticklabels(names, rotation=35, ha="right")
+            ax.axhline(1, color="k", linewidth=0.8)
+            ax.set_yscale("log")
+            ax.set_ylabel(ylabel)
+            ax.set_title(title)
+
+        ax = axes[0][0]
+        bars(ax, "speedup_vs_torch_dtensor", "torch DTensor µs / hypershard µs (log)",
+             "dispatch: speedup vs torch DTensor")
         low, high = ax.get_ylim()
         ax.set_ylim(low, high * 6)  # room for the legend
         ax.legend(fontsize=7, loc="upper center", ncol=4)
-        ax = axes[0][1]
-        for i, (vkey, ops) in enumerate(d.items()):
-            vals = [ops[n]["ratio_vs_plain"] or math.nan for n in names]
-            ax.bar([x + i * width for x in range(len(names))], vals, width, label=vkey.replace("_", " "))
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))])
-        ax.set_xticklabels(names, rotation=35, ha="right")
-        ax.axhline(1, color="k", linewidth=0.8)
-        ax.set_yscale("log")
-        ax.set_ylabel("hypershard µs / plain µs (log)")
-        ax.set_title("dispatch: hypershard vs plain eager")
-        ax.legend(fontsize=7)
+        bars(axes[0][1], "ratio_vs_plain", "hypershard µs / plain µs (log)", "dispatch: hypershard vs plain eager")
+        axes[0][1].legend(fontsize=7)
     s = results.get("step", {})
     ax = axes[0][2]
     impls = [("hypershard", "hypershard"), ("torch_dtensor", "torch DTensor"), ("single_device", "one device")]
