@@ -59,7 +59,7 @@ help:
 	@echo "make test-unit    Python unit tests (tests/python/unit)"
 	@echo "make test-level0  single-operator distributed tests (tests/python/level0)"
 	@echo "make test-level1  model training tests (tests/python/level1)"
-	@echo "make bench        benchmarks"
+	@echo "make bench        benchmarks vs plain eager and torch DTensor -> bench/ (results.json, RESULTS.md, PNG)"
 	@echo "make clean        remove build outputs; make distclean also removes .venv"
 
 setup: system-packages $(BUILD_STAMP)
