@@ -38,8 +38,8 @@ DeviceMesh = _C.DeviceMesh
 def set_debug_checks(enabled: bool) -> None:
     """Debug mode: check that tensors hypershard assumes equal on every rank are equal --
     distribute_tensor's input and every plain tensor operand of an op with DTensor operands
-    (both count as Replicate). A mismatch raises the same error on every rank. Costs two small
-    all-reduces per checked tensor. Also switched on by the environment variable
+    (both count as Replicate). A mismatch raises the same error on every rank. Costs one small
+    all-reduce per mesh axis and checked tensor. Also switched on by the environment variable
     HYPERSHARD_DEBUG_CHECKS=1."""
     _C.set_check_replicas(bool(enabled))
 
@@ -273,6 +273,11 @@ def _deepcopy(self: torch.Tensor, memo):
     return result
 
 
+def _require_dtensor(obj, name: str) -> None:
+    if not _C.is_dtensor(obj):
+        raise AttributeError(f"'Tensor' object has no attribute '{name}' (it is not a hypershard DTensor)")
+
+
 class _DTensorMethod:
     """A torch.Tensor method that exists only on hypershard DTensors: on a plain tensor the
     attribute itself is missing (AttributeError on access), so ``hasattr(t, "full_tensor")``
@@ -286,27 +291,24 @@ class _DTensorMethod:
     def __get__(self, obj, objtype=None):
         if obj is None:
             return self
-        if not _C.is_dtensor(obj):
-            raise AttributeError(f"'Tensor' object has no attribute '{self.name}' (it is not a hypershard DTensor)")
+        _require_dtensor(obj, self.name)
         return types.MethodType(self.fn, obj)
 
 
-def _dtensor_only(name: str, fn):
-    def method(self, *args, **kwargs):
-        if not _C.is_dtensor(self):
-            raise AttributeError(f"'Tensor' object has no attribute '{name}' (it is not a hypershard DTensor)")
-        return fn(self, *args, **kwargs)
-    method.__name__ = name
-    method.__doc__ = fn.__doc__
-    return method
+def _dtensor_property(name: str, fn) -> property:
+    """A read-only property that exists only on hypershard DTensors (as _DTensorMethod)."""
+    def getter(self):
+        _require_dtensor(self, name)
+        return fn(self)
+    return property(getter)
 
 
 def _install_tensor_methods() -> None:
     torch.Tensor.to_local = _DTensorMethod("to_local", _to_local)
     torch.Tensor.full_tensor = _DTensorMethod("full_tensor", _full_tensor)
     torch.Tensor.redistribute = _DTensorMethod("redistribute", _redistribute)
-    torch.Tensor.placements = property(_dtensor_only("placements", lambda t: _placements_of(_C.layout_of(t))))
-    torch.Tensor.device_mesh = property(_dtensor_only("device_mesh", lambda t: _C.device_mesh_of(t)))
+    torch.Tensor.placements = _dtensor_property("placements", lambda t: _placements_of(_C.layout_of(t)))
+    torch.Tensor.device_mesh = _dtensor_property("device_mesh", _C.device_mesh_of)
     torch.Tensor.layout = property(_layout)
     torch.Tensor.__repr__ = _repr
     torch.Tensor.tolist = _tolist

@@ -257,9 +257,7 @@ void register_embedding_kernels() {
   static auto* impl = new torch::Library(torch::Library::IMPL, "hypershard", c10::DispatchKey::CompositeExplicitAutograd,
                                          __FILE__, __LINE__);
   impl->impl("embedding_vocab_backward", TORCH_FN(embedding_vocab_backward_plain));
-  static auto* autograd = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::AutogradPrivateUse2,
-                                             __FILE__, __LINE__);
-  autograd->impl("embedding", TORCH_FN(embedding_autograd));
+  aten_autograd_kernels().impl("embedding", TORCH_FN(embedding_autograd));
   // The vocab backward is only called from a backward: no autograd of its own.
   static auto* below = new torch::Library(torch::Library::IMPL, "hypershard", c10::DispatchKey::AutogradPrivateUse2,
                                           __FILE__, __LINE__);

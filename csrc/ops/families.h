@@ -1,9 +1,15 @@
 // One register function per operator family; register_all calls each explicitly.
 #pragma once
 
+#include <torch/library.h>
+
 #include "ops/op_call.h"
 
 namespace hypershard::ops {
+
+// The library of hypershard's kernels at aten's AutogradPrivateUse2 key: ops whose composite
+// kernel would be wrong on DTensors. Each family's register_*_kernel(s) adds its own with impl().
+torch::Library& aten_autograd_kernels();
 
 void register_all(Registry& r);
 void register_pointwise(Registry& r);    // pointwise.cpp

@@ -501,9 +501,7 @@ at::Tensor cross_entropy_kernel(const at::Tensor& self, const at::Tensor& target
 }  // namespace
 
 void register_cross_entropy_kernel() {
-  static auto* library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::AutogradPrivateUse2,
-                                            __FILE__, __LINE__);
-  library->impl("cross_entropy_loss", TORCH_FN(cross_entropy_kernel));
+  aten_autograd_kernels().impl("cross_entropy_loss", TORCH_FN(cross_entropy_kernel));
 }
 
 void register_loss(Registry& r) {

@@ -22,8 +22,8 @@
 //               1/p power after): the output is the GLOBAL value, Replicate on those axes.
 //               Not Partial(max|min|prod) outputs, although they would be exact: every
 //               non-monotone consumer (sub, div, eq in amax's own backward, ...) reduces them
-//               first at the same cost. A rank whose shard of a reduced dim is empty contributes the op's
-//               identity.
+//               first at the same cost. A rank whose shard of a reduced dim is empty
+//               contributes the op's identity.
 //   select      max.dim/min.dim/argmax/argmin over a sharded dim: each rank reduces its shard,
 //               adds its global offset (argmax without dim: the global flat index), and the
 //               (value, index) candidates are gathered along the reduced axes; the winner is the
@@ -45,9 +45,10 @@
 //
 // Backward: the formulas reach unsqueeze, expand, view (views family), pointwise ops and these
 // reductions; max.dim/min.dim's value_selecting_reduction_backward gets a kernel of its own at
-// the autograd key (register_reduction_kernels, below). Not covered: prod.default's backward
-// calls nonzero (no rule yet); amax/amin/max/min and +-inf norms over a sharded dim divide by
-// mask.sum(dim), a Partial(sum) count that the pointwise div refuses as a divisor.
+// the autograd key (register_reduction_kernels, below). amax/amin/max/min and +-inf norms over
+// a sharded dim divide by mask.sum(dim), a Partial(sum) count, which the pointwise family
+// reduces first inside a backward pass. Not covered: prod.default's backward calls nonzero (no
+// rule yet).
 //
 // Excluded: complex var/std over a sharded dim (rejected); var_mean/std_mean, nansum,
 // logsumexp, aminmax, count_nonzero (no rule yet).
@@ -535,9 +536,7 @@ at::Tensor value_selecting_reduction_backward_kernel(const at::Tensor& grad, int
 }  // namespace
 
 void register_reduction_kernels() {
-  static auto* library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::AutogradPrivateUse2,
-                                            __FILE__, __LINE__);
-  library->impl("value_selecting_reduction_backward", TORCH_FN(value_selecting_reduction_backward_kernel));
+  aten_autograd_kernels().impl("value_selecting_reduction_backward", TORCH_FN(value_selecting_reduction_backward_kernel));
 }
 
 void register_reductions(Registry& r) {

@@ -60,6 +60,12 @@ int64_t wrap_dim(const OpCall& call, int64_t dim, int64_t ndim) {
   return dim < 0 ? dim + n : dim;
 }
 
+torch::Library& aten_autograd_kernels() {
+  static auto* library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::AutogradPrivateUse2,
+                                            __FILE__, __LINE__);
+  return *library;
+}
+
 LayoutPtr intern(const Layout& layout) { return layout::intern_layout(layout); }
 
 LayoutPtr make_layout(const Layout& like, std::vector<int64_t> shape, layout::DimAxes dims, layout::PartialOps partial) {

@@ -110,9 +110,7 @@ at::Tensor one_hot_kernel(const at::Tensor& self, int64_t num_classes) {
 }  // namespace
 
 void register_one_hot_kernel() {
-  static auto* library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::AutogradPrivateUse2,
-                                            __FILE__, __LINE__);
-  library->impl("one_hot", TORCH_FN(one_hot_kernel));
+  aten_autograd_kernels().impl("one_hot", TORCH_FN(one_hot_kernel));
 }
 
 void register_tensor_ops(Registry& r) {

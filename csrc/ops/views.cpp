@@ -516,9 +516,7 @@ at::Tensor reshape_kernel(const at::Tensor& self, c10::SymIntArrayRef proposed) 
 }  // namespace
 
 void register_reshape_kernel() {
-  static auto* library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::AutogradPrivateUse2,
-                                            __FILE__, __LINE__);
-  library->impl("reshape", TORCH_FN(reshape_kernel));
+  aten_autograd_kernels().impl("reshape", TORCH_FN(reshape_kernel));
 }
 
 void register_views(Registry& r) {

@@ -665,7 +665,11 @@ DispatchStats dispatch_stats() {
   DispatchStats s;
   s.calls = g_calls.load();
   s.cache_hits = g_hits.load();
-  for (const auto& [name, count] : cached_op_plans()) s.cache_entries += count;
+  std::shared_lock<std::shared_mutex> read(g_infos_mutex);
+  for (const auto& [key, info] : *g_infos) {
+    std::shared_lock<std::shared_mutex> plans(info->mutex);
+    s.cache_entries += static_cast<int64_t>(info->plans.size());
+  }
   return s;
 }
 

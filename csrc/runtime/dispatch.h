@@ -56,7 +56,8 @@ void reset_op_counts();
 // raising (hypershard.coverage uses it to list every missing op in one run).
 void set_coverage_mode(bool on);
 // Debug mode: every plain tensor operand of an op with DTensor operands is checked to be the
-// same on every rank (it counts as Replicate); costs two small all-reduces per such operand.
+// same on every rank (it counts as Replicate); costs one small all-reduce per mesh axis and
+// operand.
 void set_check_replicas(bool on);
 bool check_replicas();
 

@@ -313,12 +313,12 @@ void check_same_on_every_rank(const at::Tensor& tensor, const DeviceMesh& mesh, 
   const auto finite = values.nan_to_num(0, 0, 0);
   auto fingerprint = at::stack({finite.sum(), (finite * weights).sum(), values.isnan().sum().to(at::kDouble),
                                 at::scalar_tensor(static_cast<double>(values.numel()), values.options())});
-  auto high = fingerprint, low = fingerprint;
-  for (int64_t axis = 0; axis < mesh.mesh()->ndim(); ++axis) {
-    high = all_reduce_along(high, mesh, axis, ReduceOp::Max);
-    low = all_reduce_along(low, mesh, axis, ReduceOp::Min);
-  }
-  HS_CHECK(at::equal(high, low), what, "a plain tensor of shape ", layout::shape_string(tensor.sizes().vec()),
+  // max(f) and max(-f) = -min(f) in one buffer: one all-reduce per mesh axis.
+  auto extremes = at::cat({fingerprint, fingerprint.neg()});
+  for (int64_t axis = 0; axis < mesh.mesh()->ndim(); ++axis)
+    extremes = all_reduce_along(extremes, mesh, axis, ReduceOp::Max);
+  const int64_t n = fingerprint.numel();
+  HS_CHECK(at::equal(extremes.narrow(0, 0, n), extremes.narrow(0, n, n).neg()), what, "a plain tensor of shape ", layout::shape_string(tensor.sizes().vec()),
            " differs across the ranks of mesh ", mesh.to_string(),
            ", but a plain tensor is used as Replicate; allowed: the same value on every rank (make per-rank data "
            "a DTensor with DTensor.from_local)");

@@ -32,7 +32,7 @@ at::Tensor all_reduce_along(const at::Tensor& local, const DeviceMesh& mesh, int
 // the same shape (no length exchange: one collective).
 at::Tensor all_gather_along(const at::Tensor& local, const DeviceMesh& mesh, int64_t axis, int64_t dim);
 
-// Debug check (two small all-reduces over the whole mesh): raises, with the same text on every
+// Debug check (one small all-reduce per mesh axis): raises, with the same text on every
 // rank, when `tensor` is not the same on every rank of `mesh`. `what` names the tensor in the
 // message ("hypershard: <what>: ...").
 void check_same_on_every_rank(const at::Tensor& tensor, const DeviceMesh& mesh, const std::string& what);

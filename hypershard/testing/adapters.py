@@ -224,7 +224,7 @@ class NoisyPartialAdapter(HypershardAdapter):
             local = local / count + noise * centred
         elif op == "avg":
             local = local + noise * centred
-        elif op in ("prod", "product"):
+        elif op == "product":  # spec normalises "prod" to "product"
             local = (torch.ones_like(local) if any(coords) else local) * torch.exp(0.3 * noise * centred)
         elif any(coords):
             local = local - (1 + noise.abs()) if op == "max" else local + (1 + noise.abs())

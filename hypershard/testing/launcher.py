@@ -175,10 +175,14 @@ def _log_tail(directory: str, rank: int, after_marker: bool = False) -> str:
     return "\n".join(lines[:TAIL_LINES])
 
 
-def _all_in_setup(directory: str, world_size: int) -> bool:
-    progress = [_read_progress(os.path.join(directory, f"rank{rank}.progress"))
-                for rank in range(world_size)]
-    return all((p or {}).get("phase", "setup") == "setup" for p in progress)
+def _read_all_progress(directory: str, world_size: int) -> dict:
+    return {rank: _read_progress(os.path.join(directory, f"rank{rank}.progress"))
+            for rank in range(world_size)}
+
+
+def _all_in_setup(progress: dict) -> bool:
+    """Whether no rank got past setup ({rank: progress or None})."""
+    return all((p or {}).get("phase", "setup") == "setup" for p in progress.values())
 
 
 def _doing(progress: Optional[dict]) -> str:
@@ -271,7 +275,7 @@ def _launch_in(directory: str, batch: list, world_size: int, adapter: Adapter, t
                 send.send(store.port)
             send.close()
         state, codes = _supervise(procs, start + timeout)
-        if state == "hang" or (state == "crash" and _all_in_setup(directory, world_size)):
+        if state == "hang" or (state == "crash" and _all_in_setup(_read_all_progress(directory, world_size))):
             _dump_stacks(procs, directory)  # where a live rank is stuck, for the message
     finally:  # also on KeyboardInterrupt: no rank may survive the launch
         _kill(procs)
@@ -283,7 +287,7 @@ def _launch_in(directory: str, batch: list, world_size: int, adapter: Adapter, t
     records: dict[int, dict] = {}    # case index -> {rank: record}
     fatal: dict[int, str] = {}
     done = set()
-    progress = {}
+    progress = _read_all_progress(directory, world_size)
     for rank in range(world_size):
         for record in _read_lines(os.path.join(directory, f"rank{rank}.jsonl")):
             if record["type"] == "case":
@@ -292,7 +296,6 @@ def _launch_in(directory: str, batch: list, world_size: int, adapter: Adapter, t
                 fatal[rank] = record["message"]
             elif record["type"] == "done":
                 done.add(rank)
-        progress[rank] = _read_progress(os.path.join(directory, f"rank{rank}.progress"))
     if state == "ok" and len(done) < world_size:
         state = "crash"  # a rank exited 0 without finishing (os._exit in a case?)
 
@@ -314,8 +317,7 @@ def _launch_in(directory: str, batch: list, world_size: int, adapter: Adapter, t
                           + (f" (died, exit code {codes[rank]})" if codes.get(rank) not in (None, 0)
                              else "")
                           for rank in range(world_size))
-        in_setup = stuck is not None and stuck.index == 0 and all(
-            (p or {}).get("phase", "setup") == "setup" for p in progress.values())
+        in_setup = stuck is not None and stuck.index == 0 and _all_in_setup(progress)
         if state == "hang":
             culprit = ("process-group setup" if in_setup
                        else f"case {stuck.case.name!r}" if stuck else "teardown")

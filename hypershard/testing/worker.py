@@ -75,7 +75,7 @@ class LaunchPlan:
 
     world_size: int
     store_host: str
-    store_port: Any        # the receiving end of a pipe; the parent sends the port after fork
+    port_pipe: Any         # receiving end of a pipe: the parent sends the store's port after fork
     directory: str
     cases: list            # PreparedCase, in launch order
     adapter: Adapter
@@ -209,10 +209,10 @@ class _Rank:
         self.progress = os.path.join(plan.directory, f"rank{rank}.progress")
         self.generation = 0
         self.meshes: dict = {}
-        if not plan.store_port.poll(plan.store_timeout):
+        if not plan.port_pipe.poll(plan.store_timeout):
             raise RuntimeError(f"rank {rank}: the parent never sent the store's port")
-        port = plan.store_port.recv()
-        plan.store_port.close()
+        port = plan.port_pipe.recv()
+        plan.port_pipe.close()
         self.store = dist.TCPStore(plan.store_host, port, is_master=False,
                                    timeout=datetime.timedelta(seconds=plan.store_timeout))
 
