@@ -181,7 +181,8 @@ OP_NOTES = {
 }
 
 
-IMPL_NAMES = {"plain": "plain", "hypershard": "hypershard", "torch_dtensor": "torch DTensor"}
+IMPL_NAMES = {"plain": "plain", "hypershard": "hypershard", "hypershard_boxed": "hypershard (fast path off)",
+              "torch_dtensor": "torch DTensor"}
 
 
 def _geomean(values: list) -> Optional[float]:
@@ -264,14 +265,16 @@ def _dispatch_worker(rank: int, world: int, args: dict) -> dict:
     mesh = hs.init_device_mesh("cpu", (world,), ("x",))
     tmesh = torch_mesh("cpu", (world,), mesh_dim_names=("x",))
     classes = _op_classes()
-    impls = ("plain", "hypershard", "torch_dtensor")
+    # hypershard_boxed: hypershard with its typed fast path off (every op through the boxed
+    # fallback), to show what the fast path saves
+    impls = ("plain", "hypershard", "hypershard_boxed", "torch_dtensor")
 
     def maker(impl: str):
         def make(t, dim):
             t = t.clone()  # distribute_tensor may alias its input; in-place ops must not reach `values`
             if impl == "plain":
                 return t if dim is None else t.chunk(world, dim)[rank].clone()
-            if impl == "hypershard":
+            if impl in ("hypershard", "hypershard_boxed"):
                 return hs.distribute_tensor(t, mesh, [hs.Replicate() if dim is None else hs.Shard(dim)])
             return tdistribute(t, tmesh, [TReplicate() if dim is None else TShard(dim)])
         return make
@@ -304,9 +307,12 @@ def _dispatch_worker(rank: int, world: int, args: dict) -> dict:
                 try:
                     a = _placed_args(spec, values, variant == "shard", maker(impl))
                     hs._C.reset_traffic()
+                    hs._C.set_fast_path(impl != "hypershard_boxed")
                     with _CollectiveBytes() as counter:
                         result = op(*a)
-                    collectives[impl] = hs._C.traffic()["collectives"] if impl == "hypershard" else counter.collectives
+                    hs._C.set_fast_path(True)
+                    collectives[impl] = (hs._C.traffic()["collectives"] if impl.startswith("hypershard")
+                                         else counter.collectives)
                     check[impl] = bool(same(full(result), expected))
                 except Exception as exc:  # noqa: BLE001 (recorded; the op is not timed for this impl)
                     check[impl] = error_text(exc)
@@ -332,10 +338,12 @@ def _dispatch_worker(rank: int, world: int, args: dict) -> dict:
 
             counts = {}
             for impl, fn in fns.items():
+                hs._C.set_fast_path(impl != "hypershard_boxed")
                 if not solo[impl]:
                     counts[impl] = _calibrate(fn, args["sample_s"], slowest)
                 elif rank == 0:
                     counts[impl] = _calibrate(fn, args["sample_s"], lambda e: e)
+                hs._C.set_fast_path(True)
             gc.collect()
             samples: dict = {impl: [] for impl in fns}
             order = list(fns)
@@ -346,12 +354,14 @@ def _dispatch_worker(rank: int, world: int, args: dict) -> dict:
                     if solo[impl] and rank != 0:
                         continue
                     fn, n = fns[impl], counts[impl]
+                    hs._C.set_fast_path(impl != "hypershard_boxed")
                     gc.disable()
                     start = time.perf_counter()
                     for _ in range(n):
                         fn()
                     elapsed = time.perf_counter() - start
                     gc.enable()
+                    hs._C.set_fast_path(True)
                     samples[impl].append(elapsed / n * 1e6)
             if rank != 0:
                 continue  # rank 0 reports
@@ -359,8 +369,10 @@ def _dispatch_worker(rank: int, world: int, args: dict) -> dict:
             plain = stats["plain"]["median"]
             ours = stats.get("hypershard", {}).get("median")
             theirs = stats.get("torch_dtensor", {}).get("median")
+            boxed = stats.get("hypershard_boxed", {}).get("median")
             entry.update({
                 "plain_us": plain, "hypershard_us": ours, "torch_dtensor_us": theirs,
+                "hypershard_boxed_us": boxed, "fast_path_speedup": ratio(boxed, ours),
                 "ratio_vs_plain": ratio(ours, plain),
                 "speedup_vs_torch_dtensor": ratio(theirs, ours),
                 "overhead_ratio_vs_torch_dtensor": (ratio(theirs - plain, ours - plain)
@@ -391,7 +403,7 @@ def _dispatch_worker(rank: int, world: int, args: dict) -> dict:
 def run_dispatch(args: argparse.Namespace, log: Callable) -> dict:
     variants: dict = {}
     extra: dict = {}
-    for world in (1, 4):
+    for world in (1, 2, 4):
         log(f"dispatch: {world}-rank mesh ...")
         start = time.perf_counter()
         try:
@@ -999,10 +1011,11 @@ def markdown(results: dict) -> str:
         lines += ["## Per-op dispatch overhead (µs per call, tiny tensors)", "",
                   "ratio = hypershard / plain; speedup = torch DTensor / hypershard; "
                   "overhead ratio = (torch DTensor − plain) / (hypershard − plain). "
-                  "Plain eager runs the op on the same local tensors each rank computes on.", "",
-                  "| mesh | placements | op class | plain | hypershard | torch DTensor | ratio vs plain "
+                  "Plain eager runs the op on the same local tensors each rank computes on. "
+                  "Boxed = hypershard with its typed fast path off (every op through the boxed fallback).", "",
+                  "| mesh | placements | op class | plain | hypershard | boxed | torch DTensor | ratio vs plain "
                   "| speedup vs torch DTensor | overhead ratio |",
-                  "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for vkey, ops in d.get("variants", {}).items():
             world, place = vkey.split("rank_")
             for name, r in ops.items():
@@ -1012,7 +1025,8 @@ def markdown(results: dict) -> str:
                         for i, n in r.get("collectives_per_call", {}).items() if n]
                 note = "".join(f" ⚠ {x}" for x in bad) + "".join(f" ({x})" for x in coll)
                 lines.append(f"| {world} rank{'s' if world != '1' else ''} | {place} | {name}{note} "
-                             f"| {_f(r['plain_us'])} | {_f(r['hypershard_us'])} | {_f(r['torch_dtensor_us'])} "
+                             f"| {_f(r['plain_us'])} | {_f(r['hypershard_us'])} | {_f(r.get('hypershard_boxed_us'))} "
+                             f"| {_f(r['torch_dtensor_us'])} "
                              f"| {_f(r['ratio_vs_plain'], '{:.2f}x')} | {_f(r['speedup_vs_torch_dtensor'], '{:.1f}x')} "
                              f"| {_f(r['overhead_ratio_vs_torch_dtensor'], '{:.1f}x')} |")
         lines += ["", "Geometric means over the op classes (medians; and from each implementation's fastest "

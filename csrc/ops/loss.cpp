@@ -435,6 +435,13 @@ OpPlan nll_rule(const OpCall& call) {
   if (best_cost < 0)
     fail_argument(call, a.grad, partial_name(call.layout(a.grad)) + " on a mesh axis that shards self (every shard "
                   "needs the whole gradient)", "Partial only on mesh axes that shard no dim of self");
+  // Axes of one rank split nothing: no collective, no target mapping (offset 0) along them.
+  auto split_axes = [&](std::vector<int64_t>& axes) {
+    axes.erase(std::remove_if(axes.begin(), axes.end(), [&](int64_t a) { return self.mesh()->axis_size(a) == 1; }),
+               axes.end());
+  };
+  split_axes(best_nll.class_axes);
+  split_axes(best_nll.row_axes);
   const bool vocab = !best_nll.class_axes.empty();
   if (!kBackward && (vocab || (reduction == kMean && !best_nll.row_axes.empty())))
     best.expand = [n = best_nll](const OpCall& c, Stack& s) { nll_forward_expand<k2d>(n, c, s); };

@@ -73,6 +73,9 @@ struct OpPlan {
   LocalizeFn localize;             // optional
   ExpandFn expand;                 // optional: pops the arguments, pushes the returns
   GeometryFn geometry;             // optional, single-output views of a sharded input
+  // An int-list argument (a view's `size`) that the framework rewrites to the first output's
+  // local shape on this rank where that output is split; -1: none.
+  int64_t local_shape_arg = -1;
 };
 
 using Rule = OpPlan (*)(const OpCall&);

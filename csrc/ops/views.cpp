@@ -61,22 +61,6 @@ OpPlan single(const OpCall& call, LayoutPtr input, LayoutPtr output) {
   return plan;
 }
 
-// Rewrites a size argument to this rank's local shape of `out`.
-LocalizeFn localize_sizes(const char* name, LayoutPtr out) {
-  return [name, out](const OpCall& call, c10::IValue* args) {
-    const auto local = out->local_shape_at(call.mesh->position());
-    c10::IValue& arg = args[call.arg_index(name)];
-    // Unsplit results (Replicate, or axes of one rank) keep the caller's list: no new list.
-    if (arg.isIntList()) {
-      const auto given = arg.toIntList();
-      bool same = given.size() == local.size();
-      for (size_t i = 0; same && i < local.size(); ++i) same = given.get(i) == local[i];
-      if (same) return;
-    }
-    arg = c10::IValue(local);
-  };
-}
-
 // ------------------------------------------------------------------ permutations
 
 OpPlan permute_with(const OpCall& call, const std::vector<int64_t>& order) {
@@ -178,7 +162,7 @@ OpPlan expand_rule(const OpCall& call) {
   }
   auto out = make_layout(in, size, dims, in.partial());
   auto plan = single(call, whole_dims(in, whole), out);
-  plan.localize = localize_sizes("size", out);
+  plan.local_shape_arg = call.arg_index("size");
   return plan;
 }
 
@@ -287,7 +271,7 @@ OpPlan view_rule(const OpCall& call) {
                                " would cut through a sharded dim (the local shards are not whole blocks of the result)",
                   "a view that keeps every shard whole; use reshape, which redistributes first");
   OpPlan plan = single(call, view.input, view.output);
-  plan.localize = localize_sizes("size", view.output);
+  plan.local_shape_arg = call.arg_index("size");
   if (view.exact && call.schema().name() != "aten::_reshape_alias") {
     // torch's view: the input's strides recomputed for the new shape, the same offset.
     plan.geometry = [out_shape](const at::Tensor& input) -> std::optional<ViewGeometry> {
@@ -398,7 +382,7 @@ OpPlan slicing_backward_rule(const OpCall& call) {
   auto input = make_layout(grad, grad.global_shape(), grad_dims, grad.partial());
   auto out = make_layout(grad, sizes, out_dims, grad.partial());
   auto plan = single(call, input, out);
-  plan.localize = localize_sizes("input_sizes", out);
+  plan.local_shape_arg = call.arg_index("input_sizes");
   return plan;
 }
 

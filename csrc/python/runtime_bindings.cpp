@@ -8,6 +8,7 @@
 #include "layout/intern.h"
 #include "runtime/dispatch.h"
 #include "runtime/dtensor_impl.h"
+#include "runtime/fast_path.h"
 #include "runtime/redistribute.h"
 
 namespace py = pybind11;
@@ -83,7 +84,7 @@ void bind_runtime(py::module_& m) {
   m.def("dispatch_stats", [] {
     const auto s = runtime::dispatch_stats();
     return py::dict(py::arg("calls") = s.calls, py::arg("cache_hits") = s.cache_hits,
-                    py::arg("cache_entries") = s.cache_entries,
+                    py::arg("cache_entries") = s.cache_entries, py::arg("fast_calls") = s.fast_calls,
                     py::arg("interned_layouts") = layout::interned_count(),
                     py::arg("cached_plans") = layout::cached_plan_count());
   });
@@ -96,6 +97,11 @@ void bind_runtime(py::module_& m) {
   });
   m.def("reset_traffic", &runtime::reset_traffic);
   m.def("rule_names", &runtime::rule_names);
+  m.def("fast_path_ops", &runtime::fast_path_ops,
+        "The ops with a typed fast-path kernel on this torch (\"aten::add.Tensor\" style).");
+  m.def("set_fast_path", &runtime::set_fast_path, py::arg("on"),
+        "On by default; off, every op takes the boxed fallback (for tests and benchmarks).");
+  m.def("fast_path_enabled", &runtime::fast_path_enabled);
   m.def(
       "infer_plan",
       [](const std::string& name, const std::string& overload, const py::args& args, const py::kwargs& kwargs) {

@@ -17,49 +17,22 @@
 
 #include "layout/error.h"
 #include "ops/families.h"
+#include "runtime/dispatch_internal.h"
 #include "runtime/dtensor_impl.h"
+#include "runtime/fast_path.h"
 #include "runtime/redistribute.h"
 
 namespace hypershard::runtime {
 namespace {
 
-// ------------------------------------------------------------------ per-op information
+using detail::CachedPlan;
+using detail::hash_key;
+using detail::kMaxPlansPerOp;
+using detail::OpInfo;
+using detail::PlanKey;
+using detail::ReturnInfo;
+using detail::ReturnKind;
 
-enum class ReturnKind : int8_t { kFresh, kView, kWritten };
-
-struct ReturnInfo {
-  ReturnKind kind = ReturnKind::kFresh;
-  int64_t arg = -1;  // the aliased argument
-};
-
-// A plan-cache key lives on the stack (no heap allocation on the cached path); the map stores
-// owned copies and is searched by hash, then by content.
-using PlanKey = c10::SmallVector<int64_t, 24>;
-
-uint64_t hash_key(const PlanKey& key) {
-  uint64_t h = 1469598103934665603ull;
-  for (int64_t v : key) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
-  return h;
-}
-
-struct CachedPlan {
-  std::vector<int64_t> key;
-  std::shared_ptr<const ops::OpPlan> plan;
-};
-
-constexpr size_t kMaxPlansPerOp = 4096;
-
-struct OpInfo {
-  std::string name;
-  const ops::RuleEntry* rule = nullptr;
-  std::vector<ReturnInfo> returns;
-  std::vector<int8_t> written_args;  // per schema argument
-  bool is_view = false;
-  std::atomic<int64_t> calls{0};  // for coverage reports
-  std::atomic<uint64_t> generation{0};  // bumped when the plan cache is cleared
-  std::shared_mutex mutex;
-  std::unordered_multimap<uint64_t, CachedPlan> plans;
-};
 
 std::atomic<int64_t> g_calls{0};
 // Coverage mode (hypershard.coverage only): an op without a rule is recorded and computed on
@@ -70,6 +43,7 @@ std::atomic<bool> g_check_replicas{false};
 std::shared_mutex g_infos_mutex;
 auto* g_infos = new std::unordered_map<const void*, OpInfo*>();  // never destroyed
 std::atomic<int64_t> g_hits{0};
+std::atomic<int64_t> g_fast_calls{0};
 
 OpInfo* build_op_info(const c10::OperatorHandle& op) {
   auto* info = new OpInfo();
@@ -99,7 +73,7 @@ OpInfo* build_op_info(const c10::OperatorHandle& op) {
   return info;
 }
 
-OpInfo& op_info(const c10::OperatorHandle& op) {
+OpInfo& find_op_info(const c10::OperatorHandle& op) {
   const void* key = &op.schema();
   // Per-thread direct-mapped cache: no lock on the per-op path once an op was seen.
   struct Slot {
@@ -245,7 +219,10 @@ void layout_plain_tensors(ops::OpCall& call) {
   }
 }
 
-std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call) {
+// `record`: count the lookup in the dispatch stats and keep a computed plan in the caches; a
+// peek (the fast path filling its own slot) does neither, so the call it then makes through
+// the fallback is counted once, as what it is.
+std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call, bool record = true) {
   PlanKey key;
   plan_key(call, *info.rule, key);
   const uint64_t hash = hash_key(key);
@@ -263,15 +240,17 @@ std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call) {
   Slot& slot = slots[(hash ^ reinterpret_cast<uintptr_t>(&info)) & 1023];
   const uint64_t generation = info.generation.load(std::memory_order_acquire);
   if (slot.info == &info && slot.hash == hash && slot.generation == generation && same(slot.entry)) {
-    g_hits.fetch_add(1, std::memory_order_relaxed);
+    if (record) g_hits.fetch_add(1, std::memory_order_relaxed);
     return slot.entry.plan;
   }
-  auto remember = [&](const CachedPlan& c) { slot = Slot{&info, hash, generation, c}; };
+  auto remember = [&](const CachedPlan& c) {
+    if (record) slot = Slot{&info, hash, generation, c};
+  };
   {
     std::shared_lock<std::shared_mutex> read(info.mutex);
     for (auto [it, end] = info.plans.equal_range(hash); it != end; ++it)
       if (same(it->second)) {
-        g_hits.fetch_add(1, std::memory_order_relaxed);
+        if (record) g_hits.fetch_add(1, std::memory_order_relaxed);
         remember(it->second);
         return it->second.plan;
       }
@@ -281,6 +260,7 @@ std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call) {
   auto plan = std::make_shared<ops::OpPlan>(info.rule->rule(call));
   HS_CHECK(plan->inputs.size() == call.tensors.size(), info.name,
            "internal error: the rule returned ", plan->inputs.size(), " input layouts for ", call.tensors.size(), " tensors");
+  if (!record) return plan;
   std::unique_lock<std::shared_mutex> write(info.mutex);
   if (info.plans.size() >= kMaxPlansPerOp) {  // bounded, whatever the workload
     info.plans.clear();
@@ -295,7 +275,7 @@ std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call) {
 
 // A leaf's .grad keeps the leaf's layout: incoming gradients are redistributed to it before
 // they are accumulated (this is where data-parallel gradient reduction happens).
-void install_grad_hook(const at::Tensor& leaf, DTensorImpl& impl) {
+void hook_leaf_grad(const at::Tensor& leaf, DTensorImpl& impl) {
   if (!impl.claim_grad_hook()) return;
   c10::weak_intrusive_ptr<c10::TensorImpl> weak(leaf.getIntrusivePtr());
   leaf.register_hook([weak](const at::Tensor& grad) -> at::Tensor {
@@ -431,10 +411,10 @@ at::Tensor wrap_view_or_output(at::Tensor local, bool is_view, const LayoutPtr& 
   return wrapped;
 }
 
-void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   g_calls.fetch_add(1, std::memory_order_relaxed);
   sync_registrations();
-  OpInfo& info = op_info(op);
+  OpInfo& info = find_op_info(op);
   const size_t num_args = op.schema().arguments().size();
   c10::IValue* args = stack->data() + (stack->size() - num_args);
 
@@ -508,7 +488,7 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
                     "does not alias its base and writing into it would be lost; allowed: redistribute the base "
                     "first (so that the view is local), or write into a copy");
       if (info.is_view && (impl->is_detached_view() || plan->inputs[i] != t.layout)) detached_view = true;
-      if (value.requires_grad() && value.is_leaf()) install_grad_hook(value, *impl);
+      if (value.requires_grad() && value.is_leaf()) hook_leaf_grad(value, *impl);
       at::Tensor local = impl->local();
       if (plan->inputs[i] != t.layout) local = redistribute_local(local, t.layout, plan->inputs[i], *call.mesh);
       set_arg_tensor(args, t, std::move(local));
@@ -519,6 +499,8 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
     }
   }
   if (plan->localize) plan->localize(call, args);
+  if (plan->local_shape_arg >= 0 && plan->outputs.at(0)->is_sharded_anywhere())
+    args[plan->local_shape_arg] = c10::IValue(plan->outputs[0]->local_shape_at(call.mesh->position()));
 
   std::vector<std::pair<std::vector<int64_t>, int64_t>> geometry;
   {
@@ -590,7 +572,7 @@ void maybe_register(const c10::OperatorHandle& op) {
   static auto* handles = new std::vector<c10::RegistrationHandleRAII>();  // kept for the process
   handles->push_back(c10::Dispatcher::singleton().registerImpl(
       op.operator_name(), c10::DispatchKey::PrivateUse2,
-      c10::KernelFunction::makeFromBoxedFunction<&dtensor_fallback>(), std::nullopt, nullptr,
+      c10::KernelFunction::makeFromBoxedFunction<&fallback>(), std::nullopt, nullptr,
       "hypershard: DTensor fallback (composite-explicit op)"));
 }
 
@@ -612,6 +594,40 @@ class Listener : public c10::OpRegistrationListener {
 
 }  // namespace
 
+namespace detail {
+
+OpInfo& op_info(const c10::OperatorHandle& op) { return find_op_info(op); }
+
+void count_fast_call(OpInfo& info) {
+  g_calls.fetch_add(1, std::memory_order_relaxed);
+  g_hits.fetch_add(1, std::memory_order_relaxed);
+  g_fast_calls.fetch_add(1, std::memory_order_relaxed);
+  info.calls.fetch_add(1, std::memory_order_relaxed);
+}
+
+std::shared_ptr<const ops::OpPlan> peek_plan(const c10::OperatorHandle& op, OpInfo& info, torch::jit::Stack& stack) {
+  ops::OpCall call;
+  call.op = &op;
+  call.args = stack.data() + (stack.size() - op.schema().arguments().size());
+  call.in_backward = torch::autograd::get_current_graph_task_id() >= 0;
+  try {
+    collect_tensors(call);
+    TORCH_CHECK(call.mesh != nullptr, "hypershard: ", info.name, ": reached the DTensor fallback without a DTensor argument");
+    if (!info.rule) missing_operator(call);
+    return infer(info, call, /*record=*/false);
+  } catch (const layout::LayoutError& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+void install_grad_hook(const at::Tensor& leaf, DTensorImpl& impl) { hook_leaf_grad(leaf, impl); }
+
+void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  fallback(op, keys, stack);
+}
+
+}  // namespace detail
+
 void sync_registrations() {
   if (!g_has_pending.load(std::memory_order_acquire)) return;
   std::vector<c10::OperatorName> pending;
@@ -626,7 +642,7 @@ void sync_registrations() {
 
 InferredPlan infer_plan(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
   sync_registrations();
-  OpInfo& info = op_info(op);
+  OpInfo& info = find_op_info(op);
   const size_t num_args = op.schema().arguments().size();
   TORCH_CHECK(stack.size() >= num_args, "hypershard: infer_plan: ", info.name, " needs ", num_args, " arguments");
   ops::OpCall call;
@@ -637,8 +653,8 @@ InferredPlan infer_plan(const c10::OperatorHandle& op, torch::jit::Stack& stack)
   if (!info.rule) missing_operator(call);
   layout_plain_tensors(call);
   auto plan = info.rule->rule(call);
-  return {std::move(plan.inputs), std::move(plan.outputs), static_cast<bool>(plan.localize),
-          static_cast<bool>(plan.expand)};
+  const bool localizes = plan.localize || plan.local_shape_arg >= 0;
+  return {std::move(plan.inputs), std::move(plan.outputs), localizes, static_cast<bool>(plan.expand)};
 }
 
 void install_dispatch() {
@@ -646,12 +662,13 @@ void install_dispatch() {
   std::call_once(once, [] {
     static auto* library = new torch::Library(torch::Library::IMPL, "_", c10::DispatchKey::PrivateUse2,
                                               __FILE__, __LINE__);
-    library->fallback(torch::CppFunction::makeFromBoxedFunction<&dtensor_fallback>());
+    library->fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
     ops::register_reshape_kernel();
     ops::register_one_hot_kernel();
     ops::register_reduction_kernels();
     ops::register_cross_entropy_kernel();
     ops::register_embedding_kernels();
+    register_fast_paths();
     // The listener is also told of every op registered so far; sync registers them.
     static auto* listener = new c10::RegistrationHandleRAII(
         c10::Dispatcher::singleton().addRegistrationListener(std::make_unique<Listener>()));
@@ -665,6 +682,7 @@ DispatchStats dispatch_stats() {
   DispatchStats s;
   s.calls = g_calls.load();
   s.cache_hits = g_hits.load();
+  s.fast_calls = g_fast_calls.load();
   std::shared_lock<std::shared_mutex> read(g_infos_mutex);
   for (const auto& [key, info] : *g_infos) {
     std::shared_lock<std::shared_mutex> plans(info->mutex);
@@ -687,6 +705,7 @@ std::vector<std::pair<std::string, int64_t>> cached_op_plans() {
 void reset_dispatch_stats() {
   g_calls.store(0);
   g_hits.store(0);
+  g_fast_calls.store(0);
 }
 
 std::vector<std::string> rule_names() { return ops::registry().names(); }

@@ -24,6 +24,7 @@ struct DispatchStats {
   int64_t calls = 0;
   int64_t cache_hits = 0;
   int64_t cache_entries = 0;  // op plans cached, all ops together
+  int64_t fast_calls = 0;     // calls the typed fast path ran without boxing (fast_path.cpp)
 };
 DispatchStats dispatch_stats();
 // The number of cached op plans per op ("aten::add.Tensor"), ops without plans left out, sorted.

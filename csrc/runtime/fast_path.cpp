@@ -1,0 +1,427 @@
+// The typed fast path: unboxed PrivateUse2 kernels for the hottest ops.
+//
+// The boxed fallback copies every argument into an IValue stack, and copying a tensor that
+// Python holds (refcount 1 -> 2) makes torch take the GIL to incref its PyObject; the local call
+// is boxed and unboxed once more. For the ops listed at the end, a typed kernel reads the
+// arguments where they are instead. It runs the same operator flow, with the same plan (the
+// rule and its cache are the fallback's), for the calls where the flow has nothing to move:
+// every tensor operand a DTensor on one mesh, each already in the layout the plan asks for, no
+// argument rewrite, no expand implementation, views whose geometry is the local's or the
+// rule's. Every other call goes to the boxed fallback unchanged, which raises the errors.
+#include <ATen/core/boxing/impl/boxing.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/AutogradState.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/library.h>
+
+#include <ATen/ops/_softmax_ops.h>
+#include <ATen/ops/_log_softmax_ops.h>
+#include <ATen/ops/_to_copy_ops.h>
+#include <ATen/ops/_unsafe_view_ops.h>
+#include <ATen/ops/add_ops.h>
+#include <ATen/ops/addcdiv_ops.h>
+#include <ATen/ops/addcmul_ops.h>
+#include <ATen/ops/addmm_ops.h>
+#include <ATen/ops/alias_ops.h>
+#include <ATen/ops/amax_ops.h>
+#include <ATen/ops/bmm_ops.h>
+#include <ATen/ops/clone_ops.h>
+#include <ATen/ops/copy_ops.h>
+#include <ATen/ops/div_ops.h>
+#include <ATen/ops/exp_ops.h>
+#include <ATen/ops/expand_ops.h>
+#include <ATen/ops/fill_ops.h>
+#include <ATen/ops/lerp_ops.h>
+#include <ATen/ops/mean_ops.h>
+#include <ATen/ops/mm_ops.h>
+#include <ATen/ops/mul_ops.h>
+#include <ATen/ops/neg_ops.h>
+#include <ATen/ops/permute_ops.h>
+#include <ATen/ops/pow_ops.h>
+#include <ATen/ops/reciprocal_ops.h>
+#include <ATen/ops/relu_ops.h>
+#include <ATen/ops/rsqrt_ops.h>
+#include <ATen/ops/select_ops.h>
+#include <ATen/ops/sigmoid_backward_ops.h>
+#include <ATen/ops/sigmoid_ops.h>
+#include <ATen/ops/silu_backward_ops.h>
+#include <ATen/ops/silu_ops.h>
+#include <ATen/ops/slice_ops.h>
+#include <ATen/ops/sqrt_ops.h>
+#include <ATen/ops/squeeze_ops.h>
+#include <ATen/ops/sub_ops.h>
+#include <ATen/ops/sum_ops.h>
+#include <ATen/ops/t_ops.h>
+#include <ATen/ops/tanh_ops.h>
+#include <ATen/ops/transpose_ops.h>
+#include <ATen/ops/unsqueeze_ops.h>
+#include <ATen/ops/view_ops.h>
+#include <ATen/ops/where_ops.h>
+#include <ATen/ops/zero_ops.h>
+
+#include <array>
+#include <atomic>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "runtime/dispatch.h"
+#include "runtime/dispatch_internal.h"
+#include "runtime/fast_path.h"
+
+namespace hypershard::runtime {
+namespace {
+
+using detail::OpInfo;
+using detail::PlanKey;
+using detail::ReturnKind;
+
+std::atomic<bool> g_enabled{true};
+
+// ------------------------------------------------------------------ reading typed arguments
+
+// One call's typed arguments: the DTensor operands in schema order and the plan key (their
+// layouts and dtypes; the non-tensor arguments too when the rule keys on them).
+struct FastArgs {
+  c10::SmallVector<const at::Tensor*, 4> tensors;
+  PlanKey key;
+  const DeviceMesh* mesh = nullptr;
+  bool key_scalars = false;
+  bool ok = true;  // false: the boxed fallback takes the call
+
+  void tensor(const at::Tensor& t) {
+    if (!t.defined()) return;
+    auto* impl = dtensor_impl(t);
+    if (!impl || (mesh && impl->device_mesh().get() != mesh)) {
+      ok = false;  // a plain operand, or operands on two mesh objects
+      return;
+    }
+    mesh = impl->device_mesh().get();
+    tensors.push_back(&t);
+    key.push_back(reinterpret_cast<int64_t>(impl->layout().get()));
+    key.push_back(static_cast<int64_t>(t.scalar_type()));
+  }
+  void scalar(int64_t v) {
+    if (key_scalars) key.push_back(v);
+  }
+};
+
+void read(FastArgs& a, const at::Tensor& t) { a.tensor(t); }
+void read(FastArgs& a, const std::optional<at::Tensor>& t) {
+  if (t && t->defined()) a.tensor(*t);
+  else a.scalar(-7);
+}
+void read(FastArgs& a, int64_t v) { a.scalar(v); }
+void read(FastArgs& a, bool v) { a.scalar(v); }
+void read(FastArgs& a, double v) {
+  int64_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  a.scalar(bits);
+}
+void read(FastArgs& a, const c10::Scalar& s) {
+  if (s.isComplex()) a.ok = false;
+  else if (s.isFloatingPoint()) read(a, s.toDouble());
+  else a.scalar(s.toLong());
+}
+void read(FastArgs& a, const c10::SymInt& v) {
+  if (v.is_heap_allocated()) a.ok = false;  // symbolic
+  else a.scalar(v.as_int_unchecked());
+}
+void read(FastArgs& a, c10::IntArrayRef v) {
+  a.scalar(static_cast<int64_t>(v.size()));
+  for (int64_t x : v) a.scalar(x);
+}
+void read(FastArgs& a, c10::SymIntArrayRef v) {
+  a.scalar(static_cast<int64_t>(v.size()));
+  for (const auto& x : v) read(a, x);
+}
+void read(FastArgs& a, at::OptionalIntArrayRef v) {
+  if (v) read(a, *v);
+  else a.scalar(-7);
+}
+template <typename T>
+void read(FastArgs& a, const std::optional<T>& v) {
+  if (!v) a.scalar(-7);
+  else if constexpr (std::is_enum_v<T>) a.scalar(static_cast<int64_t>(*v) + 1000);
+  else if constexpr (std::is_same_v<T, c10::Device>) a.scalar(static_cast<int64_t>(v->type()) * 1000 + v->index());
+  else read(a, *v);
+}
+template <typename T>
+void read(FastArgs& a, const T&) {
+  a.ok = false;  // an argument kind this path does not key: the fallback takes the call
+}
+
+// The local of a DTensor operand; every other argument passes through.
+// (FastArgs left only DTensors and undefined tensors.)
+const at::Tensor& local_of(const at::Tensor& t) {
+  auto* impl = dtensor_impl(t);
+  return impl ? impl->local() : t;
+}
+at::Tensor& local_of(at::Tensor& t) {
+  auto* impl = dtensor_impl(t);
+  return impl ? const_cast<at::Tensor&>(impl->local()) : t;
+}
+std::optional<at::Tensor> local_of(const std::optional<at::Tensor>& t) {
+  if (t && t->defined()) return dtensor_impl(*t)->local();
+  return t;
+}
+template <typename T>
+T&& local_of(T&& v) {
+  return std::forward<T>(v);
+}
+
+// Argument `index` of the local call: the local shape where the plan rewrites that argument.
+struct LocalShape {
+  int64_t arg = -1;
+  std::vector<int64_t> sizes;
+};
+template <typename T>
+decltype(auto) local_arg(int64_t index, const LocalShape& shape, T&& v) {
+  using Plain = std::decay_t<T>;
+  if constexpr (std::is_same_v<Plain, c10::SymIntArrayRef>) {
+    return index == shape.arg ? c10::fromIntArrayRefUnchecked(shape.sizes) : c10::SymIntArrayRef(v);
+  } else if constexpr (std::is_same_v<Plain, c10::IntArrayRef>) {
+    return index == shape.arg ? c10::IntArrayRef(shape.sizes) : c10::IntArrayRef(v);
+  } else {
+    return local_of(std::forward<T>(v));
+  }
+}
+
+// ------------------------------------------------------------------ the per-thread plan cache
+
+struct Slot {
+  const OpInfo* info = nullptr;
+  uint64_t hash = 0;
+  PlanKey key;
+  std::shared_ptr<const ops::OpPlan> plan;
+  bool trivial = false;  // the fast path can run this plan
+};
+
+// Whether the plan asks for nothing the fast path does not do: every operand in its layout, no
+// argument rewrite, no expand implementation, a written first argument keeping its layout.
+bool is_trivial(const ops::OpPlan& plan, const FastArgs& args, const OpInfo& info, bool returns_written_self,
+                c10::ArrayRef<bool> int_list_args) {
+  if (plan.localize || plan.expand || plan.inputs.size() != args.tensors.size() || plan.outputs.size() != 1)
+    return false;
+  if (plan.local_shape_arg >= 0 &&
+      (plan.local_shape_arg >= static_cast<int64_t>(int_list_args.size()) || !int_list_args[plan.local_shape_arg]))
+    return false;
+  for (size_t i = 0; i < args.tensors.size(); ++i)
+    if (plan.inputs[i] != dtensor_impl(*args.tensors[i])->layout()) return false;
+  if (info.returns.size() != 1) return false;
+  const auto& ret = info.returns[0];
+  if (returns_written_self) return ret.kind == ReturnKind::kWritten && ret.arg == 0 && plan.outputs[0] == plan.inputs[0];
+  return ret.kind != ReturnKind::kWritten;
+}
+
+// The slot holding this call's plan, or null when it was not there: then the slot is filled
+// (from the fallback's plan cache, or the rule; errors raise here with the fallback's text) and
+// this call goes through the fallback, which counts it and caches its plan.
+template <typename BoxArgs>
+const Slot* find_slot(OpInfo& info, const c10::OperatorHandle& op, FastArgs& args, bool returns_written_self,
+                      c10::ArrayRef<bool> int_list_args, BoxArgs&& box_args) {
+  args.key.push_back(torch::autograd::get_current_graph_task_id() >= 0);
+  const uint64_t hash = detail::hash_key(args.key);
+  // 4-way sets: a direct-mapped table let two keys of one step evict each other on every call
+  // (and on some ranks only, as the hash mixes addresses).
+  struct Set {
+    std::array<Slot, 4> ways;
+    uint8_t next = 0;  // round-robin replacement
+  };
+  thread_local std::vector<Set> sets(64);
+  Set& set = sets[(hash ^ (reinterpret_cast<uintptr_t>(&info) >> 4)) & 63];
+  for (Slot& slot : set.ways)
+    if (slot.info == &info && slot.hash == hash && slot.key == args.key) return &slot;
+  Slot& slot = set.ways[set.next];
+  set.next = (set.next + 1) % set.ways.size();
+  torch::jit::Stack stack = box_args();
+  auto plan = detail::peek_plan(op, info, stack);
+  slot.info = &info;
+  slot.hash = hash;
+  slot.key = args.key;
+  slot.trivial = is_trivial(*plan, args, info, returns_written_self, int_list_args);
+  slot.plan = std::move(plan);
+  return nullptr;
+}
+
+// ------------------------------------------------------------------ the typed kernel
+
+template <typename Op, typename Sig = typename Op::schema>
+struct FastKernel;
+
+template <typename Op, typename Ret, typename... Args>
+struct FastKernel<Op, Ret(Args...)> {
+  static constexpr bool kReturnsWrittenSelf = std::is_same_v<Ret, at::Tensor&>;
+  static_assert(kReturnsWrittenSelf || std::is_same_v<Ret, at::Tensor>, "fast path: one returned tensor");
+  static constexpr std::array<bool, sizeof...(Args)> kIntListArgs = {
+      (std::is_same_v<std::decay_t<Args>, c10::SymIntArrayRef> || std::is_same_v<std::decay_t<Args>, c10::IntArrayRef>)...};
+
+  static const c10::OperatorHandle& handle() {
+    static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(Op::name, Op::overload_name);
+    return op;
+  }
+
+  static Ret boxed(c10::DispatchKeySet keys, Args... args) {
+    return c10::impl::BoxedKernelWrapper<Ret(Args...)>::call(
+        c10::BoxedKernel::makeFromFunction<&detail::dtensor_fallback>(), handle(), keys, std::forward<Args>(args)...);
+  }
+
+  template <size_t... I>
+  static Ret call_local(std::index_sequence<I...>, const LocalShape& shape, Args&... args) {
+    return Op::call(local_arg(static_cast<int64_t>(I), shape, args)...);
+  }
+
+  static Ret kernel(c10::DispatchKeySet keys, Args... args) {
+    static OpInfo& info = detail::op_info(handle());
+    if (!g_enabled.load(std::memory_order_relaxed) || !info.rule || check_replicas())
+      return boxed(keys, std::forward<Args>(args)...);
+    FastArgs fast;
+    fast.key_scalars = info.rule->key == ops::KeyScalars::kAll;
+    (read(fast, args), ...);
+    if (!fast.ok || fast.tensors.empty()) return boxed(keys, std::forward<Args>(args)...);
+    const Slot* slot = find_slot(info, handle(), fast, kReturnsWrittenSelf, kIntListArgs,
+                                 [&] { return c10::impl::boxArgs<Args...>(args...); });
+    if (!slot || !slot->trivial) return boxed(keys, std::forward<Args>(args)...);
+    const ops::OpPlan& plan = *slot->plan;
+
+    // Per call: views of redistributed inputs and writes into them are the fallback's to handle
+    // (or refuse); a view's geometry is its local's when every operand's wrapper geometry is its
+    // local's, else the rule's.
+    bool geometry_from_local = info.is_view;
+    for (const at::Tensor* t : fast.tensors) {
+      auto* impl = dtensor_impl(*t);
+      if (impl->is_detached_view() && (info.is_view || kReturnsWrittenSelf))
+        return boxed(keys, std::forward<Args>(args)...);
+      const at::Tensor& local = impl->local();
+      if (geometry_from_local)
+        geometry_from_local = t->sizes() == local.sizes() && t->strides() == local.strides() &&
+                              t->storage_offset() == local.storage_offset();
+    }
+    std::optional<ops::ViewGeometry> rule_geometry;
+    if (info.is_view && !geometry_from_local) {
+      if (plan.geometry) rule_geometry = plan.geometry(*fast.tensors[0]);
+      if (!rule_geometry) return boxed(keys, std::forward<Args>(args)...);
+    }
+    detail::count_fast_call(info);
+    for (const at::Tensor* t : fast.tensors)
+      if (t->requires_grad() && t->is_leaf()) detail::install_grad_hook(*t, *dtensor_impl(*t));
+
+    const DeviceMeshPtr& mesh = dtensor_impl(*fast.tensors[0])->device_mesh();
+    LocalShape shape;
+    if (plan.local_shape_arg >= 0 && plan.outputs[0]->is_sharded_anywhere()) {
+      shape.arg = plan.local_shape_arg;
+      shape.sizes = plan.outputs[0]->local_shape_at(mesh->position());
+    }
+    const auto indices = std::index_sequence_for<Args...>();
+    if constexpr (kReturnsWrittenSelf) {
+      {
+        at::AutoDispatchBelowADInplaceOrView below_autograd;
+        c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+        call_local(indices, shape, args...);  // writes into the first argument's local
+      }
+      return std::get<0>(std::forward_as_tuple(args...));
+    } else {
+      at::Tensor local;
+      {
+        at::AutoDispatchBelowADInplaceOrView below_autograd;
+        c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+        if (info.is_view) c10::AutogradState::get_tls_state().set_view_replay_enabled(true);
+        local = call_local(indices, shape, args...);
+      }
+      if (!info.is_view) return make_dtensor(std::move(local), plan.outputs[0], mesh);
+      Geometry geometry;
+      if (rule_geometry) geometry = Geometry{rule_geometry->first, rule_geometry->second};
+      else geometry = Geometry{local.strides(), local.storage_offset()};  // the local's impl outlives the call
+      return make_dtensor(std::move(local), plan.outputs[0], mesh, &geometry);
+    }
+  }
+};
+
+std::vector<std::string>* g_fast_ops = new std::vector<std::string>();  // never destroyed
+
+template <typename Op>
+void add_fast_kernel(torch::Library& library) {
+  const std::string overload = Op::overload_name;
+  const std::string name = std::string(Op::name) + (overload.empty() ? "" : "." + overload);
+  const auto& op = FastKernel<Op>::handle();
+  // A composite-implicit op decomposes above PrivateUse2; a kernel there would change that.
+  if (op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) return;
+  if (op.hasKernelForDispatchKey(c10::DispatchKey::PrivateUse2)) return;
+  library.impl(name.substr(name.find("::") + 2).c_str(), TORCH_FN(FastKernel<Op>::kernel));
+  g_fast_ops->push_back(name);
+}
+
+}  // namespace
+
+void register_fast_paths() {
+  static auto* library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse2, __FILE__,
+                                            __LINE__);
+  torch::Library& l = *library;
+  namespace aop = at::_ops;
+  // pointwise
+  add_fast_kernel<aop::add_Tensor>(l);
+  add_fast_kernel<aop::add__Tensor>(l);
+  add_fast_kernel<aop::sub_Tensor>(l);
+  add_fast_kernel<aop::sub__Tensor>(l);
+  add_fast_kernel<aop::mul_Tensor>(l);
+  add_fast_kernel<aop::mul__Tensor>(l);
+  add_fast_kernel<aop::mul_Scalar>(l);
+  add_fast_kernel<aop::mul__Scalar>(l);
+  add_fast_kernel<aop::div_Tensor>(l);
+  add_fast_kernel<aop::div__Tensor>(l);
+  add_fast_kernel<aop::div_Scalar>(l);
+  add_fast_kernel<aop::neg>(l);
+  add_fast_kernel<aop::exp>(l);
+  add_fast_kernel<aop::sqrt>(l);
+  add_fast_kernel<aop::rsqrt>(l);
+  add_fast_kernel<aop::reciprocal>(l);
+  add_fast_kernel<aop::pow_Tensor_Scalar>(l);
+  add_fast_kernel<aop::sigmoid>(l);
+  add_fast_kernel<aop::tanh>(l);
+  add_fast_kernel<aop::relu>(l);
+  add_fast_kernel<aop::silu>(l);
+  add_fast_kernel<aop::silu_backward>(l);
+  add_fast_kernel<aop::sigmoid_backward>(l);
+  add_fast_kernel<aop::where_self>(l);
+  add_fast_kernel<aop::addcmul_>(l);
+  add_fast_kernel<aop::addcdiv_>(l);
+  add_fast_kernel<aop::lerp__Scalar>(l);
+  add_fast_kernel<aop::copy_>(l);
+  add_fast_kernel<aop::fill__Scalar>(l);
+  add_fast_kernel<aop::zero_>(l);
+  add_fast_kernel<aop::clone>(l);
+  add_fast_kernel<aop::_to_copy>(l);
+  // views
+  add_fast_kernel<aop::view>(l);
+  add_fast_kernel<aop::_unsafe_view>(l);
+  add_fast_kernel<aop::t>(l);
+  add_fast_kernel<aop::transpose_int>(l);
+  add_fast_kernel<aop::permute>(l);
+  add_fast_kernel<aop::unsqueeze>(l);
+  add_fast_kernel<aop::squeeze_dim>(l);
+  add_fast_kernel<aop::expand>(l);
+  add_fast_kernel<aop::alias>(l);
+  add_fast_kernel<aop::select_int>(l);
+  add_fast_kernel<aop::slice_Tensor>(l);
+  // matmul, reductions, softmax
+  add_fast_kernel<aop::mm>(l);
+  add_fast_kernel<aop::bmm>(l);
+  add_fast_kernel<aop::addmm>(l);
+  add_fast_kernel<aop::sum_dim_IntList>(l);
+  add_fast_kernel<aop::mean_dim>(l);
+  add_fast_kernel<aop::amax>(l);
+  add_fast_kernel<aop::_softmax>(l);
+  add_fast_kernel<aop::_log_softmax>(l);
+}
+
+std::vector<std::string> fast_path_ops() { return *g_fast_ops; }
+
+void set_fast_path(bool on) { g_enabled.store(on); }
+bool fast_path_enabled() { return g_enabled.load(); }
+
+}  // namespace hypershard::runtime
