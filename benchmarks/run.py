@@ -4,8 +4,9 @@ processes, each timing is the median of repeated samples, and min/max are kept.
 
 Sections (see benchmarks/README.md for what each measures and how):
 
-  dispatch    per-op overhead on tiny tensors, per op class: plain eager vs hypershard vs
-              torch.distributed.tensor DTensor; 1-rank and 4-rank meshes, Replicate and Shard
+  dispatch    per-op overhead on tiny tensors, per op class: plain eager vs hypershard (and
+              hypershard with its fast path off) vs torch.distributed.tensor DTensor; 1-, 2- and
+              4-rank meshes, Replicate and Shard
   step        training step of a tiny HF Qwen3 on 4 CPU ranks (dp2 x tp2, tp4): hypershard
               parallelize() vs torch DTensor tensor parallelism vs one device; also the bytes each
               rank sends per step and hypershard's rule-cache statistics over 20 steps

@@ -1,9 +1,10 @@
 """hypershard: a C++ distributed tensor (DTensor) engine behind PyTorch's dispatcher.
 
-This version exposes the layout core: meshes, layouts and their three notations (torch-style
-placements, Hyper-Parallel alias tuples, MindSpore tensor_map), shard geometry, and the
-redistribution planner. All of it runs in C++ (``hypershard._C``); see ``hypershard.layout`` for
-the small Python conveniences.
+``DTensor``, ``DeviceMesh``, ``init_device_mesh`` and ``distribute_tensor`` put tensors on a mesh;
+every op on them runs hypershard's C++ operator flow (``hypershard._C``); ``hypershard.parallel``
+parallelizes a model. The layout core is exposed too: meshes, layouts and their three notations
+(torch-style placements, Hyper-Parallel alias tuples, MindSpore tensor_map), shard geometry and
+the redistribution planner (``hypershard.layout`` has the small Python conveniences).
 """
 
 import torch  # noqa: F401  (loads libtorch and its dependencies before _C)

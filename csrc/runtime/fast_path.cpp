@@ -5,9 +5,10 @@
 // is boxed and unboxed once more. For the ops listed at the end, a typed kernel reads the
 // arguments where they are instead. It runs the same operator flow, with the same plan (the
 // rule and its cache are the fallback's), for the calls where the flow has nothing to move:
-// every tensor operand a DTensor on one mesh, each already in the layout the plan asks for, no
-// argument rewrite, no expand implementation, views whose geometry is the local's or the
-// rule's. Every other call goes to the boxed fallback unchanged, which raises the errors.
+// every tensor operand a DTensor on one mesh (or a wrapped Python number), each already in the
+// layout the plan asks for, no argument rewrite but a view's size list, no expand
+// implementation, views whose geometry is the local's or the rule's. Every other call goes to
+// the boxed fallback unchanged, which raises the errors.
 #include <ATen/core/boxing/impl/boxing.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/AutogradState.h>
@@ -15,6 +16,18 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 
+#include <ATen/ops/_foreach_add_ops.h>
+#include <ATen/ops/_foreach_addcdiv_ops.h>
+#include <ATen/ops/_foreach_addcmul_ops.h>
+#include <ATen/ops/_foreach_copy_ops.h>
+#include <ATen/ops/_foreach_div_ops.h>
+#include <ATen/ops/_foreach_lerp_ops.h>
+#include <ATen/ops/_foreach_mul_ops.h>
+#include <ATen/ops/_foreach_neg_ops.h>
+#include <ATen/ops/_foreach_norm_ops.h>
+#include <ATen/ops/_foreach_sqrt_ops.h>
+#include <ATen/ops/_foreach_sub_ops.h>
+#include <ATen/ops/_foreach_zero_ops.h>
 #include <ATen/ops/_softmax_ops.h>
 #include <ATen/ops/_log_softmax_ops.h>
 #include <ATen/ops/_to_copy_ops.h>
@@ -85,23 +98,29 @@ std::atomic<bool> g_enabled{true};
 
 // ------------------------------------------------------------------ reading typed arguments
 
-// One call's typed arguments: the DTensor operands in schema order and the plan key (their
-// layouts and dtypes; the non-tensor arguments too when the rule keys on them).
+// One call's typed arguments: the tensor operands in schema order and the plan key (their
+// layouts and dtypes; the non-tensor arguments too when the rule keys on them). Operands are
+// DTensors on one mesh, or wrapped numbers (the 0-d tensors Python scalars become in `x * 2`,
+// the same on every rank, Replicate for the rules); any other plain tensor is the fallback's.
 struct FastArgs {
   c10::SmallVector<const at::Tensor*, 4> tensors;
   PlanKey key;
-  const DeviceMesh* mesh = nullptr;
+  const DeviceMeshPtr* mesh = nullptr;  // the first DTensor's
   bool key_scalars = false;
   bool ok = true;  // false: the boxed fallback takes the call
 
   void tensor(const at::Tensor& t) {
     if (!t.defined()) return;
     auto* impl = dtensor_impl(t);
-    if (!impl || (mesh && impl->device_mesh().get() != mesh)) {
-      ok = false;  // a plain operand, or operands on two mesh objects
+    if (!impl) {
+      if (!t.unsafeGetTensorImpl()->is_wrapped_number()) ok = false;
+      tensors.push_back(&t);
+      key.push_back(-1);  // (the fallback's key for a 0-d plain tensor)
+      key.push_back(static_cast<int64_t>(t.scalar_type()));
       return;
     }
-    mesh = impl->device_mesh().get();
+    if (!mesh) mesh = &impl->device_mesh();
+    else if (impl->device_mesh() != *mesh) ok = false;  // two mesh objects: the fallback checks them
     tensors.push_back(&t);
     key.push_back(reinterpret_cast<int64_t>(impl->layout().get()));
     key.push_back(static_cast<int64_t>(t.scalar_type()));
@@ -140,6 +159,17 @@ void read(FastArgs& a, c10::SymIntArrayRef v) {
   a.scalar(static_cast<int64_t>(v.size()));
   for (const auto& x : v) read(a, x);
 }
+void read(FastArgs& a, at::TensorList list) {
+  a.key.push_back(-1000 - static_cast<int64_t>(list.size()));  // two lists split differently differ
+  for (const at::Tensor& t : list) {
+    if (!t.defined()) a.ok = false;  // (an undefined list element: the fallback's case)
+    else a.tensor(t);
+  }
+}
+void read(FastArgs& a, at::ArrayRef<c10::Scalar> list) {
+  a.scalar(static_cast<int64_t>(list.size()));
+  for (const auto& x : list) read(a, x);
+}
 void read(FastArgs& a, at::OptionalIntArrayRef v) {
   if (v) read(a, *v);
   else a.scalar(-7);
@@ -169,6 +199,12 @@ at::Tensor& local_of(at::Tensor& t) {
 std::optional<at::Tensor> local_of(const std::optional<at::Tensor>& t) {
   if (t && t->defined()) return dtensor_impl(*t)->local();
   return t;
+}
+std::vector<at::Tensor> local_of(at::TensorList list) {
+  std::vector<at::Tensor> locals;
+  locals.reserve(list.size());
+  for (const at::Tensor& t : list) locals.push_back(local_of(t));
+  return locals;
 }
 template <typename T>
 T&& local_of(T&& v) {
@@ -202,28 +238,43 @@ struct Slot {
   bool trivial = false;  // the fast path can run this plan
 };
 
+// What a typed kernel returns: one tensor (fresh or a view), its first argument written in
+// place, nothing (in-place list ops), or a list of fresh tensors.
+enum class Returns : int8_t { kOne, kWrittenSelf, kNothing, kList };
+
 // Whether the plan asks for nothing the fast path does not do: every operand in its layout, no
-// argument rewrite, no expand implementation, a written first argument keeping its layout.
-bool is_trivial(const ops::OpPlan& plan, const FastArgs& args, const OpInfo& info, bool returns_written_self,
+// argument rewrite but a view's size list, no expand implementation, a written first argument
+// keeping its layout.
+bool is_trivial(const ops::OpPlan& plan, const FastArgs& args, const OpInfo& info, Returns returns,
                 c10::ArrayRef<bool> int_list_args) {
-  if (plan.localize || plan.expand || plan.inputs.size() != args.tensors.size() || plan.outputs.size() != 1)
-    return false;
+  if (plan.localize || plan.expand || plan.inputs.size() != args.tensors.size()) return false;
   if (plan.local_shape_arg >= 0 &&
       (plan.local_shape_arg >= static_cast<int64_t>(int_list_args.size()) || !int_list_args[plan.local_shape_arg]))
     return false;
-  for (size_t i = 0; i < args.tensors.size(); ++i)
-    if (plan.inputs[i] != dtensor_impl(*args.tensors[i])->layout()) return false;
-  if (info.returns.size() != 1) return false;
-  const auto& ret = info.returns[0];
-  if (returns_written_self) return ret.kind == ReturnKind::kWritten && ret.arg == 0 && plan.outputs[0] == plan.inputs[0];
-  return ret.kind != ReturnKind::kWritten;
+  for (size_t i = 0; i < args.tensors.size(); ++i) {
+    const auto* impl = dtensor_impl(*args.tensors[i]);
+    const auto& input = plan.inputs[i];
+    if (impl ? input != impl->layout() : input && (input->is_sharded_anywhere() || input->has_partial())) return false;
+  }
+  switch (returns) {
+    case Returns::kNothing:
+      return info.returns.empty() && plan.outputs.empty();
+    case Returns::kList:
+      return info.returns.size() == 1 && info.returns[0].kind == ReturnKind::kFresh;
+    case Returns::kWrittenSelf:
+      return info.returns.size() == 1 && info.returns[0].kind == ReturnKind::kWritten && info.returns[0].arg == 0 &&
+             plan.outputs.size() == 1 && plan.outputs[0] == plan.inputs[0];
+    case Returns::kOne:
+      return info.returns.size() == 1 && info.returns[0].kind != ReturnKind::kWritten && plan.outputs.size() == 1;
+  }
+  return false;
 }
 
 // The slot holding this call's plan, or null when it was not there: then the slot is filled
 // (from the fallback's plan cache, or the rule; errors raise here with the fallback's text) and
 // this call goes through the fallback, which counts it and caches its plan.
 template <typename BoxArgs>
-const Slot* find_slot(OpInfo& info, const c10::OperatorHandle& op, FastArgs& args, bool returns_written_self,
+const Slot* find_slot(OpInfo& info, const c10::OperatorHandle& op, FastArgs& args, Returns returns,
                       c10::ArrayRef<bool> int_list_args, BoxArgs&& box_args) {
   args.key.push_back(torch::autograd::get_current_graph_task_id() >= 0);
   const uint64_t hash = detail::hash_key(args.key);
@@ -244,7 +295,7 @@ const Slot* find_slot(OpInfo& info, const c10::OperatorHandle& op, FastArgs& arg
   slot.info = &info;
   slot.hash = hash;
   slot.key = args.key;
-  slot.trivial = is_trivial(*plan, args, info, returns_written_self, int_list_args);
+  slot.trivial = is_trivial(*plan, args, info, returns, int_list_args);
   slot.plan = std::move(plan);
   return nullptr;
 }
@@ -256,8 +307,11 @@ struct FastKernel;
 
 template <typename Op, typename Ret, typename... Args>
 struct FastKernel<Op, Ret(Args...)> {
-  static constexpr bool kReturnsWrittenSelf = std::is_same_v<Ret, at::Tensor&>;
-  static_assert(kReturnsWrittenSelf || std::is_same_v<Ret, at::Tensor>, "fast path: one returned tensor");
+  static constexpr Returns kReturns = std::is_same_v<Ret, at::Tensor&>               ? Returns::kWrittenSelf
+                                      : std::is_void_v<Ret>                          ? Returns::kNothing
+                                      : std::is_same_v<Ret, std::vector<at::Tensor>> ? Returns::kList
+                                                                                     : Returns::kOne;
+  static_assert(kReturns != Returns::kOne || std::is_same_v<Ret, at::Tensor>, "fast path: an unsupported return type");
   static constexpr std::array<bool, sizeof...(Args)> kIntListArgs = {
       (std::is_same_v<std::decay_t<Args>, c10::SymIntArrayRef> || std::is_same_v<std::decay_t<Args>, c10::IntArrayRef>)...};
 
@@ -283,8 +337,8 @@ struct FastKernel<Op, Ret(Args...)> {
     FastArgs fast;
     fast.key_scalars = info.rule->key == ops::KeyScalars::kAll;
     (read(fast, args), ...);
-    if (!fast.ok || fast.tensors.empty()) return boxed(keys, std::forward<Args>(args)...);
-    const Slot* slot = find_slot(info, handle(), fast, kReturnsWrittenSelf, kIntListArgs,
+    if (!fast.ok || !fast.mesh) return boxed(keys, std::forward<Args>(args)...);
+    const Slot* slot = find_slot(info, handle(), fast, kReturns, kIntListArgs,
                                  [&] { return c10::impl::boxArgs<Args...>(args...); });
     if (!slot || !slot->trivial) return boxed(keys, std::forward<Args>(args)...);
     const ops::OpPlan& plan = *slot->plan;
@@ -292,11 +346,12 @@ struct FastKernel<Op, Ret(Args...)> {
     // Per call: views of redistributed inputs and writes into them are the fallback's to handle
     // (or refuse); a view's geometry is its local's when every operand's wrapper geometry is its
     // local's, else the rule's.
+    const bool writes = kReturns == Returns::kWrittenSelf || kReturns == Returns::kNothing;
     bool geometry_from_local = info.is_view;
     for (const at::Tensor* t : fast.tensors) {
       auto* impl = dtensor_impl(*t);
-      if (impl->is_detached_view() && (info.is_view || kReturnsWrittenSelf))
-        return boxed(keys, std::forward<Args>(args)...);
+      if (!impl) continue;  // a wrapped number
+      if (impl->is_detached_view() && (info.is_view || writes)) return boxed(keys, std::forward<Args>(args)...);
       const at::Tensor& local = impl->local();
       if (geometry_from_local)
         geometry_from_local = t->sizes() == local.sizes() && t->strides() == local.strides() &&
@@ -309,30 +364,35 @@ struct FastKernel<Op, Ret(Args...)> {
     }
     detail::count_fast_call(info);
     for (const at::Tensor* t : fast.tensors)
-      if (t->requires_grad() && t->is_leaf()) detail::install_grad_hook(*t, *dtensor_impl(*t));
+      if (t->requires_grad() && t->is_leaf())
+        if (auto* impl = dtensor_impl(*t)) detail::install_grad_hook(*t, *impl);
 
-    const DeviceMeshPtr& mesh = dtensor_impl(*fast.tensors[0])->device_mesh();
+    const DeviceMeshPtr& mesh = *fast.mesh;
     LocalShape shape;
     if (plan.local_shape_arg >= 0 && plan.outputs[0]->is_sharded_anywhere()) {
       shape.arg = plan.local_shape_arg;
       shape.sizes = plan.outputs[0]->local_shape_at(mesh->position());
     }
-    const auto indices = std::index_sequence_for<Args...>();
-    if constexpr (kReturnsWrittenSelf) {
-      {
-        at::AutoDispatchBelowADInplaceOrView below_autograd;
-        c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-        call_local(indices, shape, args...);  // writes into the first argument's local
-      }
+    // The local call, below autograd (recorded on the wrappers) and autocast (applied to them).
+    auto run_local = [&]() -> Ret {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+      if (info.is_view) c10::AutogradState::get_tls_state().set_view_replay_enabled(true);
+      return call_local(std::index_sequence_for<Args...>(), shape, args...);
+    };
+    if constexpr (kReturns == Returns::kNothing) {
+      run_local();  // writes into the locals
+    } else if constexpr (kReturns == Returns::kWrittenSelf) {
+      run_local();  // writes into the first argument's local
       return std::get<0>(std::forward_as_tuple(args...));
+    } else if constexpr (kReturns == Returns::kList) {
+      std::vector<at::Tensor> locals = run_local();
+      HS_CHECK(locals.size() == plan.outputs.size(), info.name, "internal error: ", locals.size(),
+               " returned tensors for ", plan.outputs.size(), " planned layouts");
+      for (size_t i = 0; i < locals.size(); ++i) locals[i] = make_dtensor(std::move(locals[i]), plan.outputs[i], mesh);
+      return locals;
     } else {
-      at::Tensor local;
-      {
-        at::AutoDispatchBelowADInplaceOrView below_autograd;
-        c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-        if (info.is_view) c10::AutogradState::get_tls_state().set_view_replay_enabled(true);
-        local = call_local(indices, shape, args...);
-      }
+      at::Tensor local = run_local();
       if (!info.is_view) return make_dtensor(std::move(local), plan.outputs[0], mesh);
       Geometry geometry;
       if (rule_geometry) geometry = Geometry{rule_geometry->first, rule_geometry->second};
@@ -417,6 +477,25 @@ void register_fast_paths() {
   add_fast_kernel<aop::amax>(l);
   add_fast_kernel<aop::_softmax>(l);
   add_fast_kernel<aop::_log_softmax>(l);
+  // list ops (optimizers with foreach=True, clip_grad_norm_, zero_grad)
+  add_fast_kernel<aop::_foreach_add__List>(l);
+  add_fast_kernel<aop::_foreach_add__Scalar>(l);
+  add_fast_kernel<aop::_foreach_add_List>(l);
+  add_fast_kernel<aop::_foreach_sub__List>(l);
+  add_fast_kernel<aop::_foreach_mul__Scalar>(l);
+  add_fast_kernel<aop::_foreach_mul__List>(l);
+  add_fast_kernel<aop::_foreach_mul__Tensor>(l);
+  add_fast_kernel<aop::_foreach_div__Scalar>(l);
+  add_fast_kernel<aop::_foreach_div__ScalarList>(l);
+  add_fast_kernel<aop::_foreach_lerp__Scalar>(l);
+  add_fast_kernel<aop::_foreach_addcmul__Scalar>(l);
+  add_fast_kernel<aop::_foreach_addcdiv__Scalar>(l);
+  add_fast_kernel<aop::_foreach_addcdiv__ScalarList>(l);
+  add_fast_kernel<aop::_foreach_sqrt>(l);
+  add_fast_kernel<aop::_foreach_neg>(l);
+  add_fast_kernel<aop::_foreach_copy_>(l);
+  add_fast_kernel<aop::_foreach_zero_>(l);
+  add_fast_kernel<aop::_foreach_norm_Scalar>(l);
 }
 
 std::vector<std::string> fast_path_ops() { return *g_fast_ops; }

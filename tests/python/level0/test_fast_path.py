@@ -110,6 +110,40 @@ def reductions(a):
             a.sum(dim=0, keepdim=True))
 
 
+def replicated(t):
+    """A 0-d reduction made Replicate (identity on one device)."""
+    if not in_distributed_run():
+        return t
+    return t.redistribute(placements=[hs.Replicate()] * t.device_mesh.ndim)
+
+
+@torch.no_grad()  # as optimizers and clip_grad_norm_ run them
+def foreach_ops(a, b):
+    xs, ys = [a * 1, a * 2, a - 1], [b * 1, b + 1, b * b]
+    divisors = [y.abs() + 1 for y in ys]
+    torch._foreach_add_(xs, ys)
+    torch._foreach_add_(xs, 0.5)
+    torch._foreach_mul_(xs, 1.5)
+    torch._foreach_mul_(xs, ys)
+    torch._foreach_div_(xs, 2.0)
+    torch._foreach_div_(xs, [1.0, 2.0, 3.0])
+    torch._foreach_lerp_(xs, ys, 0.3)
+    torch._foreach_addcmul_(xs, ys, ys, value=0.1)
+    torch._foreach_addcdiv_(xs, ys, divisors, value=0.2)
+    torch._foreach_addcdiv_(xs, ys, divisors, [0.1, 0.2, 0.3])
+    torch._foreach_sub_(xs, ys)
+    torch._foreach_mul_(xs, replicated(a.abs().amax()) + 1)  # clip_grad_norm_'s coefficient
+    sums = torch._foreach_add(xs, ys)
+    roots = torch._foreach_sqrt(divisors)
+    negs = torch._foreach_neg(xs)
+    copies = [x * 0 for x in xs]
+    torch._foreach_copy_(copies, xs)
+    zeros = [x * 1 for x in xs]
+    torch._foreach_zero_(zeros)
+    norms = [replicated(n) for n in torch._foreach_norm(xs)]
+    return tuple(xs + list(sums) + list(roots) + list(negs) + copies + zeros + norms)
+
+
 def cases():
     out = []
     for mesh, layouts in ((MESH4, (["R"], ["S(0)"], ["S(1)"])), (MESH22, (["S(0)", "S(1)"], ["R", "S(0)"]))):
@@ -122,6 +156,9 @@ def cases():
                 Case(f"geometry{tag}", both_paths(geometry), [Input((16, 8), placements=p, requires_grad=False)], mesh,
                      check_grad=False),
                 Case(f"reductions{tag}", both_paths(reductions), [Input((16, 8), placements=p)], mesh),
+                Case(f"foreach{tag}", both_paths(foreach_ops), [Input((16, 8), placements=p, requires_grad=False),
+                                                                Input((16, 8), placements=p, requires_grad=False)],
+                     mesh, check_grad=False),
             ]
             if "S(1)" not in p:
                 out += [
@@ -146,20 +183,25 @@ def test_fast_path_equals_boxed_fallback():
 
 
 def counted(a, b):
-    """Exact statistics: a warm straight-line sequence of fast ops counts each op once, as a
+    """Exact statistics: a warm straight-line sequence of fast ops (list ops included) counts each op once, as a
     call, a plan-cache hit and a fast call; a boxed call (a plain operand) adds a call only."""
     if not in_distributed_run():
         return a + b
-    sequence = lambda: ((a + b) * b).t().relu().t()  # noqa: E731 -- 5 ops
+    def sequence():  # 8 ops
+        c = ((a + b) * b).t().relu().t()
+        torch._foreach_add_([c, a * 1], [b, b])
+        torch._foreach_mul_([c], 0.5)
+        return c
+
     sequence()
     sequence()
     hs._C.reset_dispatch_stats()
     sequence()
     stats = hs._C.dispatch_stats()
-    assert (stats["calls"], stats["cache_hits"], stats["fast_calls"]) == (5, 5, 5), stats
+    assert (stats["calls"], stats["cache_hits"], stats["fast_calls"]) == (8, 8, 8), stats
     hs._C.reset_dispatch_stats()
-    a + torch.ones(())  # a plain operand: the boxed fallback, from its warm cache after one call
-    a + torch.ones(())
+    a + torch.ones(8)  # a plain operand (not a Python number): the boxed fallback
+    a + torch.ones(8)
     stats = hs._C.dispatch_stats()
     assert (stats["calls"], stats["fast_calls"]) == (2, 0), stats
     return a + b
