@@ -134,7 +134,8 @@ def main(argv=None) -> int:
                                                 indent=2))
     sharded = sum(1 for p in result["placements"].values() if any(x.startswith("Shard") for x in p))
     print(f"\nparameters: {len(result['placements'])} DTensors, {sharded} of them sharded; "
-          f"ops through hypershard: {result['stats']['calls']} ({result['stats']['cache_hits']} plan-cache hits); "
+          f"ops through hypershard: {result['stats']['calls']} ({result['stats']['cache_hits']} plan-cache hits, "
+          f"{result['stats']['fast_calls']} on the typed fast path); "
           f"rank 0 sent {result['traffic']['bytes_sent']} bytes in {result['traffic']['collectives']} collectives")
     print(f"time: {result['seconds']:.2f} s on the mesh, {single_seconds:.2f} s on one device "
           f"(tiny model: the framework, not compute, dominates)")
