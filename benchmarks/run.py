@@ -22,6 +22,7 @@ Writes bench/results.json, bench/RESULTS.md and bench/results.png and prints the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import datetime
 import gc
@@ -280,6 +281,15 @@ def _dispatch_worker(rank: int, world: int, args: dict) -> dict:
             return tdistribute(t, tmesh, [TReplicate() if dim is None else TShard(dim)])
         return make
 
+    @contextlib.contextmanager
+    def path_of(impl: str):
+        """hypershard_boxed runs with the typed fast path off; everything else with it on."""
+        hs._C.set_fast_path(impl != "hypershard_boxed")
+        try:
+            yield
+        finally:
+            hs._C.set_fast_path(True)
+
     def full(x):
         if isinstance(x, list):
             return [full(v) for v in x]
@@ -308,10 +318,8 @@ def _dispatch_worker(rank: int, world: int, args: dict) -> dict:
                 try:
                     a = _placed_args(spec, values, variant == "shard", maker(impl))
                     hs._C.reset_traffic()
-                    hs._C.set_fast_path(impl != "hypershard_boxed")
-                    with _CollectiveBytes() as counter:
+                    with path_of(impl), _CollectiveBytes() as counter:
                         result = op(*a)
-                    hs._C.set_fast_path(True)
                     collectives[impl] = (hs._C.traffic()["collectives"] if impl.startswith("hypershard")
                                          else counter.collectives)
                     check[impl] = bool(same(full(result), expected))
@@ -339,12 +347,11 @@ def _dispatch_worker(rank: int, world: int, args: dict) -> dict:
 
             counts = {}
             for impl, fn in fns.items():
-                hs._C.set_fast_path(impl != "hypershard_boxed")
-                if not solo[impl]:
-                    counts[impl] = _calibrate(fn, args["sample_s"], slowest)
-                elif rank == 0:
-                    counts[impl] = _calibrate(fn, args["sample_s"], lambda e: e)
-                hs._C.set_fast_path(True)
+                with path_of(impl):
+                    if not solo[impl]:
+                        counts[impl] = _calibrate(fn, args["sample_s"], slowest)
+                    elif rank == 0:
+                        counts[impl] = _calibrate(fn, args["sample_s"], lambda e: e)
             gc.collect()
             samples: dict = {impl: [] for impl in fns}
             order = list(fns)
@@ -355,14 +362,13 @@ def _dispatch_worker(rank: int, world: int, args: dict) -> dict:
                     if solo[impl] and rank != 0:
                         continue
                     fn, n = fns[impl], counts[impl]
-                    hs._C.set_fast_path(impl != "hypershard_boxed")
-                    gc.disable()
-                    start = time.perf_counter()
-                    for _ in range(n):
-                        fn()
-                    elapsed = time.perf_counter() - start
-                    gc.enable()
-                    hs._C.set_fast_path(True)
+                    with path_of(impl):
+                        gc.disable()
+                        start = time.perf_counter()
+                        for _ in range(n):
+                            fn()
+                        elapsed = time.perf_counter() - start
+                        gc.enable()
                     samples[impl].append(elapsed / n * 1e6)
             if rank != 0:
                 continue  # rank 0 reports

@@ -26,8 +26,11 @@ namespace hypershard::runtime {
 namespace {
 
 using detail::CachedPlan;
+using detail::dtensor_fallback;
 using detail::hash_key;
+using detail::install_grad_hook;
 using detail::kMaxPlansPerOp;
+using detail::op_info;
 using detail::OpInfo;
 using detail::PlanKey;
 using detail::ReturnInfo;
@@ -73,7 +76,9 @@ OpInfo* build_op_info(const c10::OperatorHandle& op) {
   return info;
 }
 
-OpInfo& find_op_info(const c10::OperatorHandle& op) {
+}  // namespace
+
+OpInfo& detail::op_info(const c10::OperatorHandle& op) {
   const void* key = &op.schema();
   // Per-thread direct-mapped cache: no lock on the per-op path once an op was seen.
   struct Slot {
@@ -97,6 +102,8 @@ OpInfo& find_op_info(const c10::OperatorHandle& op) {
   slot_cache = {key, slot};
   return *slot;
 }
+
+namespace {
 
 // ------------------------------------------------------------------ preprocess
 
@@ -271,11 +278,13 @@ std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call, bool r
   return plan;
 }
 
+}  // namespace
+
 // ------------------------------------------------------------------ gradient layout policy
 
 // A leaf's .grad keeps the leaf's layout: incoming gradients are redistributed to it before
 // they are accumulated (this is where data-parallel gradient reduction happens).
-void hook_leaf_grad(const at::Tensor& leaf, DTensorImpl& impl) {
+void detail::install_grad_hook(const at::Tensor& leaf, DTensorImpl& impl) {
   if (!impl.claim_grad_hook()) return;
   c10::weak_intrusive_ptr<c10::TensorImpl> weak(leaf.getIntrusivePtr());
   leaf.register_hook([weak](const at::Tensor& grad) -> at::Tensor {
@@ -286,6 +295,8 @@ void hook_leaf_grad(const at::Tensor& leaf, DTensorImpl& impl) {
     return grad_impl->layout() == target ? grad : redistribute(grad, target);
   });
 }
+
+namespace {
 
 // ------------------------------------------------------------------ view geometry
 
@@ -394,6 +405,22 @@ void check_plain_operands(const ops::OpCall& call) {
   }
 }
 
+// preprocess: the OpCall over `args`, every tensor argument collected with its layout and the
+// call's mesh found; mesh errors raise (c10::Error, the house text) before anything runs.
+ops::OpCall begin_call(const c10::OperatorHandle& op, const OpInfo& info, const c10::IValue* args) {
+  ops::OpCall call;
+  call.op = &op;
+  call.args = args;
+  call.in_backward = torch::autograd::get_current_graph_task_id() >= 0;
+  try {
+    collect_tensors(call);
+  } catch (const layout::LayoutError& e) {
+    TORCH_CHECK(false, e.what());
+  }
+  TORCH_CHECK(call.mesh != nullptr, "hypershard: ", info.name, ": reached the DTensor fallback without a DTensor argument");
+  return call;
+}
+
 // One returned local as a DTensor. A view takes the local's geometry (`from_local`) or the next
 // meta-shadow geometry; a view of a redistributed input is marked as not aliasing its base.
 at::Tensor wrap_view_or_output(at::Tensor local, bool is_view, const LayoutPtr& layout, const DeviceMeshPtr& mesh,
@@ -411,23 +438,16 @@ at::Tensor wrap_view_or_output(at::Tensor local, bool is_view, const LayoutPtr& 
   return wrapped;
 }
 
-void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+}  // namespace
+
+void detail::dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   g_calls.fetch_add(1, std::memory_order_relaxed);
   sync_registrations();
-  OpInfo& info = find_op_info(op);
+  OpInfo& info = op_info(op);
   const size_t num_args = op.schema().arguments().size();
   c10::IValue* args = stack->data() + (stack->size() - num_args);
 
-  ops::OpCall call;
-  call.op = &op;
-  call.args = args;
-  call.in_backward = torch::autograd::get_current_graph_task_id() >= 0;
-  try {
-    collect_tensors(call);
-  } catch (const layout::LayoutError& e) {
-    TORCH_CHECK(false, e.what());
-  }
-  TORCH_CHECK(call.mesh != nullptr, "hypershard: ", info.name, ": reached the DTensor fallback without a DTensor argument");
+  ops::OpCall call = begin_call(op, info, args);
   // A composite kernel that allocates a plain tensor and writes DTensor data into it (F.one_hot
   // does: zeros + scatter_) would return a plain tensor built from one rank's shard.
   for (size_t a = 0; a < num_args; ++a)
@@ -460,10 +480,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
     const auto& t = call.tensors[i];
     if (!t.is_dtensor) continue;
     at::Tensor scratch;
-    const at::Tensor& value = arg_tensor(args, t, scratch);
-    const at::Tensor& local = dtensor_impl(value)->local();
-    geometry_from_local = plan->inputs[i] == t.layout && value.sizes() == local.sizes() &&
-                          value.strides() == local.strides() && value.storage_offset() == local.storage_offset();
+    geometry_from_local = plan->inputs[i] == t.layout && dtensor_impl(arg_tensor(args, t, scratch))->geometry_is_local();
   }
   std::vector<c10::IValue> original;
   if (info.is_view && !geometry_from_local) original.assign(args, args + num_args);
@@ -488,7 +505,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
                     "does not alias its base and writing into it would be lost; allowed: redistribute the base "
                     "first (so that the view is local), or write into a copy");
       if (info.is_view && (impl->is_detached_view() || plan->inputs[i] != t.layout)) detached_view = true;
-      if (value.requires_grad() && value.is_leaf()) hook_leaf_grad(value, *impl);
+      if (value.requires_grad() && value.is_leaf()) install_grad_hook(value, *impl);
       at::Tensor local = impl->local();
       if (plan->inputs[i] != t.layout) local = redistribute_local(local, t.layout, plan->inputs[i], *call.mesh);
       set_arg_tensor(args, t, std::move(local));
@@ -499,8 +516,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
     }
   }
   if (plan->localize) plan->localize(call, args);
-  if (plan->local_shape_arg >= 0 && plan->outputs.at(0)->is_sharded_anywhere())
-    args[plan->local_shape_arg] = c10::IValue(plan->outputs[0]->local_shape_at(call.mesh->position()));
+  if (auto shape = detail::planned_local_shape(*plan, *call.mesh)) args[plan->local_shape_arg] = c10::IValue(*shape);
 
   std::vector<std::pair<std::vector<int64_t>, int64_t>> geometry;
   {
@@ -557,6 +573,8 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
   }
 }
 
+namespace {
+
 // ------------------------------------------------------------------ registration
 
 // Ops whose CompositeExplicitAutograd kernel would otherwise win over the backend fallback on
@@ -572,7 +590,7 @@ void maybe_register(const c10::OperatorHandle& op) {
   static auto* handles = new std::vector<c10::RegistrationHandleRAII>();  // kept for the process
   handles->push_back(c10::Dispatcher::singleton().registerImpl(
       op.operator_name(), c10::DispatchKey::PrivateUse2,
-      c10::KernelFunction::makeFromBoxedFunction<&fallback>(), std::nullopt, nullptr,
+      c10::KernelFunction::makeFromBoxedFunction<&dtensor_fallback>(), std::nullopt, nullptr,
       "hypershard: DTensor fallback (composite-explicit op)"));
 }
 
@@ -596,8 +614,6 @@ class Listener : public c10::OpRegistrationListener {
 
 namespace detail {
 
-OpInfo& op_info(const c10::OperatorHandle& op) { return find_op_info(op); }
-
 void count_fast_call(OpInfo& info) {
   g_calls.fetch_add(1, std::memory_order_relaxed);
   g_hits.fetch_add(1, std::memory_order_relaxed);
@@ -606,24 +622,13 @@ void count_fast_call(OpInfo& info) {
 }
 
 std::shared_ptr<const ops::OpPlan> peek_plan(const c10::OperatorHandle& op, OpInfo& info, torch::jit::Stack& stack) {
-  ops::OpCall call;
-  call.op = &op;
-  call.args = stack.data() + (stack.size() - op.schema().arguments().size());
-  call.in_backward = torch::autograd::get_current_graph_task_id() >= 0;
+  ops::OpCall call = begin_call(op, info, stack.data() + (stack.size() - op.schema().arguments().size()));
+  if (!info.rule) missing_operator(call);
   try {
-    collect_tensors(call);
-    TORCH_CHECK(call.mesh != nullptr, "hypershard: ", info.name, ": reached the DTensor fallback without a DTensor argument");
-    if (!info.rule) missing_operator(call);
     return infer(info, call, /*record=*/false);
   } catch (const layout::LayoutError& e) {
     TORCH_CHECK(false, e.what());
   }
-}
-
-void install_grad_hook(const at::Tensor& leaf, DTensorImpl& impl) { hook_leaf_grad(leaf, impl); }
-
-void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  fallback(op, keys, stack);
 }
 
 }  // namespace detail
@@ -642,7 +647,7 @@ void sync_registrations() {
 
 InferredPlan infer_plan(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
   sync_registrations();
-  OpInfo& info = find_op_info(op);
+  OpInfo& info = op_info(op);
   const size_t num_args = op.schema().arguments().size();
   TORCH_CHECK(stack.size() >= num_args, "hypershard: infer_plan: ", info.name, " needs ", num_args, " arguments");
   ops::OpCall call;
@@ -662,7 +667,7 @@ void install_dispatch() {
   std::call_once(once, [] {
     static auto* library = new torch::Library(torch::Library::IMPL, "_", c10::DispatchKey::PrivateUse2,
                                               __FILE__, __LINE__);
-    library->fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
+    library->fallback(torch::CppFunction::makeFromBoxedFunction<&dtensor_fallback>());
     ops::register_reshape_kernel();
     ops::register_one_hot_kernel();
     ops::register_reduction_kernels();

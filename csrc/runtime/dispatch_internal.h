@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <shared_mutex>
 #include <string>
 #include <unordered_map>
@@ -63,6 +64,13 @@ void count_fast_call(OpInfo& info);
 // neither counted nor cached: the caller then runs the call through the fallback, which
 // counts and caches it. Rule and mesh errors raise as c10::Error with the house text.
 std::shared_ptr<const ops::OpPlan> peek_plan(const c10::OperatorHandle& op, OpInfo& info, torch::jit::Stack& stack);
+
+// The first output's local shape on this rank when the plan rewrites a size argument to it
+// (OpPlan::local_shape_arg) and that output is split; nullopt when the caller's list stands.
+inline std::optional<std::vector<int64_t>> planned_local_shape(const ops::OpPlan& plan, const DeviceMesh& mesh) {
+  if (plan.local_shape_arg < 0 || !plan.outputs.at(0)->is_sharded_anywhere()) return std::nullopt;
+  return plan.outputs[0]->local_shape_at(mesh.position());
+}
 
 // A leaf's .grad keeps the leaf's layout (installs the hook once per leaf).
 void install_grad_hook(const at::Tensor& leaf, DTensorImpl& impl);

@@ -49,6 +49,11 @@ class DTensorImpl final : public c10::TensorImpl {
   void set_geometry(c10::IntArrayRef strides, int64_t storage_offset);
   // Dense global strides in the dimension order of the local's strides.
   void set_dense_geometry();
+  // Whether the wrapper's sizes, strides and offset are its local's (nothing split, or only over
+  // axes of one rank): a view of it then takes the local view's geometry.
+  bool geometry_is_local() const {
+    return sizes() == local_.sizes() && strides() == local_.strides() && storage_offset() == local_.storage_offset();
+  }
 
   // Whether the gradient-layout hook is installed (see dispatch.cpp); set once.
   bool claim_grad_hook() { return !grad_hook_.exchange(true); }

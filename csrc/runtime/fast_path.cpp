@@ -352,10 +352,7 @@ struct FastKernel<Op, Ret(Args...)> {
       auto* impl = dtensor_impl(*t);
       if (!impl) continue;  // a wrapped number
       if (impl->is_detached_view() && (info.is_view || writes)) return boxed(keys, std::forward<Args>(args)...);
-      const at::Tensor& local = impl->local();
-      if (geometry_from_local)
-        geometry_from_local = t->sizes() == local.sizes() && t->strides() == local.strides() &&
-                              t->storage_offset() == local.storage_offset();
+      geometry_from_local = geometry_from_local && impl->geometry_is_local();
     }
     std::optional<ops::ViewGeometry> rule_geometry;
     if (info.is_view && !geometry_from_local) {
@@ -369,9 +366,9 @@ struct FastKernel<Op, Ret(Args...)> {
 
     const DeviceMeshPtr& mesh = *fast.mesh;
     LocalShape shape;
-    if (plan.local_shape_arg >= 0 && plan.outputs[0]->is_sharded_anywhere()) {
+    if (auto sizes = detail::planned_local_shape(plan, *mesh)) {
       shape.arg = plan.local_shape_arg;
-      shape.sizes = plan.outputs[0]->local_shape_at(mesh->position());
+      shape.sizes = std::move(*sizes);
     }
     // The local call, below autograd (recorded on the wrappers) and autocast (applied to them).
     auto run_local = [&]() -> Ret {

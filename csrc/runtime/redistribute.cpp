@@ -318,8 +318,8 @@ void check_same_on_every_rank(const at::Tensor& tensor, const DeviceMesh& mesh, 
   for (int64_t axis = 0; axis < mesh.mesh()->ndim(); ++axis)
     extremes = all_reduce_along(extremes, mesh, axis, ReduceOp::Max);
   const int64_t n = fingerprint.numel();
-  HS_CHECK(at::equal(extremes.narrow(0, 0, n), extremes.narrow(0, n, n).neg()), what, "a plain tensor of shape ", layout::shape_string(tensor.sizes().vec()),
-           " differs across the ranks of mesh ", mesh.to_string(),
+  HS_CHECK(at::equal(extremes.narrow(0, 0, n), extremes.narrow(0, n, n).neg()), what, "a plain tensor of shape ",
+           layout::shape_string(tensor.sizes().vec()), " differs across the ranks of mesh ", mesh.to_string(),
            ", but a plain tensor is used as Replicate; allowed: the same value on every rank (make per-rank data "
            "a DTensor with DTensor.from_local)");
 }

@@ -56,7 +56,7 @@ The result (results.RunResult) maps case names to CaseResult (status passed / fa
 hang / crash / not_run, message naming the ranks and the max abs/rel differences, durations);
 ``results.check(name)`` asserts one case (for one pytest test per case over a shared launch).
 Inside a case function, in_distributed_run(), current_mesh() and current_rank() tell where it
-runs.  This package never imports hypershard at module level: its adapters import the DTensor
+runs, and replicated(t) makes a DTensor Replicate (identity in the reference).  This package never imports hypershard at module level: its adapters import the DTensor
 library lazily, so the harness (with backend="torch") works before hypershard's runtime is built.
 """
 
@@ -77,7 +77,7 @@ from .spec import (
     sweep_cases,
     uniform,
 )
-from .worker import compare_tensors, current_mesh, current_rank, in_distributed_run
+from .worker import compare_tensors, current_mesh, current_rank, in_distributed_run, replicated
 
 __all__ = [
     "Adapter",
@@ -103,6 +103,7 @@ __all__ = [
     "randint",
     "randn",
     "register_adapter",
+    "replicated",
     "run_cases",
     "sweep_cases",
     "uniform",

@@ -49,6 +49,17 @@ def in_distributed_run() -> bool:
     return _STATE["run"] == "distributed"
 
 
+def replicated(t: Any) -> Any:
+    """Inside a case function: `t` (a hypershard DTensor) redistributed to Replicate on every mesh
+    axis during the distributed half -- the reduction a tensor-parallel block ends with, or a
+    Partial scalar made whole -- and `t` itself in the one-device reference."""
+    if not in_distributed_run():
+        return t
+    import hypershard as hs  # lazily: this package does not import hypershard at module level
+
+    return t.redistribute(placements=[hs.Replicate()] * t.device_mesh.ndim)
+
+
 def current_mesh() -> Any:
     """The case's device mesh during the distributed half of a case, else None."""
     return _STATE["mesh"] if _STATE["run"] == "distributed" else None

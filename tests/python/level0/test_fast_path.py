@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import hypershard as hs
-from hypershard.testing import Case, Input, assert_all_passed, in_distributed_run, run_cases
+from hypershard.testing import Case, Input, assert_all_passed, in_distributed_run, run_cases, replicated
 
 MESH4 = ((4,), ("a",))
 MESH22 = ((2, 2), ("a", "b"))
@@ -110,11 +110,6 @@ def reductions(a):
             a.sum(dim=0, keepdim=True))
 
 
-def replicated(t):
-    """A 0-d reduction made Replicate (identity on one device)."""
-    if not in_distributed_run():
-        return t
-    return t.redistribute(placements=[hs.Replicate()] * t.device_mesh.ndim)
 
 
 @torch.no_grad()  # as optimizers and clip_grad_norm_ run them

@@ -20,7 +20,7 @@ import io
 import torch
 
 import hypershard as hs
-from hypershard.testing import Case, Input, assert_all_passed, in_distributed_run, run_cases, uniform
+from hypershard.testing import Case, Input, assert_all_passed, in_distributed_run, run_cases, uniform, replicated
 
 MESH2 = ((2,), ("dp",))
 MESH4 = ((4,), ("dp",))
@@ -241,11 +241,6 @@ def fused_cases():
 
 # ------------------------------------------------------------------------------ optimizers
 
-def replicated(t):
-    """The reduction a tensor-parallel plan ends with; identity in the one-device reference."""
-    if not in_distributed_run():
-        return t
-    return t.redistribute(placements=[hs.Replicate()] * t.device_mesh.ndim)
 
 
 def model_loss(x, w1, b1, w2, b2, e):

@@ -3,8 +3,7 @@ AccumulateGrad, and a two-layer MLP trained with AdamW, all compared with one de
 
 import torch
 
-import hypershard as hs
-from hypershard.testing import Case, Input, assert_all_passed, in_distributed_run, run_cases
+from hypershard.testing import Case, Input, assert_all_passed, in_distributed_run, run_cases, replicated
 
 MESH2 = ((2,), ("a",))
 MESH3 = ((3,), ("a",))
@@ -98,12 +97,6 @@ def autograd_cases():
     return cases
 
 
-def replicated(t):
-    """The block boundary of a tensor-parallel plan: a row-parallel output (Partial) is reduced
-    before the next non-linear op. Identity on plain tensors (the reference run)."""
-    if not in_distributed_run():
-        return t
-    return t.redistribute(placements=[hs.Replicate()] * t.device_mesh.ndim)
 
 
 def mlp_train(x, w1, b1, w2, b2):
