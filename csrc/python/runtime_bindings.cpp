@@ -9,6 +9,7 @@
 #include "runtime/dispatch.h"
 #include "runtime/dtensor_impl.h"
 #include "runtime/fast_path.h"
+#include "runtime/grad_sync.h"
 #include "runtime/redistribute.h"
 
 namespace py = pybind11;
@@ -102,6 +103,17 @@ void bind_runtime(py::module_& m) {
   m.def("set_fast_path", &runtime::set_fast_path, py::arg("on"),
         "On by default; off, every op takes the boxed fallback (for tests and benchmarks).");
   m.def("fast_path_enabled", &runtime::fast_path_enabled);
+  m.def("set_grad_bucket_bytes", &runtime::set_grad_bucket_bytes, py::arg("bytes"),
+        "The most bytes one data-parallel gradient bucket carries (default 25 MiB): gradients that "
+        "differ from their parameter's layout only by Partial(sum) axes are reduced at the end of "
+        "backward, one all-reduce per axis per bucket. 0 reduces each gradient when it arrives.");
+  m.def("grad_bucket_bytes", &runtime::grad_bucket_bytes);
+  m.def("grad_sync_stats", [] {
+    const auto s = runtime::grad_sync_stats();
+    return py::dict(py::arg("reduced_on_arrival") = s.reduced_on_arrival, py::arg("bucketed") = s.bucketed,
+                    py::arg("buckets") = s.buckets);
+  });
+  m.def("reset_grad_sync_stats", &runtime::reset_grad_sync_stats);
   m.def(
       "infer_plan",
       [](const std::string& name, const std::string& overload, const py::args& args, const py::kwargs& kwargs) {

@@ -278,26 +278,6 @@ std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call, bool r
   return plan;
 }
 
-}  // namespace
-
-// ------------------------------------------------------------------ gradient layout policy
-
-// A leaf's .grad keeps the leaf's layout: incoming gradients are redistributed to it before
-// they are accumulated (this is where data-parallel gradient reduction happens).
-void detail::install_grad_hook(const at::Tensor& leaf, DTensorImpl& impl) {
-  if (!impl.claim_grad_hook()) return;
-  c10::weak_intrusive_ptr<c10::TensorImpl> weak(leaf.getIntrusivePtr());
-  leaf.register_hook([weak](const at::Tensor& grad) -> at::Tensor {
-    auto strong = weak.lock();
-    auto* grad_impl = dtensor_impl(grad);
-    if (!strong || !grad_impl) return grad;
-    const auto& target = static_cast<DTensorImpl*>(strong.get())->layout();
-    return grad_impl->layout() == target ? grad : redistribute(grad, target);
-  });
-}
-
-namespace {
-
 // ------------------------------------------------------------------ view geometry
 
 at::Tensor meta_shadow(const at::Tensor& t) {

@@ -55,7 +55,7 @@ class DTensorImpl final : public c10::TensorImpl {
     return sizes() == local_.sizes() && strides() == local_.strides() && storage_offset() == local_.storage_offset();
   }
 
-  // Whether the gradient-layout hook is installed (see dispatch.cpp); set once.
+  // Whether the gradient-layout hook is installed (see grad_sync.cpp); set once.
   bool claim_grad_hook() { return !grad_hook_.exchange(true); }
 
   // A "view" whose input had to be redistributed first (e.g. a slice across a sharded dim): it

@@ -291,16 +291,33 @@ at::Tensor from_local(const at::Tensor& local, const DeviceMeshPtr& mesh, const 
 
 at::Tensor to_local(const at::Tensor& dtensor) { return ToLocalFunction::apply(dtensor); }
 
+namespace {
+
+// Counts one all-reduce of `t` along `axis` at the planner's cost: reduce_scatter + all_gather
+// of the flattened chunks.
+void count_all_reduce(const at::Tensor& t, const DeviceMesh& mesh, int64_t axis) {
+  g_collectives.fetch_add(1, std::memory_order_relaxed);
+  const int64_t k = mesh.mesh()->shape()[axis], n = t.numel();
+  const int64_t piece = chunk_span(n, k, mesh.coordinate(axis)).length;
+  g_bytes.fetch_add((n - piece + piece * (k - 1)) * static_cast<int64_t>(t.element_size()), std::memory_order_relaxed);
+}
+
+}  // namespace
+
 at::Tensor all_reduce_along(const at::Tensor& local, const DeviceMesh& mesh, int64_t axis, layout::ReduceOp op) {
   if (mesh.mesh()->shape()[axis] == 1) return local.clone();
-  g_collectives.fetch_add(1, std::memory_order_relaxed);
-  {  // the planner's all_reduce cost: reduce_scatter + all_gather of the flattened chunks
-    const int64_t k = mesh.mesh()->shape()[axis], n = local.numel();
-    const int64_t piece = chunk_span(n, k, mesh.coordinate(axis)).length;
-    g_bytes.fetch_add((n - piece + piece * (k - 1)) * static_cast<int64_t>(local.element_size()),
-                      std::memory_order_relaxed);
-  }
+  count_all_reduce(local, mesh, axis);
   return all_reduce_raw(local, mesh, axis, op);
+}
+
+void sum_in_place_along(at::Tensor& buffer, const DeviceMesh& mesh, int64_t axis) {
+  TORCH_INTERNAL_ASSERT(buffer.is_contiguous());
+  if (mesh.mesh()->shape()[axis] == 1) return;
+  count_all_reduce(buffer, mesh, axis);
+  std::vector<at::Tensor> tensors{buffer};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  mesh.group(axis).allreduce(tensors, opts)->wait();
 }
 
 void check_same_on_every_rank(const at::Tensor& tensor, const DeviceMesh& mesh, const std::string& what) {

@@ -28,6 +28,8 @@ LayoutPtr without_partial(const LayoutPtr& layout);
 // Collectives along one mesh axis for expand implementations (this rank's group on `axis`).
 // all_reduce_along returns a new tensor (avg divides by the group size).
 at::Tensor all_reduce_along(const at::Tensor& local, const DeviceMesh& mesh, int64_t axis, layout::ReduceOp op);
+// Sums a contiguous buffer over this rank's group on `axis`, in place (gradient buckets).
+void sum_in_place_along(at::Tensor& buffer, const DeviceMesh& mesh, int64_t axis);
 // Concatenates the group's tensors along `dim` in coordinate order; every member's tensor has
 // the same shape (no length exchange: one collective).
 at::Tensor all_gather_along(const at::Tensor& local, const DeviceMesh& mesh, int64_t axis, int64_t dim);

@@ -1,0 +1,239 @@
+// The gradient layout policy and data-parallel gradient buckets.
+//
+// A leaf DTensor gets one tensor hook (install_grad_hook): the incoming gradient is brought to
+// the leaf's layout before autograd accumulates it into .grad. Most of those conversions are
+// data-parallel sums: the parameter is Replicate on `dp`, its gradient arrives Partial(sum) on
+// `dp`. Reducing each one in its hook costs one blocking collective per parameter, and at small
+// sizes a collective's latency, not its bytes, is what a step pays (gloo: ~1-4 ms each here).
+//
+// So such a gradient is left Partial when autograd is about to accumulate it into an empty .grad
+// (and nothing else can read it before backward ends). At the end of the backward pass (an
+// engine callback, the hook DDP's reducer uses too) the gradients left Partial are grouped by
+// (mesh, Partial axes, dtype, device), packed into buckets of at most grad_bucket_bytes(),
+// summed with one in-place all-reduce per axis per bucket, and each .grad takes the leaf's layout
+// with its reduced slice of the bucket as local tensor.
+//
+// Every rank makes the same decisions in the same order: they depend only on layouts, on whether
+// .grad is set and on the graph task, all the same on every rank running the same program, and
+// a bucket's members have the same local shapes on every rank of its group (a Partial axis is
+// never a sharded one).
+#include "runtime/grad_sync.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "layout/error.h"
+#include "runtime/dispatch_internal.h"
+#include "runtime/dtensor_impl.h"
+#include "runtime/redistribute.h"
+
+namespace hypershard::runtime {
+namespace {
+
+using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+std::atomic<int64_t> g_bucket_bytes{int64_t{25} << 20};
+std::atomic<int64_t> g_reduced_on_arrival{0};
+std::atomic<int64_t> g_bucketed{0};
+std::atomic<int64_t> g_buckets{0};
+
+// A gradient left Partial in its hook, to be reduced when the backward pass ends.
+struct Deferred {
+  WeakTensor leaf;
+  LayoutPtr partial;  // the gradient's layout as the hook saw it
+  LayoutPtr target;   // the leaf's layout
+};
+
+struct Batch {
+  std::mutex mutex;
+  std::vector<Deferred> items;
+};
+
+// Per graph task (backward pass) being run; the engine callback removes its own entry.
+std::mutex g_batches_mutex;
+std::unordered_map<int, std::shared_ptr<Batch>> g_batches;
+
+// `grad` differs from `target` only by Partial(sum) axes: one sum over those axes makes it
+// `target`.
+bool is_pending_sum(const layout::Layout& grad, const LayoutPtr& target) {
+  if (target->has_partial() || !grad.has_partial()) return false;
+  for (const auto& op : grad.partial())
+    if (op && *op != layout::ReduceOp::Sum) return false;
+  return grad.dim_axes() == target->dim_axes() && grad.global_shape() == target->global_shape() &&
+         *grad.mesh() == *target->mesh();
+}
+
+// Whether this backward pass will accumulate into `leaf`.grad (not so under torch.autograd.grad,
+// which hands the gradient back instead, or for a leaf outside backward(inputs=...)).
+bool accumulates_into(const at::Tensor& leaf) {
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  if (exec_info == nullptr) return false;
+  if (exec_info->empty()) return true;  // backward() without inputs: every node runs
+  const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(leaf);
+  if (!accumulator) return false;
+  const auto it = exec_info->find(accumulator.get());
+  return it != exec_info->end() && it->second.needed_ && !it->second.captures_;
+}
+
+void reduce_batch(Batch& batch);
+
+// Queues `item` for the current backward pass; false when there is no graph task to attach to.
+bool defer(Deferred item) {
+  const int task = torch::autograd::get_current_graph_task_id();
+  if (task < 0) return false;
+  std::shared_ptr<Batch> batch;
+  bool first = false;
+  {
+    std::lock_guard<std::mutex> lock(g_batches_mutex);
+    auto& slot = g_batches[task];
+    if (!slot) {
+      slot = std::make_shared<Batch>();
+      first = true;
+    }
+    batch = slot;
+  }
+  if (first) {
+    torch::autograd::Engine::get_default_engine().queue_callback([task, batch] {
+      {
+        std::lock_guard<std::mutex> lock(g_batches_mutex);
+        g_batches.erase(task);
+      }
+      reduce_batch(*batch);
+    });
+  }
+  std::lock_guard<std::mutex> lock(batch->mutex);
+  batch->items.push_back(std::move(item));
+  return true;
+}
+
+// The gradients of one bucket group: same mesh, Partial axes, dtype and device.
+struct Group {
+  DeviceMeshPtr mesh;
+  std::vector<int64_t> axes;
+  at::ScalarType dtype;
+  c10::Device device;
+  std::vector<std::pair<at::Tensor, LayoutPtr>> grads;  // (.grad, target layout)
+};
+
+void reduce_bucket(Group& group, size_t begin, size_t end) {
+  int64_t total = 0;
+  for (size_t i = begin; i < end; ++i) total += dtensor_impl(group.grads[i].first)->local().numel();
+  auto buffer = at::empty({total}, at::TensorOptions().dtype(group.dtype).device(group.device));
+  int64_t offset = 0;
+  for (size_t i = begin; i < end; ++i) {
+    const auto& local = dtensor_impl(group.grads[i].first)->local();
+    buffer.narrow(0, offset, local.numel()).view(local.sizes()).copy_(local);
+    offset += local.numel();
+  }
+  for (const int64_t axis : group.axes) sum_in_place_along(buffer, *group.mesh, axis);
+  offset = 0;
+  for (size_t i = begin; i < end; ++i) {
+    auto& [grad, target] = group.grads[i];
+    auto* impl = dtensor_impl(grad);
+    const auto sizes = impl->local().sizes().vec();
+    const int64_t n = impl->local().numel();
+    impl->replace(buffer.narrow(0, offset, n).view(sizes), target);
+    offset += n;
+  }
+  g_buckets.fetch_add(1, std::memory_order_relaxed);
+  g_bucketed.fetch_add(static_cast<int64_t>(end - begin), std::memory_order_relaxed);
+}
+
+void reduce_batch(Batch& batch) {
+  at::NoGradGuard no_grad;
+  std::vector<Group> groups;  // in first-arrival order, the same on every rank
+  std::lock_guard<std::mutex> lock(batch.mutex);
+  for (const auto& item : batch.items) {
+    const at::Tensor leaf(item.leaf.lock());
+    if (!leaf.defined() || !leaf.grad().defined()) continue;
+    auto* impl = dtensor_impl(leaf.grad());
+    if (impl == nullptr || impl->layout() == item.target) continue;
+    if (impl->layout() != item.partial) {  // something changed .grad since the hook: convert it alone
+      leaf.mutable_grad() = redistribute(leaf.grad(), item.target);
+      continue;
+    }
+    std::vector<int64_t> axes;
+    for (int64_t a = 0; a < item.partial->mesh()->ndim(); ++a)
+      if (item.partial->is_partial(a)) axes.push_back(a);
+    const auto& local = impl->local();
+    Group* group = nullptr;
+    for (auto& g : groups)
+      if (g.mesh->same_mesh(*impl->device_mesh()) && g.axes == axes && g.dtype == local.scalar_type() &&
+          g.device == local.device())
+        group = &g;
+    if (group == nullptr)
+      group = &groups.emplace_back(Group{impl->device_mesh(), axes, local.scalar_type(), local.device(), {}});
+    group->grads.emplace_back(leaf.grad(), item.target);
+  }
+  const int64_t cap = g_bucket_bytes.load(std::memory_order_relaxed);
+  for (auto& group : groups) {
+    size_t begin = 0;
+    int64_t bytes = 0;
+    for (size_t i = 0; i < group.grads.size(); ++i) {
+      const auto& local = dtensor_impl(group.grads[i].first)->local();
+      const int64_t size = local.numel() * static_cast<int64_t>(local.element_size());
+      if (i > begin && bytes + size > cap) {
+        reduce_bucket(group, begin, i);
+        begin = i;
+        bytes = 0;
+      }
+      bytes += size;
+    }
+    if (begin < group.grads.size()) reduce_bucket(group, begin, group.grads.size());
+  }
+}
+
+// Whether the hook may leave this gradient Partial for the bucket.
+bool may_defer(const at::Tensor& leaf, const layout::Layout& grad, const LayoutPtr& target) {
+  return g_bucket_bytes.load(std::memory_order_relaxed) > 0 && is_pending_sum(grad, target) &&
+         !leaf.grad().defined() &&                                      // accumulation would read it
+         !torch::autograd::impl::post_acc_grad_hooks(leaf) &&           // a hook would read it
+         accumulates_into(leaf);
+}
+
+}  // namespace
+
+void detail::install_grad_hook(const at::Tensor& leaf, DTensorImpl& impl) {
+  if (!impl.claim_grad_hook()) return;
+  WeakTensor weak(leaf.getIntrusivePtr());
+  leaf.register_hook([weak](const at::Tensor& grad) -> at::Tensor {
+    const at::Tensor strong(weak.lock());
+    auto* grad_impl = dtensor_impl(grad);
+    if (!strong.defined() || !grad_impl) return grad;
+    const auto& target = static_cast<DTensorImpl*>(strong.unsafeGetTensorImpl())->layout();
+    if (grad_impl->layout() == target) return grad;
+    if (may_defer(strong, *grad_impl->layout(), target) && defer(Deferred{weak, grad_impl->layout(), target}))
+      return grad;
+    g_reduced_on_arrival.fetch_add(1, std::memory_order_relaxed);
+    return redistribute(grad, target);
+  });
+}
+
+void set_grad_bucket_bytes(int64_t bytes) {
+  HS_CHECK(bytes >= 0, "set_grad_bucket_bytes", "bytes must be >= 0 (0 reduces each gradient on arrival), got ",
+           bytes);
+  g_bucket_bytes.store(bytes, std::memory_order_relaxed);
+}
+
+int64_t grad_bucket_bytes() { return g_bucket_bytes.load(std::memory_order_relaxed); }
+
+GradSyncStats grad_sync_stats() {
+  return {g_reduced_on_arrival.load(std::memory_order_relaxed), g_bucketed.load(std::memory_order_relaxed),
+          g_buckets.load(std::memory_order_relaxed)};
+}
+
+void reset_grad_sync_stats() {
+  g_reduced_on_arrival.store(0, std::memory_order_relaxed);
+  g_bucketed.store(0, std::memory_order_relaxed);
+  g_buckets.store(0, std::memory_order_relaxed);
+}
+
+}  // namespace hypershard::runtime

@@ -1,0 +1,24 @@
+// The gradient layout policy: a leaf's .grad keeps the leaf's layout. A gradient that differs
+// from it only by Partial(sum) axes (data-parallel gradients) is reduced at the end of the
+// backward pass, together with the others, in buckets: one all-reduce per mesh axis per bucket
+// instead of one per parameter (see grad_sync.cpp).
+#pragma once
+
+#include <cstdint>
+
+namespace hypershard::runtime {
+
+// The most bytes one bucket's all-reduce carries (default 25 MiB, DDP's default); 0 reduces
+// each gradient when it arrives, as a plain hook would.
+void set_grad_bucket_bytes(int64_t bytes);
+int64_t grad_bucket_bytes();
+
+struct GradSyncStats {
+  int64_t reduced_on_arrival = 0;  // gradients the hook redistributed at once
+  int64_t bucketed = 0;            // gradients reduced in a bucket at the end of backward
+  int64_t buckets = 0;             // buckets reduced (each: one all-reduce per Partial axis)
+};
+GradSyncStats grad_sync_stats();
+void reset_grad_sync_stats();
+
+}  // namespace hypershard::runtime

@@ -1,0 +1,178 @@
+"""Level0: data-parallel gradient buckets (csrc/runtime/grad_sync.cpp) on real meshes.
+
+A small model on a (dp=2, tp=2) mesh and on 4 dp ranks with an uneven batch: its parameters are
+Replicate on dp, so their gradients arrive Partial(sum) on dp -- one of them on dp and tp, one in
+float64. Each case checks the gradients (and what the case returns) against one device and, in
+the distributed run, that .grad has its parameter's layout and that the gradients took the
+expected path:
+- backward() with the default cap: every gradient reduced in a bucket, one bucket per
+  (Partial axes, dtype); the collectives saved are exactly the per-parameter ones;
+- a 1-byte cap: one bucket per gradient; cap 0: every gradient reduced on arrival;
+- a second backward() without zero_grad (accumulation), torch.autograd.grad, backward(inputs=...),
+  a post-accumulate-grad hook and a user tensor hook that clamps: the gradient is reduced before
+  anything can read it, and the values still equal one device.
+"""
+
+import pytest
+import torch
+
+import hypershard as hs
+from hypershard.testing import Case, Input, assert_all_passed, in_distributed_run, run_cases, replicated
+
+MESH22 = ((2, 2), ("dp", "tp"))
+MESH4 = ((4,), ("dp",))
+DEFAULT_CAP = 25 << 20
+
+# x, w1 (colwise), b1, w2 (rowwise), s (scales the Partial-on-tp product), b2, w3 (float64)
+SHAPES = ((6, 5), (8, 5), (8,), (4, 8), (4,), (4,), (3, 5))
+LAYOUTS = {
+    MESH22: (["S(0)", "R"], ["R", "S(0)"], ["R", "S(0)"], ["R", "S(1)"], ["R", "R"], ["R", "R"], ["R", "R"]),
+    MESH4: (["S(0)"], ["R"], ["R"], ["R"], ["R"], ["R"], ["R"]),
+}
+# Per mesh: (gradients, Partial axes summed one gradient at a time, buckets and their axes with
+# the default cap)
+EXPECTED = {MESH22: (6, 4 + 2 + 1, 3, 1 + 2 + 1), MESH4: (6, 6, 2, 2)}
+
+
+def inputs(mesh):
+    return [Input(shape, torch.float64 if i == 6 else torch.float32, placements=lay, requires_grad=i > 0)
+            for i, (shape, lay) in enumerate(zip(SHAPES, LAYOUTS[mesh]))]
+
+
+def loss_of(x, w1, b1, w2, s, b2, w3):
+    hidden = torch.tanh(x @ w1.t() + b1)
+    out = replicated((hidden @ w2.t()) * s + b2)  # Partial on tp before: s's gradient is Partial on dp and tp
+    wide = x.double() @ w3.t()
+    return replicated(out.pow(2).mean()) + replicated(wide.pow(2).mean()).float()
+
+
+def grads_of(params):
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+
+
+class Cap:
+    """Sets the bucket cap and clears the statistics and traffic counters; restores the cap."""
+
+    def __init__(self, cap):
+        self.cap = cap
+
+    def __enter__(self):
+        self.saved = hs._C.grad_bucket_bytes()
+        hs._C.set_grad_bucket_bytes(self.cap)
+        hs._C.reset_grad_sync_stats()
+        hs._C.reset_traffic()
+        return self
+
+    def __exit__(self, *exc):
+        hs._C.set_grad_bucket_bytes(self.saved)
+        return False
+
+
+def check_layouts(params, stats=None, **expected):
+    if not in_distributed_run():
+        return
+    for i, p in enumerate(params):
+        if p.grad is not None:
+            assert p.grad.placements == p.placements, (i, p.grad.placements, p.placements)
+    got = hs._C.grad_sync_stats()
+    assert all(got[k] == v for k, v in expected.items()), f"grad_sync_stats {got}, expected {expected}"
+
+
+def backward_collectives(cap, x, params):
+    """Collectives of one backward pass with `cap` (the forward's are not counted)."""
+    for p in params:
+        p.grad = None
+    loss = loss_of(x, *params)
+    with Cap(cap):
+        loss.backward()
+        return hs._C.traffic()["collectives"]
+
+
+def bucketed(mesh, x, *params):
+    grads, one_by_one, buckets, bucket_axes = EXPECTED[mesh]
+    per_param = backward_collectives(0, x, params)
+    check_layouts(params, reduced_on_arrival=grads, bucketed=0, buckets=0)
+    tiny = backward_collectives(1, x, params)
+    check_layouts(params, reduced_on_arrival=0, bucketed=grads, buckets=grads)
+    default = backward_collectives(DEFAULT_CAP, x, params)
+    check_layouts(params, reduced_on_arrival=0, bucketed=grads, buckets=buckets)
+    if in_distributed_run():
+        assert per_param - default == one_by_one - bucket_axes, (per_param, default, one_by_one, bucket_axes)
+        assert tiny == per_param, (tiny, per_param)  # one bucket per gradient: the same collectives
+    return grads_of(params)
+
+
+def accumulated(mesh, x, *params):
+    grads = EXPECTED[mesh][0]
+    with Cap(DEFAULT_CAP):
+        loss_of(x, *params).backward()
+        check_layouts(params, reduced_on_arrival=0, bucketed=grads)
+        hs._C.reset_grad_sync_stats()
+        loss_of(x * 0.5, *params).backward()  # .grad is set: accumulation would read it, so no bucket
+        check_layouts(params, reduced_on_arrival=grads, bucketed=0, buckets=0)
+    return grads_of(params)
+
+
+def autograd_grad(mesh, x, *params):
+    with Cap(DEFAULT_CAP):
+        got = torch.autograd.grad(loss_of(x, *params), params)
+        check_layouts(params, reduced_on_arrival=EXPECTED[mesh][0], bucketed=0)
+        if in_distributed_run():
+            assert all(g.placements == p.placements for g, p in zip(got, params)), [g.placements for g in got]
+            assert all(p.grad is None for p in params)
+    return list(got)
+
+
+def some_inputs(mesh, x, *params):
+    chosen = [params[0], params[4], params[5]]  # w1, b2, w3
+    with Cap(DEFAULT_CAP):
+        loss_of(x, *params).backward(inputs=chosen)
+        check_layouts(params, reduced_on_arrival=0, bucketed=3)
+        if in_distributed_run():
+            assert [p.grad is not None for p in params] == [any(p is c for c in chosen) for p in params]
+    return grads_of(params)
+
+
+def post_accumulate_hook(mesh, x, *params):
+    seen = []
+    handle = params[2].register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.placements if in_distributed_run() else None))
+    try:
+        with Cap(DEFAULT_CAP):
+            loss_of(x, *params).backward()
+            check_layouts(params, reduced_on_arrival=1, bucketed=EXPECTED[mesh][0] - 1)
+    finally:
+        handle.remove()
+    if in_distributed_run():
+        assert seen == [params[2].placements], seen
+    return grads_of(params)
+
+
+def clamping_hook(mesh, x, *params):
+    loss = loss_of(x, *params)  # the forward installs hypershard's hook first; the user's runs after it
+    handle = params[2].register_hook(lambda g: g.clamp(-0.01, 0.01))
+    try:
+        with Cap(DEFAULT_CAP):
+            loss.backward()
+            check_layouts(params)
+    finally:
+        handle.remove()
+    return grads_of(params)
+
+
+CASES = {"bucketed": bucketed, "accumulated": accumulated, "autograd_grad": autograd_grad,
+         "some_inputs": some_inputs, "post_accumulate_hook": post_accumulate_hook, "clamping_hook": clamping_hook}
+
+
+def cases():
+    return [Case(f"{name}{mesh[0]}", lambda *a, fn=fn, mesh=mesh: fn(mesh, *a), inputs(mesh), mesh, check_grad=False)
+            for mesh in (MESH22, MESH4) for name, fn in CASES.items()]
+
+
+def test_gradient_buckets():
+    assert_all_passed(run_cases(cases(), backend="hypershard", timeout=300))
+
+
+def test_bucket_cap_is_checked():
+    with pytest.raises(ValueError, match=r"hypershard: set_grad_bucket_bytes: bytes must be >= 0"):
+        hs._C.set_grad_bucket_bytes(-1)
+    assert hs._C.grad_bucket_bytes() == DEFAULT_CAP
