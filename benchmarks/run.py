@@ -8,8 +8,10 @@ Sections (see benchmarks/README.md for what each measures and how):
               hypershard with its fast path off) vs torch.distributed.tensor DTensor; 1-, 2- and
               4-rank meshes, Replicate and Shard
   step        training step of a tiny HF Qwen3 on 4 CPU ranks (dp2 x tp2, tp4): hypershard
-              parallelize() vs torch DTensor tensor parallelism vs one device; also the bytes each
-              rank sends per step and hypershard's rule-cache statistics over 20 steps
+              parallelize() vs torch DTensor tensor parallelism vs one device, each also with the
+              other way of summing data-parallel gradients (per parameter / bucketed); a dp2 x tp2
+              run at a size where compute dominates (17 M parameters); the bytes each rank sends
+              per step and hypershard's rule-cache statistics over 20 steps
   memory      peak RSS growth and parameter + gradient + optimizer-state bytes per rank of a
               larger Qwen3 config: hypershard vs torch DTensor vs one device (measured at the end
               of the step launches)
@@ -41,6 +43,15 @@ from typing import Any, Callable, Optional
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("dispatch", "step", "memory")
 STEP_MESHES = {"dp2xtp2": ((2, 2), ("dp", "tp")), "tp4": ((4,), ("tp",))}
+# A size where compute, not collective latency, dominates a step (one more dp2 x tp2 run, with
+# hypershard and torch DTensor only): about 17 M parameters, global batch 8 x 128 tokens.
+COMPUTE_CONFIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=2048, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=256)
+COMPUTE_BATCH = (8, 128)
+# The step's implementations; the two variants show what data-parallel gradient buckets change:
+# hypershard with every gradient reduced in its own hook (bucket cap 0), and the torch baseline
+# with its dp (and q/k-norm tp) gradient sums flattened into one all-reduce per group and dtype.
+STEP_IMPLS = ("hypershard", "hypershard_per_param", "torch_dtensor", "torch_dtensor_bucketed")
 MEMORY_CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
                      num_attention_heads=8, num_key_value_heads=8, head_dim=32)
 
@@ -615,6 +626,20 @@ class _HypershardTrainer:
         return float(loss.detach().item())
 
 
+class _HypershardPerParamTrainer(_HypershardTrainer):
+    """hypershard with each data-parallel gradient reduced in its own hook (bucket cap 0)."""
+
+    def step(self, ids, labels, lr: float) -> float:
+        import hypershard as hs
+
+        saved = hs._C.grad_bucket_bytes()
+        hs._C.set_grad_bucket_bytes(0)
+        try:
+            return super().step(ids, labels, lr)
+        finally:
+            hs._C.set_grad_bucket_bytes(saved)
+
+
 class _SingleTrainer:
     def __init__(self, config):
         import torch
@@ -635,9 +660,11 @@ class _TorchTPTrainer:
     RowwiseParallel, lm_head ColwiseParallel gathering its output; embedding and norms plain and
     replicated), q_norm/k_norm gradients summed over tp (HF's replicated_with_grad_allreduce), the
     batch split over dp with every gradient summed over dp (the loss is divided by the GLOBAL
-    number of label tokens, so the result equals one device), clip by the global norm, AdamW."""
+    number of label tokens, so the result equals one device), clip by the global norm, AdamW.
+    Gradient sums run one all-reduce per parameter, or with `bucketed` one per dtype over the
+    flattened gradients (what DDP's buckets do)."""
 
-    def __init__(self, config, mesh_spec):
+    def __init__(self, config, mesh_spec, bucketed: bool = False):
         import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -648,6 +675,7 @@ class _TorchTPTrainer:
 
         shape, names = mesh_spec
         self.mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        self.bucketed = bucketed
         tp_mesh = self.mesh["tp"]
         self.tp_group = tp_mesh.get_group()
         self.dp = shape[names.index("dp")] if "dp" in names else 1
@@ -682,12 +710,10 @@ class _TorchTPTrainer:
         for opt in self.optimizers:
             opt.zero_grad()
         loss.backward()
-        for p in self.tp_reduced:
-            dist.all_reduce(p.grad, group=self.tp_group)
+        self._sum_grads([p.grad for p in self.tp_reduced], self.tp_group)
         if self.dp > 1:
-            for p in self.params:
-                g = p.grad._local_tensor if isinstance(p.grad, TorchDTensor) else p.grad
-                dist.all_reduce(g, group=self.dp_group)
+            self._sum_grads([p.grad._local_tensor if isinstance(p.grad, TorchDTensor) else p.grad
+                             for p in self.params], self.dp_group)
         # clip_grad_norm_(max_norm=1.0) over both lists with one global norm
         norms = []
         for grads in ([p.grad for p in self.dtensor_params], [p.grad for p in self.plain_params]):
@@ -708,6 +734,23 @@ class _TorchTPTrainer:
             dist.all_reduce(value, group=self.dp_group)
         return float(value.item())
 
+    def _sum_grads(self, grads: list, group) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if not self.bucketed:
+            for g in grads:
+                dist.all_reduce(g, group=group)
+            return
+        for dtype in dict.fromkeys(g.dtype for g in grads):
+            same = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in same])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for g in same:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
 
 def _step_worker(rank: int, world: int, args: dict) -> dict:
     import torch.distributed as dist
@@ -716,20 +759,26 @@ def _step_worker(rank: int, world: int, args: dict) -> dict:
     from hypershard.models import make_batches, tiny_config
 
     mesh_spec = (tuple(args["mesh"][0]), tuple(args["mesh"][1]))
-    config = tiny_config("qwen3")
+    config = tiny_config("qwen3", **args["config"])
     total = args["warmup"] + args["timed"]
     cache_steps = max(args["cache_steps"], total)
     batches = make_batches(config.vocab_size, 4, batch=args["batch"], seq=args["seq"])
     out: dict = {"errors": {}}
 
-    trainers: dict = {"hypershard": _HypershardTrainer(config, mesh_spec)}
-    try:
-        trainers["torch_dtensor"] = _TorchTPTrainer(config, mesh_spec)
-    except Exception as exc:  # noqa: BLE001
-        out["errors"]["torch_dtensor"] = error_text(exc)
+    makers = {"hypershard": lambda: _HypershardTrainer(config, mesh_spec),
+              "hypershard_per_param": lambda: _HypershardPerParamTrainer(config, mesh_spec),
+              "torch_dtensor": lambda: _TorchTPTrainer(config, mesh_spec),
+              "torch_dtensor_bucketed": lambda: _TorchTPTrainer(config, mesh_spec, bucketed=True)}
+    impls = args["impls"]
+    trainers: dict = {}
+    for name in impls:
+        try:
+            trainers[name] = makers[name]()
+        except Exception as exc:  # noqa: BLE001
+            out["errors"][name] = error_text(exc)
     single = _SingleTrainer(config) if rank == 0 else None
 
-    times: dict = {k: [] for k in ("hypershard", "torch_dtensor", "single_device")}
+    times: dict = {k: [] for k in (*impls, "single_device")}
     losses: dict = {k: [] for k in times}
     traffic: list = []
     cache: list = []
@@ -738,13 +787,14 @@ def _step_worker(rank: int, world: int, args: dict) -> dict:
     for step in range(total):
         ids, labels = batches[step % len(batches)]
         lr = _lr(step, cache_steps)
-        for name in ("hypershard", "torch_dtensor")[::1 if step % 2 == 0 else -1]:  # alternate who goes first
+        for name in impls[step % len(impls):] + impls[:step % len(impls)]:  # rotate who goes first
             trainer = trainers.get(name)
             if trainer is None:
                 continue
             if name == "hypershard":
                 hs._C.reset_traffic()
                 hs._C.reset_dispatch_stats()
+                hs._C.reset_grad_sync_stats()
             dist.barrier()
             start = time.perf_counter()
             try:
@@ -758,7 +808,7 @@ def _step_worker(rank: int, world: int, args: dict) -> dict:
             dist.barrier()
             elapsed = time.perf_counter() - start
             if name == "hypershard":
-                traffic.append(hs._C.traffic())
+                traffic.append({**hs._C.traffic(), **hs._C.grad_sync_stats()})
                 stats = hs._C.dispatch_stats()
                 cache.append(stats)
                 calls.append(stats["calls"])
@@ -776,7 +826,7 @@ def _step_worker(rank: int, world: int, args: dict) -> dict:
 
     # the rule cache over more hypershard steps (the learning rate keeps changing)
     h = trainers.get("hypershard")
-    if h is not None:
+    if h is not None and args["cache_steps"] > 0:
         for step in range(total, cache_steps):
             ids, labels = batches[step % len(batches)]
             hs._C.reset_dispatch_stats()
@@ -798,7 +848,7 @@ def _step_worker(rank: int, world: int, args: dict) -> dict:
 
     # torch DTensor bytes: one more step under the counting dispatch mode
     t = trainers.get("torch_dtensor")
-    if t is not None:
+    if t is not None and args["cache_steps"] > 0:
         try:
             with _CollectiveBytes() as counter:
                 t.step(*batches[0], _lr(0, cache_steps))
@@ -809,6 +859,9 @@ def _step_worker(rank: int, world: int, args: dict) -> dict:
     out.update(times=times, losses=losses, hypershard_traffic=traffic, hypershard_calls=calls)
     # reference: a bare gloo all_reduce of 16 KiB over the world (a row-parallel output here)
     out["gloo_all_reduce_16KiB_us"] = _time_all_reduce(4096, 5, calls=20)
+    out["config"] = {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                     "num_hidden_layers")}
+    out["parameters"] = sum(p.numel() for p in single.params) if single is not None else None
     if args["memory"]:
         trainers.clear()
         del single, h, t
@@ -825,22 +878,27 @@ def run_steps(args: argparse.Namespace, log: Callable, with_memory: bool) -> tup
     of 4 ranks per mesh."""
     step_out, bytes_out, cache_out = {}, {}, {}
     memory_out: dict = {}
-    for key, spec in STEP_MESHES.items():
-        log(f"step: Qwen3 tiny on {_mesh_text(spec)} ...")
+    runs = {key: (spec, {}, (4, 32), STEP_IMPLS, args.warmup, args.timed, args.cache_steps, with_memory)
+            for key, spec in STEP_MESHES.items()}
+    runs["dp2xtp2_compute"] = (STEP_MESHES["dp2xtp2"], COMPUTE_CONFIG, COMPUTE_BATCH, ("hypershard", "torch_dtensor"),
+                               1, max(2, args.timed // 3), 0, False)
+    for key, (spec, config, (batch, seq), impls, warmup, timed, cache_steps, memory) in runs.items():
+        log(f"step: Qwen3 {'compute-bound size' if config else 'tiny'} on {_mesh_text(spec)} ...")
         start = time.perf_counter()
         try:
-            ranks = launch(_step_worker, 4, {"mesh": spec, "warmup": args.warmup, "timed": args.timed,
-                                             "cache_steps": args.cache_steps, "batch": 4, "seq": 32,
-                                             "memory": with_memory, "memory_steps": args.memory_steps},
+            ranks = launch(_step_worker, 4, {"mesh": spec, "config": config, "impls": impls, "warmup": warmup,
+                                             "timed": timed, "cache_steps": cache_steps, "batch": batch,
+                                             "seq": seq, "memory": memory, "memory_steps": args.memory_steps},
                            timeout=args.timeout)
         except Exception as exc:  # noqa: BLE001
             step_out[key] = {"error": error_text(exc)}
             log(f"  failed: {error_text(exc)}")
             continue
         r0 = ranks[0]
-        entry: dict = {"mesh": _mesh_text(spec), "errors": r0["errors"]}
+        entry: dict = {"mesh": _mesh_text(spec), "errors": r0["errors"], "config": r0["config"],
+                       "parameters": r0["parameters"], "global_batch": [batch, seq]}
         med = {}
-        for name in ("hypershard", "torch_dtensor", "single_device"):
+        for name in (*impls, "single_device"):
             samples = r0["times"][name]
             if samples:
                 s = summary(samples)
@@ -850,10 +908,12 @@ def run_steps(args: argparse.Namespace, log: Callable, with_memory: bool) -> tup
             else:
                 entry[f"{name}_s"] = None
         entry["speedup_vs_torch_dtensor"] = ratio(med.get("torch_dtensor"), med.get("hypershard"))
+        entry["speedup_vs_torch_dtensor_bucketed"] = ratio(med.get("torch_dtensor_bucketed"), med.get("hypershard"))
+        entry["bucket_speedup"] = ratio(med.get("hypershard_per_param"), med.get("hypershard"))
         entry["hypershard_vs_single_device"] = ratio(med.get("hypershard"), med.get("single_device"))
         entry["torch_dtensor_vs_single_device"] = ratio(med.get("torch_dtensor"), med.get("single_device"))
         single = r0["losses"]["single_device"]
-        for name in ("hypershard", "torch_dtensor"):
+        for name in impls:
             got = r0["losses"][name]
             if got and single:
                 entry[f"{name}_loss_max_rel_diff_vs_single"] = max(abs(a - b) / max(abs(b), 1e-12)
@@ -862,7 +922,15 @@ def run_steps(args: argparse.Namespace, log: Callable, with_memory: bool) -> tup
         entry["losses"] = r0["losses"]
         entry["timed_steps"] = len(r0["times"]["hypershard"])
         entry["seconds"] = time.perf_counter() - start
+        traffic0 = r0["hypershard_traffic"]
+        if traffic0:
+            entry["hypershard_collectives"] = traffic0[-1]["collectives"]
+            entry["hypershard_grad_buckets"] = traffic0[-1]["buckets"]
+            entry["hypershard_grads_bucketed"] = traffic0[-1]["bucketed"]
         step_out[key] = entry
+        if not cache_steps:  # the compute-size run measures time only
+            log(f"  done in {entry['seconds']:.0f} s")
+            continue
 
         # bytes per rank per step (the last timed step for hypershard; all steps agree)
         b: dict = {"per_rank": []}
@@ -1054,23 +1122,36 @@ def markdown(results: dict) -> str:
         lines.append("")
     s = results.get("step")
     if s:
-        lines += ["## Training step, tiny Qwen3 on 4 CPU ranks (s per step)", "",
-                  "AdamW + clip_grad_norm_, global batch 4 × 32 tokens; the 4 ranks share the machine's cores, "
-                  "one device runs alone. Loss diff = max relative difference of every step's loss vs one device. "
+        lines += ["## Training step, Qwen3 on 4 CPU ranks (s per step)", "",
+                  "AdamW + clip_grad_norm_; tiny model, global batch 4 × 32 tokens, unless the row says otherwise; "
+                  "the 4 ranks share the machine's cores, one device runs alone. Loss diff = max relative "
+                  "difference of every step's loss vs one device. hypershard reduces data-parallel gradients "
+                  "in buckets at the end of backward; *per-param* is hypershard with that off (each gradient "
+                  "reduced in its own hook). The torch DTensor baseline sums gradients with one all-reduce per "
+                  "parameter, *bucketed* with one per dtype over the flattened gradients. "
                   "For scale: one bare gloo `all_reduce` of 16 KiB over the 4 ranks takes "
                   + ", ".join(f"{r.get('gloo_all_reduce_16KiB_us', 0):.0f} µs ({k})" for k, r in s.items()
                               if "error" not in r) + ".", "",
-                  "| mesh | hypershard | torch DTensor | one device | speedup vs torch DTensor | hypershard / one device "
+                  "| run | hypershard | hypershard per-param | torch DTensor | torch DTensor bucketed | one device "
+                  "| speedup vs torch DTensor (bucketed) | buckets' gain | hypershard / one device "
                   "| loss diff hypershard | loss diff torch DTensor |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for key, r in s.items():
             if "error" in r:
-                lines.append(f"| {key} | failed: {r['error'][:100]} | | | | | | |")
+                lines.append(f"| {key} | failed: {r['error'][:100]} | | | | | | | | | |")
                 continue
             err = "; ".join(f"{k}: {v}" for k, v in r["errors"].items())
-            lines.append(f"| {r['mesh']}{' ⚠ ' + err[:160] if err else ''} | {_f(r['hypershard_s'], '{:.4f}')} "
-                         f"| {_f(r['torch_dtensor_s'], '{:.4f}')} | {_f(r['single_device_s'], '{:.4f}')} "
+            what = r["mesh"]
+            if r.get("config", {}).get("hidden_size") != 32:
+                batch = r.get("global_batch") or ["?", "?"]
+                what += f", {(r.get('parameters') or 0) / 1e6:.1f} M params, batch {batch[0]} × {batch[1]}"
+            lines.append(f"| {what}{' ⚠ ' + err[:160] if err else ''} | {_f(r['hypershard_s'], '{:.4f}')} "
+                         f"| {_f(r.get('hypershard_per_param_s'), '{:.4f}')} "
+                         f"| {_f(r['torch_dtensor_s'], '{:.4f}')} | {_f(r.get('torch_dtensor_bucketed_s'), '{:.4f}')} "
+                         f"| {_f(r['single_device_s'], '{:.4f}')} "
                          f"| {_f(r['speedup_vs_torch_dtensor'], '{:.2f}x')} "
+                         f"({_f(r.get('speedup_vs_torch_dtensor_bucketed'), '{:.2f}x')}) "
+                         f"| {_f(r.get('bucket_speedup'), '{:.2f}x')} "
                          f"| {_f(r['hypershard_vs_single_device'], '{:.1f}x')} "
                          f"| {_f(r.get('hypershard_loss_max_rel_diff_vs_single'), '{:.1e}')} "
                          f"| {_f(r.get('torch_dtensor_loss_max_rel_diff_vs_single'), '{:.1e}')} |")
@@ -1159,20 +1240,24 @@ def plot(results: dict, path: Path) -> None:
         axes[0][1].legend(fontsize=7)
     s = results.get("step", {})
     ax = axes[0][2]
-    impls = [("hypershard", "hypershard"), ("torch_dtensor", "torch DTensor"), ("single_device", "one device")]
+    impls = [("hypershard", "hypershard"), ("hypershard_per_param", "hypershard per-param grads"),
+             ("torch_dtensor", "torch DTensor"), ("torch_dtensor_bucketed", "torch DTensor bucketed"),
+             ("single_device", "one device")]
+    width = 0.8 / len(impls)
     for i, (k, label) in enumerate(impls):
         vals, errs = [], [[], []]
         for r in s.values():
             v = r.get(f"{k}_s")
             mm = r.get(f"{k}_minmax_s") or [v, v]
-            vals.append((v or 0) * 1e3)
+            vals.append((v or math.nan) * 1e3)
             errs[0].append(((v or 0) - (mm[0] or 0)) * 1e3)
             errs[1].append(((mm[1] or 0) - (v or 0)) * 1e3)
-        ax.bar([x + i * 0.27 for x in range(len(s))], vals, 0.27, yerr=errs, capsize=3, label=label)
-    ax.set_xticks([x + 0.27 for x in range(len(s))])
-    ax.set_xticklabels(list(s))
-    ax.set_ylabel("ms per step (median, min–max)")
-    ax.set_title("tiny Qwen3 training step, 4 CPU ranks")
+        ax.bar([x + i * width for x in range(len(s))], vals, width, yerr=errs, capsize=2, label=label)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(s))])
+    ax.set_xticklabels([k.replace("_", "\n") for k in s])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per step (median, min–max; log)")
+    ax.set_title("Qwen3 training step, 4 CPU ranks")
     ax.legend(fontsize=8)
     b = results.get("bytes", {})
     ax = axes[1][0]

@@ -55,9 +55,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     sharded = {name: [repr(p) for p in param.placements] for name, param in model.named_parameters()}
     stats = hs._C.dispatch_stats()
     traffic = hs._C.traffic()
+    grads = hs._C.grad_sync_stats()
     if rank == 0:
         Path(out).write_text(json.dumps({"losses": losses, "seconds": elapsed, "placements": sharded,
-                                         "stats": stats, "traffic": traffic}))
+                                         "stats": stats, "traffic": traffic, "grads": grads}))
     dist.destroy_process_group()
 
 
@@ -136,7 +137,8 @@ def main(argv=None) -> int:
     print(f"\nparameters: {len(result['placements'])} DTensors, {sharded} of them sharded; "
           f"ops through hypershard: {result['stats']['calls']} ({result['stats']['cache_hits']} plan-cache hits, "
           f"{result['stats']['fast_calls']} on the typed fast path); "
-          f"rank 0 sent {result['traffic']['bytes_sent']} bytes in {result['traffic']['collectives']} collectives")
+          f"rank 0 sent {result['traffic']['bytes_sent']} bytes in {result['traffic']['collectives']} collectives "
+          f"({result['grads']['bucketed']} gradients summed in {result['grads']['buckets']} buckets)")
     print(f"time: {result['seconds']:.2f} s on the mesh, {single_seconds:.2f} s on one device "
           f"(tiny model: the framework, not compute, dominates)")
     ok = worst <= 1e-5

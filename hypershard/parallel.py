@@ -14,7 +14,7 @@ Plan styles (HuggingFace names):
 | colwise_gather_output | Shard(0) | Shard(0) | gathered to Replicate |
 | rowwise | Shard(1) | Replicate | reduced to Replicate |
 | rowwise_split_input | Shard(1) | Replicate | reduced to Replicate |
-| replicated_with_grad_allreduce | Replicate | Replicate | unchanged (grads reduced by the leaf hook) |
+| replicated_with_grad_allreduce | Replicate | Replicate | unchanged (grads summed in the gradient buckets) |
 | embedding_rowwise / vocab | Shard(0) (vocabulary) | - | reduced to Replicate |
 | embedding_colwise | Shard(1) (hidden) | - | gathered to Replicate |
 | sequence_parallel, gather, local*, isolated | Replicate | Replicate | unchanged |
