@@ -25,6 +25,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <atomic>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -57,9 +58,10 @@ struct Batch {
   std::vector<Deferred> items;
 };
 
-// Per graph task (backward pass) being run; the engine callback removes its own entry.
+// Per graph task (backward pass) being run. The engine callback owns its batch and removes the
+// entry; a backward pass that raises drops its callbacks unrun, and its entry expires.
 std::mutex g_batches_mutex;
-std::unordered_map<int, std::shared_ptr<Batch>> g_batches;
+std::unordered_map<int, std::weak_ptr<Batch>> g_batches;
 
 // `grad` differs from `target` only by Partial(sum) axes: one sum over those axes makes it
 // `target`.
@@ -94,11 +96,14 @@ bool defer(Deferred item) {
   {
     std::lock_guard<std::mutex> lock(g_batches_mutex);
     auto& slot = g_batches[task];
-    if (!slot) {
-      slot = std::make_shared<Batch>();
+    batch = slot.lock();
+    if (!batch) {
+      for (auto it = g_batches.begin(); it != g_batches.end();)  // entries of passes that raised
+        it = it->second.expired() && it->first != task ? g_batches.erase(it) : std::next(it);
+      batch = std::make_shared<Batch>();
+      g_batches[task] = batch;
       first = true;
     }
-    batch = slot;
   }
   if (first) {
     torch::autograd::Engine::get_default_engine().queue_callback([task, batch] {

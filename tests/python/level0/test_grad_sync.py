@@ -10,7 +10,8 @@ expected path:
 - a 1-byte cap: one bucket per gradient; cap 0: every gradient reduced on arrival;
 - a second backward() without zero_grad (accumulation), torch.autograd.grad, backward(inputs=...),
   a post-accumulate-grad hook and a user tensor hook that clamps: the gradient is reduced before
-  anything can read it, and the values still equal one device.
+  anything can read it, and the values still equal one device;
+- a backward pass that raises midway, then a normal one: bucketed and right.
 """
 
 import pytest
@@ -159,8 +160,38 @@ def clamping_hook(mesh, x, *params):
     return grads_of(params)
 
 
+class RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("raised in backward on purpose")
+
+
+def after_raising_backward(mesh, x, *params):
+    """A backward pass that raises after some gradients were left Partial drops its bucket; the
+    next one (after zero_grad) is bucketed and right."""
+    with Cap(DEFAULT_CAP):
+        w1 = RaiseInBackward.apply(params[0])  # reached late in backward: the others arrive first
+        try:
+            loss_of(x, w1, *params[1:]).backward()
+        except RuntimeError as exc:
+            assert "raised in backward on purpose" in str(exc), exc
+        else:
+            raise AssertionError("backward did not raise")
+        for p in params:
+            p.grad = None
+        hs._C.reset_grad_sync_stats()
+        loss_of(x, *params).backward()
+        check_layouts(params, reduced_on_arrival=0, bucketed=EXPECTED[mesh][0])
+    return grads_of(params)
+
+
 CASES = {"bucketed": bucketed, "accumulated": accumulated, "autograd_grad": autograd_grad,
-         "some_inputs": some_inputs, "post_accumulate_hook": post_accumulate_hook, "clamping_hook": clamping_hook}
+         "some_inputs": some_inputs, "post_accumulate_hook": post_accumulate_hook, "clamping_hook": clamping_hook,
+         "after_raising_backward": after_raising_backward}
 
 
 def cases():
