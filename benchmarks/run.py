@@ -277,6 +277,7 @@ def _dispatch_worker(rank: int, world: int, args: dict) -> dict:
 
     mesh = hs.init_device_mesh("cpu", (world,), ("x",))
     tmesh = torch_mesh("cpu", (world,), mesh_dim_names=("x",))
+    mesh_group = tmesh.get_group()
     classes = _op_classes()
     # hypershard_boxed: hypershard with its typed fast path off (every op through the boxed
     # fallback), to show what the fast path saves
@@ -346,6 +347,13 @@ def _dispatch_worker(rank: int, world: int, args: dict) -> dict:
             agreed = torch.tensor([collectives.get(i, 0) for i in impls], dtype=torch.int64)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             collectives = {i: int(n) for i, n in zip(impls, agreed.tolist()) if i in fns}
+            # What hypershard's collectives alone cost: the same number of bare gloo all-reduces of
+            # 2 floats (the size a loss's (sum, count) takes), timed in the same rotation.
+            if collectives.get("hypershard"):
+                floor_buf = torch.zeros(2)
+                fns["collectives_alone"] = (lambda n=collectives["hypershard"]: [dist.all_reduce(floor_buf, group=mesh_group)
+                                                                             for _ in range(n)])
+                collectives["collectives_alone"] = collectives["hypershard"]
             # An op without collectives is timed on rank 0 alone while the other ranks wait in a
             # barrier (ranks sharing few cores would otherwise preempt each other mid-sample); an
             # op with collectives runs on every rank, the same number of calls everywhere.
@@ -388,10 +396,14 @@ def _dispatch_worker(rank: int, world: int, args: dict) -> dict:
             ours = stats.get("hypershard", {}).get("median")
             theirs = stats.get("torch_dtensor", {}).get("median")
             boxed = stats.get("hypershard_boxed", {}).get("median")
+            floor = stats.get("collectives_alone", {}).get("median")
             entry.update({
                 "plain_us": plain, "hypershard_us": ours, "torch_dtensor_us": theirs,
                 "hypershard_boxed_us": boxed, "fast_path_speedup": ratio(boxed, ours),
                 "ratio_vs_plain": ratio(ours, plain),
+                # against plain eager plus the bare collectives the op needs (None: it needs none)
+                "collectives_alone_us": floor,
+                "ratio_vs_plain_plus_collectives": None if floor is None else ratio(ours, plain + floor),
                 "speedup_vs_torch_dtensor": ratio(theirs, ours),
                 "overhead_ratio_vs_torch_dtensor": (ratio(theirs - plain, ours - plain)
                                                      if ours is not None and theirs is not None else None),
@@ -1097,12 +1109,14 @@ def markdown(results: dict) -> str:
                 bad = [f"{IMPL_NAMES[i]} {'≠ one device' if c is False else 'raised: ' + str(c)[:80]}"
                        for i, c in r["matches_one_device"].items() if c is not True]
                 coll = [f"{IMPL_NAMES[i]} runs {n} collective{'s' if n > 1 else ''}"
-                        for i, n in r.get("collectives_per_call", {}).items() if n]
+                        for i, n in r.get("collectives_per_call", {}).items() if n and i in IMPL_NAMES]
                 note = "".join(f" ⚠ {x}" for x in bad) + "".join(f" ({x})" for x in coll)
+                plus = (f" ({r['ratio_vs_plain_plus_collectives']:.2f}x vs plain + its bare collectives)"
+                        if r.get("ratio_vs_plain_plus_collectives") else "")
                 lines.append(f"| {world} rank{'s' if world != '1' else ''} | {place} | {name}{note} "
                              f"| {_f(r['plain_us'])} | {_f(r['hypershard_us'])} | {_f(r.get('hypershard_boxed_us'))} "
                              f"| {_f(r['torch_dtensor_us'])} "
-                             f"| {_f(r['ratio_vs_plain'], '{:.2f}x')} | {_f(r['speedup_vs_torch_dtensor'], '{:.1f}x')} "
+                             f"| {_f(r['ratio_vs_plain'], '{:.2f}x')}{plus} | {_f(r['speedup_vs_torch_dtensor'], '{:.1f}x')} "
                              f"| {_f(r['overhead_ratio_vs_torch_dtensor'], '{:.1f}x')} |")
         lines += ["", "Geometric means over the op classes (medians; and from each implementation's fastest "
                       "sample, the least disturbed by other load on the machine):", "",
