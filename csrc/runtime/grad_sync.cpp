@@ -6,8 +6,10 @@
 // `dp`. Reducing each one in its hook costs one blocking collective per parameter, and at small
 // sizes a collective's latency, not its bytes, is what a step pays (gloo: ~1-4 ms each here).
 //
-// So such a gradient is left Partial when autograd is about to accumulate it into an empty .grad
-// (and nothing else can read it before backward ends). At the end of the backward pass (an
+// So such a gradient is left Partial when autograd is about to accumulate it into .grad and
+// nothing else can read it before backward ends. (A .grad that already holds a reduced value is
+// first made the same value as a Partial, which needs no communication: see
+// make_partial_in_place.) At the end of the backward pass (an
 // engine callback, the hook DDP's reducer uses too) the gradients left Partial are grouped by
 // (mesh, Partial axes, dtype, device), packed into buckets of at most grad_bucket_bytes(),
 // summed with one in-place all-reduce per axis per bucket, and each .grad takes the leaf's layout
@@ -199,9 +201,37 @@ void reduce_batch(Batch& batch) {
 // Whether the hook may leave this gradient Partial for the bucket.
 bool may_defer(const at::Tensor& leaf, const layout::Layout& grad, const LayoutPtr& target) {
   return g_bucket_bytes.load(std::memory_order_relaxed) > 0 && is_pending_sum(grad, target) &&
-         !leaf.grad().defined() &&                                      // accumulation would read it
-         !torch::autograd::impl::post_acc_grad_hooks(leaf) &&           // a hook would read it
+         !torch::autograd::impl::post_acc_grad_hooks(leaf) &&  // it would read .grad before the bucket
          accumulates_into(leaf);
+}
+
+// What `leaf`.grad holds when a Partial gradient is about to be accumulated into it.
+enum class GradSlot { kEmpty, kPartial, kReduced, kOther };
+
+GradSlot grad_slot(const at::Tensor& leaf, const LayoutPtr& partial, const LayoutPtr& target) {
+  const auto& grad = leaf.grad();
+  if (!grad.defined()) return GradSlot::kEmpty;
+  const auto* impl = dtensor_impl(grad);
+  if (impl == nullptr) return GradSlot::kOther;
+  if (impl->layout() == partial) return GradSlot::kPartial;
+  return impl->layout() == target ? GradSlot::kReduced : GradSlot::kOther;
+}
+
+// A reduced .grad (gradient accumulation over micro-batches, zero_grad(set_to_none=False)) becomes
+// the same value as a Partial(sum), without communication: the ranks at coordinate 0 of every
+// Partial axis keep it, the others hold zeros. The Partial gradient then accumulates into it
+// locally, and the bucket reduces the sum once.
+void make_partial_in_place(DTensorImpl& grad, const LayoutPtr& partial) {
+  const auto& mesh = *grad.device_mesh();
+  bool keeps = true;
+  for (int64_t a = 0; a < partial->mesh()->ndim(); ++a)
+    if (partial->is_partial(a) && mesh.coordinate(a) != 0) keeps = false;
+  at::Tensor local = grad.local();
+  if (!keeps) {
+    at::NoGradGuard no_grad;
+    local.zero_();
+  }
+  grad.replace(std::move(local), partial);
 }
 
 }  // namespace
@@ -215,8 +245,14 @@ void detail::install_grad_hook(const at::Tensor& leaf, DTensorImpl& impl) {
     if (!strong.defined() || !grad_impl) return grad;
     const auto& target = static_cast<DTensorImpl*>(strong.unsafeGetTensorImpl())->layout();
     if (grad_impl->layout() == target) return grad;
-    if (may_defer(strong, *grad_impl->layout(), target) && defer(Deferred{weak, grad_impl->layout(), target}))
-      return grad;
+    const auto& partial = grad_impl->layout();
+    if (may_defer(strong, *partial, target)) {
+      const GradSlot slot = grad_slot(strong, partial, target);
+      if (slot != GradSlot::kOther && defer(Deferred{weak, partial, target})) {
+        if (slot == GradSlot::kReduced) make_partial_in_place(*dtensor_impl(strong.grad()), partial);
+        return grad;
+      }
+    }
     g_reduced_on_arrival.fetch_add(1, std::memory_order_relaxed);
     return redistribute(grad, target);
   });

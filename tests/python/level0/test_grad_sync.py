@@ -8,9 +8,11 @@ expected path:
 - backward() with the default cap: every gradient reduced in a bucket, one bucket per
   (Partial axes, dtype); the collectives saved are exactly the per-parameter ones;
 - a 1-byte cap: one bucket per gradient; cap 0: every gradient reduced on arrival;
-- a second backward() without zero_grad (accumulation), torch.autograd.grad, backward(inputs=...),
-  a post-accumulate-grad hook and a user tensor hook that clamps: the gradient is reduced before
-  anything can read it, and the values still equal one device;
+- a second backward() without zero_grad (accumulation): the reduced .grad becomes Partial
+  locally and the sum is bucketed again;
+- torch.autograd.grad, backward(inputs=...), a post-accumulate-grad hook and a user tensor hook
+  that clamps: the gradient is reduced before anything can read it, and the values still equal
+  one device;
 - a backward pass that raises midway, then a normal one: bucketed and right.
 """
 
@@ -109,8 +111,8 @@ def accumulated(mesh, x, *params):
         loss_of(x, *params).backward()
         check_layouts(params, reduced_on_arrival=0, bucketed=grads)
         hs._C.reset_grad_sync_stats()
-        loss_of(x * 0.5, *params).backward()  # .grad is set: accumulation would read it, so no bucket
-        check_layouts(params, reduced_on_arrival=grads, bucketed=0, buckets=0)
+        loss_of(x * 0.5, *params).backward()  # .grad is set: made Partial locally, then bucketed again
+        check_layouts(params, reduced_on_arrival=0, bucketed=grads)
     return grads_of(params)
 
 
