@@ -7,16 +7,15 @@
 // sizes a collective's latency, not its bytes, is what a step pays (gloo: ~1-4 ms each here).
 //
 // So such a gradient is left Partial when autograd is about to accumulate it into .grad and
-// nothing else can read it before backward ends. (A .grad that already holds a reduced value is
-// first made the same value as a Partial, which needs no communication: see
-// make_partial_in_place.) At the end of the backward pass (an
-// engine callback, the hook DDP's reducer uses too) the gradients left Partial are grouped by
-// (mesh, Partial axes, dtype, device), packed into buckets of at most grad_bucket_bytes(),
-// summed with one in-place all-reduce per axis per bucket, and each .grad takes the leaf's layout
-// with its reduced slice of the bucket as local tensor.
+// nothing else can read it before backward ends (a .grad that already holds a reduced value first
+// becomes the same value as a Partial, with no communication: make_partial_in_place). At the end
+// of the backward pass (an engine callback, the hook DDP's reducer uses too) the gradients left
+// Partial are grouped by (mesh, Partial axes, dtype, device), packed into buckets of at most
+// grad_bucket_bytes(), summed with one in-place all-reduce per axis per bucket, and each .grad
+// takes the leaf's layout with its reduced slice of the bucket as local tensor.
 //
-// Every rank makes the same decisions in the same order: they depend only on layouts, on whether
-// .grad is set and on the graph task, all the same on every rank running the same program, and
+// Every rank makes the same decisions in the same order: they depend only on layouts, on the
+// layout of .grad and on the graph task, all the same on every rank running the same program, and
 // a bucket's members have the same local shapes on every rank of its group (a Partial axis is
 // never a sharded one).
 #include "runtime/grad_sync.h"
