@@ -774,6 +774,7 @@ def _step_worker(rank: int, world: int, args: dict) -> dict:
     config = tiny_config("qwen3", **args["config"])
     total = args["warmup"] + args["timed"]
     cache_steps = max(args["cache_steps"], total)
+    detailed = args["cache_steps"] > 0  # rule-cache steps and torch's bytes too (not the compute-size run)
     batches = make_batches(config.vocab_size, 4, batch=args["batch"], seq=args["seq"])
     out: dict = {"errors": {}}
 
@@ -838,7 +839,7 @@ def _step_worker(rank: int, world: int, args: dict) -> dict:
 
     # the rule cache over more hypershard steps (the learning rate keeps changing)
     h = trainers.get("hypershard")
-    if h is not None and args["cache_steps"] > 0:
+    if h is not None and detailed:
         for step in range(total, cache_steps):
             ids, labels = batches[step % len(batches)]
             hs._C.reset_dispatch_stats()
@@ -860,7 +861,7 @@ def _step_worker(rank: int, world: int, args: dict) -> dict:
 
     # torch DTensor bytes: one more step under the counting dispatch mode
     t = trainers.get("torch_dtensor")
-    if t is not None and args["cache_steps"] > 0:
+    if t is not None and detailed:
         try:
             with _CollectiveBytes() as counter:
                 t.step(*batches[0], _lr(0, cache_steps))
@@ -1156,7 +1157,7 @@ def markdown(results: dict) -> str:
                 continue
             err = "; ".join(f"{k}: {v}" for k, v in r["errors"].items())
             what = r["mesh"]
-            if r.get("config", {}).get("hidden_size") != 32:
+            if key not in STEP_MESHES:  # the compute-size run
                 batch = r.get("global_batch") or ["?", "?"]
                 what += f", {(r.get('parameters') or 0) / 1e6:.1f} M params, batch {batch[0]} × {batch[1]}"
             lines.append(f"| {what}{' ⚠ ' + err[:160] if err else ''} | {_f(r['hypershard_s'], '{:.4f}')} "

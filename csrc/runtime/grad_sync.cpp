@@ -66,12 +66,11 @@ std::unordered_map<int, std::weak_ptr<Batch>> g_batches;
 
 // `grad` differs from `target` only by Partial(sum) axes: one sum over those axes makes it
 // `target`.
-bool is_pending_sum(const layout::Layout& grad, const LayoutPtr& target) {
-  if (target->has_partial() || !grad.has_partial()) return false;
-  for (const auto& op : grad.partial())
+bool is_pending_sum(const LayoutPtr& grad, const LayoutPtr& target) {
+  if (!grad->has_partial()) return false;
+  for (const auto& op : grad->partial())
     if (op && *op != layout::ReduceOp::Sum) return false;
-  return grad.dim_axes() == target->dim_axes() && grad.global_shape() == target->global_shape() &&
-         *grad.mesh() == *target->mesh();
+  return without_partial(grad) == target;
 }
 
 // Whether this backward pass will accumulate into `leaf`.grad (not so under torch.autograd.grad,
@@ -198,7 +197,7 @@ void reduce_batch(Batch& batch) {
 }
 
 // Whether the hook may leave this gradient Partial for the bucket.
-bool may_defer(const at::Tensor& leaf, const layout::Layout& grad, const LayoutPtr& target) {
+bool may_defer(const at::Tensor& leaf, const LayoutPtr& grad, const LayoutPtr& target) {
   return g_bucket_bytes.load(std::memory_order_relaxed) > 0 && is_pending_sum(grad, target) &&
          !torch::autograd::impl::post_acc_grad_hooks(leaf) &&  // it would read .grad before the bucket
          accumulates_into(leaf);
@@ -245,7 +244,7 @@ void detail::install_grad_hook(const at::Tensor& leaf, DTensorImpl& impl) {
     const auto& target = static_cast<DTensorImpl*>(strong.unsafeGetTensorImpl())->layout();
     if (grad_impl->layout() == target) return grad;
     const auto& partial = grad_impl->layout();
-    if (may_defer(strong, *partial, target)) {
+    if (may_defer(strong, partial, target)) {
       const GradSlot slot = grad_slot(strong, partial, target);
       if (slot != GradSlot::kOther && defer(Deferred{weak, partial, target})) {
         if (slot == GradSlot::kReduced) make_partial_in_place(*dtensor_impl(strong.grad()), partial);

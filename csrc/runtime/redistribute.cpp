@@ -95,13 +95,20 @@ at::Tensor without_nan_flag(const at::Tensor& packed) {
   return packed.select(-1, 0).masked_fill(packed.select(-1, 1).ne(0), std::numeric_limits<double>::quiet_NaN());
 }
 
-at::Tensor all_reduce_raw(const at::Tensor& local, const DeviceMesh& mesh, int64_t axis, ReduceOp op) {
-  const bool flagged = needs_nan_flag(local, op);
-  std::vector<at::Tensor> tensors{flagged ? with_nan_flag(local, op) : local.contiguous().clone()};
+// One c10d all-reduce of a contiguous `buffer` over this rank's group on `axis`, in place (avg:
+// the sum; reduce_op_finish divides).
+void all_reduce_in_place(at::Tensor& buffer, const DeviceMesh& mesh, int64_t axis, ReduceOp op) {
+  std::vector<at::Tensor> tensors{buffer};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
   mesh.group(axis).allreduce(tensors, opts)->wait();
-  return reduce_op_finish(flagged ? without_nan_flag(tensors[0]) : tensors[0], op, mesh.mesh()->shape()[axis]);
+}
+
+at::Tensor all_reduce_raw(const at::Tensor& local, const DeviceMesh& mesh, int64_t axis, ReduceOp op) {
+  const bool flagged = needs_nan_flag(local, op);
+  at::Tensor buffer = flagged ? with_nan_flag(local, op) : local.contiguous().clone();
+  all_reduce_in_place(buffer, mesh, axis, op);
+  return reduce_op_finish(flagged ? without_nan_flag(buffer) : buffer, op, mesh.mesh()->shape()[axis]);
 }
 
 at::Tensor all_reduce(const RedistributeStep& step, const at::Tensor& local, const DeviceMesh& mesh) {
@@ -314,10 +321,7 @@ void sum_in_place_along(at::Tensor& buffer, const DeviceMesh& mesh, int64_t axis
   TORCH_INTERNAL_ASSERT(buffer.is_contiguous());
   if (mesh.mesh()->shape()[axis] == 1) return;
   count_all_reduce(buffer, mesh, axis);
-  std::vector<at::Tensor> tensors{buffer};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = c10d::ReduceOp::SUM;
-  mesh.group(axis).allreduce(tensors, opts)->wait();
+  all_reduce_in_place(buffer, mesh, axis, ReduceOp::Sum);
 }
 
 void check_same_on_every_rank(const at::Tensor& tensor, const DeviceMesh& mesh, const std::string& what) {
