@@ -31,17 +31,18 @@ import gc
 import json
 import math
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("dispatch", "step", "memory")
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from hypershard.launch import spawn_local_ranks  # noqa: E402
 STEP_MESHES = {"dp2xtp2": ((2, 2), ("dp", "tp")), "tp4": ((4,), ("tp",))}
 # A size where compute, not collective latency, dominates a step (one more dp2 x tp2 run, with
 # hypershard and torch DTensor only): about 17 M parameters, global batch 8 x 128 tokens.
@@ -97,57 +98,6 @@ def malloc_trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ============================================================================= launching ranks
-
-def _rank_entry(rank: int, target: Callable, world: int, port: int, args: Any, tmp: str, pg_timeout: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout))
-    try:
-        result = target(rank, world, args)
-        Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def launch(target: Callable, world: int, args: Any, timeout: float, env: Optional[dict] = None,
-           pg_timeout: int = 120) -> list:
-    """Runs target(rank, world, args) -> dict in `world` spawned processes (gloo, one thread each)
-    and returns every rank's dict. Raises on a failed rank or after `timeout` seconds."""
-    import torch.multiprocessing as mp
-
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
-        with tempfile.TemporaryDirectory(prefix="hs_bench_") as tmp:
-            ctx = mp.start_processes(_rank_entry, args=(target, world, free_port(), args, tmp, pg_timeout),
-                                     nprocs=world, join=False, start_method="spawn")
-            deadline = time.monotonic() + timeout
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    for p in ctx.processes:
-                        if p.is_alive():
-                            p.kill()
-                    raise TimeoutError(f"ranks still running after {timeout:.0f} s")
-            return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 # ============================================================================= 1. dispatch
@@ -437,7 +387,7 @@ def run_dispatch(args: argparse.Namespace, log: Callable) -> dict:
         log(f"dispatch: {world}-rank mesh ...")
         start = time.perf_counter()
         try:
-            ranks = launch(_dispatch_worker, world, {"sample_s": args.sample_s, "repeats": args.repeats},
+            ranks = spawn_local_ranks(_dispatch_worker, world, {"sample_s": args.sample_s, "repeats": args.repeats},
                            timeout=args.timeout)
         except Exception as exc:  # noqa: BLE001
             extra[f"{world}rank_error"] = error_text(exc)
@@ -899,7 +849,7 @@ def run_steps(args: argparse.Namespace, log: Callable, with_memory: bool) -> tup
         log(f"step: Qwen3 {'compute-bound size' if config else 'tiny'} on {_mesh_text(spec)} ...")
         start = time.perf_counter()
         try:
-            ranks = launch(_step_worker, 4, {"mesh": spec, "config": config, "impls": impls, "warmup": warmup,
+            ranks = spawn_local_ranks(_step_worker, 4, {"mesh": spec, "config": config, "impls": impls, "warmup": warmup,
                                              "timed": timed, "cache_steps": cache_steps, "batch": batch,
                                              "seq": seq, "memory": memory, "memory_steps": args.memory_steps},
                            timeout=args.timeout)

@@ -60,8 +60,10 @@ from .dtensor import (  # noqa: E402
     debug_checks,
     distribute_tensor,
     init_device_mesh,
+    release_process_groups,
     set_debug_checks,
 )
+from .parallel import parallelize  # noqa: E402
 
 LayoutError.__module__ = __name__  # shown as hypershard.LayoutError in tracebacks
 
@@ -78,6 +80,7 @@ __all__ = [
     "distribute_tensor",
     "set_debug_checks",
     "init_device_mesh",
+    "release_process_groups",
     "Layout",
     "LayoutError",
     "Mesh",
@@ -98,6 +101,7 @@ __all__ = [
     "mesh",
     "numel",
     "parse_alias",
+    "parallelize",
     "parse_reduce_op",
     "placement",
     "placements",

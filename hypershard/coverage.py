@@ -10,11 +10,8 @@ any op lacks a rule, or when the distributed losses differ from the single-devic
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import sys
-from pathlib import Path
 
 from .launch import mesh_size, parse_mesh, spawn_local_ranks
 
@@ -27,13 +24,7 @@ def parse_overrides(items: list) -> dict:
     return out
 
 
-def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=args.timeout))
+def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     import hypershard as hs
     from hypershard.models import make_batches, tiny_config, tiny_model, train
     from hypershard.parallel import parallelize
@@ -52,10 +43,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
         losses, error = None, f"{type(exc).__name__}: {exc}"
     finally:
         hs._C.set_coverage_mode(False)
-    if rank == 0:
-        Path(out).write_text(json.dumps({"ops": hs._C.op_counts(), "reference": reference, "losses": losses,
-                                         "error": error}))
-    dist.destroy_process_group()
+    return {"ops": hs._C.op_counts(), "reference": reference, "losses": losses, "error": error}
 
 
 def main(argv=None) -> int:
@@ -69,10 +57,13 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--timeout", type=int, default=120, help="collective timeout in seconds")
+    parser.add_argument("--launch-timeout", type=float, default=900,
+                        help="seconds before stuck ranks are reported and killed (default 900)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
 
-    report = spawn_local_ranks(_rank, mesh_size(args.mesh[0]), args)
+    report = spawn_local_ranks(_rank, mesh_size(args.mesh[0]), args, timeout=args.launch_timeout,
+                               pg_timeout=args.timeout)[0]
 
     ops = report["ops"]
     missing = [name for name, _, has_rule in ops if not has_rule]

@@ -12,9 +12,7 @@ tensor-parallel plan on tp and the batch on dp; AdamW and clip_grad_norm_ run un
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,13 +20,7 @@ from pathlib import Path
 from .launch import mesh_size, parse_mesh, spawn_local_ranks
 
 
-def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     import hypershard as hs
     from hypershard.models import make_batches, tiny_config, tiny_model, train
     from hypershard.parallel import parallelize
@@ -56,10 +48,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     stats = hs._C.dispatch_stats()
     traffic = hs._C.traffic()
     grads = hs._C.grad_sync_stats()
-    if rank == 0:
-        Path(out).write_text(json.dumps({"losses": losses, "seconds": elapsed, "placements": sharded,
-                                         "stats": stats, "traffic": traffic, "grads": grads}))
-    dist.destroy_process_group()
+    return {"losses": losses, "seconds": elapsed, "placements": sharded, "stats": stats, "traffic": traffic,
+            "grads": grads}
 
 
 def _single_device(args: argparse.Namespace) -> tuple[list, float]:
@@ -113,12 +103,14 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
     parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (default 1e-2)")
     parser.add_argument("--out", default="demo_out", help="output folder (default demo_out)")
+    parser.add_argument("--timeout", type=float, default=600,
+                        help="seconds before stuck ranks are reported and killed (default 600)")
     args = parser.parse_args(argv)
 
     world = mesh_size(args.mesh[0])
     mesh_text = " x ".join(f"{n}={s}" for s, n in zip(*args.mesh))
     print(f"hypershard demo: Qwen3ForCausalLM (tiny, random init) on a {world}-rank CPU mesh ({mesh_text})")
-    result = spawn_local_ranks(_rank, world, args)
+    result = spawn_local_ranks(_rank, world, args, timeout=args.timeout)[0]
     single, single_seconds = _single_device(args)
     distributed = result["losses"]
 

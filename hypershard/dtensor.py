@@ -14,7 +14,7 @@ DTensor they gather, which is a collective — call them on every rank of the me
 
 from __future__ import annotations
 
-import copy
+import atexit
 import datetime
 import os
 import types
@@ -28,7 +28,7 @@ from . import _C
 from .layout import make_layout
 from .placement_types import Partial, Replicate, Shard
 
-__all__ = ["DTensor", "DeviceMesh", "distribute_tensor", "init_device_mesh"]
+__all__ = ["DTensor", "DeviceMesh", "distribute_tensor", "init_device_mesh", "release_process_groups"]
 
 DeviceMesh = _C.DeviceMesh
 
@@ -53,6 +53,19 @@ if os.environ.get("HYPERSHARD_DEBUG_CHECKS", "") not in ("", "0"):
 
 
 # ---------------------------------------------------------------------------------- meshes
+
+def release_process_groups() -> int:
+    """Drops the c10d process groups held by every live hypershard DeviceMesh, with the GIL
+    released (a gloo group's destructor joins a worker thread that may need the GIL). Runs by
+    itself at interpreter exit; call it earlier to free the groups of meshes still referenced
+    somewhere. Collectives on those meshes raise afterwards. Returns how many were released."""
+    return _C.release_process_groups()
+
+
+# Before finalization: a group dropped while the interpreter finalizes (a DTensor in a module
+# global) would join its worker thread while that thread cannot get the GIL any more.
+atexit.register(release_process_groups)
+
 
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int],
                      mesh_dim_names: Optional[Sequence[str]] = None, *,

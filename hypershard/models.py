@@ -51,14 +51,18 @@ def make_batches(vocab_size: int, steps: int, batch: int = 4, seq: int = 16, see
 
 
 def train(model: torch.nn.Module, batches: list, lr: float = 1e-3, clip: Optional[float] = 1.0,
-          on_step: Optional[Callable[[int, float], None]] = None) -> list:
-    """AdamW steps (one per batch) with clip_grad_norm_; returns the loss of every step."""
+          on_step: Optional[Callable[[int, float], None]] = None,
+          on_backward: Optional[Callable[[int, torch.nn.Module], None]] = None) -> list:
+    """AdamW steps (one per batch) with clip_grad_norm_; returns the loss of every step.
+    `on_backward(step, model)` runs after each backward, before clipping and the step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     losses = []
     for step, (ids, labels) in enumerate(batches):
         loss = model(input_ids=ids, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
+        if on_backward is not None:
+            on_backward(step, model)
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()

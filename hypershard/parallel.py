@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn

@@ -58,6 +58,9 @@ void bind_runtime(py::module_& m) {
       .def("__str__", &DeviceMesh::to_string)
       .def("__repr__", [](const DeviceMesh& d) { return "DeviceMesh" + d.to_string(); });
 
+  m.def("release_process_groups", &runtime::release_process_groups,
+        "Drops the c10d process groups of every live DeviceMesh (with the GIL released); returns "
+        "how many. Runs at interpreter exit; collectives on those meshes raise afterwards.");
   m.def("install_dispatch", &runtime::install_dispatch);
   m.def("sync_registrations", &runtime::sync_registrations);
   m.def("is_dtensor", [](const at::Tensor& t) { return runtime::is_dtensor(t); }, py::arg("tensor"));

@@ -1,8 +1,29 @@
 #include "runtime/device_mesh.h"
 
+#include <algorithm>
+#include <mutex>
+
 #include "layout/error.h"
+#include "runtime/gil.h"
 
 namespace hypershard::runtime {
+namespace {
+
+// Every live mesh, so that release_process_groups() can reach the groups of meshes still held
+// by tensors, autograd graphs or caches when the interpreter exits. Never destroyed (static
+// destruction order at exit is not ours to choose).
+std::mutex g_live_mutex;
+auto* g_live = new std::vector<DeviceMesh*>();
+
+using Groups = std::vector<c10::intrusive_ptr<c10d::ProcessGroup>>;
+
+// Drops `groups` (the last references, possibly) with the GIL released.
+void drop_groups(Groups& groups) {
+  if (std::none_of(groups.begin(), groups.end(), [](const auto& g) { return g.defined(); })) return;
+  without_gil([&] { groups.clear(); });
+}
+
+}  // namespace
 
 DeviceMesh::DeviceMesh(layout::MeshPtr mesh, int64_t rank, c10::DeviceType device_type,
                        std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups, bool planning_only)
@@ -24,11 +45,39 @@ DeviceMesh::DeviceMesh(layout::MeshPtr mesh, int64_t rank, c10::DeviceType devic
              " is rank ", groups_[axis]->getRank(), " in the group of axis '", mesh_->axis_names()[axis],
              "' but has coordinate ", coordinate(axis), " on it; the group must list the ranks in coordinate order");
   }
+  std::lock_guard<std::mutex> lock(g_live_mutex);
+  g_live->push_back(this);
+}
+
+DeviceMesh::~DeviceMesh() {
+  {
+    std::lock_guard<std::mutex> lock(g_live_mutex);
+    g_live->erase(std::find(g_live->begin(), g_live->end(), this));
+  }
+  drop_groups(groups_);
+}
+
+int64_t release_process_groups() {
+  Groups taken;
+  {
+    std::lock_guard<std::mutex> lock(g_live_mutex);
+    for (DeviceMesh* mesh : *g_live) {
+      for (auto& group : mesh->groups_) {
+        if (!group.defined()) continue;
+        taken.push_back(std::move(group));
+        mesh->released_ = true;
+      }
+    }
+  }
+  const auto count = static_cast<int64_t>(taken.size());
+  drop_groups(taken);
+  return count;
 }
 
 c10d::ProcessGroup& DeviceMesh::group(int64_t axis) const {
   const auto& group = groups_.at(axis);
-  HS_CHECK(group.defined(), "device mesh", "axis '", mesh_->axis_names()[axis], "' has no process group");
+  HS_CHECK(group.defined(), "device mesh", "axis '", mesh_->axis_names()[axis], "' has no process group",
+           released_ ? " (released by release_process_groups, e.g. at interpreter exit)" : "");
   return *group;
 }
 

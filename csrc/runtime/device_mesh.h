@@ -1,5 +1,11 @@
 // DeviceMesh: a layout::Mesh plus, for this process, its rank and the c10d process group of
 // every mesh axis. Collectives run directly on those groups from C++.
+//
+// Dropping a process group may join its worker thread (gloo's ~ProcessGroupGloo), and that
+// thread may need the GIL to finish (a finished work's saved thread-local state drops Python
+// references). So a mesh never drops its groups while holding the GIL: its destructor and
+// release_process_groups() let the GIL go for that moment. Python calls
+// release_process_groups() at exit, before interpreter finalization, for every live mesh.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -20,6 +26,9 @@ class DeviceMesh {
   // collectives raise).
   DeviceMesh(layout::MeshPtr mesh, int64_t rank, c10::DeviceType device_type,
              std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups, bool planning_only = false);
+  ~DeviceMesh();
+  DeviceMesh(const DeviceMesh&) = delete;
+  DeviceMesh& operator=(const DeviceMesh&) = delete;
 
   const layout::MeshPtr& mesh() const { return mesh_; }
   int64_t rank() const { return rank_; }
@@ -43,8 +52,16 @@ class DeviceMesh {
   int64_t position_;
   c10::DeviceType device_type_;
   std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups_;
+  bool released_ = false;  // release_process_groups() took the groups
+
+  friend int64_t release_process_groups();
 };
 
 using DeviceMeshPtr = std::shared_ptr<DeviceMesh>;
+
+// Drops the process groups of every live mesh (without the GIL); afterwards their collectives
+// raise a clear error. Returns how many groups were released. Called at interpreter exit and by
+// hypershard.release_process_groups().
+int64_t release_process_groups();
 
 }  // namespace hypershard::runtime
