@@ -21,6 +21,7 @@
 #include "runtime/grad_sync.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
@@ -234,26 +235,64 @@ void make_partial_in_place(DTensorImpl& grad, const LayoutPtr& partial) {
 
 }  // namespace
 
-void detail::install_grad_hook(const at::Tensor& leaf, DTensorImpl& impl) {
-  if (!impl.claim_grad_hook()) return;
-  WeakTensor weak(leaf.getIntrusivePtr());
-  leaf.register_hook([weak](const at::Tensor& grad) -> at::Tensor {
-    const at::Tensor strong(weak.lock());
-    auto* grad_impl = dtensor_impl(grad);
-    if (!strong.defined() || !grad_impl) return grad;
-    const auto& target = static_cast<DTensorImpl*>(strong.unsafeGetTensorImpl())->layout();
-    if (grad_impl->layout() == target) return grad;
-    const auto& partial = grad_impl->layout();
-    if (may_defer(strong, partial, target)) {
-      const GradSlot slot = grad_slot(strong, partial, target);
-      if (slot != GradSlot::kOther && defer(Deferred{weak, partial, target})) {
-        if (slot == GradSlot::kReduced) make_partial_in_place(*dtensor_impl(strong.grad()), partial);
-        return grad;
-      }
+namespace {
+
+// torch keeps a leaf's tensor hooks in one list that each kind of registration CLEARS on first
+// use: C++ Tensor::register_hook wipes the Python hooks already there, and Python's first
+// register_hook wipes the C++ ones (torch::autograd::impl::clear_hooks). Registered that way,
+// hypershard's hook silently dropped a user's hooks or was dropped by them (then .grad stayed
+// Partial). So hypershard appends its own hook object to that list without clearing anything,
+// and appends it again whenever a user's Python registration removed it (checked when the leaf
+// next reaches an op: the forward, or the backward ops that read it).
+at::TensorBase grad_to_leaf_layout(const WeakTensor& weak, const at::TensorBase& incoming);
+
+struct GradLayoutHook final : torch::autograd::FunctionPreHook {
+  explicit GradLayoutHook(WeakTensor leaf) : leaf(std::move(leaf)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (grads.empty() || !grads[0].defined()) return grads;
+    auto out = grads;
+    out[0] = at::Tensor(grad_to_leaf_layout(leaf, grads[0]));
+    return out;
+  }
+  WeakTensor leaf;
+};
+
+void link(const at::Tensor& leaf) {
+  for (const auto& hook : torch::autograd::impl::hooks(leaf))
+    if (dynamic_cast<const GradLayoutHook*>(hook.get()) != nullptr) return;
+  // Appended, not add_hook: add_hook insists on an empty list (torch allows one tensor pre-hook
+  // per leaf); the engine runs every hook in the list, in order.
+  torch::autograd::impl::hooks(leaf).push_back(std::make_unique<GradLayoutHook>(WeakTensor(leaf.getIntrusivePtr())));
+}
+
+at::TensorBase grad_to_leaf_layout(const WeakTensor& weak, const at::TensorBase& incoming) {
+  const at::Tensor grad(incoming);
+  const at::Tensor strong(weak.lock());
+  auto* grad_impl = dtensor_impl(grad);
+  if (!strong.defined() || !grad_impl) return grad;
+  const auto& target = static_cast<DTensorImpl*>(strong.unsafeGetTensorImpl())->layout();
+  if (grad_impl->layout() == target) return grad;
+  const auto& partial = grad_impl->layout();
+  if (may_defer(strong, partial, target)) {
+    const GradSlot slot = grad_slot(strong, partial, target);
+    if (slot != GradSlot::kOther && defer(Deferred{weak, partial, target})) {
+      if (slot == GradSlot::kReduced) make_partial_in_place(*dtensor_impl(strong.grad()), partial);
+      return grad;
     }
-    g_reduced_on_arrival.fetch_add(1, std::memory_order_relaxed);
-    return redistribute(grad, target);
-  });
+  }
+  g_reduced_on_arrival.fetch_add(1, std::memory_order_relaxed);
+  return redistribute(grad, target);
+}
+
+}  // namespace
+
+void detail::install_grad_hook(const at::Tensor& leaf, DTensorImpl& impl) {
+  if (!impl.claim_grad_hook()) {
+    if (torch::autograd::impl::get_autograd_meta(leaf) != nullptr) link(leaf);
+    return;
+  }
+  torch::autograd::impl::materialize_autograd_meta(leaf);
+  link(leaf);
 }
 
 void set_grad_bucket_bytes(int64_t bytes) {

@@ -209,3 +209,33 @@ def test_bucket_cap_is_checked():
     with pytest.raises(ValueError, match=r"hypershard: set_grad_bucket_bytes: bytes must be >= 0"):
         hs._C.set_grad_bucket_bytes(-1)
     assert hs._C.grad_bucket_bytes() == DEFAULT_CAP
+
+
+def _user_hooks_and_grad_sync(rank, world):
+    import hypershard as hs
+
+    mesh = hs.init_device_mesh("cpu", (world,), ("dp",))
+    x = hs.distribute_tensor(torch.ones(2 * world, 3), mesh, [hs.Shard(0)])
+    before = hs.distribute_tensor(torch.ones(3, 2), mesh, [hs.Replicate()]).requires_grad_()
+    seen = []
+    before.register_hook(lambda g: seen.append(str(g.placements)))  # before hypershard's own hook
+    (x @ before).sum().backward()
+    after = hs.distribute_tensor(torch.ones(3, 2), mesh, [hs.Replicate()]).requires_grad_()
+    (x @ after).sum().backward()
+    after.grad = None
+    after.register_hook(lambda g: seen.append("after"))  # torch clears the leaf's hooks here
+    (x @ after).sum().backward()
+    return {"seen": seen, "before": [str(before.grad.placements), before.grad.full_tensor().tolist()],
+            "after": [str(after.grad.placements), after.grad.full_tensor().tolist()]}
+
+
+def test_user_hooks_and_gradient_sync_coexist():
+    """torch allows one tensor pre-hook per leaf and each registration kind clears the other's:
+    a user's Python hook must neither be dropped by hypershard's gradient hook nor drop it."""
+    from hypershard.launch import spawn_local_ranks
+
+    for result in spawn_local_ranks(_user_hooks_and_grad_sync, 2, timeout=120):
+        assert result["seen"] == ["(Partial(sum),)", "after"], result
+        expected = [[4.0, 4.0]] * 3  # 2 * world rows of ones summed over the batch
+        assert result["before"] == ["(Replicate(),)", expected], result
+        assert result["after"] == ["(Replicate(),)", expected], result
