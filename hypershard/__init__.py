@@ -60,6 +60,7 @@ from .dtensor import (  # noqa: E402
     debug_checks,
     distribute_tensor,
     init_device_mesh,
+    layout_of,
     release_process_groups,
     set_debug_checks,
 )
@@ -97,6 +98,7 @@ __all__ = [
     "from_placements",
     "from_tensor_map",
     "layout",
+    "layout_of",
     "make_layout",
     "mesh",
     "numel",

@@ -6,7 +6,8 @@ reports the GLOBAL shape and holds this rank's local shard. Ops on it reach hype
 dispatcher fallback, so unmodified PyTorch code runs on it. ``isinstance(x, hypershard.DTensor)``
 is true for every such tensor (op outputs and parameter grads included), and these methods work
 on it: ``to_local()``, ``full_tensor()``, ``redistribute(...)``, ``placements``, ``device_mesh``,
-``layout`` (hypershard's Layout; torch's memory layout for plain tensors is unchanged).
+``sharding`` (hypershard's Layout, also ``hypershard.layout_of(t)``). ``layout`` keeps torch's
+meaning (``torch.strided``) on DTensors too.
 
 Printing, ``tolist()``, ``numpy()``, ``item()`` show GLOBAL values: for a sharded or Partial
 DTensor they gather, which is a collective — call them on every rank of the mesh.
@@ -28,7 +29,7 @@ from . import _C
 from .layout import make_layout
 from .placement_types import Partial, Replicate, Shard
 
-__all__ = ["DTensor", "DeviceMesh", "distribute_tensor", "init_device_mesh", "release_process_groups"]
+__all__ = ["DTensor", "DeviceMesh", "distribute_tensor", "init_device_mesh", "layout_of", "release_process_groups"]
 
 DeviceMesh = _C.DeviceMesh
 
@@ -194,6 +195,12 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements:
 
 # ---------------------------------------------------------------------------------- methods
 
+def layout_of(tensor: torch.Tensor) -> _C.Layout:
+    """hypershard's Layout of a DTensor (mesh, global shape, sharded dims, Partial axes); the same
+    as ``tensor.sharding``. Raises for a plain tensor."""
+    return _C.layout_of(tensor)
+
+
 def _placements_of(layout: _C.Layout) -> tuple:
     out = []
     for p in _C.to_placements(layout).per_axis:
@@ -225,16 +232,11 @@ def _redistribute(self: torch.Tensor, device_mesh: Optional[DeviceMesh] = None,
     return _C.redistribute(self, target)
 
 
-_torch_layout = torch.Tensor.layout
 _torch_repr = torch.Tensor.__repr__
 _torch_tolist = torch.Tensor.tolist
 _torch_numpy = torch.Tensor.numpy
 _torch_reduce_ex = torch.Tensor.__reduce_ex__
 _torch_deepcopy = torch.Tensor.__deepcopy__
-
-
-def _layout(self: torch.Tensor):
-    return _C.layout_of(self) if _C.is_dtensor(self) else _torch_layout.__get__(self)
 
 
 def _repr(self: torch.Tensor, *, tensor_contents=None) -> str:
@@ -322,7 +324,9 @@ def _install_tensor_methods() -> None:
     torch.Tensor.redistribute = _DTensorMethod("redistribute", _redistribute)
     torch.Tensor.placements = _dtensor_property("placements", lambda t: _placements_of(_C.layout_of(t)))
     torch.Tensor.device_mesh = _dtensor_property("device_mesh", _C.device_mesh_of)
-    torch.Tensor.layout = property(_layout)
+    # hypershard's Layout is `sharding` (JAX's name for it): Tensor.layout keeps torch's meaning
+    # (torch.strided), which torch.masked, assert_close and torch.compile rely on.
+    torch.Tensor.sharding = _dtensor_property("sharding", _C.layout_of)
     torch.Tensor.__repr__ = _repr
     torch.Tensor.tolist = _tolist
     torch.Tensor.numpy = _numpy

@@ -9,6 +9,7 @@
 #include <pybind11/operators.h>
 #include <pybind11/stl.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -69,6 +70,8 @@ void bind_mesh(py::module_& m) {
           py::arg("names"), py::arg("rank"))
       .def("__eq__", [](const Mesh& a, const Mesh& b) { return a == b; }, py::is_operator())
       .def("__ne__", [](const Mesh& a, const Mesh& b) { return a != b; }, py::is_operator())
+      // Equal meshes print the same, so the text's hash is consistent with ==.
+      .def("__hash__", [](const Mesh& self) { return std::hash<std::string>()(self.to_string()); })
       .def("to_string", &Mesh::to_string)
       .def("__str__", &Mesh::to_string)
       .def("__repr__", [](const Mesh& self) { return "Mesh" + self.to_string(); });
@@ -131,6 +134,9 @@ void bind_layout(py::module_& m) {
       .def("with_minor_shard", &Layout::with_minor_shard, py::arg("axis"), py::arg("dim"))
       .def(py::self == py::self)
       .def(py::self != py::self)
+      // Equal layouts print the same (shape, alias notation, Partial axes), so the text's hash is
+      // consistent with == (meshes that differ only in rank order share a hash, which is allowed).
+      .def("__hash__", [](const Layout& self) { return std::hash<std::string>()(self.to_string()); })
       .def("to_string", &Layout::to_string)
       .def("sharding_string", &Layout::sharding_string)
       .def("__str__", &Layout::to_string)

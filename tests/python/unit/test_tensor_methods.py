@@ -8,7 +8,7 @@ import torch.distributed.tensor as torch_dtensor
 import hypershard  # noqa: F401  (installs the methods)
 from hypershard.testing.planning import PlanningMesh
 
-DTENSOR_ONLY = ("to_local", "full_tensor", "redistribute", "placements", "device_mesh")
+DTENSOR_ONLY = ("to_local", "full_tensor", "redistribute", "placements", "device_mesh", "sharding")
 
 
 def test_plain_tensors_have_no_dtensor_attributes():
@@ -35,3 +35,23 @@ def test_hypershard_dtensors_have_them():
 def test_torch_dtensor_keeps_its_own_methods():
     for name in ("to_local", "full_tensor", "redistribute"):
         assert getattr(torch_dtensor.DTensor, name) is not getattr(torch.Tensor, name), name
+
+
+def test_torch_attributes_keep_torch_meaning():
+    """Tensor.layout stays torch's memory layout on DTensors (torch.masked, assert_close and
+    torch.compile read it); hypershard's Layout is .sharding / hypershard.layout_of."""
+    mesh = PlanningMesh({"tp": 2})
+    x = mesh.dtensor([4, 3], ["S(0)"])
+    assert x.layout is torch.strided
+    assert x.sharding == hypershard.layout_of(x)
+    assert tuple(x.sharding.global_shape) == (4, 3)
+
+
+def test_layouts_and_meshes_are_hashable():
+    mesh = PlanningMesh({"dp": 2, "tp": 2})
+    a, b = mesh.dtensor([4, 6], ["S(0)", "R"]), mesh.dtensor([4, 6], ["S(0)", "R"])
+    c = mesh.dtensor([4, 6], ["R", "S(1)"])
+    assert a.sharding == b.sharding and hash(a.sharding) == hash(b.sharding)
+    assert len({a.sharding, b.sharding, c.sharding}) == 2
+    assert hash(a.sharding.mesh) == hash(c.sharding.mesh)
+    assert len({a.sharding.mesh, c.sharding.mesh}) == 1
