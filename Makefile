@@ -40,6 +40,9 @@ EXTENSION_INPUTS   := CMakeLists.txt pyproject.toml \
 # The venv's cmake, ninja and ctest come first; builds use at most $(JOBS) compile jobs.
 export PATH := $(VENV_BIN):$(PATH)
 export CMAKE_BUILD_PARALLEL_LEVEL := $(JOBS)
+# ccache hashes compile commands with paths relative to the checkout, so a fresh clone in another
+# folder (CI) reuses what an earlier build of the same sources compiled.
+export CCACHE_BASEDIR := $(CURDIR)
 
 .PHONY: help setup system-packages build test test-cpp test-sanitize test-fuzz test-unit \
         test-level0 test-level1 \
