@@ -388,7 +388,7 @@ def run_dispatch(args: argparse.Namespace, log: Callable) -> dict:
         start = time.perf_counter()
         try:
             ranks = spawn_local_ranks(_dispatch_worker, world, {"sample_s": args.sample_s, "repeats": args.repeats},
-                           timeout=args.timeout)
+                                      timeout=args.timeout)
         except Exception as exc:  # noqa: BLE001
             extra[f"{world}rank_error"] = error_text(exc)
             log(f"  failed: {error_text(exc)}")
@@ -849,10 +849,11 @@ def run_steps(args: argparse.Namespace, log: Callable, with_memory: bool) -> tup
         log(f"step: Qwen3 {'compute-bound size' if config else 'tiny'} on {_mesh_text(spec)} ...")
         start = time.perf_counter()
         try:
-            ranks = spawn_local_ranks(_step_worker, 4, {"mesh": spec, "config": config, "impls": impls, "warmup": warmup,
-                                             "timed": timed, "cache_steps": cache_steps, "batch": batch,
-                                             "seq": seq, "memory": memory, "memory_steps": args.memory_steps},
-                           timeout=args.timeout)
+            ranks = spawn_local_ranks(_step_worker, 4, {"mesh": spec, "config": config, "impls": impls,
+                                                        "warmup": warmup, "timed": timed, "cache_steps": cache_steps,
+                                                        "batch": batch, "seq": seq, "memory": memory,
+                                                        "memory_steps": args.memory_steps},
+                                      timeout=args.timeout)
         except Exception as exc:  # noqa: BLE001
             step_out[key] = {"error": error_text(exc)}
             log(f"  failed: {error_text(exc)}")

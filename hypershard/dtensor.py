@@ -55,13 +55,7 @@ if os.environ.get("HYPERSHARD_DEBUG_CHECKS", "") not in ("", "0"):
 
 # ---------------------------------------------------------------------------------- meshes
 
-def release_process_groups() -> int:
-    """Drops the c10d process groups held by every live hypershard DeviceMesh, with the GIL
-    released (a gloo group's destructor joins a worker thread that may need the GIL). Runs by
-    itself at interpreter exit; call it earlier to free the groups of meshes still referenced
-    somewhere. Collectives on those meshes raise afterwards. Returns how many were released."""
-    return _C.release_process_groups()
-
+release_process_groups = _C.release_process_groups
 
 # Before finalization: a group dropped while the interpreter finalizes (a DTensor in a module
 # global) would join its worker thread while that thread cannot get the GIL any more.
@@ -195,10 +189,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements:
 
 # ---------------------------------------------------------------------------------- methods
 
-def layout_of(tensor: torch.Tensor) -> _C.Layout:
-    """hypershard's Layout of a DTensor (mesh, global shape, sharded dims, Partial axes); the same
-    as ``tensor.sharding``. Raises for a plain tensor."""
-    return _C.layout_of(tensor)
+layout_of = _C.layout_of
 
 
 def _placements_of(layout: _C.Layout) -> tuple:
@@ -322,11 +313,11 @@ def _install_tensor_methods() -> None:
     torch.Tensor.to_local = _DTensorMethod("to_local", _to_local)
     torch.Tensor.full_tensor = _DTensorMethod("full_tensor", _full_tensor)
     torch.Tensor.redistribute = _DTensorMethod("redistribute", _redistribute)
-    torch.Tensor.placements = _dtensor_property("placements", lambda t: _placements_of(_C.layout_of(t)))
+    torch.Tensor.placements = _dtensor_property("placements", lambda t: _placements_of(layout_of(t)))
     torch.Tensor.device_mesh = _dtensor_property("device_mesh", _C.device_mesh_of)
     # hypershard's Layout is `sharding` (JAX's name for it): Tensor.layout keeps torch's meaning
     # (torch.strided), which torch.masked, assert_close and torch.compile rely on.
-    torch.Tensor.sharding = _dtensor_property("sharding", _C.layout_of)
+    torch.Tensor.sharding = _dtensor_property("sharding", layout_of)
     torch.Tensor.__repr__ = _repr
     torch.Tensor.tolist = _tolist
     torch.Tensor.numpy = _numpy

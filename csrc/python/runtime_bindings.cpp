@@ -59,13 +59,17 @@ void bind_runtime(py::module_& m) {
       .def("__repr__", [](const DeviceMesh& d) { return "DeviceMesh" + d.to_string(); });
 
   m.def("release_process_groups", &runtime::release_process_groups,
-        "Drops the c10d process groups of every live DeviceMesh (with the GIL released); returns "
-        "how many. Runs at interpreter exit; collectives on those meshes raise afterwards.");
+        "Drops the c10d process groups of every live DeviceMesh, with the GIL released (a gloo "
+        "group's destructor joins a worker thread that may need the GIL); returns how many. Runs by "
+        "itself at interpreter exit; call it earlier to free the groups of meshes still referenced "
+        "somewhere. Collectives on those meshes raise afterwards.");
   m.def("install_dispatch", &runtime::install_dispatch);
   m.def("sync_registrations", &runtime::sync_registrations);
   m.def("is_dtensor", [](const at::Tensor& t) { return runtime::is_dtensor(t); }, py::arg("tensor"));
   m.def("layout_of", [](const at::Tensor& t) { return *runtime::checked_dtensor(t, "layout_of").layout(); },
-        py::arg("tensor"));
+        py::arg("tensor"),
+        "hypershard's Layout of a DTensor (mesh, global shape, sharded dims, Partial axes); the same "
+        "as tensor.sharding. Raises for a plain tensor.");
   m.def("device_mesh_of", [](const at::Tensor& t) { return runtime::checked_dtensor(t, "device_mesh_of").device_mesh(); },
         py::arg("tensor"));
   m.def("local_of", [](const at::Tensor& t) { return runtime::checked_dtensor(t, "local_of").local(); },

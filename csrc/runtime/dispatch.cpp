@@ -485,7 +485,7 @@ void detail::dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet
                     "does not alias its base and writing into it would be lost; allowed: redistribute the base "
                     "first (so that the view is local), or write into a copy");
       if (info.is_view && (impl->is_detached_view() || plan->inputs[i] != t.layout)) detached_view = true;
-      if (value.requires_grad() && value.is_leaf()) install_grad_hook(value, *impl);
+      if (value.requires_grad() && value.is_leaf()) install_grad_hook(value);
       at::Tensor local = impl->local();
       if (plan->inputs[i] != t.layout) local = redistribute_local(local, t.layout, plan->inputs[i], *call.mesh);
       set_arg_tensor(args, t, std::move(local));

@@ -72,8 +72,9 @@ inline std::optional<std::vector<int64_t>> planned_local_shape(const ops::OpPlan
   return plan.outputs[0]->local_shape_at(mesh.position());
 }
 
-// A leaf's .grad keeps the leaf's layout (installs the hook once per leaf; grad_sync.cpp).
-void install_grad_hook(const at::Tensor& leaf, DTensorImpl& impl);
+// A leaf's .grad keeps the leaf's layout: adds the gradient hook where the leaf's hook list lacks it
+// (grad_sync.cpp).
+void install_grad_hook(const at::Tensor& leaf);
 
 // The boxed operator flow, for every call the fast path does not take.
 void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack);

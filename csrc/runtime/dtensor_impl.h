@@ -11,7 +11,6 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/TensorImpl.h>
 
-#include <atomic>
 #include <memory>
 
 #include "layout/intern.h"
@@ -55,9 +54,6 @@ class DTensorImpl final : public c10::TensorImpl {
     return sizes() == local_.sizes() && strides() == local_.strides() && storage_offset() == local_.storage_offset();
   }
 
-  // Whether the gradient-layout hook is installed (see grad_sync.cpp); set once.
-  bool claim_grad_hook() { return !grad_hook_.exchange(true); }
-
   // A "view" whose input had to be redistributed first (e.g. a slice across a sharded dim): it
   // reads like a view but does not alias its base, so writing into it is refused.
   bool is_detached_view() const { return detached_view_; }
@@ -77,7 +73,6 @@ class DTensorImpl final : public c10::TensorImpl {
   at::Tensor local_;
   LayoutPtr layout_;
   DeviceMeshPtr mesh_;
-  std::atomic<bool> grad_hook_{false};
   bool detached_view_ = false;
 };
 

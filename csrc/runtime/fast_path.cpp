@@ -362,7 +362,7 @@ struct FastKernel<Op, Ret(Args...)> {
     detail::count_fast_call(info);
     for (const at::Tensor* t : fast.tensors)
       if (t->requires_grad() && t->is_leaf())
-        if (auto* impl = dtensor_impl(*t)) detail::install_grad_hook(*t, *impl);
+        if (dtensor_impl(*t) != nullptr) detail::install_grad_hook(*t);
 
     const DeviceMeshPtr& mesh = *fast.mesh;
     LocalShape shape;

@@ -237,36 +237,7 @@ void make_partial_in_place(DTensorImpl& grad, const LayoutPtr& partial) {
 
 namespace {
 
-// torch keeps a leaf's tensor hooks in one list that each kind of registration CLEARS on first
-// use: C++ Tensor::register_hook wipes the Python hooks already there, and Python's first
-// register_hook wipes the C++ ones (torch::autograd::impl::clear_hooks). Registered that way,
-// hypershard's hook silently dropped a user's hooks or was dropped by them (then .grad stayed
-// Partial). So hypershard appends its own hook object to that list without clearing anything,
-// and appends it again whenever a user's Python registration removed it (checked when the leaf
-// next reaches an op: the forward, or the backward ops that read it).
-at::TensorBase grad_to_leaf_layout(const WeakTensor& weak, const at::TensorBase& incoming);
-
-struct GradLayoutHook final : torch::autograd::FunctionPreHook {
-  explicit GradLayoutHook(WeakTensor leaf) : leaf(std::move(leaf)) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
-    if (grads.empty() || !grads[0].defined()) return grads;
-    auto out = grads;
-    out[0] = at::Tensor(grad_to_leaf_layout(leaf, grads[0]));
-    return out;
-  }
-  WeakTensor leaf;
-};
-
-void link(const at::Tensor& leaf) {
-  for (const auto& hook : torch::autograd::impl::hooks(leaf))
-    if (dynamic_cast<const GradLayoutHook*>(hook.get()) != nullptr) return;
-  // Appended, not add_hook: add_hook insists on an empty list (torch allows one tensor pre-hook
-  // per leaf); the engine runs every hook in the list, in order.
-  torch::autograd::impl::hooks(leaf).push_back(std::make_unique<GradLayoutHook>(WeakTensor(leaf.getIntrusivePtr())));
-}
-
-at::TensorBase grad_to_leaf_layout(const WeakTensor& weak, const at::TensorBase& incoming) {
-  const at::Tensor grad(incoming);
+at::Tensor grad_to_leaf_layout(const WeakTensor& weak, const at::Tensor& grad) {
   const at::Tensor strong(weak.lock());
   auto* grad_impl = dtensor_impl(grad);
   if (!strong.defined() || !grad_impl) return grad;
@@ -284,15 +255,33 @@ at::TensorBase grad_to_leaf_layout(const WeakTensor& weak, const at::TensorBase&
   return redistribute(grad, target);
 }
 
+struct GradLayoutHook final : torch::autograd::FunctionPreHook {
+  explicit GradLayoutHook(WeakTensor leaf) : leaf(std::move(leaf)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (grads.empty() || !grads[0].defined()) return grads;
+    auto out = grads;
+    out[0] = grad_to_leaf_layout(leaf, grads[0]);
+    return out;
+  }
+  WeakTensor leaf;
+};
+
 }  // namespace
 
-void detail::install_grad_hook(const at::Tensor& leaf, DTensorImpl& impl) {
-  if (!impl.claim_grad_hook()) {
-    if (torch::autograd::impl::get_autograd_meta(leaf) != nullptr) link(leaf);
-    return;
-  }
-  torch::autograd::impl::materialize_autograd_meta(leaf);
-  link(leaf);
+// torch keeps a leaf's tensor hooks in one list that each kind of registration CLEARS on first
+// use: C++ Tensor::register_hook wipes the Python hooks already there, and Python's first
+// register_hook wipes the C++ ones (torch::autograd::impl::clear_hooks). Registered that way,
+// hypershard's hook silently dropped a user's hooks or was dropped by them (then .grad stayed
+// Partial). So hypershard appends its own hook object to that list without clearing anything,
+// whenever the leaf reaches an op and the list lacks it (the first forward, and again after a
+// user's Python registration removed it: the next forward, or the backward ops that read it).
+void detail::install_grad_hook(const at::Tensor& leaf) {
+  auto& hooks = torch::autograd::impl::hooks(leaf);  // a requires-grad leaf has autograd meta
+  for (const auto& hook : hooks)
+    if (dynamic_cast<const GradLayoutHook*>(hook.get()) != nullptr) return;
+  // Appended, not add_hook: add_hook insists on an empty list (torch allows one tensor pre-hook
+  // per leaf); the engine runs every hook in the list, in order.
+  hooks.push_back(std::make_unique<GradLayoutHook>(WeakTensor(leaf.getIntrusivePtr())));
 }
 
 void set_grad_bucket_bytes(int64_t bytes) {
