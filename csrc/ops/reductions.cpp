@@ -7,7 +7,8 @@
 //   aten::max.dim, min.dim, argmax, argmin                                (select: value + index)
 //   aten::var.correction, std.correction                                  (moments)
 //   aten::_foreach_norm.Scalar                                            (one norm per element)
-//   aten::value_selecting_reduction_backward            (a kernel at the autograd key, see below)
+//   aten::value_selecting_reduction_backward            (a kernel at the autograd key, see below;
+//                                                       also serves sort/topk's backward)
 //
 // Sharding: dims that are not reduced keep their mesh axes (they shift left when keepdim is
 // false); a reduced dim becomes size 1 (keepdim) or disappears. What happens to the mesh axes
@@ -515,11 +516,14 @@ OpPlan foreach_norm_rule(const OpCall& call) {
 
 // ------------------------------------------------------------------ max.dim backward (autograd level)
 
-// value_selecting_reduction_backward (max.dim/min.dim/kthvalue/mode backward) is
-// composite-implicit: it scatters the gradient into a PLAIN zeros tensor of the input's global
-// size, which hypershard refuses (that tensor would hold one rank's shard). This kernel builds
-// the same gradient from DTensor ops: where(GLOBAL index == position along dim, grad, 0). Runs
-// at the AutogradPrivateUse2 key, so autograd records its ops (double backward works).
+// value_selecting_reduction_backward (the backward of max.dim/min.dim/kthvalue/mode, and of
+// sort/topk, which select several values along dim) is composite-implicit: it scatters the
+// gradient into a PLAIN zeros tensor of the input's global size, which hypershard refuses (that
+// tensor would hold one rank's shard). This kernel builds the same gradient from DTensor ops:
+// one selected value per position (max/min: K = 1 index along dim) is
+// where(GLOBAL index == position along dim, grad, 0); K > 1 indices (sort, topk) compare every
+// index with every position on an extra axis and sum over the K indices. Runs at the
+// AutogradPrivateUse2 key, so autograd records its ops (double backward works).
 at::Tensor value_selecting_reduction_backward_kernel(const at::Tensor& grad, int64_t dim, const at::Tensor& indices,
                                                      c10::SymIntArrayRef sizes, bool keepdim) {
   const int64_t ndim = static_cast<int64_t>(sizes.size());
@@ -527,10 +531,19 @@ at::Tensor value_selecting_reduction_backward_kernel(const at::Tensor& grad, int
   dim = c10::maybe_wrap_dim(dim, ndim);
   const auto g = keepdim ? grad : grad.unsqueeze(dim);
   const auto index = keepdim ? indices : indices.unsqueeze(dim);
-  std::vector<int64_t> shape(ndim, 1);
-  shape[dim] = sizes[dim].expect_int();
-  const auto positions = at::arange(shape[dim], index.options()).view(shape);  // plain: Replicate
-  return at::where(index.eq(positions), g, at::zeros({}, g.options()));
+  const int64_t length = sizes[dim].expect_int();
+  const auto zero = at::zeros({}, g.options());
+  if (index.size(dim) == 1) {
+    std::vector<int64_t> shape(ndim, 1);
+    shape[dim] = length;
+    const auto positions = at::arange(length, index.options()).view(shape);  // plain: Replicate
+    return at::where(index.eq(positions), g, zero);
+  }
+  // positions on a new axis `dim`, the K indices moved to dim + 1: [..., length, K, ...]
+  std::vector<int64_t> shape(ndim + 1, 1);
+  shape[dim] = length;
+  const auto positions = at::arange(length, index.options()).view(shape);  // plain: Replicate
+  return at::where(index.unsqueeze(dim).eq(positions), g.unsqueeze(dim), zero).sum(dim + 1);
 }
 
 }  // namespace
