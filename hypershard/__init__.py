@@ -60,9 +60,12 @@ from .dtensor import (  # noqa: E402
     debug_checks,
     distribute_tensor,
     init_device_mesh,
+    is_strict,
     layout_of,
     release_process_groups,
     set_debug_checks,
+    set_strict,
+    strict,
 )
 from .parallel import parallelize  # noqa: E402
 
@@ -81,7 +84,10 @@ __all__ = [
     "distribute_tensor",
     "set_debug_checks",
     "init_device_mesh",
+    "is_strict",
     "release_process_groups",
+    "set_strict",
+    "strict",
     "Layout",
     "LayoutError",
     "Mesh",

@@ -16,6 +16,7 @@ DTensor they gather, which is a collective — call them on every rank of the me
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
 import types
@@ -29,7 +30,8 @@ from . import _C
 from .layout import make_layout
 from .placement_types import Partial, Replicate, Shard
 
-__all__ = ["DTensor", "DeviceMesh", "distribute_tensor", "init_device_mesh", "layout_of", "release_process_groups"]
+__all__ = ["DTensor", "DeviceMesh", "distribute_tensor", "init_device_mesh", "is_strict", "layout_of",
+           "release_process_groups", "set_strict", "strict"]
 
 DeviceMesh = _C.DeviceMesh
 
@@ -51,6 +53,37 @@ def debug_checks() -> bool:
 
 if os.environ.get("HYPERSHARD_DEBUG_CHECKS", "") not in ("", "0"):
     set_debug_checks(True)
+
+
+# ---------------------------------------------------------------------------------- strict mode
+
+def set_strict(enabled: bool) -> None:
+    """Strict mode: an op without a distributed rule raises "Missing operator" on every rank,
+    before any collective. Off by default: such an op runs through the fallback (inputs gathered
+    to Replicate, the op computed on the global values, outputs Replicate; a warning once per op;
+    counted in ``_C.dispatch_stats()['fallback_calls']``). Rule and model tests run strict so the
+    fallback can never hide a missing rule. Also switched on by HYPERSHARD_STRICT=1."""
+    _C.set_strict(bool(enabled))
+
+
+def is_strict() -> bool:
+    return _C.strict()
+
+
+@contextlib.contextmanager
+def strict(enabled: bool = True):
+    """``with hypershard.strict(): ...`` runs the block in strict mode (see set_strict) and
+    restores the previous mode afterwards."""
+    previous = _C.strict()
+    _C.set_strict(bool(enabled))
+    try:
+        yield
+    finally:
+        _C.set_strict(previous)
+
+
+if os.environ.get("HYPERSHARD_STRICT", "") not in ("", "0"):
+    set_strict(True)
 
 
 # ---------------------------------------------------------------------------------- meshes

@@ -93,6 +93,7 @@ void bind_runtime(py::module_& m) {
     const auto s = runtime::dispatch_stats();
     return py::dict(py::arg("calls") = s.calls, py::arg("cache_hits") = s.cache_hits,
                     py::arg("cache_entries") = s.cache_entries, py::arg("fast_calls") = s.fast_calls,
+                    py::arg("fallback_calls") = s.fallback_calls, py::arg("fallback_bytes") = s.fallback_bytes,
                     py::arg("interned_layouts") = layout::interned_count(),
                     py::arg("cached_plans") = layout::cached_plan_count());
   });
@@ -144,7 +145,8 @@ void bind_runtime(py::module_& m) {
     return out;
   }, "[(op name, calls since reset, has a rule)] for every op that reached hypershard");
   m.def("reset_op_counts", &runtime::reset_op_counts);
-  m.def("set_coverage_mode", &runtime::set_coverage_mode, py::arg("on"));
+  m.def("set_strict", &runtime::set_strict, py::arg("on"));
+  m.def("strict", &runtime::strict);
   m.def("set_check_replicas", &runtime::set_check_replicas, py::arg("on"));
   m.def("check_replicas", &runtime::check_replicas);
   m.def(

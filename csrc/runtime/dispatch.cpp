@@ -38,9 +38,10 @@ using detail::ReturnKind;
 
 
 std::atomic<int64_t> g_calls{0};
-// Coverage mode (hypershard.coverage only): an op without a rule is recorded and computed on
-// gathered (Replicate) inputs instead of raising, so one run lists every missing op.
-std::atomic<bool> g_coverage_mode{false};
+// Strict mode: an op without a rule raises instead of running through replicate_fallback.
+std::atomic<bool> g_strict{false};
+std::atomic<int64_t> g_fallback_calls{0};
+std::atomic<int64_t> g_fallback_bytes{0};
 std::atomic<bool> g_check_replicas{false};
 
 std::shared_mutex g_infos_mutex;
@@ -336,34 +337,110 @@ void set_arg_tensor(c10::IValue* args, const ops::TensorArg& t, at::Tensor local
 
 // Coverage mode only: every DTensor input gathered to Replicate (Partial reduced), the op run on
 // the full values, every tensor output wrapped as Replicate. Slow but exact.
+// One returned local as a DTensor. A view takes the local's geometry (`from_local`) or the next
+// meta-shadow geometry; a view of a redistributed input is marked as not aliasing its base.
+at::Tensor wrap_view_or_output(at::Tensor local, bool is_view, const LayoutPtr& layout, const DeviceMeshPtr& mesh,
+                               bool from_local, const std::vector<std::pair<std::vector<int64_t>, int64_t>>& shadow,
+                               size_t& view_index, bool detached_view) {
+  std::optional<Geometry> geometry;
+  if (is_view && from_local) {
+    geometry = Geometry{local.strides(), local.storage_offset()};  // the local's impl outlives the call
+  } else if (is_view && view_index < shadow.size()) {
+    geometry = Geometry{shadow[view_index].first, shadow[view_index].second};
+    ++view_index;
+  }
+  auto wrapped = make_dtensor(std::move(local), layout, mesh, geometry ? &*geometry : nullptr);
+  if (is_view && detached_view) dtensor_impl(wrapped)->mark_detached_view();
+  return wrapped;
+}
+
+// The result of an op the fallback computed, written back into the caller's DTensor `wrapper`
+// (an in-place or out= argument) in the wrapper's own layout: each rank keeps its part of the
+// global result. A result of another shape (out= resized) replaces the wrapper's value as Replicate.
+void write_back(const at::Tensor& wrapper, const at::Tensor& result, const DeviceMesh& mesh) {
+  auto* impl = dtensor_impl(wrapper);
+  if (impl == nullptr) return;
+  const LayoutPtr& target = impl->layout();
+  if (result.sizes() != c10::IntArrayRef(target->global_shape())) {
+    impl->replace(result, intern_layout(layout::Layout::replicate(target->mesh(), result.sizes().vec())));
+    return;
+  }
+  const auto full = intern_layout(layout::Layout::replicate(target->mesh(), target->global_shape()));
+  at::Tensor local = redistribute_local(result, full, target, mesh);
+  if (local.is_same(impl->local())) return;
+  if (local.sizes() == impl->local().sizes()) impl->local().copy_(local);  // keeps views of it aliased
+  else impl->replace(std::move(local), target);
+}
+
+void write_back_value(const c10::IValue& caller, const c10::IValue& result, const DeviceMesh& mesh) {
+  if (caller.isTensor() && result.isTensor()) {
+    write_back(caller.toTensor(), result.toTensor(), mesh);
+  } else if (caller.isTensorList() && result.isTensorList()) {
+    const auto wrappers = caller.toTensorList();
+    const auto results = result.toTensorList();
+    for (size_t i = 0; i < wrappers.size() && i < results.size(); ++i) write_back(wrappers.get(i), results.get(i), mesh);
+  }
+}
+
+// Default mode's answer to an op without a rule (strict mode raises instead): every DTensor
+// input is gathered to Replicate (Partial reduced), the op runs on the global values -- every
+// rank computes what one device would (random ops draw what one device draws, given the ranks'
+// shared seed) -- and the outputs are Replicate DTensors. Arguments the op writes (in-place,
+// out=) get the result back in their own layouts and are returned as themselves. A view of a
+// gathered input does not alias the caller's tensor, so writes through it raise.
 void replicate_fallback(const c10::OperatorHandle& op, OpInfo& info, ops::OpCall& call, torch::jit::Stack* stack) {
   const size_t num_args = op.schema().arguments().size();
   c10::IValue* args = stack->data() + (stack->size() - num_args);
+  std::vector<c10::IValue> callers(num_args), results(num_args);  // written arguments only
+  for (size_t a = 0; a < num_args; ++a)
+    if (info.written_args[a]) callers[a] = args[a];
+  int64_t gathered_bytes = 0;
   for (const auto& t : call.tensors) {
     if (!t.is_dtensor) continue;
     at::Tensor scratch;
     const at::Tensor& value = arg_tensor(args, t, scratch);
-    auto* impl = dtensor_impl(value);
     auto full = intern_layout(layout::Layout::replicate(t.layout->mesh(), t.layout->global_shape()));
-    set_arg_tensor(args, t, redistribute_local(impl->local(), t.layout, full, *call.mesh));
+    if (full != t.layout) gathered_bytes += layout::numel(t.layout->global_shape()) * static_cast<int64_t>(value.element_size());
+    set_arg_tensor(args, t, redistribute_local(dtensor_impl(value)->local(), t.layout, full, *call.mesh));
   }
+  for (size_t a = 0; a < num_args; ++a)
+    if (info.written_args[a]) results[a] = args[a];
+  g_fallback_calls.fetch_add(1, std::memory_order_relaxed);
+  g_fallback_bytes.fetch_add(gathered_bytes, std::memory_order_relaxed);
+  if (!info.fallback_warned.exchange(true))
+    TORCH_WARN("hypershard: ", call.name(), " has no distributed rule: computed on gathered inputs (",
+               call.describe_inputs(), "; ", gathered_bytes,
+               " bytes gathered this call), outputs Replicate. Warned once per op; "
+               "hypershard.set_strict(True) makes it an error.");
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    if (info.is_view) c10::AutogradState::get_tls_state().set_view_replay_enabled(true);
     op.callBoxed(stack);
   }
+  for (size_t a = 0; a < num_args; ++a)
+    if (info.written_args[a]) write_back_value(callers[a], results[a], *call.mesh);
+
   const size_t num_returns = info.returns.size();
   c10::IValue* rets = stack->data() + (stack->size() - num_returns);
-  auto wrap = [&](const at::Tensor& local) {
-    return make_dtensor(local, intern_layout(layout::Layout::replicate(call.mesh->mesh(), local.sizes().vec())), call.mesh);
+  const bool detached = gathered_bytes > 0;
+  size_t no_shadow = 0;
+  auto wrap = [&](at::Tensor local, bool is_view) {
+    auto layout = intern_layout(layout::Layout::replicate(call.mesh->mesh(), local.sizes().vec()));
+    return wrap_view_or_output(std::move(local), is_view, layout, call.mesh, /*from_local=*/true, {}, no_shadow,
+                               detached);
   };
   for (size_t r = 0; r < num_returns; ++r) {
     c10::IValue& v = rets[r];
-    if (v.isTensor() && v.toTensor().defined()) {
-      v = wrap(v.toTensor());
+    const ReturnInfo& ri = info.returns[r];
+    const bool is_view = ri.kind == ReturnKind::kView;
+    if (ri.kind == ReturnKind::kWritten && ri.arg >= 0 && !callers[ri.arg].isNone()) {
+      v = callers[ri.arg];
+    } else if (v.isTensor() && v.toTensor().defined()) {
+      v = wrap(v.toTensor(), is_view);
     } else if (v.isTensorList()) {
       c10::List<at::Tensor> wrapped;
-      for (const at::Tensor& t : v.toTensorList()) wrapped.push_back(wrap(t));
+      for (const at::Tensor& t : v.toTensorList()) wrapped.push_back(wrap(t, is_view));
       v = std::move(wrapped);
     }
   }
@@ -401,23 +478,6 @@ ops::OpCall begin_call(const c10::OperatorHandle& op, const OpInfo& info, const 
   return call;
 }
 
-// One returned local as a DTensor. A view takes the local's geometry (`from_local`) or the next
-// meta-shadow geometry; a view of a redistributed input is marked as not aliasing its base.
-at::Tensor wrap_view_or_output(at::Tensor local, bool is_view, const LayoutPtr& layout, const DeviceMeshPtr& mesh,
-                               bool from_local, const std::vector<std::pair<std::vector<int64_t>, int64_t>>& shadow,
-                               size_t& view_index, bool detached_view) {
-  std::optional<Geometry> geometry;
-  if (is_view && from_local) {
-    geometry = Geometry{local.strides(), local.storage_offset()};  // the local's impl outlives the call
-  } else if (is_view && view_index < shadow.size()) {
-    geometry = Geometry{shadow[view_index].first, shadow[view_index].second};
-    ++view_index;
-  }
-  auto wrapped = make_dtensor(std::move(local), layout, mesh, geometry ? &*geometry : nullptr);
-  if (is_view && detached_view) dtensor_impl(wrapped)->mark_detached_view();
-  return wrapped;
-}
-
 }  // namespace
 
 void detail::dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
@@ -439,7 +499,7 @@ void detail::dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet
   if (g_check_replicas.load(std::memory_order_relaxed)) check_plain_operands(call);
   info.calls.fetch_add(1, std::memory_order_relaxed);
   if (!info.rule) {
-    if (!g_coverage_mode.load(std::memory_order_relaxed)) missing_operator(call);
+    if (g_strict.load(std::memory_order_relaxed)) missing_operator(call);
     replicate_fallback(op, info, call, stack);
     return;
   }
@@ -668,6 +728,8 @@ DispatchStats dispatch_stats() {
   s.calls = g_calls.load();
   s.cache_hits = g_hits.load();
   s.fast_calls = g_fast_calls.load();
+  s.fallback_calls = g_fallback_calls.load();
+  s.fallback_bytes = g_fallback_bytes.load();
   std::shared_lock<std::shared_mutex> read(g_infos_mutex);
   for (const auto& [key, info] : *g_infos) {
     std::shared_lock<std::shared_mutex> plans(info->mutex);
@@ -691,11 +753,14 @@ void reset_dispatch_stats() {
   g_calls.store(0);
   g_hits.store(0);
   g_fast_calls.store(0);
+  g_fallback_calls.store(0);
+  g_fallback_bytes.store(0);
 }
 
 std::vector<std::string> rule_names() { return ops::registry().names(); }
 
-void set_coverage_mode(bool on) { g_coverage_mode.store(on); }
+void set_strict(bool on) { g_strict.store(on); }
+bool strict() { return g_strict.load(); }
 void set_check_replicas(bool on) { g_check_replicas.store(on); }
 bool check_replicas() { return g_check_replicas.load(); }
 

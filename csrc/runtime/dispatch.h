@@ -25,6 +25,8 @@ struct DispatchStats {
   int64_t cache_hits = 0;
   int64_t cache_entries = 0;  // op plans cached, all ops together
   int64_t fast_calls = 0;     // calls the typed fast path ran without boxing (fast_path.cpp)
+  int64_t fallback_calls = 0;  // calls of ops without a rule, run on gathered inputs
+  int64_t fallback_bytes = 0;  // global bytes of the non-Replicate inputs those calls gathered
 };
 DispatchStats dispatch_stats();
 // The number of cached op plans per op ("aten::add.Tensor"), ops without plans left out, sorted.
@@ -53,9 +55,11 @@ struct OpCount {
 };
 std::vector<OpCount> op_counts();
 void reset_op_counts();
-// Coverage mode: a missing rule is recorded and the op computed on gathered inputs instead of
-// raising (hypershard.coverage uses it to list every missing op in one run).
-void set_coverage_mode(bool on);
+// Strict mode: an op without a rule raises "Missing operator" (on every rank, before any
+// collective). Off by default: such an op runs through the fallback -- inputs gathered to
+// Replicate, the op computed on the global values, outputs Replicate -- with a warning once per op.
+void set_strict(bool on);
+bool strict();
 // Debug mode: every plain tensor operand of an op with DTensor operands is checked to be the
 // same on every rank (it counts as Replicate); costs one small all-reduce per mesh axis and
 // operand.

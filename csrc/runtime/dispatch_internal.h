@@ -50,6 +50,7 @@ struct OpInfo {
   std::vector<int8_t> written_args;  // per schema argument
   bool is_view = false;
   std::atomic<int64_t> calls{0};  // for coverage reports
+  std::atomic<bool> fallback_warned{false};  // the fallback's warning is given once per op
   std::atomic<uint64_t> generation{0};  // bumped when the plan cache is cleared
   std::shared_mutex mutex;
   std::unordered_multimap<uint64_t, CachedPlan> plans;

@@ -46,7 +46,8 @@ collective_timeout=None, resume=True, keep_dir=None) groups the cases by world s
 group in one launch: ranks are forked from the caller (so cases may use lambdas; OMP_NUM_THREADS=1,
 one torch thread), rendezvous through a TCPStore the parent owns on an OS-chosen port, use gloo
 with `collective_timeout`, create and cache one mesh per (shape, names), and report each case by
-rank.  When a launch does not finish within `timeout`, the parent dumps the ranks' stacks, kills
+rank.  With backend="hypershard" every rank runs in strict mode (Adapter.setup_rank), so an op
+without a rule fails its case instead of passing through the fallback.  When a launch does not finish within `timeout`, the parent dumps the ranks' stacks, kills
 them and reports "possible hang in case <name>" with what every rank was doing; a rank that dies
 is reported as a crash of its case; with `resume` the cases after it run in a new launch.
 Every launch uses a fresh temporary directory (kept with keep_dir=True or

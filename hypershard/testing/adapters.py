@@ -43,6 +43,9 @@ class Adapter:
     def check(self) -> None:
         """Raise a clear error, in the parent, when the library cannot run the cases."""
 
+    def setup_rank(self) -> None:
+        """Called once in every rank process before its cases run."""
+
     def make_mesh(self, device_type: str, shape: tuple, names: tuple) -> Any:
         raise NotImplementedError
 
@@ -143,6 +146,10 @@ class HypershardAdapter(Adapter):
             raise RuntimeError("backend 'hypershard': this build has no DTensor runtime API "
                                f"(missing hypershard.{', hypershard.'.join(missing)}); "
                                "use backend='torch' until the runtime lands")
+
+    def setup_rank(self):
+        # Rule tests run strict: a missing rule raises instead of hiding behind the fallback.
+        self._hs().set_strict(True)
 
     def make_mesh(self, device_type, shape, names):
         return self._hs().init_device_mesh(device_type, tuple(shape),

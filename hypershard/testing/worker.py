@@ -216,6 +216,7 @@ class _Rank:
     def __init__(self, rank: int, plan: LaunchPlan):
         self.rank, self.plan = rank, plan
         self.adapter = plan.adapter
+        self.adapter.setup_rank()
         self.results = os.path.join(plan.directory, f"rank{rank}.jsonl")
         self.progress = os.path.join(plan.directory, f"rank{rank}.progress")
         self.generation = 0

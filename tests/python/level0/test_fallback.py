@@ -1,0 +1,144 @@
+"""Level0: default mode's fallback for ops without a rule, on real meshes, against one device.
+
+Every DTensor input is gathered to Replicate (Partial reduced), the op computed on the global
+values, the outputs Replicate; in-place and out= arguments get the result back in their own
+layouts; autograd runs through it (the backward ops reach the fallback too); a view of a
+gathered input refuses writes. Each case checks inside the distributed run that the fallback
+really served it (dispatch_stats()['fallback_calls'] grew): when one of these ops gets a rule,
+the case says so and needs another rule-less op. Strict mode (what the rest of the suite runs
+in) raises "Missing operator" for the same calls, and the fallback warns once per op.
+"""
+
+import warnings
+
+import torch
+
+import hypershard as hs
+from hypershard.testing import Case, HypershardAdapter, Input, assert_all_passed, in_distributed_run, run_cases
+from hypershard.testing.spec import randint
+
+M2 = ((2,), ("dp",))
+M4 = ((4,), ("dp",))
+M22 = ((2, 2), ("dp", "tp"))
+
+
+class DefaultModeAdapter(HypershardAdapter):
+    """hypershard in default mode (the harness runs hypershard strict otherwise)."""
+
+    name = "hypershard-default-mode"
+
+    def setup_rank(self):
+        hs.set_strict(False)
+        warnings.simplefilter("ignore")  # the fallback's once-per-op warnings
+
+
+def through_fallback(fn):
+    """fn, asserting in the distributed run that the fallback served at least one call."""
+    def run(*args):
+        if not in_distributed_run():
+            return fn(*args)
+        before = hs._C.dispatch_stats()["fallback_calls"]
+        out = fn(*args)
+        assert hs._C.dispatch_stats()["fallback_calls"] > before, "no call went through the fallback"
+        return out
+    return run
+
+
+def in_place(fn):
+    """An in-place op on a copy of the input (leaves cannot be written), result and copy returned."""
+    def run(x):
+        y = x.detach().clone()
+        out = fn(y)
+        assert out is y, "an in-place op must return its own argument"
+        return y
+    return run
+
+
+def out_variant(fn, like_placements):
+    """fn(x, out=y) into a DTensor y laid out like the input, in the distributed run."""
+    def run(x):
+        y = torch.empty_like(x.detach())
+        if in_distributed_run():
+            y = hs.distribute_tensor(torch.zeros(x.shape), x.device_mesh, like_placements)
+        result = fn(x.detach(), out=y)
+        assert result is y
+        if in_distributed_run():
+            assert y.placements == tuple(like_placements), y.placements
+        return y
+    return run
+
+
+def fallback_cases():
+    S0, S1, R, P = ["S(0)"], ["S(1)"], ["R"], ["P"]
+    cases = []
+
+    def add(name, fn, inputs, mesh=M2, **kw):
+        cases.append(Case(name, through_fallback(fn), inputs, mesh, **kw))
+
+    for mesh, place in ((M2, S0), (M4, S1), (M22, ["S(0)", "S(1)"]), (M2, P)):
+        tag = f"{'x'.join(map(str, mesh[0]))}_{''.join(place).replace('(', '').replace(')', '')}"
+        add(f"flip_{tag}", lambda x: torch.flip(x, [0, 1]), [Input((5, 6), placements=place)], mesh)
+        add(f"cumsum_{tag}", lambda x: torch.cumsum(x, 1), [Input((5, 7), placements=place)], mesh)
+        add(f"tril_{tag}", lambda x: torch.tril(x, -1), [Input((6, 5), placements=place)], mesh)
+        add(f"roll_{tag}", lambda x: torch.roll(x, 2, 0), [Input((7, 4), placements=place)], mesh)
+    # several outputs, integer outputs, data-dependent sizes
+    add("sort_values_indices", lambda x: torch.sort(x, dim=1), [Input((6, 5), placements=S0)], M2)
+    add("topk", lambda x: torch.topk(x, 3, dim=0), [Input((7, 4), placements=S1)], M4)
+    add("nonzero", lambda x: torch.nonzero(x > 0), [Input((6, 5), placements=S0, requires_grad=False)], M2)
+    add("masked_select", lambda x: torch.masked_select(x, x > 0), [Input((6, 5), placements=S1)], M2)
+    add("cumsum_int64", lambda x: torch.cumsum(x, 0), [Input((9,), torch.int64, init=randint(-5, 5), placements=S0)], M4)
+    # fallback output feeding rule ops, and gradients through both
+    add("tril_then_matmul", lambda x, w: torch.tril(x) @ w,
+        [Input((6, 6), placements=S0), Input((6, 4), placements=["S(1)"])], M2)
+    # in-place and out=: the result written back in the argument's own layout
+    add("tril_inplace_sharded", in_place(lambda y: y.tril_()), [Input((6, 5), placements=S0)], M2, check_grad=False)
+    add("cumsum_inplace_2d_mesh", in_place(lambda y: y.cumsum_(0)), [Input((5, 6), placements=["S(1)", "S(0)"])],
+        M22, check_grad=False)
+    add("cumsum_out_sharded", out_variant(lambda x, out: torch.cumsum(x, 1, out=out), [hs.Shard(0)]),
+        [Input((5, 4), placements=S0)], M2, check_grad=False)
+    return cases
+
+
+def test_fallback_matches_one_device():
+    assert_all_passed(run_cases(fallback_cases(), backend=DefaultModeAdapter(), timeout=600))
+
+
+def _view_write_refused(x):
+    if not in_distributed_run():
+        return torch.zeros(1)
+    v = x.detach().clone().unfold(0, 2, 1)  # a view op without a rule, of a gathered input
+    v.add_(1)  # must raise: the write would not reach the sharded base
+    return torch.zeros(1)
+
+
+def _strict_refuses(x):
+    with hs.strict():
+        return torch.flip(x, [0])
+
+
+def _warns_once_and_counts_bytes(x):
+    if not in_distributed_run():
+        return torch.logcumsumexp(torch.logcumsumexp(x, 1), 1)
+    before = hs._C.dispatch_stats()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.logcumsumexp(torch.logcumsumexp(x, 1), 1)
+    texts = [str(w.message) for w in caught if "logcumsumexp" in str(w.message)]
+    assert len(texts) == 1 and "has no distributed rule" in texts[0] and "set_strict" in texts[0], texts
+    after = hs._C.dispatch_stats()
+    assert after["fallback_calls"] - before["fallback_calls"] == 2, (before, after)
+    # the first call gathers the sharded [6, 5] float32 input (120 bytes); the second's is Replicate
+    assert after["fallback_bytes"] - before["fallback_bytes"] == 6 * 5 * 4, (before, after)
+    return out
+
+
+def test_fallback_warns_views_refuse_writes_and_strict_mode_raises():
+    cases = [
+        Case("warns_once_per_op_and_counts_bytes", _warns_once_and_counts_bytes,
+             [Input((6, 5), placements=["S(0)"], requires_grad=False)], M2),
+        Case("view_of_gathered_input_refuses_writes", _view_write_refused, [Input((6, 5), placements=["S(0)"])], M2,
+             expect_error="does not alias its base"),
+        Case("strict_context_raises_missing_operator", _strict_refuses, [Input((6, 5), placements=["S(0)"])], M2,
+             expect_error="Missing operator aten::flip"),
+    ]
+    assert_all_passed(run_cases(cases, backend=DefaultModeAdapter(), timeout=300))
