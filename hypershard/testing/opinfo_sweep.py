@@ -1,0 +1,219 @@
+"""python -m hypershard.testing.opinfo_sweep [--world 2] [--samples 3] [--strict] [--ops add,mm] [--json FILE]
+
+PyTorch's own operator catalogue (OpInfo op_db, float32 CPU samples) on hypershard DTensors, as
+torch's test/distributed/tensor/test_dtensor_ops.py does for torch's DTensor: every tensor of a
+sample becomes a DTensor, once Replicate and once sharded on its largest dim (uneven shards
+included), the op runs, and its outputs (gathered) are compared with the same op on plain
+tensors. Each (op, variant) is "passed" (every sample matched), "wrong" (some output differs:
+a silently wrong result), "error" (the op raised) or "skipped" (no float32 CPU sample). Default
+mode counts what the fallback and the rules compute together; --strict counts native rules only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+import warnings
+from typing import Any
+
+VARIANTS = ("replicate", "sharded")
+# Ops whose outputs are uninitialized memory: only shape and dtype can be compared (torch's own
+# DTensor sweep skips them for the same reason).
+UNINITIALIZED = frozenset({"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty",
+                           "new_empty_strided"})
+# assert_close's float32 defaults, which torch's own DTensor sweep uses. A fallback result is the
+# same kernel on the same gathered values (bitwise equal); a rule result differs only where a
+# reduction is split over shards (a reordered sum of at most a few dozen sample values). Checked:
+# the same pass/fail for every pair with ATen's scalar kernels and MKL's SSE4.2 path.
+RTOL, ATOL = 1.3e-6, 1e-5
+
+
+PASSING_HEADER = """\
+# (op|variant) pairs of PyTorch's OpInfo catalogue that hypershard computes correctly in {mode}
+# (written by python -m hypershard.testing.opinfo_sweep --write-passing); the level0 OpInfo test
+# checks that every pair listed still passes: the list may only grow.
+"""
+
+
+def _op_key(op) -> str:
+    return op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
+
+
+def _catalogue(names: set | None) -> list:
+    import torch
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    ops = [op for op in op_db if torch.float32 in op.supported_dtypes("cpu")]
+    if names:
+        ops = [op for op in ops if _op_key(op) in names or op.name in names]
+    return ops
+
+
+def _distribute(value: Any, mesh, variant: str):
+    import torch
+
+    import hypershard as hs
+
+    if isinstance(value, torch.Tensor) and value.layout == torch.strided:  # sparse ones stay plain
+        placements = [hs.Replicate()]
+        if variant == "sharded" and value.dim() > 0 and value.numel() > 0:
+            placements = [hs.Shard(max(range(value.dim()), key=lambda d: value.shape[d]))]
+        return hs.distribute_tensor(value, mesh, placements)
+    if isinstance(value, (list, tuple)):
+        converted = [_distribute(v, mesh, variant) for v in value]
+        return type(value)(converted) if isinstance(value, tuple) else converted
+    if isinstance(value, dict):
+        return {k: _distribute(v, mesh, variant) for k, v in value.items()}
+    return value
+
+
+def _copy(value: Any):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone() if value.layout == torch.strided else value
+    if isinstance(value, (list, tuple)):
+        converted = [_copy(v) for v in value]
+        return type(value)(converted) if isinstance(value, tuple) else converted
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    return value
+
+
+def _gather(value: Any):
+    import torch
+
+    import hypershard as hs
+
+    if isinstance(value, torch.Tensor):
+        return value.full_tensor() if hs._C.is_dtensor(value) else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_gather(v) for v in value) if isinstance(value, tuple) else [_gather(v) for v in value]
+    return value
+
+
+def _compare(got: Any, expected: Any, values: bool = True) -> None:
+    import torch
+
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f"got {type(got).__name__}, expected a tensor"
+        if not values:
+            assert (got.shape, got.dtype) == (expected.shape, expected.dtype), (
+                f"{tuple(got.shape)} {got.dtype} vs {tuple(expected.shape)} {expected.dtype}")
+            return
+        torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, equal_nan=True, check_stride=False)
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(expected), "output structure differs"
+        for g, e in zip(got, expected):
+            _compare(g, e, values)
+    elif isinstance(expected, float) and isinstance(got, float):
+        torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, equal_nan=True)
+    else:
+        assert got == expected, f"{got!r} != {expected!r}"
+
+
+def _run_op(op, mesh, variant: str, samples: int) -> tuple[str, str]:
+    import torch
+
+    count = 0
+    # OpInfo draws its samples at random: drawn before anything runs, so every rank has the same
+    # ones whatever the ops in between draw (rules for random ops draw per shard).
+    torch.manual_seed(0)
+    drawn = list(itertools.islice(op.sample_inputs("cpu", torch.float32, requires_grad=False), 2 * samples))
+    for sample in drawn:
+        if count >= samples:
+            break
+        count += 1
+        torch.manual_seed(count)
+        # Both runs see the same fresh contiguous copies (a sample may be a view into a larger
+        # storage, which a DTensor's local never is).
+        plain_args, plain_kwargs = _copy([sample.input, *sample.args]), _copy(dict(sample.kwargs))
+        try:
+            expected = op(*_copy(plain_args), **_copy(plain_kwargs))
+        except Exception:  # noqa: BLE001 -- a sample torch itself rejects on one device
+            count -= 1
+            continue
+        torch.manual_seed(count)
+        try:
+            args = _distribute(plain_args, mesh, variant)
+            kwargs = _distribute(plain_kwargs, mesh, variant)
+            got = _gather(op(*args, **kwargs))
+        except Exception as exc:  # noqa: BLE001 -- the sweep records what raised
+            return "error", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        try:
+            _compare(got, expected, values=op.name not in UNINITIALIZED)
+        except AssertionError as exc:
+            return "wrong", str(exc).strip().splitlines()[0][:300]
+    return ("passed", "") if count else ("skipped", "no float32 CPU sample")
+
+
+def sweep_rank(rank: int, world: int, names: list | None, samples: int, strict: bool, verbose: bool = False) -> dict:
+    import hypershard as hs
+
+    warnings.simplefilter("ignore")
+    hs.set_strict(strict)
+    mesh = hs.init_device_mesh("cpu", (world,), ("dp",))
+    results = {}
+    for op in _catalogue(set(names) if names else None):
+        for variant in VARIANTS:
+            if verbose and rank == 0:
+                print(f"opinfo_sweep: {_op_key(op)} {variant}", file=sys.stderr, flush=True)
+            results[f"{_op_key(op)}|{variant}"] = _run_op(op, mesh, variant, samples)
+    return results
+
+
+def run(world: int = 2, samples: int = 3, strict: bool = False, names: list | None = None,
+        timeout: float = 1800.0, verbose: bool = False) -> dict:
+    """{"op|variant": (status, detail)} from rank 0 (every rank computes the same)."""
+    from hypershard.launch import spawn_local_ranks
+
+    return spawn_local_ranks(sweep_rank, world, names, samples, strict, verbose, timeout=timeout, pg_timeout=120)[0]
+
+
+def summary(results: dict) -> dict:
+    out = {}
+    for variant in VARIANTS:
+        statuses = [s for key, (s, _) in results.items() if key.endswith(f"|{variant}")]
+        out[variant] = {k: statuses.count(k) for k in ("passed", "wrong", "error", "skipped")}
+        out[variant]["ops"] = len(statuses)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hypershard.testing.opinfo_sweep",
+                                     description=__doc__.split("\n\n")[1])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=3, help="samples per op (default 3)")
+    parser.add_argument("--strict", action="store_true", help="native rules only (no fallback)")
+    parser.add_argument("--ops", help="comma-separated op names (default: all of op_db)")
+    parser.add_argument("--json", help="write every (op, variant) result to this file")
+    parser.add_argument("--write-passing", metavar="FILE",
+                        help="write the passing (op|variant) pairs, one a line (the strict list of the level0 test)")
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--verbose", action="store_true", help="rank 0 prints each op as it starts")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    results = run(args.world, args.samples, args.strict, args.ops.split(",") if args.ops else None, args.timeout,
+                  args.verbose)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, sort_keys=True)
+    if args.write_passing:
+        header = PASSING_HEADER.format(mode="strict mode" if args.strict else "default mode")
+        with open(args.write_passing, "w") as f:
+            f.write(header + "".join(f"{key}\n" for key, (status, _) in sorted(results.items()) if status == "passed"))
+    for variant, counts in summary(results).items():
+        print(f"{variant:9s} {counts['passed']} passed, {counts['wrong']} WRONG, {counts['error']} raised, "
+              f"{counts['skipped']} skipped of {counts['ops']} ops")
+    for key, (status, detail) in sorted(results.items()):
+        if status == "wrong":
+            print(f"WRONG {key}: {detail}")
+    print(f"({time.perf_counter() - start:.0f} s, {'strict' if args.strict else 'default'} mode, {args.world} ranks)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
