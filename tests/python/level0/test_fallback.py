@@ -69,7 +69,7 @@ def out_variant(fn, like_placements):
 
 
 def fallback_cases():
-    S0, S1, R, P = ["S(0)"], ["S(1)"], ["R"], ["P"]
+    S0, S1, P = ["S(0)"], ["S(1)"], ["P"]
     cases = []
 
     def add(name, fn, inputs, mesh=M2, **kw):
