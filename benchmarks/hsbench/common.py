@@ -1,0 +1,86 @@
+"""Helpers every section uses: medians, ratios, error text, and the argument specs the per-op
+sections (dispatch, fallback) build their tensors from."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Callable, Optional
+
+
+def summary(samples: list) -> dict:
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
+
+
+def ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
+    if num is None or den is None or den <= 0:
+        return None
+    return num / den
+
+
+def geomean(values: list) -> Optional[float]:
+    values = [v for v in values if v is not None and v > 0]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def error_text(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text if len(text) <= 800 else text[:150] + " ... " + text[-650:]  # a traceback ends with the cause
+
+
+def mesh_text(spec) -> str:
+    return " x ".join(f"{n}={s}" for s, n in zip(*spec))
+
+
+# An op's arguments: ("tensor", shape, placement under the Shard variant) or ("list", count,
+# shape, placement) or ("target", shape, classes, placement); a placement is a Shard dim or None
+# (Replicate). The Replicate variant makes every argument Replicate.
+
+def global_args(spec: list, seed: int) -> list:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)  # the same values on every rank
+    out = []
+    for item in spec:
+        if item[0] == "tensor":
+            out.append(torch.randn(*item[1], generator=g))
+        elif item[0] == "list":
+            out.append([torch.randn(*item[2], generator=g) for _ in range(item[1])])
+        else:  # class targets, about a quarter of them ignored (-100), as in HF labels
+            target = torch.randint(0, item[2], item[1], generator=g)
+            target[torch.rand(item[1], generator=g) < 0.25] = -100
+            out.append(target)
+    return out
+
+
+def placed_args(spec: list, values: list, shard: bool, make: Callable) -> list:
+    """make(tensor, dim or None) -> the implementation's tensor for one argument."""
+    out = []
+    for item, value in zip(spec, values):
+        dim = item[-1] if shard else None
+        if item[0] == "list":
+            out.append([make(v, dim) for v in value])
+        else:
+            out.append(make(value, dim))
+    return out
+
+
+def full_value(x):
+    """The global value of a result: DTensors (hypershard's or torch's) gathered, lists item by item."""
+    from torch.distributed.tensor import DTensor as TorchDTensor
+
+    import hypershard as hs
+
+    if isinstance(x, list):
+        return [full_value(v) for v in x]
+    if isinstance(x, (hs.DTensor, TorchDTensor)):  # (hypershard gives every Tensor a raising full_tensor)
+        return x.full_tensor()
+    return x
+
+
+def same_values(a, b) -> bool:
+    import torch
+
+    if isinstance(a, list):
+        return all(same_values(x, y) for x, y in zip(a, b))
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,192 @@
+"""Section "fallback": what an op pays when hypershard runs it through the fallback (every DTensor
+input gathered to Replicate, the op computed on the global values, outputs Replicate) instead of
+its distributed rule (the op computed on the local shards). The ops here all have rules;
+hypershard._C.set_rule_enabled(op, False) makes hypershard ignore one, as if the op had none.
+Timed side by side with the rule and with plain eager on the local shard, on the dispatch
+section's tiny sharded inputs."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from typing import Callable
+
+from hypershard.launch import spawn_local_ranks
+
+from .common import error_text, full_value, geomean, global_args, placed_args, ratio, same_values, summary
+from .timing import time_interleaved
+
+# 1 rank: the fallback's own cost with nothing to gather; 2 and 4 ranks: with its all-gathers
+FALLBACK_WORLDS = (1, 2, 4)
+FALLBACK_IMPLS = ("plain", "rule", "fallback")
+
+
+def fallback_ops():
+    """name -> (arguments as in common.global_args with their Shard placements, op, the ATen ops
+    whose rules are switched off for the fallback's timing). Every rule here runs on the local
+    shards without a collective."""
+    import torch
+    import torch.nn.functional as F
+
+    return {
+        "neg": ([("tensor", (8, 8), 0)], lambda a: torch.neg(a), ("aten::neg",)),
+        "add": ([("tensor", (8, 8), 0), ("tensor", (8, 8), 0)], lambda a, b: torch.add(a, b), ("aten::add.Tensor",)),
+        "sum": ([("tensor", (8, 8), 0)], lambda a: a.sum(dim=1), ("aten::sum.dim_IntList",)),
+        "softmax": ([("tensor", (8, 8), 0)], lambda a: torch.softmax(a, dim=1), ("aten::_softmax",)),
+        "mm": ([("tensor", (8, 8), 0), ("tensor", (8, 8), None)], lambda a, b: torch.mm(a, b), ("aten::mm",)),
+        # F.linear with a bias reaches aten::addmm (after aten::t, a view that keeps its rule)
+        "linear": ([("tensor", (8, 8), None), ("tensor", (16, 8), 0), ("tensor", (16,), 0)],
+                   lambda x, w, b: F.linear(x, w, b), ("aten::addmm",)),
+    }
+
+
+FALLBACK_NOTES = {
+    "neg": "torch.neg(a), [8, 8] Shard(0)",
+    "add": "torch.add(a, b), [8, 8], both Shard(0)",
+    "sum": "a.sum(dim=1), [8, 8] Shard(0)",
+    "softmax": "torch.softmax(a, dim=1), [8, 8] Shard(0)",
+    "mm": "torch.mm(a, b), [8, 8] Shard(0) @ [8, 8] Replicate",
+    "linear": "F.linear(x, w, b), x [8, 8] Replicate, w [16, 8] and b [16] Shard(0) (colwise)",
+}
+
+
+def fallback_worker(rank: int, world: int, args: dict) -> dict:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    import hypershard as hs
+
+    # the fallback warns once per op that it has no rule: expected here
+    warnings.filterwarnings("ignore", message=r"hypershard: .* has no distributed rule")
+    hs.set_strict(False)  # strict mode raises Missing operator instead of falling back
+    mesh = hs.init_device_mesh("cpu", (world,), ("x",))
+
+    def maker(impl: str):
+        def make(t, dim):
+            t = t.clone()  # distribute_tensor may alias its input
+            if impl == "plain":
+                return t if dim is None else t.chunk(world, dim)[rank].clone()
+            return hs.distribute_tensor(t, mesh, [hs.Replicate() if dim is None else hs.Shard(dim)])
+        return make
+
+    def agreed(values: list, op) -> list:
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=op)
+        return t.tolist()
+
+    out: dict = {}
+    for index, (name, (spec, op, rule_ops)) in enumerate(fallback_ops().items()):
+        values = global_args(spec, seed=index)
+        entry: dict = {"op": FALLBACK_NOTES[name], "rules_switched_off": list(rule_ops)}
+        case_start = time.perf_counter()
+
+        @contextlib.contextmanager
+        def rules_of(impl: str, rule_ops=rule_ops):
+            """The fallback runs with the op's rules switched off; the rest with them on."""
+            if impl != "fallback":
+                yield
+                return
+            for o in rule_ops:
+                hs._C.set_rule_enabled(o, False)
+            try:
+                yield
+            finally:
+                for o in rule_ops:
+                    hs._C.set_rule_enabled(o, True)
+
+        # one checked call per implementation: the global result vs plain eager on one device, the
+        # collectives it runs, and which path served it (fallback_calls must grow for the fallback
+        # only, or this section would be timing the rule twice)
+        expected = op(*placed_args(spec, values, False, lambda t, d: t.clone()))
+        check, collectives, fallback_calls, gathered = {}, {"plain": 0}, {}, {}
+        for impl in FALLBACK_IMPLS[1:]:
+            try:
+                a = placed_args(spec, values, True, maker(impl))
+                hs._C.reset_traffic()
+                before = hs._C.dispatch_stats()
+                with rules_of(impl):
+                    result = op(*a)
+                after = hs._C.dispatch_stats()
+                collectives[impl] = hs._C.traffic()["collectives"]
+                fallback_calls[impl] = after["fallback_calls"] - before["fallback_calls"]
+                gathered[impl] = after["fallback_bytes"] - before["fallback_bytes"]
+                check[impl] = bool(same_values(full_value(result), expected))
+            except Exception as exc:  # noqa: BLE001 (recorded; the op is not timed)
+                check[impl] = error_text(exc)
+        entry["matches_one_device"] = check
+        entry["fallback_calls_per_call"] = fallback_calls
+        path_ok = fallback_calls.get("fallback", 0) > 0 and fallback_calls.get("rule", 1) == 0
+        raised = any(isinstance(c, str) for c in check.values())
+        # every rank must take the same decision: the timing below runs collectives
+        ok, = agreed([int(path_ok and not raised)], dist.ReduceOp.MIN)
+        if not ok:
+            if not raised:
+                entry["error"] = ("the fallback did not serve the op with its rule switched off "
+                                  f"(fallback calls per call: {fallback_calls})")
+            else:
+                entry["error"] = next(c for c in check.values() if isinstance(c, str))
+            out[name] = entry
+            continue
+        fns = {impl: (lambda a=placed_args(spec, values, True, maker(impl)): op(*a)) for impl in FALLBACK_IMPLS}
+        collectives = dict(zip(FALLBACK_IMPLS, agreed([collectives[i] for i in FALLBACK_IMPLS], dist.ReduceOp.MAX)))
+        solo = {impl: collectives[impl] == 0 for impl in fns}
+        before = hs._C.dispatch_stats()
+        counts, samples = time_interleaved(fns, solo, rank, args["sample_s"], args["repeats"],
+                                           setting=rules_of, warm_first=True)
+        after = hs._C.dispatch_stats()
+        if rank != 0:
+            continue  # rank 0 reports
+        calls = after["fallback_calls"] - before["fallback_calls"]
+        stats = {impl: summary(s) for impl, s in samples.items()}
+        plain, rule, fallback = (stats[i]["median"] for i in FALLBACK_IMPLS)
+        entry.update({
+            "plain_us": plain, "rule_us": rule, "fallback_us": fallback,
+            "fallback_vs_rule": ratio(fallback, rule),
+            "rule_vs_plain": ratio(rule, plain),  # the per-op overhead target: <= 1.2x
+            "fallback_vs_plain": ratio(fallback, plain),
+            # the same from each implementation's fastest sample (least disturbed by other load)
+            "fallback_vs_rule_best": ratio(stats["fallback"]["min"], stats["rule"]["min"]),
+            "rule_vs_plain_best": ratio(stats["rule"]["min"], stats["plain"]["min"]),
+            # hypershard's count: global bytes of the non-Replicate inputs each fallback call gathered
+            "fallback_bytes_per_call": ratio(after["fallback_bytes"] - before["fallback_bytes"], calls),
+            "fallback_calls_while_timing": calls,
+            # at least the timed calls went through the fallback (the rest: calibration, warm-up)
+            "fallback_calls_timed": args["repeats"] * counts["fallback"],
+            "samples_us": {impl: {"min": s["min"], "max": s["max"], "n": s["n"]} for impl, s in stats.items()},
+            "calls_per_sample": counts,
+            "collectives_per_call": collectives,
+            "timed_on": {impl: "rank 0 alone" if solo[impl] else "every rank" for impl in fns},
+            "seconds": time.perf_counter() - case_start,
+        })
+        if calls < entry["fallback_calls_timed"]:
+            entry["error"] = f"only {calls} fallback calls while timing {entry['fallback_calls_timed']} calls"
+            entry["fallback_us"] = entry["fallback_vs_rule"] = entry["fallback_vs_rule_best"] = None
+        out[name] = entry
+    return out
+
+
+def run_fallback(args: argparse.Namespace, log: Callable) -> dict:
+    variants: dict = {}
+    extra: dict = {}
+    for world in FALLBACK_WORLDS:
+        log(f"fallback: {world}-rank mesh ...")
+        start = time.perf_counter()
+        try:
+            ranks = spawn_local_ranks(fallback_worker, world, {"sample_s": args.sample_s, "repeats": args.repeats},
+                                      timeout=args.timeout)
+        except Exception as exc:  # noqa: BLE001
+            extra[f"{world}rank_error"] = error_text(exc)
+            log(f"  failed: {error_text(exc)}")
+            continue
+        variants[f"{world}rank_shard"] = ranks[0]
+        extra[f"{world}rank_seconds"] = time.perf_counter() - start
+    summaries = {}
+    for v, ops in variants.items():
+        rows = [r for r in ops.values() if "error" not in r]
+        summaries[v] = {k: geomean([r[k] for r in rows])
+                       for k in ("fallback_vs_rule", "rule_vs_plain", "fallback_vs_rule_best", "rule_vs_plain_best")}
+        summaries[v]["errors"] = {n: r["error"] for n, r in ops.items() if "error" in r}
+    return {"variants": variants, "summary": summaries, "info": extra}
