@@ -46,7 +46,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
         except Exception as exc:  # reported, then the exit code says it failed
             losses, error = None, f"{type(exc).__name__}: {exc}"
     return {"ops": hs._C.op_counts(), "reference": reference, "losses": losses, "error": error,
-            "fallback_bytes": hs._C.dispatch_stats()["fallback_bytes"]}
+            "fallback_bytes": hs._C.dispatch_stats()["fallback_bytes"],
+            "implicit_calls": hs._C.dispatch_stats()["implicit_calls"]}
 
 
 def main(argv=None) -> int:
@@ -80,7 +81,9 @@ def main(argv=None) -> int:
         for name, calls, has_rule in ops:
             print(f"{name:58s} {calls:6d}  {'yes' if has_rule else 'FALLBACK'}")
         print(f"{len(ops)} ops reached, {len(ops) - len(fallback)} with a rule, {len(fallback)} served by the "
-              f"fallback (rank 0 gathered {report['fallback_bytes']} bytes for them)")
+              f"fallback (rank 0 gathered {report['fallback_bytes']} bytes for them); "
+              f"{report['implicit_calls']} calls whose rule refused the inputs' layouts ran on implicitly "
+              f"redistributed ones")
         if report["error"]:
             print(f"the distributed run failed: {report['error']}")
         elif report["losses"] is not None:

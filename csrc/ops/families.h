@@ -13,6 +13,8 @@ torch::Library& aten_autograd_kernels();
 
 void register_all(Registry& r);
 void register_pointwise(Registry& r);    // pointwise.cpp
+// pointwise.cpp: every op torch tags pointwise that no family has a rule for (registered last).
+void register_tagged_pointwise(Registry& r);
 void register_tensor_ops(Registry& r);   // tensor_ops.cpp: identity views, factories, scalars
 void register_views(Registry& r);        // views.cpp: views and shape ops
 // views.cpp: hypershard's own reshape kernel on AutogradPrivateUse2 (called by install_dispatch).
@@ -34,6 +36,9 @@ void register_embedding(Registry& r);    // embedding.cpp: embedding (vocab-para
 void register_embedding_kernels();
 void register_normalization(Registry& r);  // normalization.cpp: layer/group norm, softmax
 void register_attention(Registry& r);    // attention.cpp: scaled dot-product attention (CPU kernel)
-void register_random(Registry& r);       // random.cpp: random fills, *_like draws, dropout
+void register_random(Registry& r);
+// composites.cpp: max_pool1d, tensor_split(tensor), ctc_loss(tensor lengths) on AutogradPrivateUse2
+// (their composite kernels read argument data, which a DTensor does not have).
+void register_composite_kernels();       // random.cpp: random fills, *_like draws, dropout
 
 }  // namespace hypershard::ops

@@ -76,6 +76,10 @@ struct OpPlan {
   // An int-list argument (a view's `size`) that the framework rewrites to the first output's
   // local shape on this rank where that output is split; -1: none.
   int64_t local_shape_arg = -1;
+  // Set by the dispatch (never by a rule) when the rule refused the caller's layouts and this
+  // plan is for redistributed ones (default mode's implicit redistribution): the refusal's text,
+  // which strict mode raises.
+  std::string refused;
 };
 
 using Rule = OpPlan (*)(const OpCall&);

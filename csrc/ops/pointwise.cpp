@@ -22,7 +22,9 @@
 //               Partial (only made by the monotone row above) is reduced first, which is exact.
 // The engine (elementwise_layouts, pointwise.h) is shared with the _foreach_* list ops
 // (foreach.cpp), which run it once per list position.
+// Beyond these tables, every op torch tags `pointwise` gets the reject row (register_tagged_pointwise).
 // Excluded: ops whose value depends on position (handled by their own families).
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/ScalarType.h>
 
 #include <algorithm>
@@ -293,6 +295,28 @@ void register_pointwise(Registry& r) {
   add<A::kReject, 1>(r, "aten::masked_fill_.Scalar");
   add<A::kReject, 1>(r, "aten::masked_fill_.Tensor");
   add_cast(r, "aten::_to_copy");
+}
+
+void register_tagged_pointwise(Registry& r) {
+  using A = Algebra;
+  // Every other ATen op torch tags pointwise (the list inductor fuses by), with its in-place and
+  // out= overloads: the same engine without Partial (the reject row; default mode reduces a
+  // Partial input first). Left out: ops another family has a rule for (this runs last), seeded
+  // random ops (each shard would draw the same numbers; random.cpp owns them) and ops returning
+  // something other than tensors (equal's bool is a reduction over every element).
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const auto& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) continue;
+    const auto op = dispatcher.findOp(name);
+    if (!op || !op->hasSchema() || !op->hasTag(at::Tag::pointwise) || op->hasTag(at::Tag::nondeterministic_seeded))
+      continue;
+    const auto& returns = op->schema().returns();
+    const bool tensors_only = !returns.empty() && std::all_of(returns.begin(), returns.end(), [](const auto& ret) {
+      return ret.type()->kind() == c10::TypeKind::TensorType;
+    });
+    const std::string full = name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
+    if (tensors_only && r.find(full) == nullptr) add<A::kReject>(r, full.c_str());
+  }
 }
 
 }  // namespace hypershard::ops

@@ -142,7 +142,23 @@ OpPlan squeeze_rule(const OpCall& call) {
     shape.push_back(in.global_shape()[d]);
     dims.push_back(in.dim_axes()[d]);
   }
-  return single(call, input, make_layout(in, shape, dims, in.partial()));
+  OpPlan plan = single(call, input, make_layout(in, shape, dims, in.partial()));
+  // squeeze() and squeeze(dim) decide on the LOCAL sizes: a candidate dim of global size > 1
+  // whose shard has size 1 on some rank would be squeezed there too.
+  bool shard_of_one = false;
+  for (int64_t d : candidates) {
+    if (d >= in.ndim() || in.dim_axes()[d].empty() || std::find(squeezed.begin(), squeezed.end(), d) != squeezed.end()) continue;
+    for (int64_t p = 0; p < in.mesh()->size() && !shard_of_one; ++p) shard_of_one = in.local_shape_at(p)[d] == 1;
+  }
+  if (shard_of_one) {
+    // Then the local call squeezes exactly the dims of global size 1.
+    plan.expand = [squeezed](const OpCall& c, torch::jit::Stack& stack) {
+      at::Tensor local = stack[stack.size() - c.num_args()].toTensor();
+      torch::jit::drop(stack, c.num_args());
+      stack.emplace_back(at::_ops::squeeze_dims::call(local, squeezed));
+    };
+  }
+  return plan;
 }
 
 OpPlan expand_rule(const OpCall& call) {
@@ -213,6 +229,12 @@ struct ViewPlan {
 // Whether `in` viewed as `out_shape` keeps every shard a whole block; which dims to gather if not.
 ViewPlan plan_view(const Layout& in, const std::vector<int64_t>& out_shape) {
   const auto& in_shape = in.global_shape();
+  if (in_shape == out_shape) {  // the identity view (view_as itself) keeps every shard, empty ones too
+    ViewPlan same;
+    same.exact = true;
+    same.input = same.output = intern(in);
+    return same;
+  }
   const bool any_zero = layout::numel(in_shape) == 0;
   const auto groups = dim_groups(in_shape, out_shape);
   layout::DimAxes out_dims(out_shape.size());

@@ -94,6 +94,7 @@ void bind_runtime(py::module_& m) {
     return py::dict(py::arg("calls") = s.calls, py::arg("cache_hits") = s.cache_hits,
                     py::arg("cache_entries") = s.cache_entries, py::arg("fast_calls") = s.fast_calls,
                     py::arg("fallback_calls") = s.fallback_calls, py::arg("fallback_bytes") = s.fallback_bytes,
+                    py::arg("implicit_calls") = s.implicit_calls,
                     py::arg("interned_layouts") = layout::interned_count(),
                     py::arg("cached_plans") = layout::cached_plan_count());
   });
@@ -106,6 +107,9 @@ void bind_runtime(py::module_& m) {
   });
   m.def("reset_traffic", &runtime::reset_traffic);
   m.def("rule_names", &runtime::rule_names);
+  m.def("set_rule_enabled", &runtime::set_rule_enabled, py::arg("op"), py::arg("enabled"),
+        "Benchmarks and tests only: while disabled, calls of op (\"aten::add.Tensor\") ignore its rule, as if it had "
+        "none (the fallback serves them; strict mode raises Missing operator).");
   m.def("fast_path_ops", &runtime::fast_path_ops,
         "The ops with a typed fast-path kernel on this torch (\"aten::add.Tensor\" style).");
   m.def("set_fast_path", &runtime::set_fast_path, py::arg("on"),

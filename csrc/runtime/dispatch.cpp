@@ -42,6 +42,7 @@ std::atomic<int64_t> g_calls{0};
 std::atomic<bool> g_strict{false};
 std::atomic<int64_t> g_fallback_calls{0};
 std::atomic<int64_t> g_fallback_bytes{0};
+std::atomic<int64_t> g_implicit_calls{0};
 std::atomic<bool> g_check_replicas{false};
 
 std::shared_mutex g_infos_mutex;
@@ -227,6 +228,56 @@ void layout_plain_tensors(ops::OpCall& call) {
   }
 }
 
+// Default mode's torch-parity answer to a rule that refuses the caller's layouts (a Partial input
+// the op cannot keep, a view that would cut a shard, operands sharded unlike each other): the
+// rule is asked again with the DTensor inputs redistributed -- Partial inputs reduced, then also
+// shards gathered over one mesh axis, then two, ... -- and the first plan it accepts is used
+// (the fewest axes gathered; the dispatch redistributes the inputs to the plan's layouts, and a
+// view of a redistributed input refuses writes). A refusal of every candidate (a genuine error,
+// such as mismatched shapes) and strict mode raise the rule's own error.
+ops::OpPlan run_rule(const OpInfo& info, ops::OpCall& call) {
+  try {
+    return info.rule->rule(call);
+  } catch (const layout::LayoutError& refusal) {
+    if (g_strict.load(std::memory_order_relaxed)) throw;
+    std::vector<LayoutPtr> given;
+    bool any_partial = false;
+    for (const auto& t : call.tensors) {
+      given.push_back(t.layout);
+      any_partial = any_partial || (t.is_dtensor && t.layout->has_partial());
+    }
+    auto restore = [&] {
+      for (size_t i = 0; i < given.size(); ++i) call.tensors[i].layout = given[i];
+    };
+    const int64_t axes = call.mesh->mesh()->ndim();
+    for (int64_t gathered = 0; gathered <= axes; ++gathered) {
+      for (uint32_t mask = 0; mask < (1u << axes); ++mask) {
+        if (__builtin_popcount(mask) != gathered || (gathered == 0 && !any_partial)) continue;
+        bool changed = false;
+        for (size_t i = 0; i < given.size(); ++i) {
+          if (!call.tensors[i].is_dtensor) continue;
+          layout::Layout candidate = *given[i];
+          for (int64_t axis = 0; axis < axes; ++axis)
+            if (candidate.is_partial(axis) || (((mask >> axis) & 1u) && candidate.is_sharded(axis)))
+              candidate = candidate.without_axis(axis);
+          call.tensors[i].layout = intern_layout(std::move(candidate));
+          changed = changed || call.tensors[i].layout != given[i];
+        }
+        if (!changed) continue;
+        try {
+          ops::OpPlan plan = info.rule->rule(call);
+          restore();
+          plan.refused = refusal.what();
+          return plan;
+        } catch (const layout::LayoutError&) {
+        }
+      }
+    }
+    restore();
+    throw;
+  }
+}
+
 // `record`: count the lookup in the dispatch stats and keep a computed plan in the caches; a
 // peek (the fast path filling its own slot) does neither, so the call it then makes through
 // the fallback is counted once, as what it is.
@@ -265,7 +316,7 @@ std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call, bool r
   }
   // Miss: plain tensors become Replicate layouts, then the rule runs.
   layout_plain_tensors(call);
-  auto plan = std::make_shared<ops::OpPlan>(info.rule->rule(call));
+  auto plan = std::make_shared<ops::OpPlan>(run_rule(info, call));
   HS_CHECK(plan->inputs.size() == call.tensors.size(), info.name,
            "internal error: the rule returned ", plan->inputs.size(), " input layouts for ", call.tensors.size(), " tensors");
   if (!record) return plan;
@@ -284,8 +335,11 @@ std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call, bool r
 at::Tensor meta_shadow(const at::Tensor& t) {
   const auto sizes = t.sizes();
   const auto strides = t.strides();
-  int64_t extent = t.numel() == 0 ? 0 : 1;
-  for (int64_t d = 0; d < t.dim(); ++d) extent += (sizes[d] - 1) * strides[d];
+  int64_t extent = 0;  // an empty tensor spans no storage (a size-0 dim would make the sum negative)
+  if (t.numel() > 0) {
+    extent = 1;
+    for (int64_t d = 0; d < t.dim(); ++d) extent += (sizes[d] - 1) * strides[d];
+  }
   auto base = at::empty({t.storage_offset() + extent}, t.options().device(c10::kMeta));
   return base.as_strided(sizes, strides, t.storage_offset());
 }
@@ -335,13 +389,28 @@ void set_arg_tensor(c10::IValue* args, const ops::TensorArg& t, at::Tensor local
   }
 }
 
-// Coverage mode only: every DTensor input gathered to Replicate (Partial reduced), the op run on
-// the full values, every tensor output wrapped as Replicate. Slow but exact.
+// The base of a view op's outputs when its input had to be redistributed (they do not alias it).
+struct DetachedBase {
+  DTensorImpl* impl = nullptr;
+  int64_t version = -1;  // its version counter's value, -1 without one (inference tensors)
+
+  explicit operator bool() const { return impl != nullptr; }
+  static DetachedBase of(const at::Tensor& base) {
+    const auto& counter = base.unsafeGetTensorImpl()->version_counter();
+    return {dtensor_impl(base), counter.enabled() ? static_cast<int64_t>(counter.current_version()) : -1};
+  }
+};
+
 // One returned local as a DTensor. A view takes the local's geometry (`from_local`) or the next
 // meta-shadow geometry; a view of a redistributed input is marked as not aliasing its base.
 at::Tensor wrap_view_or_output(at::Tensor local, bool is_view, const LayoutPtr& layout, const DeviceMeshPtr& mesh,
                                bool from_local, const std::vector<std::pair<std::vector<int64_t>, int64_t>>& shadow,
-                               size_t& view_index, bool detached_view) {
+                               size_t& view_index, const DetachedBase& detached) {
+  // A local with the lazy conjugate / negative bit (conj(), _neg_view()) is materialized: the
+  // wrapper cannot carry the bit (torch's Conjugate fallback would resolve it a second time), so
+  // such a "view" holds its own values and refuses writes like a redistributed one.
+  const bool materialized = local.is_conj() || local.is_neg();
+  if (materialized) local = local.resolve_conj().resolve_neg();
   std::optional<Geometry> geometry;
   if (is_view && from_local) {
     geometry = Geometry{local.strides(), local.storage_offset()};  // the local's impl outlives the call
@@ -350,7 +419,8 @@ at::Tensor wrap_view_or_output(at::Tensor local, bool is_view, const LayoutPtr& 
     ++view_index;
   }
   auto wrapped = make_dtensor(std::move(local), layout, mesh, geometry ? &*geometry : nullptr);
-  if (is_view && detached_view) dtensor_impl(wrapped)->mark_detached_view();
+  if (is_view && detached) dtensor_impl(wrapped)->mark_detached_view(detached.impl, detached.version);
+  else if (is_view && materialized) dtensor_impl(wrapped)->mark_detached_view(nullptr, -1);
   return wrapped;
 }
 
@@ -388,18 +458,23 @@ void write_back_value(const c10::IValue& caller, const c10::IValue& result, cons
 // shared seed) -- and the outputs are Replicate DTensors. Arguments the op writes (in-place,
 // out=) get the result back in their own layouts and are returned as themselves. A view of a
 // gathered input does not alias the caller's tensor, so writes through it raise.
-void replicate_fallback(const c10::OperatorHandle& op, OpInfo& info, ops::OpCall& call, torch::jit::Stack* stack) {
+// `why`: what the warning says the op has (no rule, a plain destination).
+void replicate_fallback(const c10::OperatorHandle& op, OpInfo& info, ops::OpCall& call, torch::jit::Stack* stack,
+                        const char* why = "has no distributed rule") {
   const size_t num_args = op.schema().arguments().size();
   c10::IValue* args = stack->data() + (stack->size() - num_args);
   std::vector<c10::IValue> callers(num_args), results(num_args);  // written arguments only
   for (size_t a = 0; a < num_args; ++a)
     if (info.written_args[a]) callers[a] = args[a];
   int64_t gathered_bytes = 0;
+  DetachedBase detached;  // the base of view outputs, when they cannot alias it
   for (const auto& t : call.tensors) {
     if (!t.is_dtensor) continue;
     at::Tensor scratch;
     const at::Tensor& value = arg_tensor(args, t, scratch);
     auto full = intern_layout(layout::Layout::replicate(t.layout->mesh(), t.layout->global_shape()));
+    if (info.is_view && !detached && (full != t.layout || dtensor_impl(value)->is_detached_view()))
+      detached = DetachedBase::of(value);
     if (full != t.layout) gathered_bytes += layout::numel(t.layout->global_shape()) * static_cast<int64_t>(value.element_size());
     set_arg_tensor(args, t, redistribute_local(dtensor_impl(value)->local(), t.layout, full, *call.mesh));
   }
@@ -408,7 +483,7 @@ void replicate_fallback(const c10::OperatorHandle& op, OpInfo& info, ops::OpCall
   g_fallback_calls.fetch_add(1, std::memory_order_relaxed);
   g_fallback_bytes.fetch_add(gathered_bytes, std::memory_order_relaxed);
   if (!info.fallback_warned.exchange(true))
-    TORCH_WARN("hypershard: ", call.name(), " has no distributed rule: computed on gathered inputs (",
+    TORCH_WARN("hypershard: ", call.name(), " ", why, ": computed on gathered inputs (",
                call.describe_inputs(), "; ", gathered_bytes,
                " bytes gathered this call), outputs Replicate. Warned once per op; "
                "hypershard.set_strict(True) makes it an error.");
@@ -423,7 +498,6 @@ void replicate_fallback(const c10::OperatorHandle& op, OpInfo& info, ops::OpCall
 
   const size_t num_returns = info.returns.size();
   c10::IValue* rets = stack->data() + (stack->size() - num_returns);
-  const bool detached = gathered_bytes > 0;
   size_t no_shadow = 0;
   auto wrap = [&](at::Tensor local, bool is_view) {
     auto layout = intern_layout(layout::Layout::replicate(call.mesh->mesh(), local.sizes().vec()));
@@ -462,6 +536,32 @@ void check_plain_operands(const ops::OpCall& call) {
   }
 }
 
+// What views that do not alias their base (DetachedBase) would otherwise lose silently: a write
+// into one, a write into a base that has one alive, a read of one whose base was written since.
+void check_detached_views(const c10::OperatorHandle& op, const OpInfo& info, const ops::OpCall& call) {
+  for (const auto& t : call.tensors) {
+    if (!t.is_dtensor) continue;
+    at::Tensor scratch;
+    const auto* impl = dtensor_impl(arg_tensor(call.args, t, scratch));
+    const bool written = info.written_args[t.arg];
+    const std::string& name = op.schema().arguments()[t.arg].name();
+    if (impl->is_detached_view()) {
+      TORCH_CHECK(!written, "hypershard: ", info.name, ": argument ", name,
+                  " is a view that had to be redistributed (a slice across a sharded dim, a view that would cut a "
+                  "shard), so it does not alias its base and writing into it would be lost; allowed: redistribute "
+                  "the base first (so that the view is local), or write into a copy");
+      TORCH_CHECK(!impl->is_stale_view(), "hypershard: ", info.name, ": argument ", name,
+                  " is a view that had to be redistributed, so it does not alias its base, and the base was written "
+                  "in place after the view was taken: its values are stale; allowed: take the view again after "
+                  "writing the base");
+    }
+    TORCH_CHECK(!(written && impl->has_live_detached_views()), "hypershard: ", info.name, ": argument ", name,
+                " has a live view that had to be redistributed (a slice across a sharded dim, a view that would cut "
+                "a shard), which does not alias it, so this write would not reach that view; allowed: drop the view "
+                "first, or write into a copy");
+  }
+}
+
 // preprocess: the OpCall over `args`, every tensor argument collected with its layout and the
 // call's mesh found; mesh errors raise (c10::Error, the house text) before anything runs.
 ops::OpCall begin_call(const c10::OperatorHandle& op, const OpInfo& info, const c10::IValue* args) {
@@ -490,13 +590,20 @@ void detail::dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet
   ops::OpCall call = begin_call(op, info, args);
   // A composite kernel that allocates a plain tensor and writes DTensor data into it (F.one_hot
   // does: zeros + scatter_) would return a plain tensor built from one rank's shard.
+  // Default mode computes such a call on gathered inputs: the plain destination then receives
+  // the global result, the same on every rank.
   for (size_t a = 0; a < num_args; ++a)
-    if (info.written_args[a] && args[a].isTensor() && args[a].toTensor().defined() && !is_dtensor(args[a].toTensor()))
-      TORCH_CHECK(false, "hypershard: ", info.name, ": writes into the plain tensor argument ",
-                  op.schema().arguments()[a].name(), " from DTensor inputs (", call.describe_inputs(),
-                  "); the result would hold one rank's shard; allowed: a DTensor destination (create it with "
-                  "hypershard.distribute_tensor or a *_like op on a DTensor)");
+    if (info.written_args[a] && args[a].isTensor() && args[a].toTensor().defined() && !is_dtensor(args[a].toTensor())) {
+      TORCH_CHECK(!g_strict.load(std::memory_order_relaxed), "hypershard: ", info.name,
+                  ": writes into the plain tensor argument ", op.schema().arguments()[a].name(),
+                  " from DTensor inputs (", call.describe_inputs(), "); the result would hold one rank's shard; "
+                  "allowed: a DTensor destination (create it with hypershard.distribute_tensor or a *_like op on a "
+                  "DTensor)");
+      replicate_fallback(op, info, call, stack, "writes into a plain tensor");
+      return;
+    }
   if (g_check_replicas.load(std::memory_order_relaxed)) check_plain_operands(call);
+  check_detached_views(op, info, call);
   info.calls.fetch_add(1, std::memory_order_relaxed);
   if (!info.rule) {
     if (g_strict.load(std::memory_order_relaxed)) missing_operator(call);
@@ -509,6 +616,11 @@ void detail::dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet
     plan = infer(info, call);
   } catch (const layout::LayoutError& e) {
     TORCH_CHECK(false, e.what());
+  }
+  if (!plan->refused.empty()) {
+    // A plan cached in default mode may meet strict mode later.
+    TORCH_CHECK(!g_strict.load(std::memory_order_relaxed), plan->refused);
+    g_implicit_calls.fetch_add(1, std::memory_order_relaxed);
   }
 
   // Keep what the returns need: the wrappers of written arguments, and (views) the global args.
@@ -532,19 +644,15 @@ void detail::dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet
     }
 
   // A view of a redistributed input does not alias the caller's tensor.
-  bool detached_view = false;
+  DetachedBase detached;
   for (size_t i = 0; i < call.tensors.size(); ++i) {
     const auto& t = call.tensors[i];
     at::Tensor scratch;
     const at::Tensor& value = arg_tensor(args, t, scratch);
     if (t.is_dtensor) {
       auto* impl = dtensor_impl(value);
-      if (info.written_args[t.arg] && impl->is_detached_view())
-        TORCH_CHECK(false, "hypershard: ", info.name, ": argument ", op.schema().arguments()[t.arg].name(),
-                    " is a view that had to be redistributed (for example a slice across a sharded dim), so it "
-                    "does not alias its base and writing into it would be lost; allowed: redistribute the base "
-                    "first (so that the view is local), or write into a copy");
-      if (info.is_view && (impl->is_detached_view() || plan->inputs[i] != t.layout)) detached_view = true;
+      if (info.is_view && !detached && (impl->is_detached_view() || plan->inputs[i] != t.layout))
+        detached = DetachedBase::of(value);
       if (value.requires_grad() && value.is_leaf()) install_grad_hook(value);
       at::Tensor local = impl->local();
       if (plan->inputs[i] != t.layout) local = redistribute_local(local, t.layout, plan->inputs[i], *call.mesh);
@@ -597,7 +705,7 @@ void detail::dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet
       if (local.defined()) {
         auto wrapped = wrap_view_or_output(std::move(local), ri.kind == ReturnKind::kView,
                                            plan->outputs.at(out_index), call.mesh, geometry_from_local, geometry,
-                                           view_index, detached_view);
+                                           view_index, detached);
         v = std::move(wrapped);
       }
       ++out_index;
@@ -607,7 +715,7 @@ void detail::dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet
       wrapped.reserve(list.size());
       for (size_t i = 0; i < list.size(); ++i)
         wrapped.push_back(wrap_view_or_output(list.get(i), ri.kind == ReturnKind::kView, plan->outputs.at(out_index++),
-                                              call.mesh, geometry_from_local, geometry, view_index, detached_view));
+                                              call.mesh, geometry_from_local, geometry, view_index, detached));
       v = std::move(wrapped);
     }
   }
@@ -711,6 +819,7 @@ void install_dispatch() {
     ops::register_reshape_kernel();
     ops::register_one_hot_kernel();
     ops::register_reduction_kernels();
+    ops::register_composite_kernels();
     ops::register_cross_entropy_kernel();
     ops::register_embedding_kernels();
     register_fast_paths();
@@ -730,6 +839,7 @@ DispatchStats dispatch_stats() {
   s.fast_calls = g_fast_calls.load();
   s.fallback_calls = g_fallback_calls.load();
   s.fallback_bytes = g_fallback_bytes.load();
+  s.implicit_calls = g_implicit_calls.load();
   std::shared_lock<std::shared_mutex> read(g_infos_mutex);
   for (const auto& [key, info] : *g_infos) {
     std::shared_lock<std::shared_mutex> plans(info->mutex);
@@ -755,9 +865,24 @@ void reset_dispatch_stats() {
   g_fast_calls.store(0);
   g_fallback_calls.store(0);
   g_fallback_bytes.store(0);
+  g_implicit_calls.store(0);
 }
 
 std::vector<std::string> rule_names() { return ops::registry().names(); }
+
+void set_rule_enabled(const std::string& op, bool enabled) {
+  const auto dot = op.find('.', op.find("::") == std::string::npos ? 0 : op.find("::") + 2);
+  const c10::OperatorName name(op.substr(0, dot), dot == std::string::npos ? "" : op.substr(dot + 1));
+  const auto handle = c10::Dispatcher::singleton().findSchema(name);
+  TORCH_CHECK(handle.has_value(), "hypershard: set_rule_enabled: no operator ", op);
+  OpInfo& info = op_info(*handle);
+  const auto* rule = ops::registry().find(info.name);
+  TORCH_CHECK(rule != nullptr, "hypershard: set_rule_enabled: ", op, " has no rule");
+  std::unique_lock<std::shared_mutex> write(info.mutex);
+  info.rule = enabled ? rule : nullptr;
+  info.plans.clear();
+  info.generation.fetch_add(1, std::memory_order_release);
+}
 
 void set_strict(bool on) { g_strict.store(on); }
 bool strict() { return g_strict.load(); }

@@ -27,6 +27,7 @@ struct DispatchStats {
   int64_t fast_calls = 0;     // calls the typed fast path ran without boxing (fast_path.cpp)
   int64_t fallback_calls = 0;  // calls of ops without a rule, run on gathered inputs
   int64_t fallback_bytes = 0;  // global bytes of the non-Replicate inputs those calls gathered
+  int64_t implicit_calls = 0;  // calls whose rule refused the inputs' layouts, run on redistributed ones
 };
 DispatchStats dispatch_stats();
 // The number of cached op plans per op ("aten::add.Tensor"), ops without plans left out, sorted.
@@ -46,6 +47,10 @@ InferredPlan infer_plan(const c10::OperatorHandle& op, torch::jit::Stack& stack)
 
 // Every op hypershard has a rule for, "aten::add.Tensor" style.
 std::vector<std::string> rule_names();
+// Benchmarks and tests only: calls of `op` ("aten::add.Tensor") ignore its rule while disabled,
+// as if it had none (the fallback serves them; strict mode raises Missing operator). Not
+// thread-safe against concurrent calls of that op.
+void set_rule_enabled(const std::string& op, bool enabled);
 
 // Per-op call counts since the last reset, for coverage reports.
 struct OpCount {

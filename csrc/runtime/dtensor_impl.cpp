@@ -89,12 +89,48 @@ void DTensorImpl::replace(at::Tensor local, LayoutPtr layout) {
   set_dense_geometry();
 }
 
+namespace {
+constexpr int64_t kStale = -2;  // a detached view's version that never matches
+
+int64_t current_version(const c10::TensorImpl& impl) {
+  const auto& version = impl.version_counter();
+  return version.enabled() ? static_cast<int64_t>(version.current_version()) : -1;
+}
+}  // namespace
+
+void DTensorImpl::mark_detached_view(DTensorImpl* base, int64_t base_version) {
+  detached_view_ = true;
+  detached_version_ = base_version;
+  if (base == nullptr || base_live_views_) return;
+  if (!base->live_detached_views_) base->live_detached_views_ = std::make_shared<std::atomic<int64_t>>(0);
+  base_live_views_ = base->live_detached_views_;
+  base_live_views_->fetch_add(1);
+}
+
+bool DTensorImpl::is_stale_view() const {
+  if (!detached_view_ || detached_version_ == -1) return false;
+  return detached_version_ == kStale || current_version(*this) != detached_version_;
+}
+
+DTensorImpl::~DTensorImpl() {
+  if (base_live_views_) base_live_views_->fetch_sub(1);
+}
+
 template <typename Version>
 c10::intrusive_ptr<c10::TensorImpl> DTensorImpl::detached_copy(Version&& version, bool allow_metadata_change) const {
   auto copy = c10::make_intrusive<DTensorImpl>(local_, layout_, mesh_);
   copy->set_geometry(strides(), storage_offset());
   copy->set_version_counter(std::forward<Version>(version));
   copy->set_allow_tensor_metadata_change(allow_metadata_change);
+  if (detached_view_) {
+    // A copy of a detached view (.detach(), .data) is one too, of the same base; a fresh version
+    // counter (.data) starts it afresh, unless it is stale already.
+    copy->detached_view_ = true;
+    copy->detached_version_ = is_stale_view() ? kStale : current_version(*copy);
+    copy->base_live_views_ = base_live_views_;
+    if (base_live_views_) base_live_views_->fetch_add(1);
+  }
+  copy->live_detached_views_ = live_detached_views_;  // x.detach() writes x's values
   return copy;
 }
 

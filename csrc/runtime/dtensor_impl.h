@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/TensorImpl.h>
 
+#include <atomic>
 #include <memory>
 
 #include "layout/intern.h"
@@ -54,10 +55,19 @@ class DTensorImpl final : public c10::TensorImpl {
     return sizes() == local_.sizes() && strides() == local_.strides() && storage_offset() == local_.storage_offset();
   }
 
-  // A "view" whose input had to be redistributed first (e.g. a slice across a sharded dim): it
-  // reads like a view but does not alias its base, so writing into it is refused.
+  // A "view" whose input had to be redistributed first (e.g. a slice across a sharded dim, or a
+  // view that would cut a shard): it reads like a view but does not alias its base. Writing into
+  // it is refused; so is writing into its base while it lives (the base counts its live detached
+  // views), and reading it after its view family was written some other way (it shares the
+  // family's version counter, whose value at creation it keeps) -- either would be lost silently.
   bool is_detached_view() const { return detached_view_; }
-  void mark_detached_view() { detached_view_ = true; }
+  // `base`: the viewed tensor; `base_version`: its version counter's value now (the view gets
+  // that counter from autograd's as_view once the kernel returns), -1 when it has none.
+  void mark_detached_view(DTensorImpl* base, int64_t base_version);
+  bool has_live_detached_views() const { return live_detached_views_ && live_detached_views_->load() > 0; }
+  // Whether the view family was written after this detached view was taken.
+  bool is_stale_view() const;
+  ~DTensorImpl() override;
 
   c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
       const c10::VariableVersion& version_counter, bool allow_tensor_metadata_change) const override;
@@ -74,6 +84,9 @@ class DTensorImpl final : public c10::TensorImpl {
   LayoutPtr layout_;
   DeviceMeshPtr mesh_;
   bool detached_view_ = false;
+  int64_t detached_version_ = -1;                               // the family's version at creation
+  std::shared_ptr<std::atomic<int64_t>> base_live_views_;       // a detached view: its base's count
+  std::shared_ptr<std::atomic<int64_t>> live_detached_views_;   // a base: its live detached views
 };
 
 inline DTensorImpl* dtensor_impl(const at::TensorBase& t) {

@@ -247,7 +247,7 @@ enum class Returns : int8_t { kOne, kWrittenSelf, kNothing, kList };
 // keeping its layout.
 bool is_trivial(const ops::OpPlan& plan, const FastArgs& args, const OpInfo& info, Returns returns,
                 c10::ArrayRef<bool> int_list_args) {
-  if (plan.localize || plan.expand || plan.inputs.size() != args.tensors.size()) return false;
+  if (plan.localize || plan.expand || !plan.refused.empty() || plan.inputs.size() != args.tensors.size()) return false;
   if (plan.local_shape_arg >= 0 &&
       (plan.local_shape_arg >= static_cast<int64_t>(int_list_args.size()) || !int_list_args[plan.local_shape_arg]))
     return false;
@@ -343,15 +343,16 @@ struct FastKernel<Op, Ret(Args...)> {
     if (!slot || !slot->trivial) return boxed(keys, std::forward<Args>(args)...);
     const ops::OpPlan& plan = *slot->plan;
 
-    // Per call: views of redistributed inputs and writes into them are the fallback's to handle
-    // (or refuse); a view's geometry is its local's when every operand's wrapper geometry is its
+    // Per call: views that do not alias their base (any use) and writes into a base that has one
+    // are the fallback's to check (or refuse); a view's geometry is its local's when every operand's wrapper geometry is its
     // local's, else the rule's.
     const bool writes = kReturns == Returns::kWrittenSelf || kReturns == Returns::kNothing;
     bool geometry_from_local = info.is_view;
     for (const at::Tensor* t : fast.tensors) {
       auto* impl = dtensor_impl(*t);
       if (!impl) continue;  // a wrapped number
-      if (impl->is_detached_view() && (info.is_view || writes)) return boxed(keys, std::forward<Args>(args)...);
+      if (impl->is_detached_view() || (writes && impl->has_live_detached_views()))
+        return boxed(keys, std::forward<Args>(args)...);
       geometry_from_local = geometry_from_local && impl->geometry_is_local();
     }
     std::optional<ops::ViewGeometry> rule_geometry;

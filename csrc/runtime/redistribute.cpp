@@ -31,6 +31,57 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
   return c10d::ReduceOp::SUM;
 }
 
+// ------------------------------------------------------------------ dtypes the backends lack
+// c10d backends carry only some dtypes (gloo: float, double, half, bfloat16, int8, uint8, bool,
+// int32, int64; NCCL has no int16 and no complex either). The others travel reinterpreted: data
+// movement (all-gather, all-to-all) moves their bytes (a same-size view; complex as its real
+// pairs); reductions run where their arithmetic gives the same result: complex as its real pairs
+// (sums are componentwise), narrow or unsigned integers widened to int64 and cut back (sums and
+// products wrap modulo 2^bits alike), other floats (float8) widened to float32 and rounded back
+// once.
+
+bool carried_as_is(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16:
+    case at::kChar: case at::kByte: case at::kBool: case at::kInt: case at::kLong:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// The same bytes as a dtype every backend moves (a view: writing it writes `t`).
+at::Tensor movable(const at::Tensor& t) {
+  if (carried_as_is(t.scalar_type())) return t;
+  if (t.is_complex()) return movable(at::view_as_real(t));
+  switch (t.element_size()) {
+    case 1: return t.view(at::kByte);
+    case 2: return t.view(at::kHalf);
+    case 4: return t.view(at::kInt);
+    case 8: return t.view(at::kLong);
+    default: break;
+  }
+  TORCH_CHECK(false, "hypershard: no collective can carry dtype ", t.scalar_type());
+}
+
+// `t` (contiguous) in a dtype whose reduction by `op` gives `t`'s: itself, a view (complex), or
+// a widened copy (then the caller copies the result back into its buffer).
+at::Tensor reducible(const at::Tensor& t, ReduceOp op) {
+  const auto type = t.scalar_type();
+  if (carried_as_is(type)) return t;
+  if (t.is_complex()) {
+    TORCH_CHECK(op == ReduceOp::Sum || op == ReduceOp::Avg, "hypershard: a Partial(", layout::reduce_op_name(op),
+                ") of complex dtype ", type, " cannot be reduced (only sum and avg are defined for complex values)");
+    return reducible(at::view_as_real(t), op);
+  }
+  if (at::isIntegralType(type, /*includeBool=*/false)) {
+    TORCH_CHECK(type != at::kUInt64 || op == ReduceOp::Sum || op == ReduceOp::Prod, "hypershard: a Partial(",
+                layout::reduce_op_name(op), ") of dtype uint64 cannot be reduced (no wider integer to compare in)");
+    return type == at::kUInt64 ? t.view(at::kLong) : t.to(at::kLong);
+  }
+  return t.to(at::kFloat);
+}
+
 // Mesh position of the member with coordinate `c` on `axis` in this rank's group.
 int64_t member_position(const DeviceMesh& mesh, int64_t axis, int64_t c) {
   auto coord = mesh.mesh()->coordinate_at(mesh.position());
@@ -60,7 +111,8 @@ at::Tensor all_gather(const RedistributeStep& step, const at::Tensor& local, con
   auto sizes = send.sizes().vec();
   sizes[0] = longest * k;
   auto gathered = at::empty(sizes, send.options());
-  mesh.group(step.axis)._allgather_base(gathered, send)->wait();
+  at::Tensor gathered_bytes = movable(gathered), send_bytes = movable(send);
+  mesh.group(step.axis)._allgather_base(gathered_bytes, send_bytes)->wait();
   // Even chunks need no trimming: the gathered buffer already is the result along dim 0.
   const bool even = std::all_of(lengths.begin(), lengths.end(), [&](int64_t l) { return l == longest; });
   at::Tensor joined = gathered;
@@ -98,10 +150,11 @@ at::Tensor without_nan_flag(const at::Tensor& packed) {
 // One c10d all-reduce of a contiguous `buffer` over this rank's group on `axis`, in place (avg:
 // the sum; reduce_op_finish divides).
 void all_reduce_in_place(at::Tensor& buffer, const DeviceMesh& mesh, int64_t axis, ReduceOp op) {
-  std::vector<at::Tensor> tensors{buffer};
+  std::vector<at::Tensor> tensors{reducible(buffer, op)};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
   mesh.group(axis).allreduce(tensors, opts)->wait();
+  if (!tensors[0].is_alias_of(buffer)) buffer.copy_(tensors[0]);
 }
 
 at::Tensor all_reduce_raw(const at::Tensor& local, const DeviceMesh& mesh, int64_t axis, ReduceOp op) {
@@ -127,13 +180,16 @@ at::Tensor reduce_scatter(const RedistributeStep& step, const at::Tensor& local_
     const auto span = chunk_span(length, k, c);
     chunks.push_back(pad_to(local.narrow(d, span.begin, span.length), d, longest).movedim(d, 0));
   }
-  auto send = at::cat(chunks, 0).contiguous();
+  const auto original = local.scalar_type();
+  auto send = reducible(at::cat(chunks, 0).contiguous(), step.op);
   auto sizes = send.sizes().vec();
   sizes[0] = longest;
   auto received = at::empty(sizes, send.options());
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = to_c10d(step.op);
   mesh.group(step.axis)._reduce_scatter_base(received, send, opts)->wait();
+  if (at::isComplexType(original)) received = at::view_as_complex(received);
+  else received = received.to(original);
   const int64_t mine = chunk_span(length, k, mesh.coordinate(step.axis)).length;
   auto result = received.narrow(0, 0, mine).movedim(0, d);
   return reduce_op_finish((flagged ? without_nan_flag(result) : result).contiguous(), step.op, k);
@@ -163,7 +219,8 @@ at::Tensor all_to_all(const RedistributeStep& step, const at::Tensor& local, con
   }
   auto send = at::cat(pieces, 0);
   auto received = at::empty({std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0})}, local.options());
-  mesh.group(step.axis).alltoall_base(received, send, recv_counts, send_counts)->wait();
+  at::Tensor received_bytes = movable(received), send_bytes = movable(send);
+  mesh.group(step.axis).alltoall_base(received_bytes, send_bytes, recv_counts, send_counts)->wait();
   std::vector<at::Tensor> blocks;
   int64_t offset = 0;
   for (int64_t c = 0; c < k; ++c) {
@@ -183,8 +240,11 @@ at::Tensor run_step(const RedistributeStep& step, const at::Tensor& local, const
   }
   switch (step.kind) {
     case StepKind::LocalChunk: {
+      // A compact copy, not a view: a shard must not keep the whole tensor's memory alive, and
+      // its memory order must be the dense one the wrapper reports (kernels such as normal_ fill
+      // strided and contiguous tensors differently).
       const auto span = chunk_span(local.size(step.dst_dim), k, me);
-      return local.narrow(step.dst_dim, span.begin, span.length);
+      return local.narrow(step.dst_dim, span.begin, span.length).clone(at::MemoryFormat::Contiguous);
     }
     case StepKind::PartialFill:
       if (me == 0 || step.op == ReduceOp::Max || step.op == ReduceOp::Min || step.op == ReduceOp::Avg) return local;
@@ -354,7 +414,8 @@ at::Tensor all_gather_along(const at::Tensor& local, const DeviceMesh& mesh, int
   auto gathered = at::empty(sizes, send.options());
   g_collectives.fetch_add(1, std::memory_order_relaxed);
   g_bytes.fetch_add(send.numel() * (k - 1) * static_cast<int64_t>(send.element_size()), std::memory_order_relaxed);
-  mesh.group(axis)._allgather_base(gathered, send)->wait();
+  at::Tensor gathered_bytes = movable(gathered), send_bytes = movable(send);
+  mesh.group(axis)._allgather_base(gathered_bytes, send_bytes)->wait();
   return dim == 0 ? gathered : gathered.movedim(0, dim).contiguous();
 }
 

@@ -61,8 +61,8 @@ runs, and replicated(t) makes a DTensor Replicate (identity in the reference).  
 library lazily, so the harness (with backend="torch") works before hypershard's runtime is built.
 """
 
-from .adapters import (Adapter, HypershardAdapter, NoisyPartialAdapter, TorchAdapter, get_adapter,
-                       register_adapter)
+from .adapters import (Adapter, DefaultModeAdapter, HypershardAdapter, NoisyPartialAdapter, TorchAdapter,
+                       get_adapter, register_adapter)
 from .launcher import run_cases
 from .results import CaseResult, LaunchInfo, RunResult, assert_all_passed
 from .spec import (
@@ -78,12 +78,13 @@ from .spec import (
     sweep_cases,
     uniform,
 )
-from .worker import compare_tensors, current_mesh, current_rank, in_distributed_run, replicated
+from .worker import compare_tensors, counting, current_mesh, current_rank, in_distributed_run, replicated
 
 __all__ = [
     "Adapter",
     "Case",
     "CaseResult",
+    "DefaultModeAdapter",
     "HypershardAdapter",
     "Input",
     "LaunchInfo",
@@ -94,6 +95,7 @@ __all__ = [
     "assert_all_passed",
     "compare_tensors",
     "constant",
+    "counting",
     "current_mesh",
     "current_rank",
     "default_tolerance",

@@ -196,6 +196,20 @@ class HypershardAdapter(Adapter):
         return hs.distribute_tensor(tensor, mesh, placements)
 
 
+class DefaultModeAdapter(HypershardAdapter):
+    """hypershard in default mode -- the fallback and implicit redistribution on -- for the tests
+    of those (every other hypershard test runs strict). The fallback's once-per-op warnings are
+    silenced."""
+
+    name = "hypershard-default-mode"
+
+    def setup_rank(self):
+        import warnings
+
+        self._hs().set_strict(False)
+        warnings.simplefilter("ignore")
+
+
 class NoisyPartialAdapter(HypershardAdapter):
     """hypershard, with Partial inputs made of random parts (so an op that treats a Partial as
     "rank 0 holds the value" gives a wrong result): sum -> x / n + noise_i (the noise sums to 0

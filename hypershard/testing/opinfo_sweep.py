@@ -1,12 +1,16 @@
 """python -m hypershard.testing.opinfo_sweep [--world 2] [--samples 3] [--strict] [--ops add,mm] [--json FILE]
+    [--variants replicate,sharded,grad,sharded_2d]
 
 PyTorch's own operator catalogue (OpInfo op_db, float32 CPU samples) on hypershard DTensors, as
 torch's test/distributed/tensor/test_dtensor_ops.py does for torch's DTensor: every tensor of a
 sample becomes a DTensor, once Replicate and once sharded on its largest dim (uneven shards
 included), the op runs, and its outputs (gathered) are compared with the same op on plain
 tensors. Each (op, variant) is "passed" (every sample matched), "wrong" (some output differs:
-a silently wrong result), "error" (the op raised) or "skipped" (no float32 CPU sample). Default
-mode counts what the fallback and the rules compute together; --strict counts native rules only.
+a silently wrong result), "error" (the op raised) or "skipped" (no float32 CPU sample). The
+"grad" variant (hypershard.testing.opinfo_grad) compares the input gradients of the ops that
+support autograd instead, inputs sharded; "sharded_2d" runs the forward on a 2-D mesh (--world 4:
+2 x 2), two dims sharded (or one, over both axes). Default mode counts what the fallback and the rules
+compute together; --strict counts native rules only.
 """
 
 from __future__ import annotations
@@ -19,7 +23,12 @@ import time
 import warnings
 from typing import Any
 
-VARIANTS = ("replicate", "sharded")
+VARIANTS = ("replicate", "sharded")  # forward: the op's outputs compared
+GRAD_VARIANT = "grad"  # backward: input gradients compared, inputs sharded (ops that support autograd)
+# forward on a 2-D (2, world/2) mesh ("dp", "tp"): the largest dim over dp, the next largest
+# (or, when no other dim has 2 elements, the same one, nested) over tp -- needs an even world >= 4
+MESH_2D_VARIANT = "sharded_2d"
+ALL_VARIANTS = (*VARIANTS, GRAD_VARIANT, MESH_2D_VARIANT)
 # Ops whose outputs are uninitialized memory: only shape and dtype can be compared (torch's own
 # DTensor sweep skips them for the same reason).
 UNINITIALIZED = frozenset({"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty",
@@ -52,35 +61,46 @@ def _catalogue(names: set | None) -> list:
     return ops
 
 
-def _distribute(value: Any, mesh, variant: str):
+def _map_tensors(value: Any, convert) -> Any:
+    """`value` with convert(t) in place of every tensor t in its lists, tuples and dicts (the
+    shapes an OpInfo sample's arguments take)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return convert(value)
+    if isinstance(value, (list, tuple)):
+        converted = [_map_tensors(v, convert) for v in value]
+        return type(value)(converted) if isinstance(value, tuple) else converted
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, convert) for k, v in value.items()}
+    return value
+
+
+def _distribute_tensor(tensor, mesh, variant: str):
     import torch
 
     import hypershard as hs
 
-    if isinstance(value, torch.Tensor) and value.layout == torch.strided:  # sparse ones stay plain
-        placements = [hs.Replicate()]
-        if variant == "sharded" and value.dim() > 0 and value.numel() > 0:
-            placements = [hs.Shard(max(range(value.dim()), key=lambda d: value.shape[d]))]
-        return hs.distribute_tensor(value, mesh, placements)
-    if isinstance(value, (list, tuple)):
-        converted = [_distribute(v, mesh, variant) for v in value]
-        return type(value)(converted) if isinstance(value, tuple) else converted
-    if isinstance(value, dict):
-        return {k: _distribute(v, mesh, variant) for k, v in value.items()}
-    return value
+    if tensor.layout != torch.strided:  # sparse ones stay plain
+        return tensor
+    placements = [hs.Replicate()] * mesh.ndim
+    if variant in ("sharded", MESH_2D_VARIANT) and tensor.dim() > 0 and tensor.numel() > 0:
+        by_size = sorted(range(tensor.dim()), key=lambda d: -tensor.shape[d])  # stable: ties keep dim order
+        placements[0] = hs.Shard(by_size[0])
+        if variant == MESH_2D_VARIANT:
+            second = by_size[1] if len(by_size) > 1 and tensor.shape[by_size[1]] >= 2 else by_size[0]
+            placements[1] = hs.Shard(second)
+    return hs.distribute_tensor(tensor, mesh, placements)
+
+
+def _distribute(value: Any, mesh, variant: str):
+    return _map_tensors(value, lambda t: _distribute_tensor(t, mesh, variant))
 
 
 def _copy(value: Any):
     import torch
 
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone() if value.layout == torch.strided else value
-    if isinstance(value, (list, tuple)):
-        converted = [_copy(v) for v in value]
-        return type(value)(converted) if isinstance(value, tuple) else converted
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    return value
+    return _map_tensors(value, lambda t: t.detach().clone() if t.layout == torch.strided else t)
 
 
 def _gather(value: Any):
@@ -115,6 +135,10 @@ def _compare(got: Any, expected: Any, values: bool = True) -> None:
         assert got == expected, f"{got!r} != {expected!r}"
 
 
+def _describe(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+
+
 def _run_op(op, mesh, variant: str, samples: int) -> tuple[str, str]:
     import torch
 
@@ -142,7 +166,7 @@ def _run_op(op, mesh, variant: str, samples: int) -> tuple[str, str]:
             kwargs = _distribute(plain_kwargs, mesh, variant)
             got = _gather(op(*args, **kwargs))
         except Exception as exc:  # noqa: BLE001 -- the sweep records what raised
-            return "error", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+            return "error", _describe(exc)
         try:
             _compare(got, expected, values=op.name not in UNINITIALIZED)
         except AssertionError as exc:
@@ -150,33 +174,62 @@ def _run_op(op, mesh, variant: str, samples: int) -> tuple[str, str]:
     return ("passed", "") if count else ("skipped", "no float32 CPU sample")
 
 
-def sweep_rank(rank: int, world: int, names: list | None, samples: int, strict: bool, verbose: bool = False) -> dict:
+def sweep_rank(rank: int, world: int, names: list | None, samples: int, strict: bool, verbose: bool = False,
+               variants: tuple = VARIANTS) -> dict:
     import hypershard as hs
+
+    from .opinfo_grad import run_grad_op  # here: opinfo_grad imports this module's helpers
 
     warnings.simplefilter("ignore")
     hs.set_strict(strict)
     mesh = hs.init_device_mesh("cpu", (world,), ("dp",))
+    mesh_2d = None
+    if MESH_2D_VARIANT in variants:
+        if world < 4 or world % 2:
+            raise ValueError(f"opinfo_sweep: the {MESH_2D_VARIANT} variant needs an even world of at least 4, not {world}")
+        mesh_2d = hs.init_device_mesh("cpu", (2, world // 2), ("dp", "tp"))
     results = {}
     for op in _catalogue(set(names) if names else None):
-        for variant in VARIANTS:
+        for variant in variants:
+            if variant == GRAD_VARIANT and not op.supports_autograd:
+                continue
             if verbose and rank == 0:
                 print(f"opinfo_sweep: {_op_key(op)} {variant}", file=sys.stderr, flush=True)
-            results[f"{_op_key(op)}|{variant}"] = _run_op(op, mesh, variant, samples)
+            if variant == GRAD_VARIANT:
+                results[f"{_op_key(op)}|{variant}"] = run_grad_op(op, mesh, samples)
+            else:
+                results[f"{_op_key(op)}|{variant}"] = _run_op(op, mesh_2d if variant == MESH_2D_VARIANT else mesh,
+                                                              variant, samples)
     return results
 
 
 def run(world: int = 2, samples: int = 3, strict: bool = False, names: list | None = None,
-        timeout: float = 1800.0, verbose: bool = False) -> dict:
-    """{"op|variant": (status, detail)} from rank 0 (every rank computes the same)."""
+        timeout: float = 1800.0, verbose: bool = False, variants: tuple = VARIANTS) -> dict:
+    """{"op|variant": (status, detail)} from rank 0 (every rank computes the same). `variants`:
+    any of ALL_VARIANTS; the forward ones by default (run_grad runs the gradient one)."""
     from hypershard.launch import spawn_local_ranks
 
-    return spawn_local_ranks(sweep_rank, world, names, samples, strict, verbose, timeout=timeout, pg_timeout=120)[0]
+    unknown = set(variants) - set(ALL_VARIANTS)
+    if unknown:
+        raise ValueError(f"opinfo_sweep: unknown variants {sorted(unknown)}; allowed: {', '.join(ALL_VARIANTS)}")
+    return spawn_local_ranks(sweep_rank, world, names, samples, strict, verbose, tuple(variants),
+                             timeout=timeout, pg_timeout=120)[0]
+
+
+def run_grad(world: int = 2, samples: int = 3, strict: bool = False, names: list | None = None,
+             timeout: float = 1800.0, verbose: bool = False) -> dict:
+    """{"op|grad": (status, detail)} for every op whose OpInfo supports autograd: run() of the
+    gradient variant alone (what a level0 test of gradients calls)."""
+    return run(world, samples, strict, names, timeout, verbose, variants=(GRAD_VARIANT,))
 
 
 def summary(results: dict) -> dict:
+    """{variant: counts per status and "ops"} for the variants present in `results`."""
     out = {}
-    for variant in VARIANTS:
+    for variant in ALL_VARIANTS:
         statuses = [s for key, (s, _) in results.items() if key.endswith(f"|{variant}")]
+        if not statuses:
+            continue
         out[variant] = {k: statuses.count(k) for k in ("passed", "wrong", "error", "skipped")}
         out[variant]["ops"] = len(statuses)
     return out
@@ -194,10 +247,16 @@ def main(argv=None) -> int:
                         help="write the passing (op|variant) pairs, one a line (the strict list of the level0 test)")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--verbose", action="store_true", help="rank 0 prints each op as it starts")
+    parser.add_argument("--variants", default=",".join((*VARIANTS, GRAD_VARIANT)),
+                        help=f"comma-separated, of {','.join(ALL_VARIANTS)} (default: all but {MESH_2D_VARIANT}, "
+                             f"which needs --world 4 or more)")
     args = parser.parse_args(argv)
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    if set(variants) - set(ALL_VARIANTS):
+        parser.error(f"--variants {args.variants}: allowed: {','.join(ALL_VARIANTS)}")
     start = time.perf_counter()
     results = run(args.world, args.samples, args.strict, args.ops.split(",") if args.ops else None, args.timeout,
-                  args.verbose)
+                  args.verbose, variants)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, sort_keys=True)

@@ -453,3 +453,19 @@ def rank_main(rank: int, plan: LaunchPlan) -> None:
     finally:
         # Skip atexit handlers and finalizers inherited from the parent (pytest, torch).
         os._exit(code)
+
+
+def counting(stat: str, fn):
+    """fn, asserting in the distributed run that hypershard's dispatch_stats()[stat] grew during
+    the call (e.g. "fallback_calls", "implicit_calls"): a case meant for that path cannot pass
+    through another one unnoticed (when the op gets a rule, the case says so)."""
+    def run(*args):
+        if not in_distributed_run():
+            return fn(*args)
+        import hypershard as hs
+
+        before = hs._C.dispatch_stats()[stat]
+        out = fn(*args)
+        assert hs._C.dispatch_stats()[stat] > before, f"no call counted in dispatch_stats()[{stat!r}]"
+        return out
+    return run

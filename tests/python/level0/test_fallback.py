@@ -14,7 +14,8 @@ import warnings
 import torch
 
 import hypershard as hs
-from hypershard.testing import Case, HypershardAdapter, Input, assert_all_passed, in_distributed_run, run_cases
+from hypershard.testing import (Case, DefaultModeAdapter, Input, assert_all_passed, counting, in_distributed_run,
+                                run_cases)
 from hypershard.testing.spec import randint
 
 M2 = ((2,), ("dp",))
@@ -22,26 +23,9 @@ M4 = ((4,), ("dp",))
 M22 = ((2, 2), ("dp", "tp"))
 
 
-class DefaultModeAdapter(HypershardAdapter):
-    """hypershard in default mode (the harness runs hypershard strict otherwise)."""
-
-    name = "hypershard-default-mode"
-
-    def setup_rank(self):
-        hs.set_strict(False)
-        warnings.simplefilter("ignore")  # the fallback's once-per-op warnings
-
-
 def through_fallback(fn):
     """fn, asserting in the distributed run that the fallback served at least one call."""
-    def run(*args):
-        if not in_distributed_run():
-            return fn(*args)
-        before = hs._C.dispatch_stats()["fallback_calls"]
-        out = fn(*args)
-        assert hs._C.dispatch_stats()["fallback_calls"] > before, "no call went through the fallback"
-        return out
-    return run
+    return counting("fallback_calls", fn)
 
 
 def in_place(fn):

@@ -34,6 +34,11 @@ def view_cases():
                 Case(f"unbind{tag}", lambda a: torch.stack(a.unbind(1)[::2], 1) * 1, [x()], mesh),
                 Case(f"cat{tag}", lambda a: torch.cat([a, a * 2], dim=1), [x()], mesh),
             ]
+    # 3 rows over 2 ranks: rank 1's shard has one row, which squeeze() must not drop
+    cases.append(Case("squeeze_keeps_a_shard_of_one", lambda a: a.squeeze() * 1, [Input((3, 1), placements=["S(0)"])],
+                      MESH2))
+    cases.append(Case("squeeze_dim_keeps_a_shard_of_one", lambda a: a.squeeze(0) * 1, [Input((3, 4), placements=["S(0)"])],
+                      MESH2))
     cases.append(Case("view_cut_raises", lambda a: a.view(16, 6), [Input((12, 8), placements=["S(1)"])], MESH2,
                       expect_error="would cut through a sharded dim"))
     cases.append(Case("as_strided_raises", lambda a: a.as_strided((2, 2), (1, 1)), [Input((12, 8), placements=["S(0)"])],
@@ -138,3 +143,23 @@ def test_inplace_and_accumulate():
 
 def test_mlp_adamw():
     assert_all_passed(run_cases(mlp_cases(), backend="hypershard", timeout=300))
+
+
+def empty_tensor_cases():
+    """Size-0 DTensors are ordinary tensors (shapes from PyTorch's own OpInfo samples): detach, the
+    identity view, a pointwise op and an mm, with gradients, sharded on the empty dim or another."""
+    out = []
+    for shape, placements in (((1, 0, 3), ["S(2)"]), ((0, 5), ["S(1)"]), ((0, 5), ["S(0)"]), ((3, 0), ["S(0)"])):
+        tag = f"{'x'.join(map(str, shape))}_{placements[0]}"
+        x = Input(shape, placements=placements)
+        out += [Case(f"empty_detach_{tag}", lambda a: a.detach() * 1, [x], MESH2),
+                Case(f"empty_view_as_{tag}", lambda a: a.view_as(a), [x], MESH2),
+                Case(f"empty_cos_{tag}", torch.cos, [x], MESH2)]
+    out.append(Case("empty_mm_contracted", torch.mm, [Input((3, 0), placements=["S(0)"]), Input((0, 4))], MESH2))
+    out.append(Case("empty_mm_rows", torch.mm, [Input((0, 6), placements=["S(1)"]), Input((6, 4), placements=["S(0)"])],
+                    MESH2))
+    return out
+
+
+def test_empty_tensors():
+    assert_all_passed(run_cases(empty_tensor_cases(), timeout=300))

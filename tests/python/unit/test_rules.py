@@ -65,6 +65,12 @@ ROWS = {
          None, [P1], False),
         ("inplace_other_follows_self", "tp4", aten.add_.Tensor, (T([4, 8], S(0)), T([4, 8], S(1))), {},
          [S(0), S(0)], [S(0)], False),
+        # rules from torch's pointwise tag (register_tagged_pointwise): the same engine, no Partial
+        ("tagged_hypot_broadcast", "dp2tp2", aten.hypot.default, (T([4, 6], S(0, 1)), T([6], ["R", "S(0)"])), {},
+         None, [S(0, 1)], False),
+        ("tagged_frexp_two_outputs", "tp4", aten.frexp.Tensor, (T([8, 6], S(0)),), {}, None, [S(0), S(0)], False),
+        ("tagged_inplace_other_follows_self", "tp4", aten.atan2_.default, (T([4, 8], S(0)), T([4, 8], S(1))), {},
+         [S(0), S(0)], [S(0)], False),
     ],
     "matmul": [
         ("mm_row_sharded", "tp4", aten.mm.default, (T([8, 6], S(0)), T([6, 8], R1)), {}, None, [S(0)], False),
@@ -100,6 +106,8 @@ ROWS = {
         ("permute", "dp2tp2", aten.permute.default, (T([4, 6, 2], S(0, 2)), [2, 0, 1]), {}, None, [S(1, 0)], False),
         ("unsqueeze", "tp4", aten.unsqueeze.default, (T([4, 6], S(1)), 0), {}, None, [S(2)], False),
         ("squeeze", "tp4", aten.squeeze.dim, (T([4, 1, 6], S(2)), 1), {}, None, [S(1)], False),
+        # 5 over 4 ranks: shards 2, 2, 1, 0 -- the local squeeze() would drop rank 2's size-1 shard
+        ("squeeze_all_shard_of_one", "tp4", aten.squeeze.default, (T([4, 1, 5], S(2)),), {}, None, [S(1)], True),
         ("expand", "tp4", aten.expand.default, (T([4, 1], S(0)), [4, 6]), {}, None, [S(0)], False),
         ("slice_other_dim", "tp4", aten.slice.Tensor, (T([8, 6], S(0)), 1, 0, 2), {}, None, [S(0)], False),
         ("slice_sharded_dim_gathers", "tp4", aten.slice.Tensor, (T([8, 6], S(0)), 0, 0, 2), {}, [R1], [R1], False),
@@ -263,3 +271,22 @@ def test_view_geometry_equals_torch(chain):
         assert (tuple(got.shape), got.stride(), got.storage_offset()) == \
             (tuple(want.shape), want.stride(), want.storage_offset())
         assert got.is_contiguous() == want.is_contiguous()
+
+
+def test_every_pointwise_tagged_op_has_a_rule():
+    """register_tagged_pointwise: every ATen op torch tags pointwise has a rule, except seeded random
+    ops (random.cpp's family) and ops that return something other than tensors (equal's bool)."""
+    rules = set(hs._C.rule_names())
+    missing = []
+    for name in torch._C._dispatch_get_all_op_names():
+        if not name.startswith("aten::"):
+            continue
+        base, _, overload = name[len("aten::"):].partition(".")
+        packet = getattr(aten, base, None)
+        op = getattr(packet, overload or "default", None) if packet is not None else None
+        if op is None or torch.Tag.pointwise not in op.tags or torch.Tag.nondeterministic_seeded in op.tags:
+            continue
+        returns = op._schema.returns
+        if returns and all(isinstance(r.type, torch.TensorType) for r in returns) and name not in rules:
+            missing.append(name)
+    assert not missing, f"pointwise-tagged ops without a rule: {missing}"
