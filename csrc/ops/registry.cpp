@@ -113,6 +113,7 @@ void register_all(Registry& r) {
   register_normalization(r);
   register_attention(r);
   register_random(r);
+  register_along_dims(r);
   register_tagged_pointwise(r);
 }
 

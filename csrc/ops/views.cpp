@@ -21,6 +21,7 @@
 //   cat, stack                        the cat dim whole; other dims sharded alike
 //   select_backward, slice_backward   the inverse shapes, same rule
 //   constant_pad_nd                   padded dims whole, the others keep their sharding
+//   diagonal(_backward)               dim1, dim2 whole (GLOBAL offset); the other dims keep theirs
 //   as_strided                        only on a tensor with no sharded dim (a checked backstop)
 // Partial: every op here is linear (it moves or copies elements), so Partial passes through
 // unchanged; cat/stack need all operands Partial alike (a Replicate operand is filled for free).
@@ -408,6 +409,51 @@ OpPlan slicing_backward_rule(const OpCall& call) {
   return plan;
 }
 
+// ------------------------------------------------------------------ diagonal
+
+// diagonal(self, offset, dim1, dim2): dim1 and dim2 whole (the offset is GLOBAL); the other dims
+// keep their sharding and come first, the diagonal last (whole). Linear: Partial passes.
+OpPlan diagonal_rule(const OpCall& call) {
+  const Layout& in = call.layout(0);
+  const int64_t n = in.ndim();
+  const int64_t offset = int_arg(call.arg(1));
+  const int64_t d1 = wrap_dim(call, int_arg(call.arg(2)), n), d2 = wrap_dim(call, int_arg(call.arg(3)), n);
+  if (d1 == d2) fail_call(call, "diagonal dimensions cannot be identical");
+  const auto& shape = in.global_shape();
+  layout::DimAxes kept = in.dim_axes();
+  kept[d1].clear();
+  kept[d2].clear();
+  std::vector<int64_t> out_shape;
+  layout::DimAxes out_dims;
+  for (int64_t d = 0; d < n; ++d)
+    if (d != d1 && d != d2) {
+      out_shape.push_back(shape[d]);
+      out_dims.push_back(kept[d]);
+    }
+  const int64_t length = offset >= 0 ? std::min(shape[d1], shape[d2] - offset) : std::min(shape[d1] + offset, shape[d2]);
+  out_shape.push_back(std::max<int64_t>(length, 0));
+  out_dims.emplace_back();
+  return single(call, make_layout(in, shape, kept, in.partial()), make_layout(in, out_shape, out_dims, in.partial()));
+}
+
+// diagonal_backward(grad, input_sizes, offset, dim1, dim2): the inverse -- grad's leading dims
+// go back to the input's other dims; dim1, dim2 and grad's diagonal dim are whole.
+OpPlan diagonal_backward_rule(const OpCall& call) {
+  const Layout& grad = call.layout(0);
+  const auto sizes = int_list(call.arg(1));
+  const int64_t n = static_cast<int64_t>(sizes.size());
+  const int64_t d1 = wrap_dim(call, int_arg(call.arg(3)), n), d2 = wrap_dim(call, int_arg(call.arg(4)), n);
+  layout::DimAxes grad_dims = grad.dim_axes();
+  if (!grad_dims.empty()) grad_dims.back().clear();
+  layout::DimAxes out_dims(sizes.size());
+  for (int64_t o = 0, g = 0; o < n; ++o)
+    if (o != d1 && o != d2) out_dims[o] = grad_dims[g++];
+  auto plan = single(call, make_layout(grad, grad.global_shape(), grad_dims, grad.partial()),
+                     make_layout(grad, sizes, out_dims, grad.partial()));
+  plan.local_shape_arg = call.arg_index("input_sizes");
+  return plan;
+}
+
 // ------------------------------------------------------------------ cat / stack
 
 OpPlan cat_rule(const OpCall& call) {
@@ -531,6 +577,8 @@ void register_views(Registry& r) {
   r.add("aten::as_strided", &as_strided_rule);
   r.add("aten::cat", &cat_rule);
   r.add("aten::constant_pad_nd", &constant_pad_rule);
+  r.add("aten::diagonal", &diagonal_rule);
+  r.add("aten::diagonal_backward", &diagonal_backward_rule);
   r.add("aten::expand", &expand_rule);
   r.add("aten::permute", &permute_rule);
   r.add("aten::select.int", &along_dim_rule);

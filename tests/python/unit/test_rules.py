@@ -160,6 +160,29 @@ ROWS = {
         ("foreach_norm_global", "tp4", aten._foreach_norm.Scalar, ([T([8, 6], S(0)), T([4], R1)], 2.0), {},
          None, [R1, R1], True),
     ],
+    "along_dims": [
+        ("cumsum_whole_dim_local", "tp4", aten.cumsum.default, (T([8, 6], S(0)), 1), {}, None, [S(0)], False),
+        ("cumsum_sharded_dim_gathers", "tp4", aten.cumsum.default, (T([8, 6], S(0)), 0), {}, [R1], [R1], False),
+        ("cumsum_keeps_partial", "tp4", aten.cumsum.default, (T([8, 6], P1), 0), {}, None, [P1], False),
+        ("cumsum_0d", "tp4", aten.cumsum.default, (T([], R1), 0), {}, None, [R1], False),
+        ("topk_k_along_whole_dim", "dp2tp2", aten.topk.default, (T([8, 6], S(0, None)), 3, 1), {}, None,
+         [S(0, None), S(0, None)], False),
+        ("kthvalue_drops_dim", "dp2tp2", aten.kthvalue.default, (T([8, 6, 4], S(0, 2)), 2, 1), {}, None,
+         [S(0, 1), S(0, 1)], False),
+        ("logsumexp_sharded_dim", "dp2tp2", aten.logsumexp.default, (T([8, 6], S(0, 1)), [1]), {},
+         [S(0, None)], [S(0, None)], False),
+        ("flip_two_dims", "dp2tp2", aten.flip.default, (T([8, 6], S(0, 1)), [1]), {}, [S(0, None)], [S(0, None)],
+         False),
+        ("roll_flat_gathers_all", "tp4", aten.roll.default, (T([8, 6], S(0)), [3], []), {}, [R1], [R1], False),
+        ("var_mean_all_dims", "tp4", aten.var_mean.correction, (T([8, 6], S(1)),), {}, [R1], [R1, R1], False),
+        ("qr_batch_sharded", "tp4", aten.linalg_qr.default, (T([8, 4, 3], S(0)),), {}, None, [S(0), S(0)], False),
+        ("qr_matrix_dim_gathered", "dp2tp2", aten.linalg_qr.default, (T([8, 4, 3], S(0, 1)),), {},
+         [S(0, None)], [S(0, None), S(0, None)], False),
+        ("det_drops_matrix", "tp4", aten._linalg_det.default, (T([8, 3, 3], S(0)),), {}, None, [S(0), S(0), S(0)],
+         False),
+        ("eigh_values_keep_batch", "tp4", aten._linalg_eigh.default, (T([8, 3, 3], S(0)),), {}, None,
+         [S(0), S(0)], False),
+    ],
 }
 
 # (id, mesh, op, args, kwargs, text every rank must raise)
@@ -187,6 +210,11 @@ ERRORS = [
     ("attention_head_dim_sharded", "tp4", aten._scaled_dot_product_flash_attention_for_cpu.default,
      (T([2, 4, 5, 8], S(3)), T([2, 4, 5, 8], S(3)), T([2, 4, 5, 8], S(3))), {},
      "dim 3 (head_dim) is sharded"),
+    ("sort_of_sum_partial", "tp4", aten.sort.default, (T([8, 6], P1), 1), {},
+     "aten::sort: argument self (#0) [8, 6] (\"None\", \"None\") partial(sum: tp): Partial(sum) input is not "
+     "supported by this op"),
+    ("topk_dim_out_of_range", "tp4", aten.topk.default, (T([8, 6], S(0)), 2, 2), {},
+     "dim 2 is out of range for a 2-d tensor"),
     ("missing_operator", "tp4", aten._fft_r2c.default, (T([8, 6], S(0)), [1], 0, True), {},
      "Missing operator aten::_fft_r2c: no distributed rule for this op"),
 ]
@@ -245,7 +273,7 @@ def test_uneven_local_shapes_on_every_rank():
 
 def test_every_family_has_rows():
     families = {"pointwise", "matmul", "reductions", "views", "softmax_norm_attention", "embedding_loss",
-                "random_factories_optim"}
+                "random_factories_optim", "along_dims"}
     assert families <= set(ROWS)
     assert sum(len(rows) for rows in ROWS.values()) + len(ERRORS) >= 60
 

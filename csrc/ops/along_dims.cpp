@@ -1,0 +1,212 @@
+// Ops that compute along some dims, every other dim independent: their result on a block of the
+// other dims is the block of their result. So the named dims are made whole (gathered where
+// sharded) and the op runs on the local shards; every other dim keeps its sharding.
+//
+//   scans        cumsum, cumprod, logcumsumexp, cummax, cummin                   dim
+//   sorts        sort(.stable), argsort(.stable), topk, kthvalue, mode,          dim
+//                median.dim, nanmedian.dim
+//   reductions   logsumexp, nansum, norm.ScalarOpt_dim,                          dim (None or [] = all)
+//                std_mean/var_mean.correction, aminmax, count_nonzero(.dim_IntList)
+//   whole        msort, median, nanmedian (no dim argument: every dim), _linalg_check_errors
+//                (every rank checks the whole info tensor, so every rank raises alike)
+//   diagonal     diag_embed (the last dim becomes a diagonal; leading dims are a batch)
+//   moves        flip, roll                                                      dims (roll: [] = all)
+//   linalg       inv_ex, cholesky_ex, lu_factor_ex, lu, qr, eig, _linalg_eigh,   the last two (the
+//                _linalg_svd, _linalg_slogdet, _linalg_det, matrix_exp,          matrix); leading
+//                pinv.atol_rtol_tensor, triu, tril, lu_solve, solve_triangular,  dims are a batch
+//                householder_product (operands batched like the first keep its batch sharding)
+//
+// Output layouts come from the outputs' GLOBAL shapes, which the op itself reports on meta
+// tensors (topk's k, a keepdim, a matrix factor's shape): an output of the input's rank keeps the
+// sharding of every dim whose size it keeps; one with the named dims removed keeps the others';
+// any other keeps its leading batch dims' sharding. An output that would lose a kept sharding
+// makes the input whole instead. Tensor arguments after the first are read whole, except a
+// matrix op's operands batched like the first (other_operand).
+//
+// Partial: flip, roll and cumsum are linear (they move or add elements), so a sum/avg Partial
+// passes through them. Every other op here is not: a sum/avg Partial input is an error (default
+// mode reduces it first) -- inside a backward pass, where the formula is torch's, it is reduced.
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+#include "ops/families.h"
+
+namespace hypershard::ops {
+namespace {
+
+enum class Along : int8_t {
+  kDimArg,   // the "dim" argument: an int, an int list, or None / [] for every dim
+  kDimsArg,  // the "dims" argument (flip: [] = none; roll: [] = every dim)
+  kAll,      // every dim
+  kMatrix,   // the last two dims
+  kLastDim,  // the last dim
+};
+
+struct AlongSpec {
+  Along along;
+  bool linear;  // a sum/avg Partial passes through
+};
+
+// The input dims the op computes along (GLOBAL dims of tensor 0).
+std::vector<int64_t> named_dims(const OpCall& call, AlongSpec spec, int64_t ndim) {
+  std::vector<int64_t> all(static_cast<size_t>(ndim));
+  if (ndim == 0) {  // a 0-d tensor has nothing to make whole; its dim 0 / -1 (torch allows them) names none
+    if (spec.along == Along::kMatrix) fail_call(call, "a matrix op needs at least 2 dims");
+    return all;
+  }
+  for (int64_t d = 0; d < ndim; ++d) all[d] = d;
+  if (spec.along == Along::kAll) return all;
+  if (spec.along == Along::kMatrix) {
+    if (ndim < 2) fail_call(call, "a matrix op needs at least 2 dims");
+    return {ndim - 2, ndim - 1};
+  }
+  if (spec.along == Along::kLastDim) return ndim == 0 ? all : std::vector<int64_t>{ndim - 1};
+  const char* name = spec.along == Along::kDimArg ? "dim" : "dims";
+  const auto index = call.schema().argumentIndexWithName(name);
+  if (!index) return all;
+  const c10::IValue& value = call.arg(static_cast<int64_t>(*index));
+  if (value.isNone()) return all;
+  std::vector<int64_t> dims;
+  if (value.isInt()) {
+    dims.push_back(wrap_dim(call, value.toInt(), ndim));
+  } else {
+    for (int64_t d : value.toIntList()) dims.push_back(wrap_dim(call, d, ndim));
+    const bool empty_means_all = spec.along == Along::kDimArg || call.schema().name() == "aten::roll";
+    if (dims.empty() && empty_means_all) return all;
+  }
+  return dims;
+}
+
+// Each output's GLOBAL shape: the op on meta tensors of the inputs' global shapes.
+std::vector<std::vector<int64_t>> output_shapes(const OpCall& call) {
+  torch::jit::Stack meta;
+  for (int64_t a = 0; a < call.num_args(); ++a) meta.push_back(call.arg(a));
+  for (const auto& t : call.tensors)  // single tensors only: no op here takes a tensor list
+    meta[t.arg] = at::empty(t.layout->global_shape(), at::TensorOptions().dtype(t.dtype).device(c10::kMeta));
+  call.op->callBoxed(&meta);
+  std::vector<std::vector<int64_t>> out;
+  for (const auto& r : meta)
+    if (r.isTensor()) out.push_back(r.toTensor().sizes().vec());
+  return out;
+}
+
+// An output's per-dim mesh axes: one of the input's rank keeps the sharding of every dim whose
+// size it keeps; one with the named dims removed keeps the others'; any other its leading dims'.
+template <typename IsNamed>
+layout::DimAxes output_dims(const std::vector<int64_t>& shape, const std::vector<int64_t>& in_shape,
+                            const layout::DimAxes& kept, const IsNamed& is_named, size_t named) {
+  const int64_t rank = static_cast<int64_t>(shape.size()), n = static_cast<int64_t>(in_shape.size());
+  layout::DimAxes dims(shape.size());
+  if (rank == n) {
+    for (int64_t d = 0; d < n; ++d)
+      if (shape[d] == in_shape[d]) dims[d] = kept[d];
+  } else if (named > 0 && rank == n - static_cast<int64_t>(named)) {
+    int64_t o = 0;
+    for (int64_t d = 0; d < n; ++d)
+      if (!is_named(d)) dims[o++] = kept[d];
+  } else {
+    for (int64_t d = 0; d < std::min(rank, n) && !is_named(d) && shape[d] == in_shape[d]; ++d) dims[d] = kept[d];
+  }
+  return dims;
+}
+
+std::vector<int64_t> mesh_axes(const layout::DimAxes& dims) {
+  std::vector<int64_t> axes;
+  for (const auto& d : dims) axes.insert(axes.end(), d.begin(), d.end());
+  std::sort(axes.begin(), axes.end());
+  return axes;
+}
+
+// A tensor argument after the first: for a matrix op, an operand batched like the first (its
+// leading `batch` dims of the first's sizes, then its own core dims: a vector of pivots or tau,
+// else a matrix) takes the first's batch sharding; every other operand (pinv's tolerances, a
+// broadcast operand) is read whole.
+LayoutPtr other_operand(const OpCall& call, int64_t t, int64_t batch, const layout::DimAxes& kept) {
+  const Layout& other = call.layout(t);
+  const Layout& first = call.layout(0);
+  const std::string& name = call.schema().arguments()[call.tensors[t].arg].name();
+  const int64_t core = name == "pivots" || name == "tau" ? 1 : 2;
+  bool batched_alike = batch >= 0 && other.ndim() == batch + core;
+  for (int64_t d = 0; d < batch && batched_alike; ++d)
+    batched_alike = other.global_shape()[d] == first.global_shape()[d];
+  layout::DimAxes dims(static_cast<size_t>(other.ndim()));
+  if (batched_alike)
+    for (int64_t d = 0; d < batch; ++d) dims[d] = kept[d];
+  return make_layout(other, other.global_shape(), std::move(dims), {});
+}
+
+template <Along A, bool kLinear>
+OpPlan along_dims_rule(const OpCall& call) {
+  const AlongSpec spec{A, kLinear};
+  const Layout& in = call.layout(0);
+  const int64_t n = in.ndim();
+  const auto named = named_dims(call, spec, n);
+  auto is_named = [&](int64_t d) { return std::find(named.begin(), named.end(), d) != named.end(); };
+
+  layout::PartialOps partial = in.partial();
+  if (auto op = in.partial_op()) {
+    const bool sum_like = *op == ReduceOp::Sum || *op == ReduceOp::Avg;
+    if (!(kLinear && sum_like)) {
+      if (sum_like && !call.in_backward)
+        fail_argument(call, 0, std::string("Partial(") + layout::reduce_op_name(*op) + ") input is not supported by this op",
+                      "Replicate or Shard (redistribute the Partial input first)");
+      partial.assign(partial.size(), std::nullopt);  // reduced first: exact
+    }
+  }
+  layout::DimAxes kept = in.dim_axes();
+  for (int64_t d : named) kept[d].clear();
+
+  // Every output must hold each kept sharding on a dim of its own (the local call computes this
+  // rank's block only); when one cannot (its shape does not show the input's dims), the input
+  // is made whole.
+  const auto shapes = output_shapes(call);
+  std::vector<layout::DimAxes> outs;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    outs.clear();
+    bool holds_all = true;
+    for (const auto& shape : shapes) {
+      outs.push_back(output_dims(shape, in.global_shape(), kept, is_named, named.size()));
+      holds_all = holds_all && mesh_axes(outs.back()) == mesh_axes(kept);
+    }
+    if (holds_all) break;
+    for (auto& axes : kept) axes.clear();
+  }
+
+  OpPlan plan;
+  plan.inputs.push_back(make_layout(in, in.global_shape(), kept, partial));
+  for (size_t t = 1; t < call.tensors.size(); ++t)
+    plan.inputs.push_back(other_operand(call, static_cast<int64_t>(t), A == Along::kMatrix ? n - 2 : -1, kept));
+  // Integer outputs (indices, counts) carry no Partial; a linear op's values keep it.
+  for (size_t o = 0; o < shapes.size(); ++o)
+    plan.outputs.push_back(make_layout(in, shapes[o], std::move(outs[o]), kLinear ? partial : layout::PartialOps{}));
+  return plan;
+}
+
+template <Along A, bool kLinear = false>
+void add(Registry& r, std::initializer_list<const char*> names) {
+  for (const char* name : names) r.add(name, &along_dims_rule<A, kLinear>, KeyScalars::kAll);
+}
+
+}  // namespace
+
+void register_along_dims(Registry& r) {
+  add<Along::kDimArg, true>(r, {"aten::cumsum"});
+  add<Along::kDimsArg, true>(r, {"aten::flip", "aten::roll"});
+  add<Along::kDimArg>(r, {"aten::cumprod", "aten::logcumsumexp", "aten::cummax", "aten::cummin",
+                          "aten::sort", "aten::sort.stable", "aten::argsort", "aten::argsort.stable", "aten::topk",
+                          "aten::kthvalue", "aten::mode", "aten::median.dim", "aten::nanmedian.dim",
+                          "aten::logsumexp", "aten::nansum", "aten::norm.ScalarOpt_dim",
+                          "aten::std_mean.correction", "aten::var_mean.correction", "aten::aminmax",
+                          "aten::count_nonzero", "aten::count_nonzero.dim_IntList"});
+  add<Along::kAll>(r, {"aten::msort", "aten::median", "aten::nanmedian", "aten::_linalg_check_errors"});
+  add<Along::kLastDim>(r, {"aten::diag_embed"});
+  add<Along::kMatrix>(r, {"aten::linalg_inv_ex", "aten::linalg_cholesky_ex", "aten::linalg_lu_factor_ex",
+                          "aten::linalg_lu", "aten::linalg_qr", "aten::linalg_eig", "aten::_linalg_eigh",
+                          "aten::_linalg_svd", "aten::_linalg_slogdet", "aten::_linalg_det",
+                          "aten::linalg_matrix_exp", "aten::linalg_pinv.atol_rtol_tensor", "aten::triu",
+                          "aten::tril", "aten::linalg_lu_solve", "aten::linalg_solve_triangular",
+                          "aten::linalg_householder_product"});
+}
+
+}  // namespace hypershard::ops

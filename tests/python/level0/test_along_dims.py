@@ -1,0 +1,82 @@
+"""Level0: the along-dims family (csrc/ops/along_dims.cpp) on real meshes against one device, in
+strict mode: scans, sorts and selections, dim-wise reductions, flip/roll and batched linear
+algebra, along a whole dim and along a sharded one (gathered first), on (2), (4) and (2, 2)
+meshes with even and uneven sizes, Partial inputs through the linear ops, forward and gradients.
+Cases whose backward reaches an op with no rule yet say so and check the forward only."""
+
+import torch
+
+from hypershard.testing import Case, Input, assert_all_passed, run_cases
+
+M2 = ((2,), ("dp",))
+M4 = ((4,), ("tp",))
+M22 = ((2, 2), ("dp", "tp"))
+
+
+def spd(shape, dtype, generator):
+    """Symmetric positive definite matrices (cholesky, eigh)."""
+    a = torch.randn(shape, generator=generator, dtype=torch.float64)
+    return (a @ a.transpose(-1, -2) + shape[-1] * torch.eye(shape[-1], dtype=torch.float64)).to(dtype)
+
+
+def along_cases():
+    cases = []
+    S0, S1, S01 = ["S(0)"], ["S(1)"], ["S(0)", "S(1)"]
+
+    def add(name, fn, shape, placements, mesh=M2, check_grad=True, init=None):
+        cases.append(Case(name, fn, [Input(shape, placements=placements, init=init)], mesh, check_grad=check_grad))
+
+    for mesh, place, batch, tag in ((M2, S0, S0, "2"), (M4, S1, S0, "4"), (M22, S01, ["S(0)", "S(0)"], "2x2")):
+        # (5, 7): uneven on every mesh; dim 1 is whole on (2), sharded on (4) and (2, 2)
+        add(f"cumsum_dim1_{tag}", lambda x: torch.cumsum(x, 1), (5, 7), place, mesh)
+        add(f"cumsum_dim0_{tag}", lambda x: torch.cumsum(x, 0), (5, 7), place, mesh)
+        add(f"cumprod_{tag}", lambda x: torch.cumprod(x, 1), (5, 7), place, mesh)
+        add(f"logcumsumexp_{tag}", lambda x: torch.logcumsumexp(x, 1), (5, 7), place, mesh)
+        add(f"flip_{tag}", lambda x: torch.flip(x, [0, 1]), (5, 7), place, mesh)
+        add(f"roll_{tag}", lambda x: torch.roll(x, (2, -3), (0, 1)), (5, 7), place, mesh)
+        add(f"roll_flat_{tag}", lambda x: torch.roll(x, 4), (5, 7), place, mesh)
+        add(f"logsumexp_{tag}", lambda x: torch.logsumexp(x, 1), (5, 7), place, mesh)
+        add(f"nansum_{tag}", lambda x: torch.nansum(x, 1), (5, 7), place, mesh)
+        add(f"prod_dim_{tag}", lambda x: torch.prod(x, 1), (5, 7), place, mesh)
+        # prod's backward over every element finds zeros with nonzero (data-dependent: no rule yet)
+        add(f"prod_all_{tag}", lambda x: torch.prod(x), (5, 7), place, mesh, check_grad=False)
+        add(f"var_mean_{tag}", lambda x: torch.var_mean(x, 1), (5, 7), place, mesh)
+        add(f"std_mean_all_{tag}", lambda x: torch.std_mean(x), (5, 7), place, mesh)
+        add(f"norm_dim_{tag}", lambda x: torch.norm(x, 3, dim=1), (5, 7), place, mesh)
+        # value-selecting ops: their backward scatters into the input (no rule yet)
+        add(f"sort_{tag}", lambda x: torch.sort(x, 1, descending=True), (5, 7), place, mesh, check_grad=False)
+        add(f"argsort_{tag}", lambda x: torch.argsort(x, 0), (5, 7), place, mesh, check_grad=False)
+        add(f"topk_{tag}", lambda x: torch.topk(x, 3, 1), (5, 7), place, mesh, check_grad=False)
+        add(f"kthvalue_{tag}", lambda x: torch.kthvalue(x, 2, 1, keepdim=True), (5, 7), place, mesh, check_grad=False)
+        add(f"median_dim_{tag}", lambda x: torch.median(x, 1), (5, 7), place, mesh, check_grad=False)
+        add(f"mode_{tag}", lambda x: torch.mode(torch.round(x), 1), (5, 7), place, mesh, check_grad=False)
+        add(f"cummax_{tag}", lambda x: torch.cummax(x, 1), (5, 7), place, mesh, check_grad=False)
+        add(f"aminmax_{tag}", lambda x: torch.aminmax(x, dim=0), (5, 7), place, mesh, check_grad=False)
+        add(f"count_nonzero_{tag}", lambda x: torch.count_nonzero(torch.relu(x), dim=1), (5, 7), place, mesh,
+            check_grad=False)
+        # batched matrices: the batch dim sharded (5 over 4 and over 2 x 2: uneven), the matrix whole;
+        # inv on 2 x 2 has a matrix dim sharded too (gathered first)
+        add(f"inv_{tag}", lambda a: torch.linalg.inv(a), (5, 3, 3), place if tag == "2x2" else batch, mesh, init=spd)
+        add(f"det_{tag}", lambda a: torch.linalg.det(a), (5, 3, 3), batch, mesh, init=spd)
+        add(f"slogdet_{tag}", lambda a: torch.linalg.slogdet(a)[1], (5, 3, 3), batch, mesh, init=spd)
+        add(f"cholesky_{tag}", lambda a: torch.linalg.cholesky(a), (5, 3, 3), batch, mesh, init=spd)
+        cases.append(Case(f"solve_triangular_{tag}", lambda a, b: torch.linalg.solve_triangular(a, b, upper=False),
+                          [Input((5, 3, 3), placements=batch, init=spd), Input((5, 3, 2), placements=batch)], mesh))
+        add(f"diagonal_{tag}", lambda a: torch.diagonal(a, 1, 1, 2) * 2, (5, 4, 3), place if tag == "2x2" else batch,
+            mesh)
+        add(f"qr_{tag}", lambda a: torch.linalg.qr(a)[1].abs(), (5, 4, 3), batch, mesh)
+        add(f"eigvalsh_{tag}", lambda a: torch.linalg.eigvalsh(a), (5, 3, 3), batch, mesh, init=spd)
+        add(f"svdvals_{tag}", lambda a: torch.linalg.svdvals(a), (5, 4, 3), batch, mesh)
+        # matrix_exp's backward is a composite that copies into a plain buffer it allocates
+        add(f"matrix_exp_{tag}", lambda a: torch.linalg.matrix_exp(a * 0.3), (5, 3, 3), batch, mesh, check_grad=False)
+        add(f"triu_{tag}", lambda a: torch.triu(a, 1) + torch.tril(a, -1) * 2, (5, 4, 3), batch, mesh)
+        add(f"diag_embed_{tag}", lambda a: torch.diag_embed(a), (5, 3), batch, mesh)
+    # Partial through the linear ones
+    for name, fn in (("cumsum", lambda x: torch.cumsum(x, 0)), ("flip", lambda x: torch.flip(x, [1])),
+                     ("roll", lambda x: torch.roll(x, 1, 0))):
+        add(f"{name}_partial", fn, (5, 7), ["P"], M2)
+    return cases
+
+
+def test_along_dims_match_one_device():
+    assert_all_passed(run_cases(along_cases(), timeout=900))
