@@ -11,6 +11,11 @@
 //                (every rank checks the whole info tensor, so every rank raises alike)
 //   diagonal     diag_embed (the last dim becomes a diagonal; leading dims are a batch)
 //   moves        flip, roll                                                      dims (roll: [] = all)
+//   indexing     gather, scatter(.src/.value/.reduce/_add/_reduce.two), index_select, dim: its indices are
+//                index_add, index_copy, index_fill (and the in-place forms)       GLOBAL coordinates
+//                operands of self's rank (index, src, source) take self's sharding on the other dims
+//                where their sizes agree; a dim where they differ (a shorter index) is made whole;
+//                an in-place form leaves self in the planned layout
 //   linalg       inv_ex, cholesky_ex, lu_factor_ex, lu, qr, eig, _linalg_eigh,   the last two (the
 //                _linalg_svd, _linalg_slogdet, _linalg_det, matrix_exp,          matrix); leading
 //                pinv.atol_rtol_tensor, triu, tril, lu_solve, solve_triangular,  dims are a batch
@@ -156,6 +161,17 @@ OpPlan along_dims_rule(const OpCall& call) {
   }
   layout::DimAxes kept = in.dim_axes();
   for (int64_t d : named) kept[d].clear();
+  // Operands of the first's rank (an index, a source) go along dim by dim: a dim keeps its
+  // sharding only where every such operand has the first's size (gather's index may be shorter).
+  std::vector<bool> aligned(call.tensors.size(), false);
+  if (A != Along::kMatrix)
+    for (size_t t = 1; t < call.tensors.size(); ++t) {
+      const Layout& other = call.layout(static_cast<int64_t>(t));
+      if (other.ndim() != n) continue;
+      aligned[t] = true;
+      for (int64_t d = 0; d < n; ++d)
+        if (other.global_shape()[d] != in.global_shape()[d]) kept[d].clear();
+    }
 
   // Every output must hold each kept sharding on a dim of its own (the local call computes this
   // rank's block only); when one cannot (its shape does not show the input's dims), the input
@@ -175,8 +191,11 @@ OpPlan along_dims_rule(const OpCall& call) {
 
   OpPlan plan;
   plan.inputs.push_back(make_layout(in, in.global_shape(), kept, partial));
-  for (size_t t = 1; t < call.tensors.size(); ++t)
-    plan.inputs.push_back(other_operand(call, static_cast<int64_t>(t), A == Along::kMatrix ? n - 2 : -1, kept));
+  for (size_t t = 1; t < call.tensors.size(); ++t) {
+    const Layout& other = call.layout(static_cast<int64_t>(t));
+    plan.inputs.push_back(aligned[t] ? make_layout(other, other.global_shape(), kept, {})
+                                     : other_operand(call, static_cast<int64_t>(t), A == Along::kMatrix ? n - 2 : -1, kept));
+  }
   // Integer outputs (indices, counts) carry no Partial; a linear op's values keep it.
   for (size_t o = 0; o < shapes.size(); ++o)
     plan.outputs.push_back(make_layout(in, shapes[o], std::move(outs[o]), kLinear ? partial : layout::PartialOps{}));
@@ -199,6 +218,13 @@ void register_along_dims(Registry& r) {
                           "aten::logsumexp", "aten::nansum", "aten::norm.ScalarOpt_dim",
                           "aten::std_mean.correction", "aten::var_mean.correction", "aten::aminmax",
                           "aten::count_nonzero", "aten::count_nonzero.dim_IntList"});
+  // Indexing along dim: the indices are GLOBAL coordinates of that dim, which is made whole.
+  add<Along::kDimArg>(r, {"aten::gather", "aten::scatter.src", "aten::scatter.value", "aten::scatter.reduce",
+                          "aten::scatter.value_reduce", "aten::scatter_add", "aten::scatter_reduce.two",
+                          "aten::index_select", "aten::index_add", "aten::index_copy", "aten::index_fill.int_Scalar",
+                          "aten::index_fill.int_Tensor", "aten::scatter_.src", "aten::scatter_.value",
+                          "aten::scatter_add_", "aten::scatter_reduce_.two", "aten::index_add_", "aten::index_copy_",
+                          "aten::index_fill_.int_Scalar", "aten::index_fill_.int_Tensor"});
   add<Along::kAll>(r, {"aten::msort", "aten::median", "aten::nanmedian", "aten::_linalg_check_errors"});
   add<Along::kLastDim>(r, {"aten::diag_embed"});
   add<Along::kMatrix>(r, {"aten::linalg_inv_ex", "aten::linalg_cholesky_ex", "aten::linalg_lu_factor_ex",

@@ -7,6 +7,7 @@ Cases whose backward reaches an op with no rule yet say so and check the forward
 import torch
 
 from hypershard.testing import Case, Input, assert_all_passed, run_cases
+from hypershard.testing.spec import randint
 
 M2 = ((2,), ("dp",))
 M4 = ((4,), ("tp",))
@@ -71,6 +72,33 @@ def along_cases():
         add(f"matrix_exp_{tag}", lambda a: torch.linalg.matrix_exp(a * 0.3), (5, 3, 3), batch, mesh, check_grad=False)
         add(f"triu_{tag}", lambda a: torch.triu(a, 1) + torch.tril(a, -1) * 2, (5, 4, 3), batch, mesh)
         add(f"diag_embed_{tag}", lambda a: torch.diag_embed(a), (5, 3), batch, mesh)
+    # indexing along a dim: GLOBAL indices; sharded along that dim (gathered) and along another
+    idx = lambda shape, high, place: Input(shape, torch.int64, placements=place, init=randint(0, high))  # noqa: E731
+    for mesh, place, tag in ((M2, S0, "2"), (M4, S1, "4"), (M22, S01, "2x2")):
+        for dim in (0, 1):
+            cases += [
+                Case(f"gather_dim{dim}_{tag}", lambda x, i, d=dim: torch.gather(x, d, i),
+                     [Input((5, 7), placements=place), idx((5, 7), 5 if dim == 0 else 7, place)], mesh),
+                Case(f"gather_short_index_dim{dim}_{tag}", lambda x, i, d=dim: torch.gather(x, d, i),
+                     [Input((5, 7), placements=place), idx((3, 4), 5 if dim == 0 else 7, None)], mesh),
+                Case(f"index_select_dim{dim}_{tag}", lambda x, i, d=dim: torch.index_select(x, d, i),
+                     [Input((5, 7), placements=place), idx((6,), 5 if dim == 0 else 7, None)], mesh),
+                Case(f"scatter_add_dim{dim}_{tag}", lambda x, i, y, d=dim: torch.scatter_add(x, d, i, y),
+                     [Input((5, 7), placements=place), idx((5, 7), 5 if dim == 0 else 7, place),
+                      Input((5, 7), placements=place)], mesh),
+                Case(f"index_add_dim{dim}_{tag}", lambda x, i, y, d=dim: torch.index_add(x, d, i, y, alpha=2.0),
+                     [Input((5, 7), placements=place), idx((4,), 5 if dim == 0 else 7, None),
+                      Input((4, 7) if dim == 0 else (5, 4), placements=place)], mesh),
+                Case(f"index_fill_dim{dim}_{tag}", lambda x, i, d=dim: torch.index_fill(x, d, i, -1.5),
+                     [Input((5, 7), placements=place), idx((3,), 5 if dim == 0 else 7, None)], mesh),
+            ]
+        # in place, on a copy (a leaf cannot be written); unique indices so that the values are defined
+        cases.append(Case(f"scatter_inplace_{tag}", lambda x, y: x.detach().clone().scatter_(
+            1, torch.arange(7).flip(0).expand(5, 7).contiguous(), y), [Input((5, 7), placements=place),
+                                                                      Input((5, 7), placements=place)],
+            mesh, check_grad=False))
+        cases.append(Case(f"index_copy_{tag}", lambda x, y: torch.index_copy(x, 0, torch.tensor([4, 0, 2]), y),
+                          [Input((5, 7), placements=place), Input((3, 7), placements=place)], mesh))
     # Partial through the linear ones
     for name, fn in (("cumsum", lambda x: torch.cumsum(x, 0)), ("flip", lambda x: torch.flip(x, [1])),
                      ("roll", lambda x: torch.roll(x, 1, 0))):
