@@ -83,17 +83,22 @@ std::vector<int64_t> named_dims(const OpCall& call, AlongSpec spec, int64_t ndim
   return dims;
 }
 
-// Each output's GLOBAL shape: the op on meta tensors of the inputs' global shapes.
-std::vector<std::vector<int64_t>> output_shapes(const OpCall& call) {
-  torch::jit::Stack meta;
-  for (int64_t a = 0; a < call.num_args(); ++a) meta.push_back(call.arg(a));
-  for (const auto& t : call.tensors)  // single tensors only: no op here takes a tensor list
-    meta[t.arg] = at::empty(t.layout->global_shape(), at::TensorOptions().dtype(t.dtype).device(c10::kMeta));
-  call.op->callBoxed(&meta);
-  std::vector<std::vector<int64_t>> out;
-  for (const auto& r : meta)
-    if (r.isTensor()) out.push_back(r.toTensor().sizes().vec());
-  return out;
+// A tensor argument after the first: for a matrix op, an operand batched like the first (its
+// leading `batch` dims of the first's sizes, then its own core dims: a vector of pivots or tau,
+// else a matrix) takes the first's batch sharding; every other operand (pinv's tolerances, a
+// broadcast operand) is read whole.
+LayoutPtr other_operand(const OpCall& call, int64_t t, int64_t batch, const layout::DimAxes& kept) {
+  const Layout& other = call.layout(t);
+  const Layout& first = call.layout(0);
+  const std::string& name = call.schema().arguments()[call.tensors[t].arg].name();
+  const int64_t core = name == "pivots" || name == "tau" ? 1 : 2;
+  bool batched_alike = batch >= 0 && other.ndim() == batch + core;
+  for (int64_t d = 0; d < batch && batched_alike; ++d)
+    batched_alike = other.global_shape()[d] == first.global_shape()[d];
+  layout::DimAxes dims(static_cast<size_t>(other.ndim()));
+  if (batched_alike)
+    for (int64_t d = 0; d < batch; ++d) dims[d] = kept[d];
+  return make_layout(other, other.global_shape(), std::move(dims), {});
 }
 
 // An output's per-dim mesh axes: one of the input's rank keeps the sharding of every dim whose
@@ -121,24 +126,6 @@ std::vector<int64_t> mesh_axes(const layout::DimAxes& dims) {
   for (const auto& d : dims) axes.insert(axes.end(), d.begin(), d.end());
   std::sort(axes.begin(), axes.end());
   return axes;
-}
-
-// A tensor argument after the first: for a matrix op, an operand batched like the first (its
-// leading `batch` dims of the first's sizes, then its own core dims: a vector of pivots or tau,
-// else a matrix) takes the first's batch sharding; every other operand (pinv's tolerances, a
-// broadcast operand) is read whole.
-LayoutPtr other_operand(const OpCall& call, int64_t t, int64_t batch, const layout::DimAxes& kept) {
-  const Layout& other = call.layout(t);
-  const Layout& first = call.layout(0);
-  const std::string& name = call.schema().arguments()[call.tensors[t].arg].name();
-  const int64_t core = name == "pivots" || name == "tau" ? 1 : 2;
-  bool batched_alike = batch >= 0 && other.ndim() == batch + core;
-  for (int64_t d = 0; d < batch && batched_alike; ++d)
-    batched_alike = other.global_shape()[d] == first.global_shape()[d];
-  layout::DimAxes dims(static_cast<size_t>(other.ndim()));
-  if (batched_alike)
-    for (int64_t d = 0; d < batch; ++d) dims[d] = kept[d];
-  return make_layout(other, other.global_shape(), std::move(dims), {});
 }
 
 template <Along A, bool kLinear>
@@ -176,7 +163,7 @@ OpPlan along_dims_rule(const OpCall& call) {
   // Every output must hold each kept sharding on a dim of its own (the local call computes this
   // rank's block only); when one cannot (its shape does not show the input's dims), the input
   // is made whole.
-  const auto shapes = output_shapes(call);
+  const auto shapes = meta_output_shapes(call);
   std::vector<layout::DimAxes> outs;
   for (int attempt = 0; attempt < 2; ++attempt) {
     outs.clear();

@@ -118,6 +118,11 @@ const Registry& registry();
 // house error, raised on every rank alike before anything runs.
 int64_t wrap_dim(const OpCall& call, int64_t dim, int64_t ndim);
 
+// Each returned tensor's GLOBAL shape: the op run on meta tensors of its tensor arguments' global
+// shapes and dtypes, the other arguments as given (single tensor arguments only); an undefined
+// return (a masked-out gradient) reports a 0-d shape.
+std::vector<std::vector<int64_t>> meta_output_shapes(const OpCall& call);
+
 LayoutPtr make_layout(const Layout& like, std::vector<int64_t> shape, layout::DimAxes dims,
                       layout::PartialOps partial = {});
 LayoutPtr replicate_like(const Layout& like, std::vector<int64_t> shape);

@@ -1,5 +1,7 @@
 #include "ops/op_call.h"
 
+#include <ATen/ATen.h>
+
 #include <algorithm>
 
 #include "ops/families.h"
@@ -68,6 +70,20 @@ torch::Library& aten_autograd_kernels() {
 
 LayoutPtr intern(const Layout& layout) { return layout::intern_layout(layout); }
 
+std::vector<std::vector<int64_t>> meta_output_shapes(const OpCall& call) {
+  torch::jit::Stack meta;
+  for (int64_t a = 0; a < call.num_args(); ++a) meta.push_back(call.arg(a));
+  for (const auto& t : call.tensors) {
+    if (t.item >= 0) fail_call(call, "internal error: meta_output_shapes takes single tensor arguments only");
+    meta[t.arg] = at::empty(t.layout->global_shape(), at::TensorOptions().dtype(t.dtype).device(c10::kMeta));
+  }
+  call.op->callBoxed(&meta);
+  std::vector<std::vector<int64_t>> out;
+  for (const auto& r : meta)
+    if (r.isTensor()) out.push_back(r.toTensor().defined() ? r.toTensor().sizes().vec() : std::vector<int64_t>{});
+  return out;
+}
+
 LayoutPtr make_layout(const Layout& like, std::vector<int64_t> shape, layout::DimAxes dims, layout::PartialOps partial) {
   return intern(Layout::create(like.mesh(), std::move(shape), std::move(dims), std::move(partial)));
 }
@@ -114,6 +130,7 @@ void register_all(Registry& r) {
   register_attention(r);
   register_random(r);
   register_along_dims(r);
+  register_convolution(r);
   register_tagged_pointwise(r);
 }
 

@@ -192,6 +192,15 @@ ROWS = {
         ("eigh_values_keep_batch", "tp4", aten._linalg_eigh.default, (T([8, 3, 3], S(0)),), {}, None,
          [S(0), S(0)], False),
     ],
+    "convolution": [
+        ("conv1d_batch_sharded", "tp4", aten.convolution.default,
+         (T([8, 6, 9], S(0)), T([4, 6, 3], R1), T([4], R1), [1], [1], [1], False, [0], 1), {}, None, [S(0)], False),
+        ("conv1d_channels_gathered", "tp4", aten.convolution.default,
+         (T([8, 6, 9], S(1)), T([4, 6, 3], R1), None, [1], [0], [1], False, [0], 1), {}, [R1, R1], [R1], False),
+        ("conv1d_backward_weight_partial", "tp4", aten.convolution_backward.default,
+         (T([8, 4, 7], S(0)), T([8, 6, 9], S(0)), T([4, 6, 3], R1), [4], [1], [0], [1], False, [0], 1,
+          [True, True, True]), {}, None, [S(0), P1, P1], False),
+    ],
 }
 
 # (id, mesh, op, args, kwargs, text every rank must raise)
@@ -282,7 +291,7 @@ def test_uneven_local_shapes_on_every_rank():
 
 def test_every_family_has_rows():
     families = {"pointwise", "matmul", "reductions", "views", "softmax_norm_attention", "embedding_loss",
-                "random_factories_optim", "along_dims"}
+                "random_factories_optim", "along_dims", "convolution"}
     assert families <= set(ROWS)
     assert sum(len(rows) for rows in ROWS.values()) + len(ERRORS) >= 60
 
