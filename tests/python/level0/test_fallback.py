@@ -12,6 +12,7 @@ in) raises "Missing operator" for the same calls, and the fallback warns once pe
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 import hypershard as hs
 from hypershard.testing import (Case, DefaultModeAdapter, Input, assert_all_passed, counting, in_distributed_run,
@@ -61,21 +62,26 @@ def fallback_cases():
 
     for mesh, place in ((M2, S0), (M4, S1), (M22, ["S(0)", "S(1)"]), (M2, P)):
         tag = f"{'x'.join(map(str, mesh[0]))}_{''.join(place).replace('(', '').replace(')', '')}"
-        add(f"flip_{tag}", lambda x: torch.flip(x, [0, 1]), [Input((5, 6), placements=place)], mesh)
-        add(f"cumsum_{tag}", lambda x: torch.cumsum(x, 1), [Input((5, 7), placements=place)], mesh)
-        add(f"tril_{tag}", lambda x: torch.tril(x, -1), [Input((6, 5), placements=place)], mesh)
-        add(f"roll_{tag}", lambda x: torch.roll(x, 2, 0), [Input((7, 4), placements=place)], mesh)
+        add(f"repeat_{tag}", lambda x: x.repeat(2, 1), [Input((5, 6), placements=place)], mesh)
+        add(f"reflection_pad_{tag}", lambda x: F.pad(x.unsqueeze(0), (2, 1), mode="reflect").squeeze(0),
+            [Input((5, 7), placements=place)], mesh)
+        add(f"logsigmoid_{tag}", F.logsigmoid, [Input((6, 5), placements=place)], mesh)
+        add(f"upsample_{tag}", lambda x: F.interpolate(x.unsqueeze(0), scale_factor=2, mode="nearest").squeeze(0),
+            [Input((7, 4), placements=place)], mesh)
     # several outputs, integer outputs, data-dependent sizes
-    add("sort_values_indices", lambda x: torch.sort(x, dim=1), [Input((6, 5), placements=S0)], M2)
-    add("topk", lambda x: torch.topk(x, 3, dim=0), [Input((7, 4), placements=S1)], M4)
+    add("max_pool_values_indices", lambda x: F.max_pool1d(x.unsqueeze(0), 2, return_indices=True),
+        [Input((6, 5), placements=S0)], M2)
+    add("unique_counts", lambda x: torch.unique(torch.round(x), return_counts=True),
+        [Input((7, 4), placements=S1, requires_grad=False)], M4)
     add("nonzero", lambda x: torch.nonzero(x > 0), [Input((6, 5), placements=S0, requires_grad=False)], M2)
     add("masked_select", lambda x: torch.masked_select(x, x > 0), [Input((6, 5), placements=S1)], M2)
-    add("cumsum_int64", lambda x: torch.cumsum(x, 0), [Input((9,), torch.int64, init=randint(-5, 5), placements=S0)], M4)
+    add("repeat_int64", lambda x: x.repeat(2), [Input((9,), torch.int64, init=randint(-5, 5), placements=S0)], M4)
     # fallback output feeding rule ops, and gradients through both
-    add("tril_then_matmul", lambda x, w: torch.tril(x) @ w,
+    add("logsigmoid_then_matmul", lambda x, w: F.logsigmoid(x) @ w,
         [Input((6, 6), placements=S0), Input((6, 4), placements=["S(1)"])], M2)
     # in-place and out=: the result written back in the argument's own layout
-    add("tril_inplace_sharded", in_place(lambda y: y.tril_()), [Input((6, 5), placements=S0)], M2, check_grad=False)
+    add("renorm_inplace_sharded", in_place(lambda y: y.renorm_(2, 0, 1.0)), [Input((6, 5), placements=S0)], M2,
+        check_grad=False)
     add("cumsum_inplace_2d_mesh", in_place(lambda y: y.cumsum_(0)), [Input((5, 6), placements=["S(1)", "S(0)"])],
         M22, check_grad=False)
     add("cumsum_out_sharded", out_variant(lambda x, out: torch.cumsum(x, 1, out=out), [hs.Shard(0)]),
@@ -97,17 +103,17 @@ def _view_write_refused(x):
 
 def _strict_refuses(x):
     with hs.strict():
-        return torch.flip(x, [0])
+        return x.repeat(2, 1)
 
 
 def _warns_once_and_counts_bytes(x):
     if not in_distributed_run():
-        return torch.logcumsumexp(torch.logcumsumexp(x, 1), 1)
+        return F.logsigmoid(F.logsigmoid(x))
     before = hs._C.dispatch_stats()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = torch.logcumsumexp(torch.logcumsumexp(x, 1), 1)
-    texts = [str(w.message) for w in caught if "logcumsumexp" in str(w.message)]
+        out = F.logsigmoid(F.logsigmoid(x))
+    texts = [str(w.message) for w in caught if "log_sigmoid_forward" in str(w.message)]
     assert len(texts) == 1 and "has no distributed rule" in texts[0] and "set_strict" in texts[0], texts
     after = hs._C.dispatch_stats()
     assert after["fallback_calls"] - before["fallback_calls"] == 2, (before, after)
@@ -123,6 +129,6 @@ def test_fallback_warns_views_refuse_writes_and_strict_mode_raises():
         Case("view_of_gathered_input_refuses_writes", _view_write_refused, [Input((6, 5), placements=["S(0)"])], M2,
              expect_error="does not alias its base"),
         Case("strict_context_raises_missing_operator", _strict_refuses, [Input((6, 5), placements=["S(0)"])], M2,
-             expect_error="Missing operator aten::flip"),
+             expect_error="Missing operator aten::repeat"),
     ]
     assert_all_passed(run_cases(cases, backend=DefaultModeAdapter(), timeout=300))
