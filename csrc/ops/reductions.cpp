@@ -1,5 +1,6 @@
 // Reductions: sum, mean, amax, amin, max, min, argmax, argmin, var, std, linalg_vector_norm,
-// _foreach_norm, prod, any, all.
+// _foreach_norm, prod, any, all, and histc (counts: Partial(sum) over the sharding axes, the data
+// range all-reduced when not given; see histc_rule).
 //
 //   aten::sum, sum.dim_IntList, sum.IntList_out, mean, mean.dim          (linear)
 //   aten::amax, amin, max, min, prod, prod.dim_int, any, any.dim, any.dims, all, all.dim,
@@ -552,8 +553,47 @@ void register_reduction_kernels() {
   aten_autograd_kernels().impl("value_selecting_reduction_backward", TORCH_FN(value_selecting_reduction_backward_kernel));
 }
 
+// ------------------------------------------------------------------ counts
+
+// histc(self, bins, min, max): each rank counts its shard into the same bins, so the histogram is
+// Partial(sum) over the axes that shard self (a Replicate axis holds the same counts already).
+// min = max = 0 means "the data's range": the GLOBAL range, one max and one min all-reduce, so
+// every rank bins with the edges one device would use. A Partial self (a sum of parts) has no
+// counts of its own: an error (default mode reduces it first).
+OpPlan histc_rule(const OpCall& call) {
+  const Layout& in = call.layout(0);
+  if (in.has_partial())
+    fail_argument(call, 0, "a histogram of a Partial tensor counts its parts, not its values",
+                  "Replicate or Shard (redistribute the Partial input first)");
+  std::vector<int64_t> axes;
+  for (int64_t axis = 0; axis < in.mesh()->ndim(); ++axis)
+    if (in.is_sharded(axis)) axes.push_back(axis);
+  layout::PartialOps counts(static_cast<size_t>(in.mesh()->ndim()));
+  for (int64_t axis : axes) counts[axis] = ReduceOp::Sum;
+  OpPlan plan;
+  plan.inputs.push_back(call.tensors[0].layout);
+  plan.outputs.push_back(make_layout(in, {call.arg(1).toInt()}, {{}}, counts));
+  if (!axes.empty() && call.arg(2).toScalar().toDouble() == 0.0 && call.arg(3).toScalar().toDouble() == 0.0) {
+    plan.expand = [axes](const OpCall& c, Stack& stack) {
+      const at::Tensor local = stack[stack.size() - c.num_args()].toTensor();
+      const int64_t bins = c.arg(1).toInt();
+      // An empty shard contributes the identity of each extreme.
+      auto lo = local.numel() ? local.min().reshape({1}) : at::full({1}, extreme(local.scalar_type(), /*lowest=*/false), local.options());
+      auto hi = local.numel() ? local.max().reshape({1}) : at::full({1}, extreme(local.scalar_type(), /*lowest=*/true), local.options());
+      lo = all_reduce_extremum(lo, c, axes, /*is_max=*/false);
+      hi = all_reduce_extremum(hi, c, axes, /*is_max=*/true);
+      // No data on any rank: one device's empty histogram (its range rule sees min = max = 0).
+      const bool empty = lo.item<double>() > hi.item<double>();
+      torch::jit::drop(stack, c.num_args());
+      stack.emplace_back(at::histc(local, bins, empty ? 0.0 : lo.item(), empty ? 0.0 : hi.item()));
+    };
+  }
+  return plan;
+}
+
 void register_reductions(Registry& r) {
   using K = Kind;
+  r.add("aten::histc", &histc_rule, KeyScalars::kAll);
   r.add("aten::_foreach_norm.Scalar", &foreach_norm_rule, KeyScalars::kAll);
   r.add("aten::all", &collective_rule<K::kAll>, KeyScalars::kAll);
   r.add("aten::all.dim", &collective_rule<K::kAll>, KeyScalars::kAll);

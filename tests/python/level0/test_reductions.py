@@ -25,7 +25,7 @@ import pytest
 import torch
 
 hs = pytest.importorskip("hypershard")
-from hypershard.testing import Case, Input, NoisyPartialAdapter, current_mesh, run_cases  # noqa: E402
+from hypershard.testing import Case, Input, NoisyPartialAdapter, assert_all_passed, current_mesh, run_cases  # noqa: E402
 
 LAUNCH_TIMEOUT_S = 240  # per launch; each takes ~5-25 s on 2 cores
 M2, M4, M22 = (2,), (4,), (2, 2)
@@ -363,3 +363,23 @@ def test_rules_registered():
                   "aten::linalg_vector_norm", "aten::_foreach_norm.Scalar", "aten::prod", "aten::prod.dim_int",
                   "aten::any", "aten::any.dim", "aten::any.dims", "aten::all", "aten::all.dim", "aten::all.dims"}
     assert reductions <= set(hs._C.rule_names())
+
+
+def histc_cases():
+    """histc: each rank counts its shard (Partial(sum) counts); the data's range, when not given, is
+    the GLOBAL range. Even and uneven, 1-D and 2-D meshes, a dim-1 shard, explicit bounds that
+    leave values out, an empty tensor."""
+    cases = []
+    for mesh, place, tag in ((((2,), ("dp",)), ["S(0)"], "2"), (((4,), ("dp",)), ["S(1)"], "4"),
+                             (((2, 2), ("dp", "tp")), ["S(0)", "S(1)"], "2x2"), (((2,), ("dp",)), ["R"], "replicate")):
+        cases += [Case(f"histc_data_range_{tag}", lambda x: torch.histc(x, bins=7), [Input((5, 7), placements=place)],
+                       mesh, check_grad=False),
+                  Case(f"histc_bounds_{tag}", lambda x: torch.histc(x, bins=4, min=-1.0, max=0.5),
+                       [Input((5, 7), placements=place)], mesh, check_grad=False)]
+    cases.append(Case("histc_empty", lambda x: torch.histc(x, bins=3), [Input((0, 4), placements=["S(1)"])],
+                      ((2,), ("dp",)), check_grad=False))
+    return cases
+
+
+def test_histc():
+    assert_all_passed(run_cases(histc_cases(), timeout=600))
