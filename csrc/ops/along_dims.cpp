@@ -16,6 +16,7 @@
 //                operands of self's rank (index, src, source) take self's sharding on the other dims
 //                where their sizes agree; a dim where they differ (a shorter index) is made whole;
 //                an in-place form leaves self in the planned layout
+//   advanced     index.Tensor, index_put(_), _index_put_impl_ (x[i, j] = v): see plan_indexing
 //   linalg       inv_ex, cholesky_ex, lu_factor_ex, lu, qr, eig, _linalg_eigh,   the last two (the
 //                _linalg_svd, _linalg_slogdet, _linalg_det, matrix_exp,          matrix); leading
 //                pinv.atol_rtol_tensor, triu, tril, lu_solve, solve_triangular,  dims are a batch
@@ -189,6 +190,112 @@ OpPlan along_dims_rule(const OpCall& call) {
   return plan;
 }
 
+// ------------------------------------------------------------------ advanced indexing
+
+// x[i0, i1, ...] (index.Tensor) and its writes (index_put(_), _index_put_impl_): the indexed dims
+// are whole (the indices are GLOBAL coordinates), the index tensors are read whole, every other
+// dim keeps its sharding; the result has the broadcast index shape where the indexed dims were
+// (all at the front when they are not adjacent, as torch does). index_put's values take the
+// result's sharding where their sizes agree (size 1 broadcasts). A boolean mask index has a
+// data-dependent size: not covered (the fallback's in default mode). index.Tensor is linear in
+// self (it selects elements): a sum-Partial self passes; index_put refuses Partial.
+struct Indexing {
+  std::vector<int64_t> dims;          // self's indexed dims
+  std::vector<int64_t> result_shape;  // of self[indices]
+  layout::DimAxes result_dims;        // its sharding
+  layout::DimAxes self_dims;          // self's required sharding
+};
+
+Indexing plan_indexing(const OpCall& call) {
+  const Layout& self = call.layout(0);
+  const auto list = call.arg(1).toList();
+  Indexing ix;
+  std::vector<int64_t> broadcast;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const c10::IValue item = list.get(i);
+    if (!item.isTensor() || !item.toTensor().defined()) continue;
+    const auto type = item.toTensor().scalar_type();
+    if (type == at::kBool || type == at::kByte) not_covered(call, "a boolean mask index selects a data-dependent number of elements");
+    ix.dims.push_back(static_cast<int64_t>(i));
+    const auto shape = call.layout(call.tensor_index(1, static_cast<int64_t>(i))).global_shape();
+    // broadcast the index shapes (right-aligned)
+    std::vector<int64_t> merged(std::max(broadcast.size(), shape.size()), 1);
+    for (size_t k = 0; k < merged.size(); ++k) {
+      const int64_t a = k < broadcast.size() ? broadcast[broadcast.size() - 1 - k] : 1;
+      const int64_t b = k < shape.size() ? shape[shape.size() - 1 - k] : 1;
+      if (a != b && a != 1 && b != 1) fail_call(call, "the index tensors' shapes cannot be broadcast together");
+      merged[merged.size() - 1 - k] = a == 1 ? b : a;
+    }
+    broadcast = std::move(merged);
+  }
+  if (ix.dims.empty()) fail_call(call, "no index tensor");
+  if (static_cast<int64_t>(list.size()) > self.ndim()) fail_call(call, "too many indices for the tensor");
+  ix.self_dims = self.dim_axes();
+  for (int64_t d : ix.dims) ix.self_dims[d].clear();
+  const bool adjacent = ix.dims.back() - ix.dims.front() + 1 == static_cast<int64_t>(ix.dims.size());
+  auto add_self_dim = [&](int64_t d) {
+    ix.result_shape.push_back(self.global_shape()[d]);
+    ix.result_dims.push_back(ix.self_dims[d]);
+  };
+  auto add_index_dims = [&] {
+    for (int64_t size : broadcast) {
+      ix.result_shape.push_back(size);
+      ix.result_dims.emplace_back();
+    }
+  };
+  if (adjacent) {
+    for (int64_t d = 0; d < ix.dims.front(); ++d) add_self_dim(d);
+    add_index_dims();
+    for (int64_t d = ix.dims.back() + 1; d < self.ndim(); ++d) add_self_dim(d);
+  } else {
+    add_index_dims();
+    for (int64_t d = 0; d < self.ndim(); ++d)
+      if (std::find(ix.dims.begin(), ix.dims.end(), d) == ix.dims.end()) add_self_dim(d);
+  }
+  return ix;
+}
+
+OpPlan index_rule(const OpCall& call) {
+  const Layout& self = call.layout(0);
+  const Indexing ix = plan_indexing(call);
+  layout::PartialOps partial = self.partial();
+  if (auto op = self.partial_op(); op && *op != ReduceOp::Sum && *op != ReduceOp::Avg)
+    partial.assign(partial.size(), std::nullopt);  // max/min parts: reduced first (exact)
+  OpPlan plan;
+  plan.inputs.push_back(make_layout(self, self.global_shape(), ix.self_dims, partial));
+  for (size_t t = 1; t < call.tensors.size(); ++t)
+    plan.inputs.push_back(replicate_like(call.layout(static_cast<int64_t>(t)), call.layout(static_cast<int64_t>(t)).global_shape()));
+  plan.outputs.push_back(make_layout(self, ix.result_shape, ix.result_dims, partial));
+  return plan;
+}
+
+OpPlan index_put_rule(const OpCall& call) {
+  const Layout& self = call.layout(0);
+  for (size_t t = 0; t < call.tensors.size(); ++t)
+    if (call.layout(static_cast<int64_t>(t)).has_partial())
+      fail_argument(call, static_cast<int64_t>(t), "a Partial operand of an indexed write", "Replicate or Shard");
+  const Indexing ix = plan_indexing(call);
+  const int64_t values = call.tensor_index(2);
+  OpPlan plan;
+  for (size_t t = 0; t < call.tensors.size(); ++t) {
+    const Layout& l = call.layout(static_cast<int64_t>(t));
+    if (t == 0) {
+      plan.inputs.push_back(make_layout(l, l.global_shape(), ix.self_dims));
+    } else if (static_cast<int64_t>(t) == values) {
+      // right-aligned against self[indices]: a dim of the same size shares its sharding
+      layout::DimAxes dims(static_cast<size_t>(l.ndim()));
+      const int64_t shift = static_cast<int64_t>(ix.result_shape.size()) - l.ndim();
+      for (int64_t d = 0; d < l.ndim(); ++d)
+        if (d + shift >= 0 && l.global_shape()[d] == ix.result_shape[d + shift]) dims[d] = ix.result_dims[d + shift];
+      plan.inputs.push_back(make_layout(l, l.global_shape(), std::move(dims)));
+    } else {
+      plan.inputs.push_back(replicate_like(l, l.global_shape()));
+    }
+  }
+  plan.outputs.push_back(make_layout(self, self.global_shape(), ix.self_dims));
+  return plan;
+}
+
 template <Along A, bool kLinear = false>
 void add(Registry& r, std::initializer_list<const char*> names) {
   for (const char* name : names) r.add(name, &along_dims_rule<A, kLinear>, KeyScalars::kAll);
@@ -197,6 +304,9 @@ void add(Registry& r, std::initializer_list<const char*> names) {
 }  // namespace
 
 void register_along_dims(Registry& r) {
+  r.add("aten::index.Tensor", &index_rule, KeyScalars::kAll);
+  for (const char* op : {"aten::index_put", "aten::index_put_", "aten::_index_put_impl_"})
+    r.add(op, &index_put_rule, KeyScalars::kAll);
   add<Along::kDimArg, true>(r, {"aten::cumsum"});
   add<Along::kDimsArg, true>(r, {"aten::flip", "aten::roll"});
   add<Along::kDimArg>(r, {"aten::cumprod", "aten::logcumsumexp", "aten::cummax", "aten::cummin",

@@ -110,6 +110,15 @@ const Registry& registry();
 
 // ------------------------------------------------------------------ helpers for rules
 
+// What a rule throws for arguments it does not cover (a boolean mask index: a data-dependent
+// size): default mode computes such a call with the fallback; strict mode raises its text, a
+// "Missing operator" for these arguments. Never retried with other layouts.
+class NotCovered : public layout::LayoutError {
+ public:
+  using layout::LayoutError::LayoutError;
+};
+[[noreturn]] void not_covered(const OpCall& call, const std::string& why);
+
 // The house error: "hypershard: <op>: argument <name> (#i) <layout>: <problem>; allowed: <set>".
 [[noreturn]] void fail_argument(const OpCall& call, int64_t tensor, const std::string& problem,
                                 const std::string& allowed);

@@ -52,6 +52,11 @@ void fail_argument(const OpCall& call, int64_t tensor, const std::string& proble
                                 ": " + problem + "; allowed: " + allowed);
 }
 
+void not_covered(const OpCall& call, const std::string& why) {
+  throw NotCovered("hypershard: Missing operator " + call.name() + " for these arguments (" + why +
+                   "): no distributed rule covers them; inputs: " + call.describe_inputs());
+}
+
 void fail_call(const OpCall& call, const std::string& problem) {
   layout::fail(call.name(), problem + " (inputs: " + call.describe_inputs() + ")");
 }

@@ -238,6 +238,8 @@ void layout_plain_tensors(ops::OpCall& call) {
 ops::OpPlan run_rule(const OpInfo& info, ops::OpCall& call) {
   try {
     return info.rule->rule(call);
+  } catch (const ops::NotCovered&) {
+    throw;
   } catch (const layout::LayoutError& refusal) {
     if (g_strict.load(std::memory_order_relaxed)) throw;
     std::vector<LayoutPtr> given;
@@ -614,6 +616,11 @@ void detail::dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet
   std::shared_ptr<const ops::OpPlan> plan;
   try {
     plan = infer(info, call);
+  } catch (const ops::NotCovered& e) {
+    // Arguments the rule does not cover: the fallback's, as for an op without a rule.
+    TORCH_CHECK(!g_strict.load(std::memory_order_relaxed), e.what());
+    replicate_fallback(op, info, call, stack, "has no distributed rule for these arguments");
+    return;
   } catch (const layout::LayoutError& e) {
     TORCH_CHECK(false, e.what());
   }
@@ -774,6 +781,8 @@ std::shared_ptr<const ops::OpPlan> peek_plan(const c10::OperatorHandle& op, OpIn
   if (!info.rule) missing_operator(call);
   try {
     return infer(info, call, /*record=*/false);
+  } catch (const ops::NotCovered&) {
+    throw;  // the boxed path decides (fallback or error)
   } catch (const layout::LayoutError& e) {
     TORCH_CHECK(false, e.what());
   }

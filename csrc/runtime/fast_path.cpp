@@ -291,7 +291,12 @@ const Slot* find_slot(OpInfo& info, const c10::OperatorHandle& op, FastArgs& arg
   Slot& slot = set.ways[set.next];
   set.next = (set.next + 1) % set.ways.size();
   torch::jit::Stack stack = box_args();
-  auto plan = detail::peek_plan(op, info, stack);
+  std::shared_ptr<const ops::OpPlan> plan;
+  try {
+    plan = detail::peek_plan(op, info, stack);
+  } catch (const ops::NotCovered&) {
+    return nullptr;  // the fallback's call, through the boxed path
+  }
   slot.info = &info;
   slot.hash = hash;
   slot.key = args.key;

@@ -20,6 +20,13 @@ def spd(shape, dtype, generator):
     return (a @ a.transpose(-1, -2) + shape[-1] * torch.eye(shape[-1], dtype=torch.float64)).to(dtype)
 
 
+def setitem_dim1(a, i, v):
+    """b[:, i] = v on a copy: index_put_ with a None index and a broadcast value."""
+    b = a.clone()
+    b[:, i] = v
+    return b
+
+
 def along_cases():
     cases = []
     S0, S1, S01 = ["S(0)"], ["S(1)"], ["S(0)", "S(1)"]
@@ -99,6 +106,18 @@ def along_cases():
             mesh, check_grad=False))
         cases.append(Case(f"index_copy_{tag}", lambda x, y: torch.index_copy(x, 0, torch.tensor([4, 0, 2]), y),
                           [Input((5, 7), placements=place), Input((3, 7), placements=place)], mesh))
+    # advanced indexing: GLOBAL indices, adjacent and not, a 2-D index, writes with accumulate
+    for mesh, place, tag in ((M2, ["S(0)"], "2"), (M4, ["S(1)"], "4"), (M22, ["S(0)", "S(2)"], "2x2")):
+        x = lambda: Input((5, 6, 4), placements=place)  # noqa: E731
+        cases += [
+            Case(f"index_dim0_{tag}", lambda a, i: a[i], [x(), idx((7,), 5, None)], mesh),
+            Case(f"index_dim1_2d_index_{tag}", lambda a, i: a[:, i], [x(), idx((2, 3), 6, None)], mesh),
+            Case(f"index_not_adjacent_{tag}", lambda a, i, j: a[i, :, j], [x(), idx((3,), 5, None), idx((3,), 4, None)],
+                 mesh),
+            Case(f"index_put_accumulate_{tag}", lambda a, i, v: torch.index_put(a, (i,), v, accumulate=True),
+                 [x(), idx((7,), 5, None), Input((7, 6, 4), placements=place)], mesh),
+            Case(f"setitem_broadcast_value_{tag}", setitem_dim1, [x(), idx((3,), 6, None), Input((4,))], mesh),
+        ]
     # Partial through the linear ones
     for name, fn in (("cumsum", lambda x: torch.cumsum(x, 0)), ("flip", lambda x: torch.flip(x, [1])),
                      ("roll", lambda x: torch.roll(x, 1, 0))):

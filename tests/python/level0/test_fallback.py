@@ -75,6 +75,8 @@ def fallback_cases():
         [Input((7, 4), placements=S1, requires_grad=False)], M4)
     add("nonzero", lambda x: torch.nonzero(x > 0), [Input((6, 5), placements=S0, requires_grad=False)], M2)
     add("masked_select", lambda x: torch.masked_select(x, x > 0), [Input((6, 5), placements=S1)], M2)
+    # an op with a rule that does not cover these arguments: a boolean mask index (data-dependent size)
+    add("mask_index_not_covered", lambda x: x[x > 0] * 2, [Input((6, 5), placements=S0)], M2)
     add("repeat_int64", lambda x: x.repeat(2), [Input((9,), torch.int64, init=randint(-5, 5), placements=S0)], M4)
     # fallback output feeding rule ops, and gradients through both
     add("logsigmoid_then_matmul", lambda x, w: F.logsigmoid(x) @ w,
@@ -99,6 +101,11 @@ def _view_write_refused(x):
     v = x.detach().clone().unfold(0, 2, 1)  # a view op without a rule, of a gathered input
     v.add_(1)  # must raise: the write would not reach the sharded base
     return torch.zeros(1)
+
+
+def _strict_mask_index(x):
+    with hs.strict():
+        return x[x > 0]
 
 
 def _strict_refuses(x):
@@ -128,6 +135,9 @@ def test_fallback_warns_views_refuse_writes_and_strict_mode_raises():
              [Input((6, 5), placements=["S(0)"], requires_grad=False)], M2),
         Case("view_of_gathered_input_refuses_writes", _view_write_refused, [Input((6, 5), placements=["S(0)"])], M2,
              expect_error="does not alias its base"),
+        Case("strict_mask_index_raises_missing_operator_for_these_arguments", _strict_mask_index,
+             [Input((6, 5), placements=["S(0)"])], M2,
+             expect_error="Missing operator aten::index.Tensor for these arguments (a boolean mask index"),
         Case("strict_context_raises_missing_operator", _strict_refuses, [Input((6, 5), placements=["S(0)"])], M2,
              expect_error="Missing operator aten::repeat"),
     ]

@@ -36,7 +36,7 @@ DEEPSEEK_TINY = ["use_cache=false", "vocab_size=128", "hidden_size=32", "interme
 
 
 def test_coverage_lists_fallback_ops_and_the_model_still_matches_one_device():
-    """DeepSeek-V3.2 (tiny) reaches ops without a rule (_grouped_mm, index, index_put_, histc): default mode runs
+    """DeepSeek-V3.2 (tiny) reaches an op without a rule (_grouped_mm, its MoE experts): default mode runs
     them through the fallback, the tool lists them and exits 1, and training matches one device."""
     result = run("hypershard.coverage", "--model", "deepseek_v32", "--mesh", "dp=2", "--config", *DEEPSEEK_TINY)
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
