@@ -84,3 +84,27 @@ def same_values(a, b) -> bool:
     if isinstance(a, list):
         return all(same_values(x, y) for x, y in zip(a, b))
     return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def rank0_per_world(section: str, worker: Callable, worlds, args, log: Callable, extra: dict) -> dict:
+    """{world: rank 0's result of worker} for each world size, the ranks spawned with the section's
+    timing settings; a launch that fails is logged and recorded as extra["<world>rank_error"], the
+    seconds each took as extra["<world>rank_seconds"]."""
+    import time
+
+    from hypershard.launch import spawn_local_ranks
+
+    results = {}
+    for world in worlds:
+        log(f"{section}: {world}-rank mesh ...")
+        start = time.perf_counter()
+        try:
+            ranks = spawn_local_ranks(worker, world, {"sample_s": args.sample_s, "repeats": args.repeats},
+                                      timeout=args.timeout)
+        except Exception as exc:  # noqa: BLE001 -- reported in the results, the other worlds still run
+            extra[f"{world}rank_error"] = error_text(exc)
+            log(f"  failed: {error_text(exc)}")
+            continue
+        results[world] = ranks[0]
+        extra[f"{world}rank_seconds"] = time.perf_counter() - start
+    return results

@@ -9,10 +9,10 @@ import contextlib
 import time
 from typing import Callable
 
-from hypershard.launch import spawn_local_ranks
 
 from .collectives import CollectiveBytes
-from .common import error_text, full_value, geomean, global_args, placed_args, ratio, same_values, summary
+from .common import (error_text, full_value, geomean, global_args, placed_args, rank0_per_world, ratio, same_values,
+                     summary)
 from .timing import time_all_reduce, time_interleaved
 
 
@@ -185,23 +185,12 @@ def dispatch_worker(rank: int, world: int, args: dict) -> dict:
 def run_dispatch(args: argparse.Namespace, log: Callable) -> dict:
     variants: dict = {}
     extra: dict = {}
-    for world in (1, 2, 4):
-        log(f"dispatch: {world}-rank mesh ...")
-        start = time.perf_counter()
-        try:
-            ranks = spawn_local_ranks(dispatch_worker, world, {"sample_s": args.sample_s, "repeats": args.repeats},
-                                      timeout=args.timeout)
-        except Exception as exc:  # noqa: BLE001
-            extra[f"{world}rank_error"] = error_text(exc)
-            log(f"  failed: {error_text(exc)}")
-            continue
-        r0 = ranks[0]
+    for world, r0 in rank0_per_world("dispatch", dispatch_worker, (1, 2, 4), args, log, extra).items():
         variants[f"{world}rank_replicate"] = r0["replicate"]
         variants[f"{world}rank_shard"] = r0["shard"]
         extra[f"{world}rank_hypershard_dispatch_stats"] = r0["hypershard_dispatch_stats"]
         extra[f"{world}rank_hypershard_hit_rate"] = r0["hypershard_hit_rate"]
         extra[f"{world}rank_gloo_all_reduce_us"] = r0["gloo_all_reduce_us"]
-        extra[f"{world}rank_seconds"] = time.perf_counter() - start
     out: dict = dict(variants.get("1rank_replicate", {}))
     out["variants"] = variants
     out["info"] = extra

@@ -12,9 +12,9 @@ import contextlib
 import time
 from typing import Callable
 
-from hypershard.launch import spawn_local_ranks
 
-from .common import error_text, full_value, geomean, global_args, placed_args, ratio, same_values, summary
+from .common import (error_text, full_value, geomean, global_args, placed_args, rank0_per_world, ratio, same_values,
+                     summary)
 from .timing import time_interleaved
 
 # 1 rank: the fallback's own cost with nothing to gather; 2 and 4 ranks: with its all-gathers
@@ -171,18 +171,8 @@ def fallback_worker(rank: int, world: int, args: dict) -> dict:
 def run_fallback(args: argparse.Namespace, log: Callable) -> dict:
     variants: dict = {}
     extra: dict = {}
-    for world in FALLBACK_WORLDS:
-        log(f"fallback: {world}-rank mesh ...")
-        start = time.perf_counter()
-        try:
-            ranks = spawn_local_ranks(fallback_worker, world, {"sample_s": args.sample_s, "repeats": args.repeats},
-                                      timeout=args.timeout)
-        except Exception as exc:  # noqa: BLE001
-            extra[f"{world}rank_error"] = error_text(exc)
-            log(f"  failed: {error_text(exc)}")
-            continue
-        variants[f"{world}rank_shard"] = ranks[0]
-        extra[f"{world}rank_seconds"] = time.perf_counter() - start
+    for world, r0 in rank0_per_world("fallback", fallback_worker, FALLBACK_WORLDS, args, log, extra).items():
+        variants[f"{world}rank_shard"] = r0
     summaries = {}
     for v, ops in variants.items():
         rows = [r for r in ops.values() if "error" not in r]
