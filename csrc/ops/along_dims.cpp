@@ -7,9 +7,11 @@
 //                median.dim, nanmedian.dim
 //   reductions   logsumexp, nansum, norm.ScalarOpt_dim,                          dim (None or [] = all)
 //                std_mean/var_mean.correction, aminmax, count_nonzero(.dim_IntList)
+//   windows      unfold (a view: the dimension argument is whole; a new last dim of windows)
 //   whole        msort, median, nanmedian (no dim argument: every dim), _linalg_check_errors
 //                (every rank checks the whole info tensor, so every rank raises alike)
-//   diagonal     diag_embed (the last dim becomes a diagonal; leading dims are a batch)
+//   diagonal     diag_embed (the last dim becomes a diagonal in the output's last two; leading
+//                dims are a batch; the diagonal elsewhere: every dim whole)
 //   moves        flip, roll                                                      dims (roll: [] = all)
 //   indexing     gather, scatter(.src/.value/.reduce/_add/_reduce.two), index_select, dim: its indices are
 //                index_add, index_copy, index_fill (and the in-place forms)       GLOBAL coordinates
@@ -67,9 +69,17 @@ std::vector<int64_t> named_dims(const OpCall& call, AlongSpec spec, int64_t ndim
     if (ndim < 2) fail_call(call, "a matrix op needs at least 2 dims");
     return {ndim - 2, ndim - 1};
   }
-  if (spec.along == Along::kLastDim) return ndim == 0 ? all : std::vector<int64_t>{ndim - 1};
+  if (spec.along == Along::kLastDim) {
+    // diag_embed puts the diagonal in the output's last two dims by default; other positions
+    // would move the batch dims: every dim whole then.
+    const int64_t out_ndim = ndim + 1;
+    const int64_t d1 = wrap_dim(call, call.arg(2).toInt(), out_ndim), d2 = wrap_dim(call, call.arg(3).toInt(), out_ndim);
+    if (std::min(d1, d2) != ndim - 1 || std::max(d1, d2) != ndim) return all;
+    return {ndim - 1};
+  }
   const char* name = spec.along == Along::kDimArg ? "dim" : "dims";
-  const auto index = call.schema().argumentIndexWithName(name);
+  auto index = call.schema().argumentIndexWithName(name);
+  if (!index && spec.along == Along::kDimArg) index = call.schema().argumentIndexWithName("dimension");  // unfold
   if (!index) return all;
   const c10::IValue& value = call.arg(static_cast<int64_t>(*index));
   if (value.isNone()) return all;
@@ -102,14 +112,15 @@ LayoutPtr other_operand(const OpCall& call, int64_t t, int64_t batch, const layo
   return make_layout(other, other.global_shape(), std::move(dims), {});
 }
 
-// An output's per-dim mesh axes: one of the input's rank keeps the sharding of every dim whose
-// size it keeps; one with the named dims removed keeps the others'; any other its leading dims'.
+// An output's per-dim mesh axes: one of the input's rank (or one more, a new last dim) keeps the
+// sharding of every dim whose size it keeps; one with the named dims removed keeps the others';
+// any other its leading dims'.
 template <typename IsNamed>
 layout::DimAxes output_dims(const std::vector<int64_t>& shape, const std::vector<int64_t>& in_shape,
                             const layout::DimAxes& kept, const IsNamed& is_named, size_t named) {
   const int64_t rank = static_cast<int64_t>(shape.size()), n = static_cast<int64_t>(in_shape.size());
   layout::DimAxes dims(shape.size());
-  if (rank == n) {
+  if (rank == n || rank == n + 1) {  // n + 1: a new last dim (unfold's windows, diag_embed's diagonal)
     for (int64_t d = 0; d < n; ++d)
       if (shape[d] == in_shape[d]) dims[d] = kept[d];
   } else if (named > 0 && rank == n - static_cast<int64_t>(named)) {
@@ -314,7 +325,7 @@ void register_along_dims(Registry& r) {
                           "aten::kthvalue", "aten::mode", "aten::median.dim", "aten::nanmedian.dim",
                           "aten::logsumexp", "aten::nansum", "aten::norm.ScalarOpt_dim",
                           "aten::std_mean.correction", "aten::var_mean.correction", "aten::aminmax",
-                          "aten::count_nonzero", "aten::count_nonzero.dim_IntList"});
+                          "aten::count_nonzero", "aten::count_nonzero.dim_IntList", "aten::unfold"});
   // Indexing along dim: the indices are GLOBAL coordinates of that dim, which is made whole.
   add<Along::kDimArg>(r, {"aten::gather", "aten::scatter.src", "aten::scatter.value", "aten::scatter.reduce",
                           "aten::scatter.value_reduce", "aten::scatter_add", "aten::scatter_reduce.two",

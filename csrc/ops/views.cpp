@@ -22,6 +22,7 @@
 //   select_backward, slice_backward   the inverse shapes, same rule
 //   constant_pad_nd                   padded dims whole, the others keep their sharding
 //   diagonal(_backward)               dim1, dim2 whole (GLOBAL offset); the other dims keep theirs
+//   repeat                            dims repeated once keep their sharding; the others are whole
 //   as_strided                        only on a tensor with no sharded dim (a checked backstop)
 // Partial: every op here is linear (it moves or copies elements), so Partial passes through
 // unchanged; cat/stack need all operands Partial alike (a Replicate operand is filled for free).
@@ -454,6 +455,28 @@ OpPlan diagonal_backward_rule(const OpCall& call) {
   return plan;
 }
 
+// ------------------------------------------------------------------ repeat
+
+// repeat(self, repeats): a dim repeated once keeps its sharding (each rank's block is the
+// block of the result); a dim repeated more, and the new leading dims, are whole. Linear (it
+// copies elements): Partial passes.
+OpPlan repeat_rule(const OpCall& call) {
+  const Layout& in = call.layout(0);
+  const auto repeats = int_list(call.arg(1));
+  const int64_t lead = static_cast<int64_t>(repeats.size()) - in.ndim();
+  if (lead < 0) fail_call(call, "fewer repeats than the tensor has dims");
+  layout::DimAxes kept = in.dim_axes();
+  std::vector<int64_t> out_shape(repeats.begin(), repeats.begin() + lead);
+  layout::DimAxes out_dims(static_cast<size_t>(lead));
+  for (int64_t d = 0; d < in.ndim(); ++d) {
+    if (repeats[lead + d] != 1) kept[d].clear();
+    out_shape.push_back(in.global_shape()[d] * repeats[lead + d]);
+    out_dims.push_back(kept[d]);
+  }
+  return single(call, make_layout(in, in.global_shape(), kept, in.partial()),
+                make_layout(in, out_shape, out_dims, in.partial()));
+}
+
 // ------------------------------------------------------------------ cat / stack
 
 OpPlan cat_rule(const OpCall& call) {
@@ -578,6 +601,7 @@ void register_views(Registry& r) {
   r.add("aten::cat", &cat_rule);
   r.add("aten::constant_pad_nd", &constant_pad_rule);
   r.add("aten::diagonal", &diagonal_rule);
+  r.add("aten::repeat", &repeat_rule);
   r.add("aten::diagonal_backward", &diagonal_backward_rule);
   r.add("aten::expand", &expand_rule);
   r.add("aten::permute", &permute_rule);

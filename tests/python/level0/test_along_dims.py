@@ -118,6 +118,13 @@ def along_cases():
                  [x(), idx((7,), 5, None), Input((7, 6, 4), placements=place)], mesh),
             Case(f"setitem_broadcast_value_{tag}", setitem_dim1, [x(), idx((3,), 6, None), Input((4,))], mesh),
         ]
+    # repeat (views.cpp), unfold windows, diag_embed with the diagonal elsewhere than last
+    for mesh, place, tag in ((M2, S0, "2"), (M4, S1, "4"), (M22, S01, "2x2")):
+        add(f"repeat_once_keeps_{tag}", lambda x: x.repeat(1, 1), (5, 7), place, mesh)
+        add(f"repeat_leading_and_dim1_{tag}", lambda x: x.repeat(2, 1, 3), (5, 7), place, mesh)
+        # unfold's backward (unfold_backward) has no rule yet
+        add(f"unfold_{tag}", lambda x: x.unfold(1, 3, 2) * 2, (5, 7), place, mesh, check_grad=False)
+        add(f"diag_embed_front_{tag}", lambda x: torch.diag_embed(x, 0, 0, 1), (4, 4), place, mesh)
     # Partial through the linear ones
     for name, fn in (("cumsum", lambda x: torch.cumsum(x, 0)), ("flip", lambda x: torch.flip(x, [1])),
                      ("roll", lambda x: torch.roll(x, 1, 0))):

@@ -62,7 +62,7 @@ def fallback_cases():
 
     for mesh, place in ((M2, S0), (M4, S1), (M22, ["S(0)", "S(1)"]), (M2, P)):
         tag = f"{'x'.join(map(str, mesh[0]))}_{''.join(place).replace('(', '').replace(')', '')}"
-        add(f"repeat_{tag}", lambda x: x.repeat(2, 1), [Input((5, 6), placements=place)], mesh)
+        add(f"hardswish_{tag}", F.hardswish, [Input((5, 6), placements=place)], mesh)
         add(f"reflection_pad_{tag}", lambda x: F.pad(x.unsqueeze(0), (2, 1), mode="reflect").squeeze(0),
             [Input((5, 7), placements=place)], mesh)
         add(f"logsigmoid_{tag}", F.logsigmoid, [Input((6, 5), placements=place)], mesh)
@@ -77,7 +77,8 @@ def fallback_cases():
     add("masked_select", lambda x: torch.masked_select(x, x > 0), [Input((6, 5), placements=S1)], M2)
     # an op with a rule that does not cover these arguments: a boolean mask index (data-dependent size)
     add("mask_index_not_covered", lambda x: x[x > 0] * 2, [Input((6, 5), placements=S0)], M2)
-    add("repeat_int64", lambda x: x.repeat(2), [Input((9,), torch.int64, init=randint(-5, 5), placements=S0)], M4)
+    add("take_int64", lambda x: torch.take(x, torch.tensor([0, 3, 8, 3])),
+        [Input((9,), torch.int64, init=randint(-5, 5), placements=S0)], M4)
     # fallback output feeding rule ops, and gradients through both
     add("logsigmoid_then_matmul", lambda x, w: F.logsigmoid(x) @ w,
         [Input((6, 6), placements=S0), Input((6, 4), placements=["S(1)"])], M2)
@@ -110,7 +111,7 @@ def _strict_mask_index(x):
 
 def _strict_refuses(x):
     with hs.strict():
-        return x.repeat(2, 1)
+        return F.hardswish(x)
 
 
 def _warns_once_and_counts_bytes(x):
@@ -139,6 +140,6 @@ def test_fallback_warns_views_refuse_writes_and_strict_mode_raises():
              [Input((6, 5), placements=["S(0)"])], M2,
              expect_error="Missing operator aten::index.Tensor for these arguments (a boolean mask index"),
         Case("strict_context_raises_missing_operator", _strict_refuses, [Input((6, 5), placements=["S(0)"])], M2,
-             expect_error="Missing operator aten::repeat"),
+             expect_error="Missing operator aten::hardswish"),
     ]
     assert_all_passed(run_cases(cases, backend=DefaultModeAdapter(), timeout=300))

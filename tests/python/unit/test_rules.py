@@ -169,6 +169,10 @@ ROWS = {
         ("cumsum_whole_dim_local", "tp4", aten.cumsum.default, (T([8, 6], S(0)), 1), {}, None, [S(0)], False),
         ("cumsum_sharded_dim_gathers", "tp4", aten.cumsum.default, (T([8, 6], S(0)), 0), {}, [R1], [R1], False),
         ("cumsum_keeps_partial", "tp4", aten.cumsum.default, (T([8, 6], P1), 0), {}, None, [P1], False),
+        ("repeat_once_keeps_sharding", "tp4", aten.repeat.default, (T([8, 6], S(0)), [2, 1, 3]), {}, None,
+         [["S(1)"]], False),
+        ("repeat_sharded_dim_gathered", "tp4", aten.repeat.default, (T([8, 6], S(0)), [2, 1]), {}, [R1], [R1], False),
+        ("unfold_other_dim_keeps", "tp4", aten.unfold.default, (T([8, 6], S(0)), 1, 3, 1), {}, None, [S(0)], False),
         ("cumsum_0d", "tp4", aten.cumsum.default, (T([], R1), 0), {}, None, [R1], False),
         # indexing: the index takes self's sharding where their sizes agree, a shorter dim is whole
         ("gather_index_follows_self", "tp4", aten.gather.default, (T([8, 6], S(0)), 1, T([8, 6], R1, i64)), {},
