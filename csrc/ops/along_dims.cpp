@@ -149,15 +149,10 @@ OpPlan along_dims_rule(const OpCall& call) {
   auto is_named = [&](int64_t d) { return std::find(named.begin(), named.end(), d) != named.end(); };
 
   layout::PartialOps partial = in.partial();
-  if (auto op = in.partial_op()) {
-    const bool sum_like = *op == ReduceOp::Sum || *op == ReduceOp::Avg;
-    if (!(kLinear && sum_like)) {
-      if (sum_like && !call.in_backward)
-        fail_argument(call, 0, std::string("Partial(") + layout::reduce_op_name(*op) + ") input is not supported by this op",
-                      "Replicate or Shard (redistribute the Partial input first)");
-      partial.assign(partial.size(), std::nullopt);  // reduced first: exact
-    }
-  }
+  const auto op = in.partial_op();
+  if (!(kLinear && op && is_sum_like(*op)) &&
+      refuse_sum_partial(call, 0, "Replicate or Shard (redistribute the Partial input first)"))
+    partial.assign(partial.size(), std::nullopt);  // reduced first: exact
   layout::DimAxes kept = in.dim_axes();
   for (int64_t d : named) kept[d].clear();
   // Operands of the first's rank (an index, a source) go along dim by dim: a dim keeps its
@@ -270,7 +265,7 @@ OpPlan index_rule(const OpCall& call) {
   const Layout& self = call.layout(0);
   const Indexing ix = plan_indexing(call);
   layout::PartialOps partial = self.partial();
-  if (auto op = self.partial_op(); op && *op != ReduceOp::Sum && *op != ReduceOp::Avg)
+  if (auto op = self.partial_op(); op && !is_sum_like(*op))
     partial.assign(partial.size(), std::nullopt);  // max/min parts: reduced first (exact)
   OpPlan plan;
   plan.inputs.push_back(make_layout(self, self.global_shape(), ix.self_dims, partial));

@@ -36,7 +36,6 @@
 namespace hypershard::ops {
 namespace {
 
-bool is_sum_like(ReduceOp op) { return op == ReduceOp::Sum || op == ReduceOp::Avg; }
 
 constexpr char kBatch = 'b';
 constexpr char kHeads = 'h';

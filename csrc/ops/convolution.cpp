@@ -22,17 +22,10 @@ LayoutPtr batch_only(const Layout& l, const std::vector<int64_t>& batch_axes) {
   return make_layout(l, l.global_shape(), std::move(dims), {});
 }
 
-void refuse_sum_partial(const OpCall& call, int64_t t) {
-  const auto op = call.layout(t).partial_op();
-  if (op && (*op == ReduceOp::Sum || *op == ReduceOp::Avg) && !call.in_backward)
-    fail_argument(call, t, std::string("Partial(") + layout::reduce_op_name(*op) + ") input is not supported by this op",
-                  "Replicate or Shard (a convolution adds its bias once; redistribute the Partial input first)");
-}
-
 // convolution(input, weight, bias?, stride, padding, dilation, transposed, output_padding, groups)
 OpPlan convolution_rule(const OpCall& call) {
   const Layout& input = call.layout(0);
-  refuse_sum_partial(call, 0);
+  refuse_sum_partial(call, 0, "Replicate or Shard (a convolution adds its bias once; redistribute the Partial input first)");
   const std::vector<int64_t> batch = input.ndim() > 0 ? input.dim_axes()[0] : std::vector<int64_t>{};
   OpPlan plan;
   plan.inputs.push_back(batch_only(input, batch));

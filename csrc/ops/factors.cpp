@@ -6,7 +6,6 @@
 namespace hypershard::ops {
 namespace {
 
-bool is_sum_like(ReduceOp op) { return op == ReduceOp::Sum || op == ReduceOp::Avg; }
 
 struct Role {
   char label = 0;                  // shard this label

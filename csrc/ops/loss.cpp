@@ -74,7 +74,6 @@ using Stack = torch::jit::Stack;
 
 constexpr int64_t kNone = 0, kMean = 1, kSum = 2;  // at::Reduction
 
-bool is_sum_like(ReduceOp op) { return op == ReduceOp::Sum || op == ReduceOp::Avg; }
 
 int64_t int_arg(const c10::IValue& v) { return v.isInt() ? v.toInt() : v.toSymInt().expect_int(); }
 

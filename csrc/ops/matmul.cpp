@@ -77,7 +77,6 @@ struct AxisRole {
   }
 };
 
-bool is_sum_like(ReduceOp op) { return op == ReduceOp::Sum || op == ReduceOp::Avg; }
 
 // The call seen through its spec: operands first, then the bias, each with its labels.
 struct Einsum {

@@ -34,7 +34,6 @@
 namespace hypershard::ops {
 namespace {
 
-bool is_sum_like(ReduceOp op) { return op == ReduceOp::Sum || op == ReduceOp::Avg; }
 
 // A sum/avg-Partial input to a non-linear op is an error (a missing redistribution upstream).
 void reject_sum_partial(const OpCall& call, int64_t tensor) {

@@ -123,6 +123,12 @@ class NotCovered : public layout::LayoutError {
 [[noreturn]] void fail_argument(const OpCall& call, int64_t tensor, const std::string& problem,
                                 const std::string& allowed);
 [[noreturn]] void fail_call(const OpCall& call, const std::string& problem);
+
+inline bool is_sum_like(ReduceOp op) { return op == ReduceOp::Sum || op == ReduceOp::Avg; }
+// Tensor `t` may not be a sum/avg Partial in forward code (the house error, with `allowed`);
+// inside a backward pass the formula is torch's, so the caller reduces it instead. Returns
+// whether `t` is Partial at all (the caller then drops the Partial: a redistribution reduces it).
+bool refuse_sum_partial(const OpCall& call, int64_t t, const std::string& allowed);
 // `dim` in [-ndim, ndim) made non-negative (a 0-d tensor takes -1 and 0); out of range is the
 // house error, raised on every rank alike before anything runs.
 int64_t wrap_dim(const OpCall& call, int64_t dim, int64_t ndim);

@@ -35,7 +35,6 @@
 namespace hypershard::ops {
 namespace {
 
-bool is_sum_like(ReduceOp op) { return op == ReduceOp::Sum || op == ReduceOp::Avg; }
 bool is_max_like(ReduceOp op) { return op == ReduceOp::Max || op == ReduceOp::Min; }
 ReduceOp swap_max_min(ReduceOp op) {
   return op == ReduceOp::Max ? ReduceOp::Min : op == ReduceOp::Min ? ReduceOp::Max : op;

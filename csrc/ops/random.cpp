@@ -40,7 +40,6 @@ namespace {
 
 using Stack = torch::jit::Stack;
 
-bool is_sum_like(ReduceOp op) { return op == ReduceOp::Sum || op == ReduceOp::Avg; }
 
 LayoutPtr without_partial(const Layout& l) { return make_layout(l, l.global_shape(), l.dim_axes(), {}); }
 

@@ -57,6 +57,14 @@ void not_covered(const OpCall& call, const std::string& why) {
                    "): no distributed rule covers them; inputs: " + call.describe_inputs());
 }
 
+bool refuse_sum_partial(const OpCall& call, int64_t t, const std::string& allowed) {
+  const auto op = call.layout(t).partial_op();
+  if (op && is_sum_like(*op) && !call.in_backward)
+    fail_argument(call, t, std::string("Partial(") + layout::reduce_op_name(*op) + ") input is not supported by this op",
+                  allowed);
+  return op.has_value();
+}
+
 void fail_call(const OpCall& call, const std::string& problem) {
   layout::fail(call.name(), problem + " (inputs: " + call.describe_inputs() + ")");
 }
