@@ -25,11 +25,12 @@
 //                householder_product (operands batched like the first keep its batch sharding)
 //
 // Output layouts come from the outputs' GLOBAL shapes, which the op itself reports on meta
-// tensors (topk's k, a keepdim, a matrix factor's shape): an output of the input's rank keeps the
-// sharding of every dim whose size it keeps; one with the named dims removed keeps the others';
-// any other keeps its leading batch dims' sharding. An output that would lose a kept sharding
-// makes the input whole instead. Tensor arguments after the first are read whole, except a
-// matrix op's operands batched like the first (other_operand).
+// tensors (topk's k, a keepdim, a matrix factor's shape): an output of the input's rank (or one
+// more: a new last dim) keeps the sharding of every dim whose size it keeps; one with the named
+// dims removed keeps the others'; any other keeps its leading batch dims' sharding. An output
+// that would lose a kept sharding makes the input whole instead. Tensor arguments after the
+// first: operands of the first's rank go along with it (indexing); a matrix op's operands
+// batched like the first keep its batch sharding (other_operand); every other one is read whole.
 //
 // Partial: flip, roll and cumsum are linear (they move or add elements), so a sum/avg Partial
 // passes through them. Every other op here is not: a sum/avg Partial input is an error (default
