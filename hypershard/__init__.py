@@ -68,6 +68,7 @@ from .dtensor import (  # noqa: E402
     strict,
 )
 from .parallel import parallelize  # noqa: E402
+from . import ops  # noqa: E402
 
 LayoutError.__module__ = __name__  # shown as hypershard.LayoutError in tracebacks
 
@@ -108,6 +109,7 @@ __all__ = [
     "make_layout",
     "mesh",
     "numel",
+    "ops",
     "parse_alias",
     "parallelize",
     "parse_reduce_op",

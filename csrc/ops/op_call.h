@@ -76,9 +76,11 @@ struct OpPlan {
   // An int-list argument (a view's `size`) that the framework rewrites to the first output's
   // local shape on this rank where that output is split; -1: none.
   int64_t local_shape_arg = -1;
-  // Set by the dispatch (never by a rule) when the rule refused the caller's layouts and this
-  // plan is for redistributed ones (default mode's implicit redistribution): the refusal's text,
-  // which strict mode raises.
+  // Non-empty when this plan redistributes an input beyond what strict mode allows: set by the
+  // dispatch when the rule refused the caller's layouts and this plan is for redistributed ones
+  // (default mode's implicit redistribution), or by a rule that accepts a layout only by cutting
+  // it locally (a replicated operand sliced to match another's shards). Strict mode raises the
+  // text; default mode counts the call as implicit.
   std::string refused;
 };
 
@@ -120,6 +122,8 @@ class NotCovered : public layout::LayoutError {
 [[noreturn]] void not_covered(const OpCall& call, const std::string& why);
 
 // The house error: "hypershard: <op>: argument <name> (#i) <layout>: <problem>; allowed: <set>".
+// The same text without raising (a plan that strict mode refuses carries it in OpPlan::refused).
+std::string argument_error(const OpCall& call, int64_t tensor, const std::string& problem, const std::string& allowed);
 [[noreturn]] void fail_argument(const OpCall& call, int64_t tensor, const std::string& problem,
                                 const std::string& allowed);
 [[noreturn]] void fail_call(const OpCall& call, const std::string& problem);

@@ -44,12 +44,16 @@ std::string OpCall::describe_inputs() const {
   return out.empty() ? "no tensor arguments" : out;
 }
 
-void fail_argument(const OpCall& call, int64_t tensor, const std::string& problem, const std::string& allowed) {
+std::string argument_error(const OpCall& call, int64_t tensor, const std::string& problem, const std::string& allowed) {
   const auto& t = call.tensors[tensor];
   std::string arg = call.schema().arguments()[t.arg].name();
   if (t.item >= 0) arg += "[" + std::to_string(t.item) + "]";
-  layout::fail(call.name(), "argument " + arg + " (#" + std::to_string(t.arg) + ") " + t.layout->to_string() +
-                                ": " + problem + "; allowed: " + allowed);
+  return "hypershard: " + call.name() + ": argument " + arg + " (#" + std::to_string(t.arg) + ") " +
+         t.layout->to_string() + ": " + problem + "; allowed: " + allowed;
+}
+
+void fail_argument(const OpCall& call, int64_t tensor, const std::string& problem, const std::string& allowed) {
+  throw layout::LayoutError(argument_error(call, tensor, problem, allowed));
 }
 
 void not_covered(const OpCall& call, const std::string& why) {
@@ -144,6 +148,7 @@ void register_all(Registry& r) {
   register_random(r);
   register_along_dims(r);
   register_convolution(r);
+  register_rotary(r);
   register_tagged_pointwise(r);
 }
 

@@ -138,11 +138,12 @@ void bind_runtime(py::module_& m) {
           return out;
         };
         return py::dict(py::arg("inputs") = layouts(plan.inputs), py::arg("outputs") = layouts(plan.outputs),
-                        py::arg("localizes") = plan.localizes, py::arg("expands") = plan.expands);
+                        py::arg("localizes") = plan.localizes, py::arg("expands") = plan.expands,
+                        py::arg("refused") = plan.refused);
       },
       py::arg("name"), py::arg("overload"),
       "What the rule of op name.overload plans for these arguments (DTensors on any mesh, even "
-      "one without process groups), without running it: {inputs, outputs, localizes, expands}.");
+      "one without process groups), without running it: {inputs, outputs, localizes, expands, refused}.");
   m.def("op_counts", [] {
     py::list out;
     for (const auto& c : runtime::op_counts()) out.append(py::make_tuple(c.name, c.calls, c.has_rule));

@@ -15,6 +15,7 @@
 #include <shared_mutex>
 #include <unordered_map>
 
+#include "kernels/kernels.h"
 #include "layout/error.h"
 #include "ops/families.h"
 #include "runtime/dispatch_internal.h"
@@ -816,7 +817,8 @@ InferredPlan infer_plan(const c10::OperatorHandle& op, torch::jit::Stack& stack)
   layout_plain_tensors(call);
   auto plan = info.rule->rule(call);
   const bool localizes = plan.localize || plan.local_shape_arg >= 0;
-  return {std::move(plan.inputs), std::move(plan.outputs), localizes, static_cast<bool>(plan.expand)};
+  return {std::move(plan.inputs), std::move(plan.outputs), localizes, static_cast<bool>(plan.expand),
+          std::move(plan.refused)};
 }
 
 void install_dispatch() {
@@ -831,6 +833,7 @@ void install_dispatch() {
     ops::register_composite_kernels();
     ops::register_cross_entropy_kernel();
     ops::register_embedding_kernels();
+    kernels::register_rotary_kernels();
     register_fast_paths();
     // The listener is also told of every op registered so far; sync registers them.
     static auto* listener = new c10::RegistrationHandleRAII(

@@ -42,6 +42,7 @@ struct InferredPlan {
   std::vector<layout::LayoutPtr> outputs;  // per returned tensor
   bool localizes = false;                  // rewrites non-tensor arguments into local terms
   bool expands = false;                    // replaces the plain local call
+  std::string refused;                     // non-empty: what strict mode raises for this plan
 };
 InferredPlan infer_plan(const c10::OperatorHandle& op, torch::jit::Stack& stack);
 

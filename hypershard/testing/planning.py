@@ -52,6 +52,8 @@ class Plan:
     outputs: list           # layouts per returned tensor
     localizes: bool         # rewrites non-tensor arguments (sizes, counts) into local terms
     expands: bool           # runs its own implementation (collectives inside the op)
+    refused: str = ""       # non-empty: strict mode raises this text for the plan (default mode
+                            # runs it, e.g. a replicated operand cut locally to match a shard)
 
     @property
     def input_specs(self) -> list:
@@ -86,4 +88,4 @@ def plan(op: Any, *args: Any, **kwargs: Any) -> Plan:
     schema = op._schema
     result = _C.infer_plan(schema.name, schema.overload_name, *args, **kwargs)
     return Plan(list(result["inputs"]), list(result["outputs"]), result["localizes"],
-                result["expands"])
+                result["expands"], result["refused"])
