@@ -16,9 +16,20 @@ torch_npu's op of the same maths, so a model written against either runs sharded
 ``rotary_position_embedding_composed(x, cos, sin, mode=0)``
     The same maths from cat/neg/mul/stack (the non-fused form: the reference of the tests and
     the bench).
+``rms_norm(x, weight, eps=1e-6)``
+    ``x * rsqrt(mean(x**2) + eps) * weight`` over x's last ``weight.dim()`` dims, one fused pass
+    (the op ``torch.ops.hypershard.rms_norm`` also returns rstd, kept for its backward; torch_npu's
+    ``npu_rms_norm`` has the same signature). Computed in float, rounded once, output dtype
+    promoted from x and weight as HF's RMSNorm does.
+``rms_norm_composed(x, weight, eps=1e-6)``
+    HF's RMSNorm written out (float32 variance, rsqrt, cast back, times weight).
 
-Sharded (csrc/ops/rotary.cpp): B/N/S may be sharded, D never; the output is laid out like x;
-cos/sin sharded like x on the dims they share with it or of size 1 there; no Partial inputs.
+Sharded: rotary (csrc/ops/rotary.cpp): B/N/S may be sharded, D never; the output is laid out
+like x; cos/sin sharded like x on the dims they share with it or of size 1 there; no Partial
+inputs. rms_norm (csrc/ops/normalization.cpp): the leading dims keep their sharding, the
+normalized dims are whole, weight whole; the weight's gradient is Partial(sum) over the axes that
+shard the leading dims -- the layouts the composed form gets from the pointwise and reduction
+rules.
 """
 
 from __future__ import annotations
@@ -27,7 +38,8 @@ import torch
 
 from . import dtensor as _dtensor  # noqa: F401  (installs the dispatch, which defines the ops)
 
-__all__ = ["MODES", "rotary_mul", "rotary_position_embedding", "rotary_position_embedding_composed"]
+__all__ = ["MODES", "rms_norm", "rms_norm_composed", "rotary_mul", "rotary_position_embedding",
+           "rotary_position_embedding_composed"]
 
 MODES = {"half": 0, "interleave": 1, "quarter": 2, "interleave_half": 3}
 
@@ -69,3 +81,17 @@ def rotary_position_embedding_composed(x: torch.Tensor, cos: torch.Tensor, sin: 
         even, odd = x[..., ::2], x[..., 1::2]
         return torch.cat((even, odd), dim=-1) * cos + torch.cat((-odd, even), dim=-1) * sin
     raise ValueError(f"rotary mode {mode} is out of range; allowed: 0..3")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Fused RMSNorm over x's last ``weight.dim()`` dims (see the module docstring)."""
+    return torch.ops.hypershard.rms_norm(x, weight, eps)[0]
+
+
+def rms_norm_composed(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """HF's RMSNorm (LlamaRMSNorm / Qwen3RMSNorm) written out, over the last dim."""
+    dtype = x.dtype
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    return weight * hidden.to(dtype)

@@ -7,8 +7,15 @@
 
 #include <array>
 #include <tuple>
+#include <vector>
 
 namespace hypershard::kernels {
+
+// autograd_support.cpp: for a backward op's autograd kernel that ran below autograd: when grad
+// mode is on and an input requires grad (create_graph=True), `outputs` get a grad_fn that raises
+// "a second derivative of <op> is not implemented" if it is ever reached.
+void forbid_second_derivative(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+                              const char* op);
 
 // rotary.cpp: hypershard::rotary_position_embedding and its backward (modes 0..3).
 void register_rotary_kernels();
@@ -19,5 +26,13 @@ at::Tensor rotary_position_embedding_cpu(const at::Tensor& x, const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_position_embedding_backward_cpu(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t mode,
     std::array<bool, 3> output_mask);
+
+// rms_norm.cpp: hypershard::rms_norm (y and rstd) and its backward.
+void register_rms_norm_kernels();
+void check_rms_norm_arguments(const at::Tensor& x, const at::Tensor& weight);
+std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad, const at::Tensor& x,
+                                                         const at::Tensor& weight, const at::Tensor& rstd,
+                                                         std::array<bool, 2> output_mask);
 
 }  // namespace hypershard::kernels

@@ -176,7 +176,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_position_embedding_backwar
   TORCH_CHECK(grad_in.sizes() == x_in.sizes(), "hypershard::rotary_position_embedding_backward: grad has shape ",
               grad_in.sizes(), " and x ", x_in.sizes(), "; allowed: grad shaped like x");
   const auto x = x_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
-  const auto grad = grad_in.to(x.scalar_type()).contiguous();
+  const auto grad = grad_in.to(at::toOpMathType(x.scalar_type())).contiguous();  // no rounding of grad
   const int64_t d = x.size(-1);
   const auto acc_type = at::toOpMathType(x.scalar_type());
   at::Tensor dx = output_mask[0] ? at::empty_like(x) : at::Tensor();
@@ -189,7 +189,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_position_embedding_backwar
     const RowOffsets offsets(x, cos, sin);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary_position_embedding_backward", [&] {
       using acc_t = at::opmath_type<scalar_t>;
-      const scalar_t* gp = grad.const_data_ptr<scalar_t>();
+      const acc_t* gp = grad.const_data_ptr<acc_t>();
       const scalar_t* xp = x.const_data_ptr<scalar_t>();
       const scalar_t* cp = cos.const_data_ptr<scalar_t>();
       const scalar_t* sp = sin.const_data_ptr<scalar_t>();
@@ -200,7 +200,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_position_embedding_backwar
         for (int64_t r = begin; r < end; ++r) {
           int64_t co = 0, so = 0;
           offsets.at(r, co, so);
-          const scalar_t* gr = gp + r * d;
+          const acc_t* gr = gp + r * d;
           const scalar_t* xr = xp + r * d;
           if (dxp) {
             for (int64_t j = 0; j < d; ++j) {
@@ -290,20 +290,24 @@ at::Tensor rotary_position_embedding_autograd(const at::Tensor& x, const at::Ten
   return RotaryFunction::apply(x, cos, sin, mode);
 }
 
-// The backward op has no derivative of its own: it raises where one would be needed (a double
-// backward), and otherwise runs below autograd (DTensors reach hypershard's dispatch there).
+// The backward op has no derivative of its own: its outputs raise if a second derivative ever
+// reaches them (first-order gradients with create_graph=True work). DTensors reach hypershard's
+// dispatch below autograd.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_position_embedding_backward_autograd(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t mode,
     std::array<bool, 3> output_mask) {
-  TORCH_CHECK(!at::GradMode::is_enabled() ||
-                  !(grad.requires_grad() || x.requires_grad() || cos.requires_grad() || sin.requires_grad()),
-              "hypershard::rotary_position_embedding_backward: a second derivative (double backward, "
-              "create_graph=True) of rotary_position_embedding is not implemented");
-  at::AutoDispatchBelowADInplaceOrView below;
-  return backward_op()
-      .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                            const at::Tensor&, int64_t, std::array<bool, 3>)>()
-      .call(grad, x, cos, sin, mode, output_mask);
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    out = backward_op()
+              .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                    const at::Tensor&, const at::Tensor&, int64_t,
+                                                                    std::array<bool, 3>)>()
+              .call(grad, x, cos, sin, mode, output_mask);
+  }
+  forbid_second_derivative({std::get<0>(out), std::get<1>(out), std::get<2>(out)}, {grad, x, cos, sin},
+                           "hypershard::rotary_position_embedding_backward");
+  return out;
 }
 
 }  // namespace

@@ -9,8 +9,14 @@
 //   aten::_safe_softmax                self with dim D whole -> same layout (the attention math
 //                                      path; _softmax and the backward _softmax_backward_data are
 //                                      the loss family's, which also handles a sharded dim)
+//   hypershard::rms_norm               x "ab..N" (N: weight's dims), weight "N" -> y "ab..N", rstd "ab..1"
+//   hypershard::rms_norm_backward      grad, x "ab..N", weight "N", rstd "ab..1" -> dx "ab..N", dweight "N"
+//   npu::npu_rms_norm(_backward)       torch_npu's (self, gamma, epsilon) / (dy, self, gamma, rstd):
+//                                      the same rules, serving Ascend users when torch_npu is loaded
 // RMSNorm written out (x.pow(2).mean(-1, keepdim=True), rsqrt, mul, type_as / to) runs on the
-// pointwise and reduction families; F.rms_norm decomposes to the same ops.
+// pointwise and reduction families and gets the same layouts as the fused op (the leading dims
+// keep their sharding, the normalized dim is whole, the weight's gradient is a Partial sum);
+// F.rms_norm decomposes to the same ops.
 //
 // Sharding (factors.h): the leading dims (layer norm), the batch dim (group norm) and every dim
 // but `dim` (softmax) keep their sharding; the normalized dims, channels and spatial dims (group
@@ -131,6 +137,52 @@ OpPlan native_layer_norm_backward_rule(const OpCall& call) {
   return from_factors(call, spec);
 }
 
+// ------------------------------------------------------------------ rms norm (fused)
+
+// The normalized dims are the weight's: x "ab..N", weight "N", rstd "ab..1" (x's shape, N dims 1).
+LayerNormDims rms_norm_dims(const OpCall& call, int64_t input, int64_t weight) {
+  const Layout& in = call.layout(input);
+  LayerNormDims d;
+  d.normalized = call.layout(weight).global_shape();
+  const int64_t k = static_cast<int64_t>(d.normalized.size());
+  d.leading = in.ndim() - k;
+  if (k < 1 || d.leading < 0 ||
+      !std::equal(d.normalized.begin(), d.normalized.end(), in.global_shape().begin() + d.leading))
+    fail_argument(call, weight, "shape " + layout::shape_string(d.normalized) + " is not the end of x's shape " +
+                                    layout::shape_string(in.global_shape()),
+                  "a weight of rank >= 1 shaped like x's trailing dims");
+  d.input = leading_labels(d.leading) + std::string(k, kNormalized);
+  d.stats = leading_labels(d.leading) + std::string(k, kWhole);
+  d.params = std::string(k, kNormalized);
+  d.stats_shape = in.global_shape();
+  std::fill(d.stats_shape.begin() + d.leading, d.stats_shape.end(), 1);
+  return d;
+}
+
+OpPlan rms_norm_rule(const OpCall& call) {
+  const int64_t input = call.tensor_named({"x", "self", "input"}), weight = call.tensor_named({"weight", "gamma"});
+  for (size_t t = 0; t < call.tensors.size(); ++t) reject_sum_partial(call, static_cast<int64_t>(t));
+  const auto d = rms_norm_dims(call, input, weight);
+  FactorSpec spec;
+  spec.operands = {{input, d.input, false}, {weight, d.params, false}};
+  spec.outputs = {d.input, d.stats};
+  spec.out_shapes = {call.layout(input).global_shape(), d.stats_shape};
+  spec.whole = std::string{kNormalized};
+  return from_factors(call, spec);
+}
+
+OpPlan rms_norm_backward_rule(const OpCall& call) {
+  const int64_t grad = call.tensor_named({"grad", "dy"}), input = call.tensor_named({"x", "self", "input"});
+  const int64_t weight = call.tensor_named({"weight", "gamma"}), rstd = call.tensor_named({"rstd"});
+  const auto d = rms_norm_dims(call, input, weight);
+  FactorSpec spec;
+  spec.operands = {{grad, d.input, true}, {input, d.input, false}, {weight, d.params, false}, {rstd, d.stats, false}};
+  spec.outputs = {d.input, d.params};
+  spec.out_shapes = {call.layout(input).global_shape(), d.normalized};
+  spec.whole = std::string{kNormalized};
+  return from_factors(call, spec);
+}
+
 // ------------------------------------------------------------------ group norm (batch only)
 
 // input (N, C, *): the batch dim may be sharded; channels and spatial dims are whole.
@@ -212,12 +264,17 @@ OpPlan softmax_rule(const OpCall& call) {
 }  // namespace
 
 void register_normalization(Registry& r) {
-  // normalized_shape, dim, N/C/HxW/group decide dims and shapes; eps and dtypes do not.
+  // normalized_shape, dim, N/C/HxW/group decide dims and shapes; eps and dtypes do not (the rms
+  // norms take their dims from the weight's shape, a part of the key already).
   r.add("aten::_safe_softmax", &softmax_rule, KeyScalars::kAll);
   r.add("aten::native_group_norm", &native_group_norm_rule, KeyScalars::kAll);
   r.add("aten::native_group_norm_backward", &native_group_norm_backward_rule, KeyScalars::kAll);
   r.add("aten::native_layer_norm", &native_layer_norm_rule, KeyScalars::kAll);
   r.add("aten::native_layer_norm_backward", &native_layer_norm_backward_rule, KeyScalars::kAll);
+  r.add("hypershard::rms_norm", &rms_norm_rule, KeyScalars::kNone);
+  r.add("hypershard::rms_norm_backward", &rms_norm_backward_rule, KeyScalars::kAll);
+  r.add("npu::npu_rms_norm", &rms_norm_rule, KeyScalars::kNone);
+  r.add("npu::npu_rms_norm_backward", &rms_norm_backward_rule, KeyScalars::kNone);
 }
 
 }  // namespace hypershard::ops

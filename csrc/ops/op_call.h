@@ -15,6 +15,7 @@
 #include <c10/util/SmallVector.h>
 
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <string>
@@ -56,6 +57,9 @@ struct OpCall {
   int64_t arg_index(const char* name) const;
   // Index into `tensors` of schema argument `arg` (item `item`), or -1 (None / absent).
   int64_t tensor_index(int64_t arg, int64_t item = -1) const;
+  // Index into `tensors` of the first schema argument with one of these names, or -1: one rule
+  // for ops whose schemas name the same operand differently (hypershard's `x`, torch_npu's `self`).
+  int64_t tensor_named(std::initializer_list<const char*> names) const;
   const Layout& layout(int64_t tensor) const { return *tensors.at(tensor).layout; }
   std::string describe_inputs() const;  // "self [4, 6] ("dp", "None"), other [6] ("None",)"
 };

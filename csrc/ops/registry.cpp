@@ -13,6 +13,12 @@ std::string OpCall::name() const {
   return n.overload_name.empty() ? n.name : n.name + "." + n.overload_name;
 }
 
+int64_t OpCall::tensor_named(std::initializer_list<const char*> names) const {
+  for (const char* name : names)
+    if (const auto index = schema().argumentIndexWithName(name)) return tensor_index(static_cast<int64_t>(*index));
+  return -1;
+}
+
 int64_t OpCall::arg_index(const char* name) const {
   const auto index = schema().argumentIndexWithName(name);
   if (!index) fail_call(*this, std::string("internal error: no argument named '") + name + "'");

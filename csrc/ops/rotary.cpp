@@ -25,21 +25,12 @@
 // dim where cos / sin broadcast (each rank summed its own rows of that dim).
 #include "ops/families.h"
 
-#include <initializer_list>
-
 namespace hypershard::ops {
 namespace {
 
 struct RotaryOperands {
   int64_t grad = -1, x = -1, cos = -1, sin = -1;
 };
-
-// OpCall tensor index of the first schema argument with one of these names, or -1.
-int64_t tensor_named(const OpCall& call, std::initializer_list<const char*> names) {
-  for (const char* name : names)
-    if (const auto index = call.schema().argumentIndexWithName(name)) return call.tensor_index(*index);
-  return -1;
-}
 
 std::string axis_names(const Layout& l, const std::vector<int64_t>& axes) {
   std::string out;
@@ -111,7 +102,8 @@ TablePlan plan_table(const OpCall& call, const Layout& x, int64_t t, std::string
   for (int64_t i = 0; i < n; ++i) {
     const auto& x_axes = x.dim_axes()[i];
     const auto& t_axes = table.dim_axes()[i];
-    const bool broadcast = table.global_shape()[i] == 1 && x.global_shape()[i] != 1;
+    // A size-1 dim is a broadcast dim even where x has size 1 too (whole, a Partial gradient).
+    const bool broadcast = table.global_shape()[i] == 1;
     if (i == n - 1) {
       if (!t_axes.empty())
         fail_argument(call, t, "the last dim (D) is sharded on " + axis_names(table, t_axes) +
@@ -144,10 +136,10 @@ TablePlan plan_table(const OpCall& call, const Layout& x, int64_t t, std::string
 
 RotaryOperands operands(const OpCall& call) {
   RotaryOperands o;
-  o.grad = tensor_named(call, {"grad", "dy", "grad_output"});
-  o.x = tensor_named(call, {"x", "self", "input"});
-  o.cos = tensor_named(call, {"cos", "r1"});
-  o.sin = tensor_named(call, {"sin", "r2"});
+  o.grad = call.tensor_named({"grad", "dy", "grad_output"});
+  o.x = call.tensor_named({"x", "self", "input"});
+  o.cos = call.tensor_named({"cos", "r1"});
+  o.sin = call.tensor_named({"sin", "r2"});
   if (o.cos < 0 || o.sin < 0 || (o.x < 0 && o.grad < 0))
     fail_call(call, "internal error: the schema has no x/self, cos/r1 or sin/r2 argument");
   return o;

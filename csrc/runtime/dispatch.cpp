@@ -834,6 +834,7 @@ void install_dispatch() {
     ops::register_cross_entropy_kernel();
     ops::register_embedding_kernels();
     kernels::register_rotary_kernels();
+    kernels::register_rms_norm_kernels();
     register_fast_paths();
     // The listener is also told of every op registered so far; sync registers them.
     static auto* listener = new c10::RegistrationHandleRAII(
