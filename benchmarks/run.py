@@ -10,6 +10,10 @@ Sections (see benchmarks/README.md for what each measures and how; the code is i
   fallback    a few ops that have distributed rules, forced through hypershard's fallback (inputs
               gathered to Replicate) vs their rule vs plain eager on the local shard: the
               fallback's cost, the bytes it gathers, and the rule path's overhead (<= 1.2x plain)
+  rotary      hypershard's fused rotary position embedding vs the same maths composed from
+              cat/neg/mul/stack, forward and forward + backward, modes 0/1/3, float32 and bfloat16:
+              plain tensors on one device, and DTensors on a 2-rank mesh (x sharded on heads or
+              batch, strict mode) with torch DTensor running the composed form alongside
   step        training step of a tiny HF Qwen3 on 4 CPU ranks (dp2 x tp2, tp4): hypershard
               parallelize() vs torch DTensor tensor parallelism vs one device, each also with the
               other way of summing data-parallel gradients (per parameter / bucketed); a dp2 x tp2
@@ -21,7 +25,7 @@ Sections (see benchmarks/README.md for what each measures and how; the code is i
 
 Writes bench/results.json, bench/RESULTS.md and bench/results.png and prints the tables.
 
-    .venv/bin/python benchmarks/run.py [--quick] [--sections dispatch,fallback,step,memory] [--out bench]
+    .venv/bin/python benchmarks/run.py [--quick] [--sections dispatch,fallback,rotary,step,memory] [--out bench]
 """
 
 from __future__ import annotations
@@ -46,9 +50,10 @@ from hsbench.dispatch import run_dispatch  # noqa: E402
 from hsbench.fallback import run_fallback  # noqa: E402
 from hsbench.memory import MEMORY_CONFIG  # noqa: E402
 from hsbench.report import markdown, targets  # noqa: E402
+from hsbench.rotary import run_rotary  # noqa: E402
 from hsbench.training import run_steps  # noqa: E402
 
-SECTIONS = ("dispatch", "fallback", "step", "memory")
+SECTIONS = ("dispatch", "fallback", "rotary", "step", "memory")
 
 
 def main(argv=None) -> int:
@@ -60,8 +65,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)} (default all)")
     parser.add_argument("--out", default=str(ROOT / "bench"), help="output folder (default bench/)")
-    parser.add_argument("--repeats", type=int, help="timing samples per dispatch and fallback figure (default 21; quick 3)")
-    parser.add_argument("--sample-ms", type=float, help="length of one dispatch or fallback sample in ms (default 5; quick 3)")
+    parser.add_argument("--repeats", type=int, help="timing samples per dispatch, fallback and rotary figure (default 21; quick 3)")
+    parser.add_argument("--sample-ms", type=float, help="length of one dispatch, fallback or rotary sample in ms (default 5; quick 3)")
     parser.add_argument("--warmup", type=int, help="untimed training steps (default 3; quick 1)")
     parser.add_argument("--timed", type=int, help="timed training steps per implementation (default 10; quick 3)")
     parser.add_argument("--cache-steps", type=int, help="hypershard steps for the rule-cache figures (default 20; quick 6)")
@@ -93,6 +98,8 @@ def main(argv=None) -> int:
         results["dispatch"] = run_dispatch(args, log)
     if "fallback" in sections:
         results["fallback"] = run_fallback(args, log)
+    if "rotary" in sections:
+        results["rotary"] = run_rotary(args, log)
     if "step" in sections or "memory" in sections:
         step, traffic, cache, memory = run_steps(args, log, with_memory="memory" in sections)
         if "step" in sections:

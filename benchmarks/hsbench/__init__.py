@@ -5,6 +5,7 @@
   collectives   counts torch DTensor's collectives and bytes at torch's dispatcher
   dispatch      section "dispatch": per-op overhead vs plain eager and torch DTensor
   fallback      section "fallback": an op through hypershard's fallback vs its native rule
+  rotary        section "rotary": the fused rotary position embedding op vs its composed form
   trainers      the training step of each implementation (hypershard, torch DTensor, one device)
   training      section "step" (with bytes and rule cache): the step launches
   memory        section "memory": peak RSS and state bytes, measured inside the step launches

@@ -1,5 +1,5 @@
 """bench/results.png: a 2 x 3 chart (dispatch speedups and ratios, step times, bytes, memory,
-rule cache)."""
+rule cache), 2 x 4 when the rotary section ran (its time and peak-memory ratios in the last column)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(17, 9), dpi=100)
+    rotary = (results.get("rotary") or {}).get("variants")
+    fig, axes = plt.subplots(2, 4 if rotary else 3, figsize=(23 if rotary else 17, 9), dpi=100)
     d = results.get("dispatch", {}).get("variants", {})
     if d:
         names = list(next(iter(d.values())).keys())
@@ -94,8 +95,33 @@ def plot(results: dict, path: Path) -> None:
     ax.set_ylim(0, top * 1.25)
     ax.set_title("hypershard rule cache: op plans after each step")
     ax.legend(fontsize=8)
+    if rotary:
+        _rotary_panels(axes[0][3], axes[1][3], rotary)
     fig.suptitle(f"hypershard benchmarks (torch {results['meta']['torch']}, {results['meta']['cpus']} CPU cores)")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
+
+
+def _rotary_panels(top, bottom, variants: dict) -> None:
+    """Fused / composed per configuration and variant: time (top) and peak extra memory (bottom)."""
+    keys = [k for k in next(iter(variants.values())).keys()]
+    labels = [k.replace("mode", "m").replace("float32", "f32").replace("bfloat16", "bf16")
+              .replace("_forward_backward", " f+b").replace("_forward", " fwd").replace("_", " ") for k in keys]
+    width = 0.8 / max(len(variants), 1)
+    for ax, key, ylabel, title in ((top, "fused_vs_composed", "fused ms / composed ms (log)",
+                                    "rotary: fused op vs composed form, time"),
+                                   (bottom, "peak_fused_vs_composed", "fused MB / composed MB (log)",
+                                    "rotary: fused vs composed, peak extra memory")):
+        for i, (vkey, entries) in enumerate(variants.items()):
+            vals = [(entries.get(k) or {}).get(key) or math.nan for k in keys]
+            ax.bar([x + i * width for x in range(len(keys))], vals, width,
+                   label=vkey.replace("1device", "1 device").replace("2rank_", "2 ranks, "))
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(keys))])
+        ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+        ax.axhline(1, color="k", linewidth=0.8)
+        ax.set_yscale("log")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=7)

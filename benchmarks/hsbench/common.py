@@ -86,10 +86,11 @@ def same_values(a, b) -> bool:
     return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-def rank0_per_world(section: str, worker: Callable, worlds, args, log: Callable, extra: dict) -> dict:
+def rank0_per_world(section: str, worker: Callable, worlds, args, log: Callable, extra: dict,
+                    worker_args: Optional[dict] = None) -> dict:
     """{world: rank 0's result of worker} for each world size, the ranks spawned with the section's
-    timing settings; a launch that fails is logged and recorded as extra["<world>rank_error"], the
-    seconds each took as extra["<world>rank_seconds"]."""
+    timing settings (and worker_args); a launch that fails is logged and recorded as
+    extra["<world>rank_error"], the seconds each took as extra["<world>rank_seconds"]."""
     import time
 
     from hypershard.launch import spawn_local_ranks
@@ -99,7 +100,8 @@ def rank0_per_world(section: str, worker: Callable, worlds, args, log: Callable,
         log(f"{section}: {world}-rank mesh ...")
         start = time.perf_counter()
         try:
-            ranks = spawn_local_ranks(worker, world, {"sample_s": args.sample_s, "repeats": args.repeats},
+            ranks = spawn_local_ranks(worker, world, {"sample_s": args.sample_s, "repeats": args.repeats,
+                                                      **(worker_args or {})},
                                       timeout=args.timeout)
         except Exception as exc:  # noqa: BLE001 -- reported in the results, the other worlds still run
             extra[f"{world}rank_error"] = error_text(exc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .common import geomean
 from .dispatch import IMPL_NAMES
+from .rotary import rotary_lines
 from .training import STEP_MESHES
 
 # The project's target for the per-op overhead of ops with rules: hypershard / plain eager
@@ -69,6 +70,7 @@ def markdown(results: dict) -> str:
                           f"{ref['median']:.0f} µs here (min {ref['min']:.0f}, max {ref['max']:.0f})."]
         lines.append("")
     lines += _fallback_lines(results.get("fallback"))
+    lines += rotary_lines(results.get("rotary"))
     s = results.get("step")
     if s:
         lines += ["## Training step, Qwen3 on 4 CPU ranks (s per step)", "",
