@@ -11,10 +11,10 @@
 //   2 quarter           rotate = cat(-x2, x1, -x4, x3) of the four quarters
 //   3 interleave-half   e = x[..., ::2], o = x[..., 1::2]:
 //                       y = cat(e, o) * cos + cat(-o, e) * sin
-// Each is, per output position i of a row: y[i] = x[a(i)] * cos[i] + s(i) * x[b(i)] * sin[i],
-// with a and b permutations of [0, D) and s(i) = +-1 (a is the identity except in mode 3). The
-// backward follows: dx[a(i)] += g[i] cos[i], dx[b(i)] += s(i) g[i] sin[i], dcos[i] = g[i] x[a(i)],
-// dsin[i] = s(i) g[i] x[b(i)], the last two summed over the dims cos / sin broadcast on.
+// Each is y = p(x) * cos + R(p(x)) * sin with R a signed rotation of pairs (blocks of D/2 or D/4,
+// or adjacent pairs) and p the identity, or (mode 3) the deinterleave evens-then-odds. R is
+// antisymmetric, so the backward is dx = p^T(g * cos - R(g * sin)), dcos = g * p(x),
+// dsin = g * R(p(x)), the last two summed over the dims cos / sin broadcast on.
 //
 // Arithmetic: every product and sum in float (double for double inputs), one rounding to the
 // output dtype at the end; dcos / dsin are summed over the broadcast dims in float before that
@@ -31,6 +31,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <vector>
 
@@ -38,53 +39,6 @@
 
 namespace hypershard::kernels {
 namespace {
-
-// y[i] = x[a[i]] * cos[i] + sign[i] * x[b[i]] * sin[i] within one row of D elements.
-struct RotaryMaps {
-  std::vector<int64_t> a, b, a_inverse, b_inverse;
-  std::vector<int8_t> sign;
-};
-
-RotaryMaps rotary_maps(int64_t d, int64_t mode) {
-  RotaryMaps m;
-  m.a.resize(d);
-  m.b.resize(d);
-  m.sign.resize(d);
-  const int64_t half = d / 2, quarter = d / 4;
-  for (int64_t i = 0; i < d; ++i) {
-    switch (mode) {
-      case 0:  // half
-        m.a[i] = i;
-        m.b[i] = i < half ? i + half : i - half;
-        m.sign[i] = i < half ? -1 : 1;
-        break;
-      case 1:  // interleave
-        m.a[i] = i;
-        m.b[i] = i % 2 == 0 ? i + 1 : i - 1;
-        m.sign[i] = i % 2 == 0 ? -1 : 1;
-        break;
-      case 2: {  // quarter
-        const bool first = (i / quarter) % 2 == 0;
-        m.a[i] = i;
-        m.b[i] = first ? i + quarter : i - quarter;
-        m.sign[i] = first ? -1 : 1;
-        break;
-      }
-      default:  // 3: interleave-half
-        m.a[i] = i < half ? 2 * i : 2 * (i - half) + 1;
-        m.b[i] = i < half ? 2 * i + 1 : 2 * (i - half);
-        m.sign[i] = i < half ? -1 : 1;
-        break;
-    }
-  }
-  m.a_inverse.resize(d);
-  m.b_inverse.resize(d);
-  for (int64_t i = 0; i < d; ++i) {
-    m.a_inverse[m.a[i]] = i;
-    m.b_inverse[m.b[i]] = i;
-  }
-  return m;
-}
 
 // Offsets of cos / sin rows for each row of x: cos expanded to x's shape (stride 0 on the
 // broadcast dims), its last dim contiguous.
@@ -136,34 +90,165 @@ void check_rotary_arguments(const at::Tensor& x, const at::Tensor& cos, const at
               "; allowed: float32, float64, bfloat16, float16");
 }
 
+namespace {
+
+// The rotation R of one row as contiguous loops (no index tables in the hot path, so the
+// compiler vectorizes them). Modes 0 and 2 rotate blocks pairwise: out = cat(-b2, b1) for each
+// pair of `block`-long blocks (block D/2 or D/4); mode 1 rotates adjacent pairs; mode 3 is mode
+// 0 on the row deinterleaved (evens, then odds). R is antisymmetric (R^T = -R), which the
+// backward uses: dx = P^T (g*cos - R(g*sin)), with P the deinterleave of mode 3 (else identity).
+template <typename T>
+void rotate(const T* in, T* out, int64_t d, int64_t mode) {
+  if (mode == 1) {
+    for (int64_t k = 0; k < d; k += 2) {
+      out[k] = -in[k + 1];
+      out[k + 1] = in[k];
+    }
+    return;
+  }
+  const int64_t block = mode == 2 ? d / 4 : d / 2;
+  for (int64_t start = 0; start < d; start += 2 * block) {
+    const T* first = in + start;
+    const T* second = first + block;
+    for (int64_t i = 0; i < block; ++i) out[start + i] = -second[i];
+    for (int64_t i = 0; i < block; ++i) out[start + block + i] = first[i];
+  }
+}
+
+// Row of the storage -> row of the rotation's order (mode 3: evens then odds) and back.
+template <typename From, typename T>
+void load_row(const From* from, T* to, int64_t d, bool deinterleave) {
+  if (!deinterleave) {
+    for (int64_t i = 0; i < d; ++i) to[i] = static_cast<T>(from[i]);
+    return;
+  }
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) to[i] = static_cast<T>(from[2 * i]);
+  for (int64_t i = 0; i < half; ++i) to[half + i] = static_cast<T>(from[2 * i + 1]);
+}
+
+template <typename T, typename To>
+void store_row(const T* from, To* to, int64_t d, bool interleave) {
+  if (!interleave) {
+    for (int64_t i = 0; i < d; ++i) to[i] = static_cast<To>(from[i]);
+    return;
+  }
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) to[2 * i] = static_cast<To>(from[i]);
+  for (int64_t i = 0; i < half; ++i) to[2 * i + 1] = static_cast<To>(from[half + i]);
+}
+
+// One thread's row scratch: x's row in the rotation's order, its rotation, and the cos/sin rows
+// (reloaded only when the table row changes: consecutive x rows broadcast over the same one).
+template <typename acc_t>
+struct RowBuffers {
+  std::vector<acc_t> x, cos, sin, rot, out;
+  int64_t cos_at = -1, sin_at = -1;
+
+  explicit RowBuffers(int64_t d) : x(d), cos(d), sin(d), rot(d), out(d) {}
+  void tables(const acc_t* cp, int64_t co, const acc_t* sp, int64_t so, int64_t d) {
+    if (co != cos_at) load_row(cp + co, cos.data(), d, false), cos_at = co;
+    if (so != sin_at) load_row(sp + so, sin.data(), d, false), sin_at = so;
+  }
+};
+
+// The row loops, compiled for AVX2 too where the CPU has it (chosen once at load time; the
+// default clone serves every other x86-64 CPU and other architectures build it alone).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define HS_VECTOR_CLONES __attribute__((target_clones("arch=haswell", "default")))
+#else
+#define HS_VECTOR_CLONES
+#endif
+
+// Rows [begin, end) of x (GLOBAL row indices: they address cos / sin through `offsets`); the
+// x, grad, y and dx pointers hold rows from `base` on. Everything here is in the opmath type T.
+template <typename T>
+HS_VECTOR_CLONES void forward_rows(int64_t begin, int64_t end, int64_t base, int64_t d, int64_t mode,
+                                   const RowOffsets& offsets, const T* xp, const T* cp, const T* sp, T* yp) {
+  RowBuffers<T> buf(d);
+  T *xf = buf.x.data(), *rot = buf.rot.data();
+  const T *cf = buf.cos.data(), *sf = buf.sin.data();
+  for (int64_t r = begin; r < end; ++r) {
+    int64_t co = 0, so = 0;
+    offsets.at(r, co, so);
+    buf.tables(cp, co, sp, so, d);
+    load_row(xp + (r - base) * d, xf, d, mode == 3);
+    rotate(xf, rot, d, mode);
+    T* yr = yp + (r - base) * d;  // y is in the rotation's order (mode 3 too)
+    for (int64_t i = 0; i < d; ++i) yr[i] = xf[i] * cf[i] + rot[i] * sf[i];
+  }
+}
+
+template <typename T>
+HS_VECTOR_CLONES void backward_rows(int64_t begin, int64_t end, int64_t base, int64_t d, int64_t mode,
+                                    const RowOffsets& offsets, const T* gp, const T* xp, const T* cp, const T* sp,
+                                    T* dxp, T* dcp, T* dsp) {
+  RowBuffers<T> buf(d);
+  T *xf = buf.x.data(), *rot = buf.rot.data(), *out = buf.out.data();
+  const T *cf = buf.cos.data(), *sf = buf.sin.data();
+  const bool permuted = mode == 3;
+  for (int64_t r = begin; r < end; ++r) {
+    int64_t co = 0, so = 0;
+    offsets.at(r, co, so);
+    buf.tables(cp, co, sp, so, d);
+    const T* gf = gp + (r - base) * d;
+    if (dxp) {
+      for (int64_t i = 0; i < d; ++i) out[i] = gf[i] * sf[i];
+      rotate(out, rot, d, mode);
+      for (int64_t i = 0; i < d; ++i) out[i] = gf[i] * cf[i] - rot[i];
+      store_row(out, dxp + (r - base) * d, d, permuted);
+    }
+    if (dcp || dsp) {
+      load_row(xp + (r - base) * d, xf, d, permuted);
+      if (dcp)
+        for (int64_t i = 0; i < d; ++i) dcp[r * d + i] = gf[i] * xf[i];
+      if (dsp) {
+        rotate(xf, rot, d, mode);
+        for (int64_t i = 0; i < d; ++i) dsp[r * d + i] = gf[i] * rot[i];
+      }
+    }
+  }
+}
+
+// bfloat16 / float16 rows are widened and narrowed by ATen's own (vectorized) conversions, a
+// block of rows at a time, so the row loops always run in float: one rounding per result, and
+// transient float memory of one block only.
+constexpr int64_t kBlockElements = int64_t{1} << 18;
+
+// Calls fn(first_row, row_count, views...) per block; each view is the block of one [rows, d]
+// tensor in the opmath type (the tensor itself where it already is).
+template <typename Fn>
+void for_each_block(int64_t rows, int64_t d, bool widen, Fn fn) {
+  const int64_t block = widen ? std::max<int64_t>(1, kBlockElements / std::max<int64_t>(d, 1)) : rows;
+  for (int64_t first = 0; first < rows; first += block) fn(first, std::min(block, rows - first));
+}
+
+}  // namespace
+
 at::Tensor rotary_position_embedding_cpu(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                                          int64_t mode) {
   check_rotary_arguments(x_in, cos_in, sin_in, mode);
-  const auto x = x_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  const auto acc_type = at::toOpMathType(x_in.scalar_type());
+  const bool widen = acc_type != x_in.scalar_type();
+  const auto x = x_in.contiguous(), cos = cos_in.to(acc_type).contiguous(), sin = sin_in.to(acc_type).contiguous();
   auto y = at::empty_like(x);
   const int64_t d = x.size(-1);
   if (x.numel() == 0) return y;
   const int64_t rows = x.numel() / d;
-  const auto maps = rotary_maps(d, mode);
   const RowOffsets offsets(x, cos, sin);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary_position_embedding", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* xp = x.const_data_ptr<scalar_t>();
-    const scalar_t* cp = cos.const_data_ptr<scalar_t>();
-    const scalar_t* sp = sin.const_data_ptr<scalar_t>();
-    scalar_t* yp = y.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, rows, grain(d), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        int64_t co = 0, so = 0;
-        offsets.at(r, co, so);
-        const scalar_t* xr = xp + r * d;
-        scalar_t* yr = yp + r * d;
-        for (int64_t i = 0; i < d; ++i) {
-          const acc_t rotated = static_cast<acc_t>(xr[maps.b[i]]) * static_cast<acc_t>(sp[so + i]);
-          yr[i] = static_cast<scalar_t>(static_cast<acc_t>(xr[maps.a[i]]) * static_cast<acc_t>(cp[co + i]) +
-                                        (maps.sign[i] < 0 ? -rotated : rotated));
-        }
-      }
+  const auto x_rows = x.view({rows, d});
+  auto y_rows = y.view({rows, d});
+  AT_DISPATCH_FLOATING_TYPES(acc_type, "rotary_position_embedding", [&] {
+    for_each_block(rows, d, widen, [&](int64_t first, int64_t count) {
+      const auto xb = x_rows.narrow(0, first, count).to(acc_type);
+      auto yb = widen ? at::empty({count, d}, xb.options()) : y_rows.narrow(0, first, count);
+      const scalar_t* xp = xb.const_data_ptr<scalar_t>();
+      scalar_t* yp = yb.mutable_data_ptr<scalar_t>();
+      const scalar_t *cp = cos.const_data_ptr<scalar_t>(), *sp = sin.const_data_ptr<scalar_t>();
+      at::parallel_for(first, first + count, grain(d), [&](int64_t begin, int64_t end) {
+        forward_rows<scalar_t>(begin, end, first, d, mode, offsets, xp, cp, sp, yp);
+      });
+      if (widen) y_rows.narrow(0, first, count).copy_(yb);
     });
   });
   return y;
@@ -175,50 +260,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_position_embedding_backwar
   check_rotary_arguments(x_in, cos_in, sin_in, mode);
   TORCH_CHECK(grad_in.sizes() == x_in.sizes(), "hypershard::rotary_position_embedding_backward: grad has shape ",
               grad_in.sizes(), " and x ", x_in.sizes(), "; allowed: grad shaped like x");
-  const auto x = x_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
-  const auto grad = grad_in.to(at::toOpMathType(x.scalar_type())).contiguous();  // no rounding of grad
+  const auto acc_type = at::toOpMathType(x_in.scalar_type());
+  const bool widen = acc_type != x_in.scalar_type() || grad_in.scalar_type() != acc_type;
+  const auto x = x_in.contiguous(), grad = grad_in.contiguous();
+  const auto cos = cos_in.to(acc_type).contiguous(), sin = sin_in.to(acc_type).contiguous();
   const int64_t d = x.size(-1);
-  const auto acc_type = at::toOpMathType(x.scalar_type());
   at::Tensor dx = output_mask[0] ? at::empty_like(x) : at::Tensor();
   // Per-element products in float, summed over the broadcast dims below before rounding.
   at::Tensor dcos_full = output_mask[1] ? at::empty(x.sizes(), x.options().dtype(acc_type)) : at::Tensor();
   at::Tensor dsin_full = output_mask[2] ? at::empty(x.sizes(), x.options().dtype(acc_type)) : at::Tensor();
   if (x.numel() > 0) {
     const int64_t rows = x.numel() / d;
-    const auto maps = rotary_maps(d, mode);
     const RowOffsets offsets(x, cos, sin);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary_position_embedding_backward", [&] {
-      using acc_t = at::opmath_type<scalar_t>;
-      const acc_t* gp = grad.const_data_ptr<acc_t>();
-      const scalar_t* xp = x.const_data_ptr<scalar_t>();
-      const scalar_t* cp = cos.const_data_ptr<scalar_t>();
-      const scalar_t* sp = sin.const_data_ptr<scalar_t>();
-      scalar_t* dxp = dx.defined() ? dx.mutable_data_ptr<scalar_t>() : nullptr;
-      acc_t* dcp = dcos_full.defined() ? dcos_full.mutable_data_ptr<acc_t>() : nullptr;
-      acc_t* dsp = dsin_full.defined() ? dsin_full.mutable_data_ptr<acc_t>() : nullptr;
-      at::parallel_for(0, rows, grain(d), [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-          int64_t co = 0, so = 0;
-          offsets.at(r, co, so);
-          const acc_t* gr = gp + r * d;
-          const scalar_t* xr = xp + r * d;
-          if (dxp) {
-            for (int64_t j = 0; j < d; ++j) {
-              const int64_t i = maps.a_inverse[j], k = maps.b_inverse[j];
-              const acc_t rotated = static_cast<acc_t>(gr[k]) * static_cast<acc_t>(sp[so + k]);
-              dxp[r * d + j] = static_cast<scalar_t>(static_cast<acc_t>(gr[i]) * static_cast<acc_t>(cp[co + i]) +
-                                                     (maps.sign[k] < 0 ? -rotated : rotated));
-            }
-          }
-          for (int64_t i = 0; i < d; ++i) {
-            const acc_t g = static_cast<acc_t>(gr[i]);
-            if (dcp) dcp[r * d + i] = g * static_cast<acc_t>(xr[maps.a[i]]);
-            if (dsp) {
-              const acc_t v = g * static_cast<acc_t>(xr[maps.b[i]]);
-              dsp[r * d + i] = maps.sign[i] < 0 ? -v : v;
-            }
-          }
-        }
+    const auto x_rows = x.view({rows, d}), grad_rows = grad.view({rows, d});
+    auto dx_rows = dx.defined() ? dx.view({rows, d}) : at::Tensor();
+    AT_DISPATCH_FLOATING_TYPES(acc_type, "rotary_position_embedding_backward", [&] {
+      scalar_t* dcp = dcos_full.defined() ? dcos_full.mutable_data_ptr<scalar_t>() : nullptr;
+      scalar_t* dsp = dsin_full.defined() ? dsin_full.mutable_data_ptr<scalar_t>() : nullptr;
+      const scalar_t *cp = cos.const_data_ptr<scalar_t>(), *sp = sin.const_data_ptr<scalar_t>();
+      for_each_block(rows, d, widen, [&](int64_t first, int64_t count) {
+        // grad in any floating dtype is widened, never rounded
+        const auto gb = grad_rows.narrow(0, first, count).to(acc_type);
+        const auto xb = (dcp || dsp) ? x_rows.narrow(0, first, count).to(acc_type) : at::Tensor();
+        at::Tensor dxb;
+        if (dx.defined())
+          dxb = x_in.scalar_type() == acc_type ? dx_rows.narrow(0, first, count) : at::empty({count, d}, gb.options());
+        const scalar_t* gp = gb.const_data_ptr<scalar_t>();
+        const scalar_t* xp = xb.defined() ? xb.const_data_ptr<scalar_t>() : nullptr;
+        scalar_t* dxp = dxb.defined() ? dxb.mutable_data_ptr<scalar_t>() : nullptr;
+        at::parallel_for(first, first + count, grain(d), [&](int64_t begin, int64_t end) {
+          backward_rows<scalar_t>(begin, end, first, d, mode, offsets, gp, xp, cp, sp, dxp, dcp, dsp);
+        });
+        if (dxb.defined() && x_in.scalar_type() != acc_type) dx_rows.narrow(0, first, count).copy_(dxb);
       });
     });
   } else {
