@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <limits>
 
 #include "kernels/kernels.h"
 
@@ -55,6 +56,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x_in, const at
   const int64_t n = weight.numel(), rows = n == 0 ? 0 : x.numel() / n;
   auto rstd = at::empty(stats_shape(x, weight.dim()), x.options().dtype(acc_type));
   auto y = at::empty(x.sizes(), x.options().dtype(out_type));
+  if (n == 0) rstd.fill_(std::numeric_limits<double>::quiet_NaN());  // the mean of nothing, as torch's mean
   if (x.numel() == 0) return {y, rstd};
   at::Tensor y_work = out_type == x.scalar_type() ? y : at::empty(x.sizes(), x.options().dtype(acc_type));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {

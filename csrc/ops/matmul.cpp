@@ -7,6 +7,8 @@
 //   aten::addmm.default      self + "mk,kn->mn"      (self broadcast to the result)
 //   aten::baddbmm.default    self + "bmk,bkn->bmn"
 //   aten::addmv.default      self + "mk,k->m"
+//   aten::_grouped_mm        grouped products with offs (see the grouped section below), also
+//                            transformers::grouped_mm_fallback
 // matmul, linear and einsum reach these after view, _unsafe_view, expand, t, transpose.int,
 // permute, unsqueeze and squeeze (views.cpp); their backward needs mm/bmm on transposes, mul
 // (mv, dot) and, for a broadcast bias, sum.dim_IntList (the reduction family).
@@ -40,13 +42,14 @@
 //             Partial (the algebra of add; alpha and beta scale every part alike).
 //   other     max/min/prod-Partial operands are not bilinear: they are reduced first (an exact
 //             all-reduce), never passed through.
-// Excluded: out= and in-place variants (addmm_, baddbmm_, mm.out, ...) and addbmm, addr, ger:
-// neither the target models nor autograd reach them (a Missing operator error names them);
-// _grouped_mm is expert parallelism (its own family).
+// mm.out writes the product into out's own layout (below). Excluded: the other out= and
+// in-place variants (addmm_, baddbmm_, bmm.out, ...) and addbmm, addr, ger:
+// neither the target models nor autograd reach them (a Missing operator error names them).
 #include <algorithm>
 #include <array>
 
 #include "ops/families.h"
+#include "runtime/redistribute.h"
 
 namespace hypershard::ops {
 namespace {
@@ -54,8 +57,9 @@ namespace {
 constexpr char kBroadcast = '.';
 
 struct EinsumSpec {
-  const char* equation;  // "mk,kn->mn"
-  bool bias;             // schema argument 0 is added to the result (broadcast to it)
+  const char* equation;    // "mk,kn->mn"
+  bool bias;               // schema argument 0 is added to the result (broadcast to it)
+  const char* whole = "";  // labels never sharded (a grouped dim: offs index it globally)
 };
 
 constexpr EinsumSpec kMm{"mk,kn->mn", false};
@@ -86,13 +90,19 @@ struct Einsum {
   int n_operands = 0;
   std::string output;
   std::vector<int64_t> out_shape;
+  std::string whole;  // the spec's never-sharded labels
 };
 
-Einsum bind(const OpCall& call, const EinsumSpec& spec) {
+// `result_only`: the sizes of labels that only the result carries (the groups of a grouped
+// product's weight gradient), which no operand can tell.
+using LabelSizes = std::vector<std::pair<char, int64_t>>;
+
+Einsum bind(const OpCall& call, const EinsumSpec& spec, const LabelSizes& result_only = {}) {
   const std::string eq = spec.equation;
   const auto arrow = eq.find("->");
   Einsum e;
   e.output = eq.substr(arrow + 2);
+  e.whole = spec.whole;
   for (size_t begin = 0; begin < arrow;) {
     const size_t comma = std::min(eq.find(',', begin), arrow);
     e.labels.push_back(eq.substr(begin, comma - begin));
@@ -122,6 +132,7 @@ Einsum bind(const OpCall& call, const EinsumSpec& spec) {
       s = shape[d];
     }
   }
+  for (const auto& [label, n] : result_only) size[static_cast<unsigned char>(label)] = n;
   for (char c : e.output) e.out_shape.push_back(size[static_cast<unsigned char>(c)]);
   if (spec.bias) {
     const int64_t t = e.tensors.back();
@@ -151,7 +162,7 @@ std::vector<AxisRole> axis_candidates(const OpCall& call, const Einsum& e, int64
   for (size_t role = 0; role < e.tensors.size(); ++role) {
     const Layout& l = call.layout(e.tensors[role]);
     const int64_t d = l.sharded_dim(axis);
-    if (d >= 0 && e.labels[role][d] != kBroadcast) {
+    if (d >= 0 && e.labels[role][d] != kBroadcast && e.whole.find(e.labels[role][d]) == std::string::npos) {
       AxisRole r;
       r.kind = AxisRole::kShard;
       r.label = e.labels[role][d];
@@ -243,9 +254,8 @@ bool better(const Candidate& a, const Candidate& b) {
   return a.partial_axes < b.partial_axes;
 }
 
-template <const EinsumSpec& Spec>
-OpPlan einsum_rule(const OpCall& call) {
-  const Einsum e = bind(call, Spec);
+OpPlan einsum_plan(const OpCall& call, const EinsumSpec& spec, const LabelSizes& result_only = {}) {
+  const Einsum e = bind(call, spec, result_only);
   const int64_t mesh_ndim = call.mesh->mesh()->ndim();
   std::vector<std::vector<AxisRole>> options(mesh_ndim);
   for (int64_t a = 0; a < mesh_ndim; ++a) options[a] = axis_candidates(call, e, a);
@@ -276,6 +286,114 @@ OpPlan einsum_rule(const OpCall& call) {
   return plan;
 }
 
+template <const EinsumSpec& Spec>
+OpPlan einsum_rule(const OpCall& call) {
+  return einsum_plan(call, Spec);
+}
+
+// mm.out(self, mat2, *, out): mm's plan computed into a temporary that is redistributed to out's
+// own layout and copied into out's local: out keeps its layout and, when it is a view (HF's
+// grouped_mm_fallback writes into row slices of a gradient), its base sees the values.
+OpPlan mm_out_rule(const OpCall& call) {
+  OpPlan plan = einsum_plan(call, kMm);
+  const int64_t out = call.tensor_named({"out"});
+  const LayoutPtr product = plan.outputs.at(0), target = call.tensors[out].layout;
+  if (target->global_shape() != product->global_shape())
+    fail_argument(call, out, "shape differs from the product's " + layout::shape_string(product->global_shape()),
+                  "an out of the product's shape (hypershard does not resize a DTensor out=)");
+  plan.outputs = {target};
+  plan.expand = [product, target](const OpCall& c, torch::jit::Stack& stack) {
+    const size_t n = c.schema().arguments().size();
+    const c10::IValue* args = stack.data() + (stack.size() - n);
+    at::Tensor result = at::mm(args[0].toTensor(), args[1].toTensor());
+    if (product != target) result = runtime::redistribute_local(result, product, target, *c.mesh);
+    at::Tensor local_out = args[c.arg_index("out")].toTensor();
+    local_out.copy_(result);
+    torch::jit::drop(stack, n);
+    stack.emplace_back(std::move(local_out));
+  };
+  return plan;
+}
+
+// ------------------------------------------------------------------ grouped matrix products
+
+// _grouped_mm(self, mat2, offs?, bias?, out_dtype?) and transformers::grouped_mm_fallback(input,
+// weight, offs): offs holds the GLOBAL cumulative row counts of the groups (experts).
+//   2d x 3d + offs  "mk,ekn->mn"   rows m in groups (whole); e sharded = expert parallelism: each
+//                                  rank computes the rows of its experts, zeros elsewhere, a
+//                                  Partial(sum) result; k sharded: Partial(sum); n free (colwise)
+//   2d x 2d + offs  "km,mn->ekn"   the weight gradient: the contracted m in groups (whole); k, n
+//                                  free; e (a result-only dim) whole: every group computed
+//   3d x 3d         "bmk,bkn->bmn" the batched product (bmm's rule)
+// offs and the groups' data-dependent sizes are read on every rank alike (offs is whole). The
+// local product is a loop of mm over the local groups: torch's CPU kernel asks 16-byte aligned
+// strides, which a shard of an aligned weight need not have.
+constexpr EinsumSpec kGroupedRows{"mk,ekn->mn", false, "m"};
+constexpr EinsumSpec kGroupedContraction{"km,mn->ekn", false, "me"};
+constexpr EinsumSpec kGroupedBatch{"bmk,bkn->bmn", false};
+
+std::vector<int64_t> group_ends(const at::Tensor& offs) {
+  const auto values = offs.to(at::kLong).contiguous();
+  return {values.const_data_ptr<int64_t>(), values.const_data_ptr<int64_t>() + values.numel()};
+}
+
+OpPlan grouped_mm_rule(const OpCall& call) {
+  const int64_t self = call.tensor_named({"self", "input"}), mat2 = call.tensor_named({"mat2", "weight"});
+  const int64_t offs = call.tensor_named({"offs"}), bias = call.tensor_named({"bias"});
+  if (bias >= 0) not_covered(call, "a bias");
+  const int64_t a = call.layout(self).ndim(), b = call.layout(mat2).ndim();
+  const EinsumSpec* spec = nullptr;
+  if (offs >= 0 && a == 2 && b == 3) spec = &kGroupedRows;
+  else if (offs >= 0 && a == 2 && b == 2) spec = &kGroupedContraction;
+  else if (offs < 0 && a == 3 && b == 3) spec = &kGroupedBatch;
+  else not_covered(call, layout::str_cat("a ", a, "-d by ", b, "-d product", offs >= 0 ? " with offs" : " without offs"));
+  if (offs >= 0) {
+    const Layout& o = call.layout(offs);
+    const int64_t groups = spec == &kGroupedRows ? call.layout(mat2).global_shape()[0] : -1;
+    if (o.ndim() != 1 || (groups >= 0 && o.global_shape()[0] != groups))
+      fail_argument(call, offs, "shape " + layout::shape_string(o.global_shape()),
+                    "a 1-d offs with one entry per group");
+    if (o.partial_op()) fail_argument(call, offs, "is Partial", "offs Replicate (whole cumulative counts)");
+  }
+  LabelSizes groups;
+  if (spec == &kGroupedContraction) groups.emplace_back('e', call.layout(offs).global_shape()[0]);
+  OpPlan plan = einsum_plan(call, *spec, groups);
+  if (offs < 0) return plan;
+  plan.inputs[offs] = replicate_like(call.layout(offs), call.layout(offs).global_shape());
+  // The rank's first expert (the weight's dim 0 may be sharded: expert parallelism).
+  const LayoutPtr weight = plan.inputs[mat2];
+  const bool rows = spec == &kGroupedRows;
+  plan.expand = [weight, rows](const OpCall& c, torch::jit::Stack& stack) {
+    const size_t n = c.schema().arguments().size();
+    const c10::IValue* args = stack.data() + (stack.size() - n);
+    const at::Tensor x = args[0].toTensor(), w = args[1].toTensor();
+    const auto ends = group_ends(args[2].toTensor());
+    c10::ScalarType dtype = x.scalar_type();
+    if (const auto i = c.schema().argumentIndexWithName("out_dtype"); i && !args[*i].isNone())
+      dtype = args[*i].toScalarType();
+    at::Tensor out;
+    if (rows) {
+      const int64_t first = weight->global_offset_at(c.mesh->position())[0];
+      out = at::zeros({x.size(0), w.size(2)}, x.options().dtype(dtype));
+      for (int64_t g = 0; g < w.size(0); ++g) {
+        const int64_t e = first + g;
+        const int64_t begin = e == 0 ? 0 : ends.at(e - 1), end = ends.at(e);
+        if (end > begin) out.narrow(0, begin, end - begin).copy_(at::mm(x.narrow(0, begin, end - begin), w[g]));
+      }
+    } else {
+      const int64_t groups = static_cast<int64_t>(ends.size());
+      out = at::zeros({groups, x.size(0), w.size(1)}, x.options().dtype(dtype));
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t begin = g == 0 ? 0 : ends[g - 1], end = ends[g];
+        if (end > begin) out[g].copy_(at::mm(x.narrow(1, begin, end - begin), w.narrow(0, begin, end - begin)));
+      }
+    }
+    torch::jit::drop(stack, n);
+    stack.emplace_back(std::move(out));
+  };
+  return plan;
+}
+
 }  // namespace
 
 void register_matmul(Registry& r) {
@@ -286,7 +404,11 @@ void register_matmul(Registry& r) {
   r.add("aten::bmm", &einsum_rule<kBmm>, KeyScalars::kNone);
   r.add("aten::dot", &einsum_rule<kDot>, KeyScalars::kNone);
   r.add("aten::mm", &einsum_rule<kMm>, KeyScalars::kNone);
+  r.add("aten::mm.out", &mm_out_rule, KeyScalars::kNone);
   r.add("aten::mv", &einsum_rule<kMv>, KeyScalars::kNone);
+  // offs, bias and out_dtype: tensors or dtypes; no scalar changes a layout.
+  r.add("aten::_grouped_mm", &grouped_mm_rule, KeyScalars::kNone);
+  r.add("transformers::grouped_mm_fallback", &grouped_mm_rule, KeyScalars::kNone);
 }
 
 }  // namespace hypershard::ops

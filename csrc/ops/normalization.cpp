@@ -14,9 +14,11 @@
 //   npu::npu_rms_norm(_backward)       torch_npu's (self, gamma, epsilon) / (dy, self, gamma, rstd):
 //                                      the same rules, serving Ascend users when torch_npu is loaded
 // RMSNorm written out (x.pow(2).mean(-1, keepdim=True), rsqrt, mul, type_as / to) runs on the
-// pointwise and reduction families and gets the same layouts as the fused op (the leading dims
-// keep their sharding, the normalized dim is whole, the weight's gradient is a Partial sum);
-// F.rms_norm decomposes to the same ops.
+// pointwise and reduction families and gets the same layouts as the fused op when the normalized
+// dim is whole (the leading dims keep their sharding, the weight's gradient is a Partial sum).
+// With x sharded on the normalized dim the two differ: the fused op gathers it; the composed
+// form's variance is a Partial sum that strict mode refuses at rsqrt (default mode reduces it and
+// keeps y sharded). F.rms_norm decomposes to the composed ops.
 //
 // Sharding (factors.h): the leading dims (layer norm), the batch dim (group norm) and every dim
 // but `dim` (softmax) keep their sharding; the normalized dims, channels and spatial dims (group
@@ -175,6 +177,12 @@ OpPlan rms_norm_backward_rule(const OpCall& call) {
   const int64_t grad = call.tensor_named({"grad", "dy"}), input = call.tensor_named({"x", "self", "input"});
   const int64_t weight = call.tensor_named({"weight", "gamma"}), rstd = call.tensor_named({"rstd"});
   const auto d = rms_norm_dims(call, input, weight);
+  const auto& shape = call.layout(input).global_shape();
+  if (call.layout(grad).global_shape() != shape)
+    fail_argument(call, grad, "shape differs from x " + layout::shape_string(shape), "grad shaped like x");
+  if (call.layout(rstd).global_shape() != d.stats_shape)
+    fail_argument(call, rstd, "shape is not " + layout::shape_string(d.stats_shape),
+                  "rstd shaped like x with the normalized dims 1");
   FactorSpec spec;
   spec.operands = {{grad, d.input, true}, {input, d.input, false}, {weight, d.params, false}, {rstd, d.stats, false}};
   spec.outputs = {d.input, d.params};

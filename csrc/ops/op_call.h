@@ -99,6 +99,7 @@ enum class KeyScalars : int8_t {
 struct RuleEntry {
   Rule rule = nullptr;
   KeyScalars key = KeyScalars::kAll;
+  const char* family = "";  // the family file that registered it ("pointwise", "rotary", ...)
 };
 
 // One registry for every family; filled by register_all (no static initialisers).
@@ -107,9 +108,15 @@ class Registry {
   void add(const std::string& op_name, Rule rule, KeyScalars key = KeyScalars::kAll);
   const RuleEntry* find(const std::string& op_name) const;
   std::vector<std::string> names() const;
+  // register_all names the family whose register_<family> runs next (docs/operators.md lists
+  // the ops per family file).
+  void set_family(const char* family) { family_ = family; }
+  // (op name, family) for every rule, sorted by name.
+  std::vector<std::pair<std::string, std::string>> families() const;
 
  private:
   std::unordered_map<std::string, RuleEntry> rules_;
+  const char* family_ = "";
 };
 
 const Registry& registry();

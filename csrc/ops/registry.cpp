@@ -116,7 +116,14 @@ LayoutPtr replicate_like(const Layout& like, std::vector<int64_t> shape) {
 }
 
 void Registry::add(const std::string& op_name, Rule rule, KeyScalars key) {
-  HS_CHECK(rules_.emplace(op_name, RuleEntry{rule, key}).second, "registry", "two rules for ", op_name);
+  HS_CHECK(rules_.emplace(op_name, RuleEntry{rule, key, family_}).second, "registry", "two rules for ", op_name);
+}
+
+std::vector<std::pair<std::string, std::string>> Registry::families() const {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& [name, entry] : rules_) out.emplace_back(name, entry.family);
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 const RuleEntry* Registry::find(const std::string& op_name) const {
@@ -141,20 +148,35 @@ const Registry& registry() {
 }
 
 void register_all(Registry& r) {
+  r.set_family("pointwise");
   register_pointwise(r);
+  r.set_family("tensor_ops");
   register_tensor_ops(r);
+  r.set_family("views");
   register_views(r);
+  r.set_family("matmul");
   register_matmul(r);
+  r.set_family("reductions");
   register_reductions(r);
+  r.set_family("loss");
   register_loss(r);
+  r.set_family("foreach");
   register_foreach(r);
+  r.set_family("embedding");
   register_embedding(r);
+  r.set_family("normalization");
   register_normalization(r);
+  r.set_family("attention");
   register_attention(r);
+  r.set_family("random");
   register_random(r);
+  r.set_family("along_dims");
   register_along_dims(r);
+  r.set_family("convolution");
   register_convolution(r);
+  r.set_family("rotary");
   register_rotary(r);
+  r.set_family("pointwise");
   register_tagged_pointwise(r);
 }
 

@@ -107,6 +107,8 @@ void bind_runtime(py::module_& m) {
   });
   m.def("reset_traffic", &runtime::reset_traffic);
   m.def("rule_names", &runtime::rule_names);
+  m.def("rule_families", &runtime::rule_families,
+        "[(op name, family)] for every rule: the csrc/ops/<family>.cpp file that registers it");
   m.def("set_rule_enabled", &runtime::set_rule_enabled, py::arg("op"), py::arg("enabled"),
         "Benchmarks and tests only: while disabled, calls of op (\"aten::add.Tensor\") ignore its rule, as if it had "
         "none (the fallback serves them; strict mode raises Missing operator).");

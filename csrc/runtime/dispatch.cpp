@@ -882,6 +882,7 @@ void reset_dispatch_stats() {
 }
 
 std::vector<std::string> rule_names() { return ops::registry().names(); }
+std::vector<std::pair<std::string, std::string>> rule_families() { return ops::registry().families(); }
 
 void set_rule_enabled(const std::string& op, bool enabled) {
   const auto dot = op.find('.', op.find("::") == std::string::npos ? 0 : op.find("::") + 2);

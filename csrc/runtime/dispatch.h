@@ -48,6 +48,8 @@ InferredPlan infer_plan(const c10::OperatorHandle& op, torch::jit::Stack& stack)
 
 // Every op hypershard has a rule for, "aten::add.Tensor" style.
 std::vector<std::string> rule_names();
+// (op name, family file) for every rule, sorted by name.
+std::vector<std::pair<std::string, std::string>> rule_families();
 // Benchmarks and tests only: calls of `op` ("aten::add.Tensor") ignore its rule while disabled,
 // as if it had none (the fallback serves them; strict mode raises Missing operator). Not
 // thread-safe against concurrent calls of that op.

@@ -11,9 +11,8 @@ form (HF's RMSNorm written out, hypershard.ops.rms_norm_composed) rounds the nor
 x's dtype before the weight multiply: `composed_y_bound` states its error and the fused op must
 agree with it within the two bounds. Planted faults show the bound checks reject wrong results.
 Also: gradcheck in float64, the output mask, non-contiguous inputs, errors (on meta too), an empty
-batch, first derivatives with create_graph=True (only a second derivative raises). One strict
-xfail records a kernel defect: with an empty normalized dim (weight (0,)) rstd comes back as
-uninitialized memory.
+batch, first derivatives with create_graph=True (only a second derivative raises), an empty
+normalized dim (weight (0,): rstd is NaN, the mean of nothing, as the composed form's).
 """
 
 from __future__ import annotations
@@ -351,8 +350,6 @@ def test_empty_batch():
     assert hops.rms_norm(torch.randn(0, 8, dtype=bf16), torch.randn(8, dtype=bf16)).shape == (0, 8)
 
 
-@pytest.mark.xfail(strict=True, reason="an empty normalized dim returns rstd from at::empty (uninitialized memory): "
-                                       "rms_norm_cpu returns before writing rstd when x.numel() == 0")
 def test_empty_normalized_dim_rstd_is_defined():
     # x (2, 3, 0) with weight (0,): y is empty but rstd (2, 3, 1) has 6 elements. The mean of no
     # squares is 0/0 (the composed form's NaN); 1/sqrt(eps) would also be a defined choice.
