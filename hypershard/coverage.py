@@ -36,6 +36,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     config = tiny_config(args.model, **parse_overrides(args.config))
     batches = make_batches(config.vocab_size, args.steps, batch=args.batch, seq=args.seq)
     reference = train(tiny_model(config), batches)
+    for op in args.without_rule or []:
+        hs._C.set_rule_enabled(op, False)
     hs._C.reset_op_counts()
     hs._C.reset_dispatch_stats()
     error = None
@@ -64,6 +66,9 @@ def main(argv=None) -> int:
     parser.add_argument("--launch-timeout", type=float, default=900,
                         help="seconds before stuck ranks are reported and killed (default 900)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--without-rule", action="append", metavar="OP",
+                        help="run as if OP (e.g. aten::_grouped_mm) had no rule: the fallback serves it "
+                             "(to see what the fallback costs, or to test this tool); repeatable")
     args = parser.parse_args(argv)
 
     report = spawn_local_ranks(_rank, mesh_size(args.mesh[0]), args, timeout=args.launch_timeout,

@@ -1,5 +1,6 @@
 """Level1: the command-line tools stay true to the code: the coverage tool reports zero missing
-ops (none served by the fallback) for Qwen3 on dp=2 x tp=2 and exits 0; the demo trains, matches one device and writes its
+ops (none served by the fallback) for Qwen3 on dp=2 x tp=2 and for DeepSeek-V3.2 on dp=2 and exits 0, and
+lists an op whose rule is switched off as FALLBACK (exit 1); the demo trains, matches one device and writes its
 outputs."""
 
 import json
@@ -35,12 +36,23 @@ DEEPSEEK_TINY = ["use_cache=false", "vocab_size=128", "hidden_size=32", "interme
                  "index_topk=8"]
 
 
-def test_coverage_lists_fallback_ops_and_the_model_still_matches_one_device():
-    """DeepSeek-V3.2 (tiny) reaches an op without a rule (_grouped_mm, its MoE experts): default mode runs
-    them through the fallback, the tool lists them and exits 1, and training matches one device."""
+def test_coverage_deepseek_has_no_missing_op():
+    """DeepSeek-V3.2 (tiny: MLA, the sparse-attention indexer, MoE experts through aten::_grouped_mm) on dp=2:
+    every op has a rule, none refused its layouts, and the loss matches one device."""
     result = run("hypershard.coverage", "--model", "deepseek_v32", "--mesh", "dp=2", "--config", *DEEPSEEK_TINY)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert ", 0 served by the fallback" in result.stdout and "FALLBACK" not in result.stdout, result.stdout[-2000:]
+    assert "; 0 calls whose rule refused" in result.stdout, result.stdout[-2000:]
+
+
+def test_coverage_lists_fallback_ops_and_the_model_still_matches_one_device():
+    """With the rule of DeepSeek's grouped expert product switched off, default mode runs it through the
+    fallback: the tool lists it, exits 1, and training still matches one device."""
+    result = run("hypershard.coverage", "--model", "deepseek_v32", "--mesh", "dp=2", "--config", *DEEPSEEK_TINY,
+                 "--without-rule", "aten::_grouped_mm")
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert "FALLBACK" in result.stdout and "the distributed run failed" not in result.stdout, result.stdout[-3000:]
+    assert re.search(r"aten::_grouped_mm\s+\d+\s+FALLBACK", result.stdout), result.stdout[-3000:]
     served = re.search(r"(\d+) served by the fallback", result.stdout)
     assert served and int(served.group(1)) > 0, result.stdout[-2000:]
     worst = re.search(r"max relative difference ([0-9.e+-]+)", result.stdout)
