@@ -77,6 +77,10 @@ struct OpPlan {
   LocalizeFn localize;             // optional
   ExpandFn expand;                 // optional: pops the arguments, pushes the returns
   GeometryFn geometry;             // optional, single-output views of a sharded input
+  // The outputs' sizes depend on the data (nonzero, masked_select): the rule plans Replicate
+  // outputs with placeholder shapes, and the framework takes each global shape from the local
+  // result (the same on every rank, since the inputs are whole).
+  bool data_shaped = false;
   // An int-list argument (a view's `size`) that the framework rewrites to the first output's
   // local shape on this rank where that output is split; -1: none.
   int64_t local_shape_arg = -1;

@@ -9,6 +9,14 @@
 //   new_empty/new_zeros/new_ones/new_full  Replicate of the GLOBAL size
 //   _local_scalar_dense (item, tolist)     the input is reduced and gathered first, so every
 //                                    rank reads the same global value
+//   nonzero, masked_select           data-dependent sizes: the inputs gathered (Partial reduced),
+//                                    the result Replicate, its global shape the local result's
+//                                    (the planned shape is a placeholder, see OpPlan::data_shaped);
+//                                    indices are GLOBAL coordinates since the input is whole.
+//                                    argwhere and where(cond) decompose to nonzero.
+//   masked_scatter(_)                masked_select's backward: which source element lands where
+//                                    depends on every earlier mask element, so self, mask and
+//                                    source are whole (gathered) and so is the result
 //   one_hot                          a kernel of its own at the autograd key (its composite kernel
 //                                    would scatter DTensor data into a plain zeros tensor): the
 //                                    index keeps its sharding, the new class dim is whole;
@@ -107,6 +115,27 @@ at::Tensor one_hot_kernel(const at::Tensor& self, int64_t num_classes) {
   return runtime::make_dtensor(std::move(out_local), make_layout(in, shape, dims), impl.device_mesh());
 }
 
+// Every tensor argument whole (shards gathered, Partial reduced), one Replicate result whose
+// shape only the computation tells (`placeholder` until then).
+OpPlan gathered_data_shaped_rule(const OpCall& call) {
+  OpPlan plan;
+  for (const auto& t : call.tensors) plan.inputs.push_back(replicate_like(*t.layout, t.layout->global_shape()));
+  const int64_t ndim = call.layout(0).ndim();
+  std::vector<int64_t> placeholder = call.name() == "aten::nonzero" ? std::vector<int64_t>{0, ndim}
+                                                                    : std::vector<int64_t>{0};
+  plan.outputs.push_back(replicate_like(call.layout(0), std::move(placeholder)));
+  plan.data_shaped = true;
+  return plan;
+}
+
+// Every tensor argument whole; the result (self's shape) whole too.
+OpPlan gathered_rule(const OpCall& call) {
+  OpPlan plan;
+  for (const auto& t : call.tensors) plan.inputs.push_back(replicate_like(*t.layout, t.layout->global_shape()));
+  plan.outputs.push_back(plan.inputs.at(0));
+  return plan;
+}
+
 }  // namespace
 
 void register_one_hot_kernel() {
@@ -123,6 +152,10 @@ void register_tensor_ops(Registry& r) {
                          "aten::new_full"})
     r.add(op, &new_sized_rule, KeyScalars::kAll);
   r.add("aten::_local_scalar_dense", &gather_scalar_rule, KeyScalars::kNone);
+  r.add("aten::masked_scatter", &gathered_rule, KeyScalars::kNone);
+  r.add("aten::masked_scatter_", &gathered_rule, KeyScalars::kNone);
+  r.add("aten::masked_select", &gathered_data_shaped_rule, KeyScalars::kNone);
+  r.add("aten::nonzero", &gathered_data_shaped_rule, KeyScalars::kNone);
 }
 
 }  // namespace hypershard::ops

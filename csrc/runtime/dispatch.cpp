@@ -711,9 +711,11 @@ void detail::dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet
     } else if (v.isTensor()) {
       at::Tensor local = v.toTensor();
       if (local.defined()) {
-        auto wrapped = wrap_view_or_output(std::move(local), ri.kind == ReturnKind::kView,
-                                           plan->outputs.at(out_index), call.mesh, geometry_from_local, geometry,
-                                           view_index, detached);
+        LayoutPtr layout = plan->outputs.at(out_index);
+        if (plan->data_shaped && local.sizes() != c10::IntArrayRef(layout->global_shape()))
+          layout = intern_layout(layout::Layout::replicate(layout->mesh(), local.sizes().vec()));
+        auto wrapped = wrap_view_or_output(std::move(local), ri.kind == ReturnKind::kView, layout, call.mesh,
+                                           geometry_from_local, geometry, view_index, detached);
         v = std::move(wrapped);
       }
       ++out_index;

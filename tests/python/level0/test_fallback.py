@@ -73,8 +73,9 @@ def fallback_cases():
         [Input((6, 5), placements=S0)], M2)
     add("unique_counts", lambda x: torch.unique(torch.round(x), return_counts=True),
         [Input((7, 4), placements=S1, requires_grad=False)], M4)
-    add("nonzero", lambda x: torch.nonzero(x > 0), [Input((6, 5), placements=S0, requires_grad=False)], M2)
-    add("masked_select", lambda x: torch.masked_select(x, x > 0), [Input((6, 5), placements=S1)], M2)
+    add("unique_consecutive", lambda x: torch.unique_consecutive(torch.round(x), return_counts=True),
+        [Input((6, 5), placements=S0, requires_grad=False)], M2)
+    add("bincount", lambda x: torch.bincount(x), [Input((9,), torch.int64, placements=S0)], M2)
     # an op with a rule that does not cover these arguments: a boolean mask index (data-dependent size)
     add("mask_index_not_covered", lambda x: x[x > 0] * 2, [Input((6, 5), placements=S0)], M2)
     add("take_int64", lambda x: torch.take(x, torch.tensor([0, 3, 8, 3])),

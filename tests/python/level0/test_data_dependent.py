@@ -1,0 +1,32 @@
+"""Level0: ops whose result size depends on the data (nonzero and what decomposes to it --
+argwhere, the one-argument where --, masked_select and its backward masked_scatter_) on real
+meshes in strict mode, against one device: the inputs are gathered, the result is Replicate with
+GLOBAL coordinates, its shape taken from the computed result (the same on every rank)."""
+
+import torch
+
+from hypershard.testing import Case, Input, assert_all_passed, run_cases
+
+M2 = ((2,), ("dp",))
+M22 = ((2, 2), ("dp", "tp"))
+
+
+def cases():
+    out = []
+    for mesh, placements, tag in ((M2, ["S(0)"], "rows"), (M2, ["S(1)"], "cols"), (M22, ["S(0)", "S(1)"], "2x2"),
+                                  (M2, ["R"], "replicate")):
+        # 7 x 5: uneven rows on both meshes
+        def flags(shape=(7, 5), grad=False):
+            return Input(shape, placements=placements, requires_grad=grad)
+        out += [
+            Case(f"nonzero_{tag}", lambda x: torch.nonzero(x > 0), [flags()], mesh),
+            Case(f"where_one_arg_{tag}", lambda x: torch.stack(torch.where(x > 0)), [flags()], mesh),
+            Case(f"argwhere_{tag}", lambda x: torch.argwhere(x < 0), [flags()], mesh),
+            Case(f"masked_select_{tag}", lambda x: torch.masked_select(x, x > 0.3) * 2, [flags(grad=True)], mesh),
+            Case(f"nonzero_none_{tag}", lambda x: torch.nonzero(x > 100), [flags()], mesh),
+        ]
+    return out
+
+
+def test_data_dependent_sizes_match_one_device():
+    assert_all_passed(run_cases(cases(), timeout=300))
