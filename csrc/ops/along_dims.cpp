@@ -327,7 +327,8 @@ void register_along_dims(Registry& r) {
                           "aten::scatter.value_reduce", "aten::scatter_add", "aten::scatter_reduce.two",
                           "aten::index_select", "aten::index_add", "aten::index_copy", "aten::index_fill.int_Scalar",
                           "aten::index_fill.int_Tensor", "aten::scatter_.src", "aten::scatter_.value",
-                          "aten::scatter_add_", "aten::scatter_reduce_.two", "aten::index_add_", "aten::index_copy_",
+                          "aten::scatter_add_", "aten::scatter_reduce_.two", "aten::scatter_.reduce",
+                          "aten::scatter_.value_reduce", "aten::index_add_", "aten::index_copy_",
                           "aten::index_fill_.int_Scalar", "aten::index_fill_.int_Tensor"});
   add<Along::kAll>(r, {"aten::msort", "aten::median", "aten::nanmedian", "aten::_linalg_check_errors"});
   add<Along::kLastDim>(r, {"aten::diag_embed"});

@@ -104,6 +104,13 @@ def along_cases():
             1, torch.arange(7).flip(0).expand(5, 7).contiguous(), y), [Input((5, 7), placements=place),
                                                                       Input((5, 7), placements=place)],
             mesh, check_grad=False))
+        # scatter_'s reduce forms (src and value), repeated GLOBAL indices accumulate
+        cases.append(Case(f"scatter_inplace_reduce_{tag}", lambda x, y: x.detach().clone().scatter_(
+            1, torch.tensor([[6, 0, 6, 3, 3, 1, 0]]).expand(5, 7).contiguous(), y, reduce="add"),
+            [Input((5, 7), placements=place), Input((5, 7), placements=place)], mesh, check_grad=False))
+        cases.append(Case(f"scatter_inplace_value_reduce_{tag}", lambda x: x.detach().clone().scatter_(
+            0, torch.tensor([[4, 0, 4, 2, 1, 1, 3]]), 1.5, reduce="multiply"),
+            [Input((5, 7), placements=place)], mesh, check_grad=False))
         cases.append(Case(f"index_copy_{tag}", lambda x, y: torch.index_copy(x, 0, torch.tensor([4, 0, 2]), y),
                           [Input((5, 7), placements=place), Input((3, 7), placements=place)], mesh))
     # advanced indexing: GLOBAL indices, adjacent and not, a 2-D index, writes with accumulate
