@@ -198,6 +198,8 @@ def api_cases():
             Case(f"save_load{tag}", via_save_load, [x], mesh, check_grad=False),
             Case(f"deepcopy{tag}", via_deepcopy, [x], mesh, check_grad=False),
             Case(f"item{tag}", via_item, [x], mesh, check_grad=False),
+            # cpu() / to() / type_as keep the DTensor and its values (the requirement's cpu, to, type_as)
+            Case(f"cpu_to_type_as{tag}", lambda t: t.cpu().to(torch.float64).type_as(t) * 2, [x], mesh),
             Case(f"repr{tag}", via_repr, [x], mesh, check_grad=False),
         ]
     cases += [
