@@ -14,6 +14,34 @@ TINY_CONFIGS: dict = {
     "qwen3": dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=4, head_dim=8, max_position_embeddings=64,
                   tie_word_embeddings=False, rope_theta=10000.0),
+    # Qwen3.5 dense: one full-attention (gated q) and one linear-attention (Gated DeltaNet) layer. Rotary on
+    # head_dim * 0.25 = 8 dims (4 frequencies = sum(mrope_section)). use_cache=False: with a cache the
+    # linear-attention layers copy_ activations into plain cache tensors.
+    "qwen3_5_text": dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         layer_types=["full_attention", "linear_attention"], num_attention_heads=4,
+                         num_key_value_heads=4, head_dim=32, linear_conv_kernel_dim=2, linear_key_head_dim=16,
+                         linear_value_head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
+                         max_position_embeddings=64, tie_word_embeddings=False, use_cache=False,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                                              mrope_section=[2, 1, 1], mrope_interleaved=True)),
+    # Qwen3.5-MoE: as qwen3_5_text with 8 routed experts (top-2) and a shared expert in every layer.
+    "qwen3_5_moe_text": dict(vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                             layer_types=["full_attention", "linear_attention"], num_attention_heads=4,
+                             num_key_value_heads=4, head_dim=32, linear_conv_kernel_dim=2, linear_key_head_dim=16,
+                             linear_value_head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
+                             moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=8,
+                             num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False,
+                             use_cache=False,
+                             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                                                  mrope_section=[2, 1, 1], mrope_interleaved=True)),
+    # DeepSeek-V3.2: MLA, the sparse-attention indexer (index_topk < the sequence length), grouped routing
+    # (num_experts_per_tok <= topk_group * n_routed_experts / n_group), layer 0 dense and layer 1 MoE.
+    "deepseek_v32": dict(use_cache=False, vocab_size=128, hidden_size=32, intermediate_size=32,
+                         moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=16,
+                         q_lora_rank=32, qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32, n_group=2,
+                         topk_group=1, num_experts_per_tok=4, first_k_dense_replace=1, index_n_heads=2,
+                         index_head_dim=16, index_topk=8),
 }
 
 

@@ -28,18 +28,11 @@ def test_demo_matches_one_device(tmp_path):
     assert len(losses["hypershard"]) == 3 and (tmp_path / "loss_curve.png").stat().st_size > 0
 
 
-DEEPSEEK_TINY = ["use_cache=false", "vocab_size=128", "hidden_size=32", "intermediate_size=32",
-                 "moe_intermediate_size=16", "num_hidden_layers=2", "num_attention_heads=4", "num_key_value_heads=4",
-                 "n_shared_experts=1", "n_routed_experts=8", "kv_lora_rank=16", "q_lora_rank=32",
-                 "qk_rope_head_dim=16", "v_head_dim=32", "qk_nope_head_dim=32", "n_group=2", "topk_group=1",
-                 "num_experts_per_tok=4", "first_k_dense_replace=1", "index_n_heads=2", "index_head_dim=16",
-                 "index_topk=8"]
-
-
 def test_coverage_deepseek_has_no_missing_op():
-    """DeepSeek-V3.2 (tiny: MLA, the sparse-attention indexer, MoE experts through aten::_grouped_mm) on dp=2:
-    every op has a rule, none refused its layouts, and the loss matches one device."""
-    result = run("hypershard.coverage", "--model", "deepseek_v32", "--mesh", "dp=2", "--config", *DEEPSEEK_TINY)
+    """DeepSeek-V3.2 (its tiny config in hypershard.models.TINY_CONFIGS: MLA, the sparse-attention indexer, MoE
+    experts through aten::_grouped_mm) on dp=2: every op has a rule, none refused its layouts, and the loss
+    matches one device."""
+    result = run("hypershard.coverage", "--model", "deepseek_v32", "--mesh", "dp=2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert ", 0 served by the fallback" in result.stdout and "FALLBACK" not in result.stdout, result.stdout[-2000:]
     assert "; 0 calls whose rule refused" in result.stdout, result.stdout[-2000:]
@@ -48,7 +41,7 @@ def test_coverage_deepseek_has_no_missing_op():
 def test_coverage_lists_fallback_ops_and_the_model_still_matches_one_device():
     """With the rule of DeepSeek's grouped expert product switched off, default mode runs it through the
     fallback: the tool lists it, exits 1, and training still matches one device."""
-    result = run("hypershard.coverage", "--model", "deepseek_v32", "--mesh", "dp=2", "--config", *DEEPSEEK_TINY,
+    result = run("hypershard.coverage", "--model", "deepseek_v32", "--mesh", "dp=2",
                  "--without-rule", "aten::_grouped_mm")
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert "FALLBACK" in result.stdout and "the distributed run failed" not in result.stdout, result.stdout[-3000:]
