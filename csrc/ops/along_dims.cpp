@@ -19,9 +19,11 @@
 //                where their sizes agree; a dim where they differ (a shorter index) is made whole;
 //                an in-place form leaves self in the planned layout
 //   advanced     index.Tensor, index_put(_), _index_put_impl_ (x[i, j] = v): see plan_indexing
+//   triangles    tril, triu (and in place): every dim keeps its sharding; the diagonal argument is
+//                shifted per rank by its block's GLOBAL row minus column offset (triangle_rule)
 //   linalg       inv_ex, cholesky_ex, lu_factor_ex, lu, qr, eig, _linalg_eigh,   the last two (the
 //                _linalg_svd, _linalg_slogdet, _linalg_det, matrix_exp,          matrix); leading
-//                pinv.atol_rtol_tensor, triu, tril, lu_solve, solve_triangular,  dims are a batch
+//                pinv.atol_rtol_tensor, lu_solve, solve_triangular,              dims are a batch
 //                householder_product (operands batched like the first keep its batch sharding)
 //
 // Output layouts come from the outputs' GLOBAL shapes, which the op itself reports on meta
@@ -303,6 +305,28 @@ OpPlan index_put_rule(const OpCall& call) {
   return plan;
 }
 
+// tril / triu (and in place): every dim keeps its sharding, the matrix dims too. A rank's block
+// starts at GLOBAL (row r0, column c0); the global test j - i <= k (tril) or >= k (triu) is
+// j' - i' against k + r0 - c0 in local coordinates, so the diagonal argument is shifted per rank.
+// Every Partial passes through: zeroing elements commutes with sum, avg, max, min and prod of
+// the parts (each part's zeros reduce to zero, the kept elements to their reduction).
+OpPlan triangle_rule(const OpCall& call) {
+  const Layout& self = call.layout(0);
+  if (self.ndim() < 2) fail_argument(call, 0, "has fewer than 2 dims", "a matrix or a batch of matrices");
+  OpPlan plan;
+  plan.inputs.push_back(intern(self));
+  plan.outputs.push_back(plan.inputs[0]);
+  if (self.is_sharded_anywhere()) {
+    const LayoutPtr layout = plan.inputs[0];
+    plan.localize = [layout](const OpCall& c, c10::IValue* args) {
+      const auto offset = layout->global_offset_at(c.mesh->position());
+      const int64_t n = layout->ndim(), index = c.arg_index("diagonal");
+      args[index] = c10::IValue(args[index].toInt() + offset[n - 2] - offset[n - 1]);
+    };
+  }
+  return plan;
+}
+
 template <Along A, bool kLinear = false>
 void add(Registry& r, std::initializer_list<const char*> names) {
   for (const char* name : names) r.add(name, &along_dims_rule<A, kLinear>, KeyScalars::kAll);
@@ -330,13 +354,16 @@ void register_along_dims(Registry& r) {
                           "aten::scatter_add_", "aten::scatter_reduce_.two", "aten::scatter_.reduce",
                           "aten::scatter_.value_reduce", "aten::index_add_", "aten::index_copy_",
                           "aten::index_fill_.int_Scalar", "aten::index_fill_.int_Tensor"});
+  // The diagonal is read per call by the localize step: it does not change the plan.
+  for (const char* op : {"aten::tril", "aten::tril_", "aten::triu", "aten::triu_"})
+    r.add(op, &triangle_rule, KeyScalars::kNone);
   add<Along::kAll>(r, {"aten::msort", "aten::median", "aten::nanmedian", "aten::_linalg_check_errors"});
   add<Along::kLastDim>(r, {"aten::diag_embed"});
   add<Along::kMatrix>(r, {"aten::linalg_inv_ex", "aten::linalg_cholesky_ex", "aten::linalg_lu_factor_ex",
                           "aten::linalg_lu", "aten::linalg_qr", "aten::linalg_eig", "aten::_linalg_eigh",
                           "aten::_linalg_svd", "aten::_linalg_slogdet", "aten::_linalg_det",
-                          "aten::linalg_matrix_exp", "aten::linalg_pinv.atol_rtol_tensor", "aten::triu",
-                          "aten::tril", "aten::linalg_lu_solve", "aten::linalg_solve_triangular",
+                          "aten::linalg_matrix_exp", "aten::linalg_pinv.atol_rtol_tensor",
+                          "aten::linalg_lu_solve", "aten::linalg_solve_triangular",
                           "aten::linalg_householder_product"});
 }
 

@@ -79,6 +79,17 @@ def along_cases():
         add(f"matrix_exp_{tag}", lambda a: torch.linalg.matrix_exp(a * 0.3), (5, 3, 3), batch, mesh, check_grad=False)
         add(f"triu_{tag}", lambda a: torch.triu(a, 1) + torch.tril(a, -1) * 2, (5, 4, 3), batch, mesh)
         add(f"diag_embed_{tag}", lambda a: torch.diag_embed(a), (5, 3), batch, mesh)
+    # tril / triu with the MATRIX dims sharded (rows, columns, both; uneven): each rank shifts the
+    # diagonal by its block's GLOBAL row minus column offset; a Partial passes through; in place
+    tri_layouts = ((M2, ["S(0)"], "rows2"), (M4, ["S(1)"], "cols4"), (M22, ["S(0)", "S(1)"], "both2x2"),
+                   (M22, ["S(1)", "S(0)"], "both2x2_swapped"), (M2, ["P"], "partial"))
+    for mesh, place, tag in tri_layouts:
+        for k in (-2, 0, 3):
+            add(f"tril_{k}_{tag}", lambda a, k=k: torch.tril(a, k) * 2, (7, 6), place, mesh)
+            add(f"triu_{k}_{tag}", lambda a, k=k: torch.triu(a, k), (7, 6), place, mesh)
+        cases.append(Case(f"tril_inplace_{tag}", lambda a: a.detach().clone().tril_(1),
+                          [Input((7, 6), placements=place)], mesh, check_grad=False))
+    add("triu_batched_2x2", lambda a: torch.triu(a, -1), (3, 5, 6), ["S(0)", "S(2)"], M22)
     # indexing along a dim: GLOBAL indices; sharded along that dim (gathered) and along another
     idx = lambda shape, high, place: Input(shape, torch.int64, placements=place, init=randint(0, high))  # noqa: E731
     for mesh, place, tag in ((M2, S0, "2"), (M4, S1, "4"), (M22, S01, "2x2")):
