@@ -207,7 +207,8 @@ OpPlan along_dims_rule(const OpCall& call) {
 // (all at the front when they are not adjacent, as torch does). index_put's values take the
 // result's sharding where their sizes agree (size 1 broadcasts). A boolean mask index has a
 // data-dependent size: not covered (the fallback's in default mode). index.Tensor is linear in
-// self (it selects elements): a sum-Partial self passes; index_put refuses Partial.
+// self (it selects elements): a sum-Partial self passes; index_put keeps Partial(sum) self and
+// values when it accumulates (summed_axes), and refuses Partial otherwise.
 struct Indexing {
   std::vector<int64_t> dims;          // self's indexed dims
   std::vector<int64_t> result_shape;  // of self[indices]
@@ -278,30 +279,63 @@ OpPlan index_rule(const OpCall& call) {
   return plan;
 }
 
+// The mesh axes a summing index_put (accumulate=True: self + the values added at the indices,
+// linear in self and values together) keeps Partial(sum): those where self or values is a
+// sum-Partial and that shard no dim self or values keeps sharded. Both operands are planned
+// Partial there (a whole one is filled: rank 0 keeps it, the others hold zeros), and so is the
+// result; on an axis that also shards self the Partial is reduced first (the write is linear, so
+// reducing is exact). Any other Partial is an error (an overwrite is not linear in the parts),
+// or, inside a backward pass, reduced first.
+layout::PartialOps summed_axes(const OpCall& call, const Indexing& ix, int64_t values) {
+  const Layout& self = call.layout(0);
+  layout::PartialOps out(static_cast<size_t>(self.mesh()->ndim()));
+  const auto accumulate = call.schema().argumentIndexWithName("accumulate");
+  const bool summing = accumulate && call.arg(*accumulate).toBool();
+  for (size_t t = 0; t < call.tensors.size(); ++t) {
+    const Layout& l = call.layout(static_cast<int64_t>(t));
+    const bool operand = t == 0 || static_cast<int64_t>(t) == values;
+    for (int64_t axis = 0; axis < l.mesh()->ndim(); ++axis) {
+      const auto& op = l.partial()[axis];
+      if (!op) continue;
+      const bool linear = summing && operand && *op == ReduceOp::Sum;
+      const bool shards = std::any_of(ix.self_dims.begin(), ix.self_dims.end(), [&](const std::vector<int64_t>& axes) {
+        return std::find(axes.begin(), axes.end(), axis) != axes.end();
+      });
+      if (linear && !shards) out[axis] = ReduceOp::Sum;
+      else if (!linear && !call.in_backward)
+        fail_argument(call, static_cast<int64_t>(t), "a Partial operand of an indexed write",
+                      "Replicate or Shard; Partial(sum) self and values of an accumulating write (accumulate=True)");
+    }
+  }
+  return out;
+}
+
 OpPlan index_put_rule(const OpCall& call) {
   const Layout& self = call.layout(0);
-  for (size_t t = 0; t < call.tensors.size(); ++t)
-    if (call.layout(static_cast<int64_t>(t)).has_partial())
-      fail_argument(call, static_cast<int64_t>(t), "a Partial operand of an indexed write", "Replicate or Shard");
   const Indexing ix = plan_indexing(call);
   const int64_t values = call.tensor_index(2);
+  const layout::PartialOps summed = summed_axes(call, ix, values);
   OpPlan plan;
   for (size_t t = 0; t < call.tensors.size(); ++t) {
     const Layout& l = call.layout(static_cast<int64_t>(t));
     if (t == 0) {
-      plan.inputs.push_back(make_layout(l, l.global_shape(), ix.self_dims));
+      plan.inputs.push_back(make_layout(l, l.global_shape(), ix.self_dims, summed));
     } else if (static_cast<int64_t>(t) == values) {
       // right-aligned against self[indices]: a dim of the same size shares its sharding
       layout::DimAxes dims(static_cast<size_t>(l.ndim()));
       const int64_t shift = static_cast<int64_t>(ix.result_shape.size()) - l.ndim();
       for (int64_t d = 0; d < l.ndim(); ++d)
         if (d + shift >= 0 && l.global_shape()[d] == ix.result_shape[d + shift]) dims[d] = ix.result_dims[d + shift];
-      plan.inputs.push_back(make_layout(l, l.global_shape(), std::move(dims)));
+      // an axis that shards values but is Partial in the plan cannot be both: values whole there
+      for (auto& axes : dims)
+        axes.erase(std::remove_if(axes.begin(), axes.end(), [&](int64_t a) { return summed[a].has_value(); }),
+                   axes.end());
+      plan.inputs.push_back(make_layout(l, l.global_shape(), std::move(dims), summed));
     } else {
       plan.inputs.push_back(replicate_like(l, l.global_shape()));
     }
   }
-  plan.outputs.push_back(make_layout(self, self.global_shape(), ix.self_dims));
+  plan.outputs.push_back(make_layout(self, self.global_shape(), ix.self_dims, summed));
   return plan;
 }
 

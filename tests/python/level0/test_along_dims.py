@@ -136,6 +136,21 @@ def along_cases():
                  [x(), idx((7,), 5, None), Input((7, 6, 4), placements=place)], mesh),
             Case(f"setitem_broadcast_value_{tag}", setitem_dim1, [x(), idx((3,), 6, None), Input((4,))], mesh),
         ]
+    # accumulating writes keep Partial(sum) self and values (linear): the MoE token gather's backward
+    # (zeros + index_put accumulate of a tensor-parallel Partial gradient); a whole self is filled
+    for mesh, tag, self_place, values_place in ((M2, "values_partial", ["R"], ["P"]),
+                                                 (M2, "both_partial", ["P"], ["P"]),
+                                                 (M22, "values_partial_2x2", ["R", "R"], ["S(0)", "P"]),
+                                                 (M22, "self_sharded_values_partial", ["R", "S(1)"], ["R", "P"])):
+        cases.append(Case(f"index_put_accumulate_{tag}",
+                          lambda a, i, v: torch.index_put(a, (i,), v, accumulate=True) * 2,
+                          [Input((5, 6), placements=self_place), idx((7,), 5, None),
+                           Input((7, 6), placements=values_place)], mesh))
+    cases.append(Case("gather_rows_partial_grad", lambda a, i, w: (a[i] @ w),
+                      [Input((5, 6), placements=["R"]), idx((7,), 5, None), Input((6, 4), placements=["S(0)"])], M2))
+    cases.append(Case("index_put_overwrite_partial_refused", lambda a, i, v: torch.index_put(a, (i,), v),
+                      [Input((5, 6), placements=["R"]), idx((3,), 5, None), Input((3, 6), placements=["P"])], M2,
+                      expect_error="a Partial operand of an indexed write"))
     # repeat (views.cpp), unfold windows, diag_embed with the diagonal elsewhere than last
     for mesh, place, tag in ((M2, S0, "2"), (M4, S1, "4"), (M22, S01, "2x2")):
         add(f"repeat_once_keeps_{tag}", lambda x: x.repeat(1, 1), (5, 7), place, mesh)
