@@ -13,8 +13,9 @@
 //   diagonal     diag_embed (the last dim becomes a diagonal in the output's last two; leading
 //                dims are a batch; the diagonal elsewhere: every dim whole)
 //   moves        flip, roll                                                      dims (roll: [] = all)
+//   transforms   _fft_c2c, _fft_r2c, _fft_c2r (the transformed dims whole; linear) dim
 //   indexing     gather, scatter(.src/.value/.reduce/_add/_reduce.two), index_select, dim: its indices are
-//                index_add, index_copy, index_fill (and the in-place forms)       GLOBAL coordinates
+//                index_add, index_copy, index_fill, index_reduce (and in place)   GLOBAL coordinates
 //                operands of self's rank (index, src, source) take self's sharding on the other dims
 //                where their sizes agree; a dim where they differ (a shorter index) is made whole;
 //                an in-place form leaves self in the planned layout
@@ -34,8 +35,8 @@
 // first: operands of the first's rank go along with it (indexing); a matrix op's operands
 // batched like the first keep its batch sharding (other_operand); every other one is read whole.
 //
-// Partial: flip, roll and cumsum are linear (they move or add elements), so a sum/avg Partial
-// passes through them. Every other op here is not: a sum/avg Partial input is an error (default
+// Partial: flip, roll, cumsum and the Fourier transforms are linear (they move, add or combine
+// elements linearly), so a sum/avg Partial passes through them. Every other op here is not: a sum/avg Partial input is an error (default
 // mode reduces it first) -- inside a backward pass, where the formula is torch's, it is reduced.
 #include <ATen/ATen.h>
 
@@ -374,6 +375,8 @@ void register_along_dims(Registry& r) {
     r.add(op, &index_put_rule, KeyScalars::kAll);
   add<Along::kDimArg, true>(r, {"aten::cumsum"});
   add<Along::kDimsArg, true>(r, {"aten::flip", "aten::roll"});
+  // Discrete Fourier transforms along their dims (linear: a sum Partial passes)
+  add<Along::kDimArg, true>(r, {"aten::_fft_c2c", "aten::_fft_c2r", "aten::_fft_r2c"});
   add<Along::kDimArg>(r, {"aten::cumprod", "aten::logcumsumexp", "aten::cummax", "aten::cummin",
                           "aten::sort", "aten::sort.stable", "aten::argsort", "aten::argsort.stable", "aten::topk",
                           "aten::kthvalue", "aten::mode", "aten::median.dim", "aten::nanmedian.dim",
@@ -387,7 +390,8 @@ void register_along_dims(Registry& r) {
                           "aten::index_fill.int_Tensor", "aten::scatter_.src", "aten::scatter_.value",
                           "aten::scatter_add_", "aten::scatter_reduce_.two", "aten::scatter_.reduce",
                           "aten::scatter_.value_reduce", "aten::index_add_", "aten::index_copy_",
-                          "aten::index_fill_.int_Scalar", "aten::index_fill_.int_Tensor"});
+                          "aten::index_fill_.int_Scalar", "aten::index_fill_.int_Tensor", "aten::index_reduce",
+                          "aten::index_reduce_"});
   // The diagonal is read per call by the localize step: it does not change the plan.
   for (const char* op : {"aten::tril", "aten::tril_", "aten::triu", "aten::triu_"})
     r.add(op, &triangle_rule, KeyScalars::kNone);

@@ -2,7 +2,8 @@
 //
 //   t, transpose.int, permute         the per-dim axes move with their dims
 //   unsqueeze                         a new whole dim
-//   squeeze(.dim/.dims)               squeezed dims are size 1 and must be whole (a sharded
+//   view_as_real / view_as_complex    a new last dim of 2, whole / that dim folded (made whole)
+//   squeeze(.dim/.dims), squeeze_    squeezed dims are size 1 and must be whole (a sharded
 //                                     size-1 dim has empty shards that would not squeeze)
 //   expand                            expanded dims (size 1 -> n) and new leading dims are whole
 //   view, _unsafe_view, _reshape_alias  dims are grouped into minimal equal-product groups; only
@@ -121,6 +122,29 @@ OpPlan unsqueeze_rule(const OpCall& call) {
   shape.insert(shape.begin() + dim, 1);
   dims.insert(dims.begin() + dim, std::vector<int64_t>{});
   return single(call, call.tensors[0].layout, make_layout(in, shape, dims, in.partial()));
+}
+
+// view_as_real: a new last dim of 2 (real, imaginary), whole; view_as_complex: the last dim of 2
+// folded into the dtype, so it must be whole. Both are linear over the reals: Partial passes.
+OpPlan view_as_real_rule(const OpCall& call) {
+  const Layout& in = call.layout(0);
+  auto shape = in.global_shape();
+  auto dims = in.dim_axes();
+  shape.push_back(2);
+  dims.emplace_back();
+  return single(call, call.tensors[0].layout, make_layout(in, shape, dims, in.partial()));
+}
+
+OpPlan view_as_complex_rule(const OpCall& call) {
+  const Layout& in = call.layout(0);
+  if (in.ndim() < 1 || in.global_shape().back() != 2)
+    fail_argument(call, 0, "the last dim is not of size 2", "a last dim of 2 (real, imaginary)");
+  auto input = whole_dims(in, {in.ndim() - 1});
+  auto shape = in.global_shape();
+  auto dims = input->dim_axes();
+  shape.pop_back();
+  dims.pop_back();
+  return single(call, input, make_layout(in, shape, dims, in.partial()));
 }
 
 OpPlan squeeze_rule(const OpCall& call) {
@@ -614,11 +638,17 @@ void register_views(Registry& r) {
   r.add("aten::squeeze", &squeeze_rule);
   r.add("aten::squeeze.dim", &squeeze_rule);
   r.add("aten::squeeze.dims", &squeeze_rule);
+  // in place: the wrapper takes the planned layout (the local is squeezed in place)
+  r.add("aten::squeeze_", &squeeze_rule);
+  r.add("aten::squeeze_.dim", &squeeze_rule);
+  r.add("aten::squeeze_.dims", &squeeze_rule);
   r.add("aten::stack", &cat_rule);
   r.add("aten::t", &transpose_rule);
   r.add("aten::transpose.int", &transpose_rule);
   r.add("aten::unbind.int", &along_dim_rule);
   r.add("aten::unsqueeze", &unsqueeze_rule);
+  r.add("aten::view_as_complex", &view_as_complex_rule);
+  r.add("aten::view_as_real", &view_as_real_rule);
   r.add("aten::view", &view_rule<false>);
 }
 

@@ -158,6 +158,18 @@ def along_cases():
         # unfold's backward (unfold_backward) has no rule yet
         add(f"unfold_{tag}", lambda x: x.unfold(1, 3, 2) * 2, (5, 7), place, mesh, check_grad=False)
         add(f"diag_embed_front_{tag}", lambda x: torch.diag_embed(x, 0, 0, 1), (4, 4), place, mesh)
+    # Fourier transforms along their dims (the transformed dims whole, the others keep their
+    # sharding; linear: a Partial passes), view_as_real, index_reduce, squeeze_ in place
+    for mesh, place, tag in ((M2, S0, "2"), (M2, ["S(1)"], "dim1_2"), (M22, ["S(0)", "S(2)"], "2x2"), (M2, ["P"], "P")):
+        add(f"fft_dim1_{tag}", lambda x: torch.view_as_real(torch.fft.fft(x, dim=1)), (5, 6, 4), place, mesh)
+        add(f"rfft2_{tag}", lambda x: torch.view_as_real(torch.fft.rfft2(x)), (5, 6, 4), place, mesh)
+        add(f"irfft_{tag}", lambda x: torch.fft.irfft(torch.fft.rfft(x, dim=2), n=4, dim=2), (5, 6, 4), place, mesh)
+        add(f"squeeze_inplace_{tag}", lambda x: x.detach().clone().unsqueeze(1).squeeze_(1) * 2, (5, 6, 4), place,
+            mesh, check_grad=False)
+        if tag != "P":
+            cases.append(Case(f"index_reduce_amax_{tag}", lambda x, y: x.index_reduce(0, torch.tensor([0, 4, 4, 1]), y,
+                                                                                    "amax"),
+                              [Input((5, 6, 4), placements=place), Input((4, 6, 4))], mesh))
     # Partial through the linear ones
     for name, fn in (("cumsum", lambda x: torch.cumsum(x, 0)), ("flip", lambda x: torch.flip(x, [1])),
                      ("roll", lambda x: torch.roll(x, 1, 0))):
