@@ -24,8 +24,12 @@
 //                shifted per rank by its block's GLOBAL row minus column offset (triangle_rule)
 //   linalg       inv_ex, cholesky_ex, lu_factor_ex, lu, qr, eig, _linalg_eigh,   the last two (the
 //                _linalg_svd, _linalg_slogdet, _linalg_det, matrix_exp,          matrix); leading
-//                pinv.atol_rtol_tensor, lu_solve, solve_triangular,              dims are a batch
+//                pinv.atol_rtol_tensor, lu_solve, solve_triangular, cholesky,    dims are a batch
+//                cholesky_inverse/_solve, geqrf, ldl_factor_ex/_solve, _solve_ex, _linalg_eigvals,
 //                householder_product (operands batched like the first keep its batch sharding)
+//   pooling      avg_pool2d, _adaptive_avg_pool2d, max_pool2d_with_indices,       the last two
+//                adaptive_max_pool2d and their backward ops (1-d pools reach them) (spatial)
+//   cross        linalg_cross                                                    dim
 //
 // Output layouts come from the outputs' GLOBAL shapes, which the op itself reports on meta
 // tensors (topk's k, a keepdim, a matrix factor's shape): an output of the input's rank (or one
@@ -396,12 +400,22 @@ void register_along_dims(Registry& r) {
   for (const char* op : {"aten::tril", "aten::tril_", "aten::triu", "aten::triu_"})
     r.add(op, &triangle_rule, KeyScalars::kNone);
   add<Along::kAll>(r, {"aten::msort", "aten::median", "aten::nanmedian", "aten::_linalg_check_errors"});
+  // 2-d pooling (the last two dims, spatial, whole; batch and channels keep their sharding); the
+  // averages are linear in their input (a sum Partial passes), the max pools are not
+  add<Along::kMatrix, true>(r, {"aten::avg_pool2d", "aten::avg_pool2d_backward", "aten::_adaptive_avg_pool2d",
+                                "aten::_adaptive_avg_pool2d_backward"});
+  add<Along::kMatrix>(r, {"aten::max_pool2d_with_indices", "aten::max_pool2d_with_indices_backward",
+                          "aten::adaptive_max_pool2d", "aten::adaptive_max_pool2d_backward"});
+  add<Along::kDimArg>(r, {"aten::linalg_cross"});
   add<Along::kLastDim>(r, {"aten::diag_embed"});
   add<Along::kMatrix>(r, {"aten::linalg_inv_ex", "aten::linalg_cholesky_ex", "aten::linalg_lu_factor_ex",
                           "aten::linalg_lu", "aten::linalg_qr", "aten::linalg_eig", "aten::_linalg_eigh",
                           "aten::_linalg_svd", "aten::_linalg_slogdet", "aten::_linalg_det",
                           "aten::linalg_matrix_exp", "aten::linalg_pinv.atol_rtol_tensor",
-                          "aten::linalg_lu_solve", "aten::linalg_solve_triangular",
+                          "aten::linalg_lu_solve", "aten::linalg_solve_triangular", "aten::cholesky",
+                          "aten::cholesky_inverse", "aten::cholesky_solve", "aten::geqrf",
+                          "aten::linalg_ldl_factor_ex", "aten::linalg_ldl_solve", "aten::_linalg_solve_ex",
+                          "aten::_linalg_eigvals",
                           "aten::linalg_householder_product"});
 }
 

@@ -7,6 +7,9 @@
 //   aten::addmm.default      self + "mk,kn->mn"      (self broadcast to the result)
 //   aten::baddbmm.default    self + "bmk,bkn->bmn"
 //   aten::addmv.default      self + "mk,k->m"
+//   aten::addr.default       self + "m,n->mn"         (an outer product)
+//   aten::addbmm.default     self + "bmk,bkn->mn"     (the batch summed: b is contracted)
+//   aten::vdot.default       "k,k->"                  (dot, the first operand conjugated)
 //   aten::_grouped_mm        grouped products with offs (see the grouped section below), also
 //                            transformers::grouped_mm_fallback
 // matmul, linear and einsum reach these after view, _unsafe_view, expand, t, transpose.int,
@@ -43,7 +46,7 @@
 //   other     max/min/prod-Partial operands are not bilinear: they are reduced first (an exact
 //             all-reduce), never passed through.
 // mm.out writes the product into out's own layout (below). Excluded: the other out= and
-// in-place variants (addmm_, baddbmm_, bmm.out, ...) and addbmm, addr, ger:
+// in-place variants (addmm_, baddbmm_, bmm.out, ...) and ger:
 // neither the target models nor autograd reach them (a Missing operator error names them).
 #include <algorithm>
 #include <array>
@@ -66,6 +69,8 @@ constexpr EinsumSpec kMm{"mk,kn->mn", false};
 constexpr EinsumSpec kBmm{"bmk,bkn->bmn", false};
 constexpr EinsumSpec kMv{"mk,k->m", false};
 constexpr EinsumSpec kDot{"k,k->", false};
+constexpr EinsumSpec kAddr{"m,n->mn", true};
+constexpr EinsumSpec kAddbmm{"bmk,bkn->mn", true};
 constexpr EinsumSpec kAddmm{"mk,kn->mn", true};
 constexpr EinsumSpec kBaddbmm{"bmk,bkn->bmn", true};
 constexpr EinsumSpec kAddmv{"mk,k->m", true};
@@ -402,7 +407,10 @@ void register_matmul(Registry& r) {
   r.add("aten::addmv", &einsum_rule<kAddmv>, KeyScalars::kNone);
   r.add("aten::baddbmm", &einsum_rule<kBaddbmm>, KeyScalars::kNone);
   r.add("aten::bmm", &einsum_rule<kBmm>, KeyScalars::kNone);
+  r.add("aten::addbmm", &einsum_rule<kAddbmm>, KeyScalars::kNone);
+  r.add("aten::addr", &einsum_rule<kAddr>, KeyScalars::kNone);
   r.add("aten::dot", &einsum_rule<kDot>, KeyScalars::kNone);
+  r.add("aten::vdot", &einsum_rule<kDot>, KeyScalars::kNone);  // dot with the first conjugated
   r.add("aten::mm", &einsum_rule<kMm>, KeyScalars::kNone);
   r.add("aten::mm.out", &mm_out_rule, KeyScalars::kNone);
   r.add("aten::mv", &einsum_rule<kMv>, KeyScalars::kNone);

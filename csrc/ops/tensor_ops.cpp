@@ -2,7 +2,7 @@
 //
 //   detach, alias, lift_fresh        same layout (a view of the same local)
 //   detach_                          same layout, in place (zero_grad(set_to_none=False))
-//   *_like (empty/zeros/ones/full)   the input's sharding; Partial axes become Replicate,
+//   *_like (empty/zeros/ones/full), fill.Scalar   the input's sharding; Partial axes become Replicate,
 //                                    since a freshly filled tensor is not a sum of parts
 //   new_empty_strided                sizes are GLOBAL: the source's sharding when the sizes equal
 //                                    the source's shape (autograd asks for this), else Replicate
@@ -146,7 +146,8 @@ void register_tensor_ops(Registry& r) {
   for (const char* op : {"aten::alias", "aten::detach", "aten::detach_", "aten::lift_fresh"})
     r.add(op, &same_layout_rule, KeyScalars::kNone);
   // Random *_like ops are not here: they need the random-op rules (same draw on every replica).
-  for (const char* op : {"aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like"})
+  // fill.Scalar: a fresh tensor of self's layout filled with one value, as full_like
+  for (const char* op : {"aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like", "aten::fill.Scalar"})
     r.add(op, &like_rule, KeyScalars::kNone);
   for (const char* op : {"aten::new_empty_strided", "aten::new_empty", "aten::new_zeros", "aten::new_ones",
                          "aten::new_full"})

@@ -394,11 +394,11 @@ OpPlan along_dim_rule(const OpCall& call) {
     start = std::clamp<int64_t>(start, 0, length);
     end = std::clamp<int64_t>(end, start, length);
     plan.outputs.push_back(with_dim((end - start + step - 1) / step));
-  } else if (name == "aten::split") {
+  } else if (name == "aten::split" || name == "aten::unsafe_split") {
     const int64_t size = int_arg(call.arg(1));
     const int64_t pieces = size == 0 ? 1 : std::max<int64_t>((length + size - 1) / size, 1);
     for (int64_t i = 0; i < pieces; ++i) plan.outputs.push_back(with_dim(std::min(size, length - i * size)));
-  } else if (name == "aten::split_with_sizes") {
+  } else if (name == "aten::split_with_sizes" || name == "aten::unsafe_split_with_sizes") {
     for (int64_t size : int_list(call.arg(1))) plan.outputs.push_back(with_dim(size));
   } else if (name == "aten::unbind") {
     auto shape = whole.global_shape();
@@ -635,6 +635,8 @@ void register_views(Registry& r) {
   r.add("aten::slice_backward", &slicing_backward_rule);
   r.add("aten::split.Tensor", &along_dim_rule);
   r.add("aten::split_with_sizes", &along_dim_rule);
+  r.add("aten::unsafe_split.Tensor", &along_dim_rule);
+  r.add("aten::unsafe_split_with_sizes", &along_dim_rule);
   r.add("aten::squeeze", &squeeze_rule);
   r.add("aten::squeeze.dim", &squeeze_rule);
   r.add("aten::squeeze.dims", &squeeze_rule);

@@ -5,6 +5,7 @@ meshes with even and uneven sizes, Partial inputs through the linear ops, forwar
 Cases whose backward reaches an op with no rule yet say so and check the forward only."""
 
 import torch
+import torch.nn.functional as F
 
 from hypershard.testing import Case, Input, assert_all_passed, run_cases
 from hypershard.testing.spec import randint
@@ -170,6 +171,21 @@ def along_cases():
             cases.append(Case(f"index_reduce_amax_{tag}", lambda x, y: x.index_reduce(0, torch.tensor([0, 4, 4, 1]), y,
                                                                                     "amax"),
                               [Input((5, 6, 4), placements=place), Input((4, 6, 4))], mesh))
+    # 2-d pooling (1-d pools reach it through a unsqueezed dim): batch and channels keep their
+    # sharding, the spatial dims are whole; batched linear algebra; cross along a dim
+    for mesh, place, tag in ((M2, S0, "2"), (M2, ["S(1)"], "channels_2"), (M22, ["S(0)", "S(1)"], "2x2")):
+        add(f"avg_pool2d_{tag}", lambda x: F.avg_pool2d(x, 2, padding=1), (3, 4, 5, 6), place, mesh)
+        add(f"adaptive_avg_pool1d_{tag}", lambda x: F.adaptive_avg_pool1d(x, 3), (3, 4, 7), place, mesh)
+        add(f"max_pool2d_{tag}", lambda x: F.max_pool2d(x, 2), (3, 4, 5, 6), place, mesh)
+        add(f"adaptive_max_pool2d_{tag}", lambda x: F.adaptive_max_pool2d(x, (2, 3)), (3, 4, 5, 6), place, mesh)
+    for mesh, batch, tag in ((M2, S0, "2"), (M22, ["S(0)", "R"], "2x2")):
+        add(f"cholesky_solve_{tag}", lambda a: torch.cholesky_solve(a[..., :2], torch.linalg.cholesky(a)), (5, 3, 3),
+            batch, mesh, init=spd)
+        add(f"cholesky_inverse_{tag}", lambda a: torch.cholesky_inverse(torch.linalg.cholesky(a)), (5, 3, 3), batch,
+            mesh, init=spd)
+        add(f"linalg_solve_{tag}", lambda a: torch.linalg.solve(a, a[..., :1]), (5, 3, 3), batch, mesh, init=spd)
+        add(f"eigvals_{tag}", lambda a: torch.linalg.eigvals(a).real, (5, 3, 3), batch, mesh, init=spd, check_grad=False)
+        add(f"cross_{tag}", lambda a: torch.linalg.cross(a, a.flip(0) * 2, dim=2), (5, 4, 3), batch, mesh)
     # Partial through the linear ones
     for name, fn in (("cumsum", lambda x: torch.cumsum(x, 0)), ("flip", lambda x: torch.flip(x, [1])),
                      ("roll", lambda x: torch.roll(x, 1, 0))):

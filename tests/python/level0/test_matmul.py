@@ -230,6 +230,14 @@ def _cases() -> list:
           [I((2, 3, 6), ["S(0)", "R"]), I((8, 6), ["R", "S(0)"]), I((8,), ["R", "S(0)"], grad=False)], mesh=m22))
     add(C("m22_linear3d_dp_x_colwise_y", F.linear,
           [I((2, 3, 6), ["S(0)", "R"]), I((8, 6), ["R", "S(0)"]), I((8,), ["R", "S(0)"])], mesh=m22))
+    # outer product + self, the batch-summed product + self, the conjugating dot
+    add(C("addr_m_sharded", lambda b, u, v: torch.addr(b, u, v, beta=0.5, alpha=2.0), [I((5, 4)), I((5,), S0), I((4,))],
+          expect=S0, fwd_collectives=0))
+    add(C("addr_bias_sharded_n", torch.addr, [I((5, 4), S1), I((5,)), I((4,), S0)], expect=S1, fwd_collectives=0))
+    add(C("addbmm_batch_sharded", torch.addbmm, [I((3, 4)), I((5, 3, 6), S0), I((5, 6, 4), S0)]))
+    add(C("addbmm_m_sharded", torch.addbmm, [I((3, 4), S0), I((5, 3, 6), S1), I((5, 6, 4))], expect=S0,
+          fwd_collectives=0))
+    add(C("vdot_k_sharded", torch.vdot, [I((7,), S0), I((7,), S0)], expect=P, fwd_collectives=0))
     return c
 
 
