@@ -69,8 +69,8 @@ def fallback_cases():
         add(f"upsample_{tag}", lambda x: F.interpolate(x.unsqueeze(0), scale_factor=2, mode="nearest").squeeze(0),
             [Input((7, 4), placements=place)], mesh)
     # several outputs, integer outputs, data-dependent sizes
-    add("max_pool_values_indices", lambda x: F.max_pool1d(x.unsqueeze(0), 2, return_indices=True),
-        [Input((6, 5), placements=S0)], M2)
+    add("histogram_counts_and_edges", lambda x: torch.histogram(x, bins=4),
+        [Input((6, 5), placements=S0, requires_grad=False)], M2)
     add("unique_counts", lambda x: torch.unique(torch.round(x), return_counts=True),
         [Input((7, 4), placements=S1, requires_grad=False)], M4)
     add("unique_consecutive", lambda x: torch.unique_consecutive(torch.round(x), return_counts=True),
