@@ -18,7 +18,9 @@
 //                index_add, index_copy, index_fill, index_reduce (and in place)   GLOBAL coordinates
 //                operands of self's rank (index, src, source) take self's sharding on the other dims
 //                where their sizes agree; a dim where they differ (a shorter index) is made whole;
-//                an in-place form leaves self in the planned layout
+//                an in-place form leaves self in the planned layout. A self sharded along dim
+//                alone is indexed by ownership instead (owned_indexing_rule): reads come out
+//                Partial(sum), writes keep self's layout, nothing of self is gathered
 //   advanced     index.Tensor, index_put(_), _index_put_impl_ (x[i, j] = v): see plan_indexing
 //   triangles    tril, triu (and in place): every dim keeps its sharding; the diagonal argument is
 //                shifted per rank by its block's GLOBAL row minus column offset (triangle_rule)
@@ -344,6 +346,69 @@ OpPlan index_put_rule(const OpCall& call) {
   return plan;
 }
 
+// ------------------------------------------------------------------ indexing by ownership
+
+// gather, index_select and the indexed writes (scatter*, index_add/copy/fill/reduce, in place
+// too) on a self sharded along `dim` only, every other operand whole: no gather of self. Each
+// rank owns the GLOBAL positions [r0, r0 + L) of dim. Its local call runs on self padded with one
+// zero slice at position L, with every index it does not own redirected there: a read of a
+// foreign position yields zero (the result is Partial(sum) over the axes sharding dim: exactly
+// one rank holds each element), a write to one lands in the pad, which is cut off afterwards
+// (self keeps its layout). Anything else (self sharded on another dim, a Partial operand) is
+// the along-dims rule's: dim made whole.
+bool is_indexed_read(const std::string& name) { return name == "aten::gather" || name == "aten::index_select"; }
+
+OpPlan owned_indexing_rule(const OpCall& call) {
+  const Layout& self = call.layout(0);
+  const int64_t n = self.ndim();
+  const int64_t dim = n == 0 ? 0 : wrap_dim(call, call.arg(1).toInt(), n);
+  bool applies = n > 0 && !self.dim_axes()[dim].empty();
+  for (int64_t d = 0; applies && d < n; ++d) applies = d == dim || self.dim_axes()[d].empty();
+  for (const auto& t : call.tensors) applies = applies && !t.layout->has_partial();
+  if (!applies) return along_dims_rule<Along::kDimArg, false>(call);
+  const std::string name = call.schema().name();
+  const bool read = is_indexed_read(name);
+  OpPlan plan;
+  plan.inputs.push_back(intern(self));
+  for (size_t t = 1; t < call.tensors.size(); ++t)
+    plan.inputs.push_back(replicate_like(call.layout(static_cast<int64_t>(t)), call.layout(static_cast<int64_t>(t)).global_shape()));
+  if (read) {
+    layout::PartialOps summed(static_cast<size_t>(self.mesh()->ndim()));
+    for (int64_t axis : self.dim_axes()[dim]) summed[axis] = ReduceOp::Sum;
+    const auto shape = meta_output_shapes(call).at(0);
+    plan.outputs.push_back(make_layout(self, shape, layout::DimAxes(shape.size()), std::move(summed)));
+  } else {
+    plan.outputs.push_back(plan.inputs[0]);
+  }
+  const LayoutPtr layout = plan.inputs[0];
+  const bool in_place = !call.schema().returns().empty() && call.schema().returns()[0].alias_info() &&
+                        call.schema().returns()[0].alias_info()->isWrite();
+  plan.expand = [layout, dim, read, in_place](const OpCall& c, torch::jit::Stack& stack) {
+    const size_t num = c.schema().arguments().size();
+    c10::IValue* args = stack.data() + (stack.size() - num);
+    at::Tensor local = args[0].toTensor();
+    const int64_t begin = layout->global_offset_at(c.mesh->position())[dim], length = local.size(dim);
+    const at::Tensor index = args[2].toTensor();
+    const at::Tensor owned = index.ge(begin).logical_and(index.lt(begin + length));
+    args[2] = at::where(owned, index - begin, at::full({}, length, index.options()));
+    auto pad_shape = local.sizes().vec();
+    pad_shape[dim] = 1;
+    args[0] = at::cat({local, at::zeros(pad_shape, local.options())}, dim);
+    c.op->callBoxed(stack);
+    at::Tensor result = stack.back().toTensor();
+    stack.pop_back();
+    if (read) {
+      stack.emplace_back(std::move(result));
+    } else if (in_place) {
+      local.copy_(result.narrow(dim, 0, length));
+      stack.emplace_back(std::move(local));
+    } else {
+      stack.emplace_back(result.narrow(dim, 0, length).contiguous());
+    }
+  };
+  return plan;
+}
+
 // tril / triu (and in place): every dim keeps its sharding, the matrix dims too. A rank's block
 // starts at GLOBAL (row r0, column c0); the global test j - i <= k (tril) or >= k (triu) is
 // j' - i' against k + r0 - c0 in local coordinates, so the diagonal argument is shifted per rank.
@@ -388,14 +453,16 @@ void register_along_dims(Registry& r) {
                           "aten::std_mean.correction", "aten::var_mean.correction", "aten::aminmax",
                           "aten::count_nonzero", "aten::count_nonzero.dim_IntList", "aten::unfold"});
   // Indexing along dim: the indices are GLOBAL coordinates of that dim, which is made whole.
-  add<Along::kDimArg>(r, {"aten::gather", "aten::scatter.src", "aten::scatter.value", "aten::scatter.reduce",
-                          "aten::scatter.value_reduce", "aten::scatter_add", "aten::scatter_reduce.two",
-                          "aten::index_select", "aten::index_add", "aten::index_copy", "aten::index_fill.int_Scalar",
-                          "aten::index_fill.int_Tensor", "aten::scatter_.src", "aten::scatter_.value",
-                          "aten::scatter_add_", "aten::scatter_reduce_.two", "aten::scatter_.reduce",
-                          "aten::scatter_.value_reduce", "aten::index_add_", "aten::index_copy_",
-                          "aten::index_fill_.int_Scalar", "aten::index_fill_.int_Tensor", "aten::index_reduce",
-                          "aten::index_reduce_"});
+  // A self sharded along dim alone is indexed by ownership (owned_indexing_rule).
+  for (const char* op : {"aten::gather", "aten::scatter.src", "aten::scatter.value", "aten::scatter.reduce",
+                         "aten::scatter.value_reduce", "aten::scatter_add", "aten::scatter_reduce.two",
+                         "aten::index_select", "aten::index_add", "aten::index_copy", "aten::index_fill.int_Scalar",
+                         "aten::index_fill.int_Tensor", "aten::scatter_.src", "aten::scatter_.value",
+                         "aten::scatter_add_", "aten::scatter_reduce_.two", "aten::scatter_.reduce",
+                         "aten::scatter_.value_reduce", "aten::index_add_", "aten::index_copy_",
+                         "aten::index_fill_.int_Scalar", "aten::index_fill_.int_Tensor", "aten::index_reduce",
+                         "aten::index_reduce_"})
+    r.add(op, &owned_indexing_rule, KeyScalars::kAll);
   // The diagonal is read per call by the localize step: it does not change the plan.
   for (const char* op : {"aten::tril", "aten::tril_", "aten::triu", "aten::triu_"})
     r.add(op, &triangle_rule, KeyScalars::kNone);

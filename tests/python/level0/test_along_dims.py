@@ -137,6 +137,32 @@ def along_cases():
                  [x(), idx((7,), 5, None), Input((7, 6, 4), placements=place)], mesh),
             Case(f"setitem_broadcast_value_{tag}", setitem_dim1, [x(), idx((3,), 6, None), Input((4,))], mesh),
         ]
+    # indexing by ownership: self sharded along the indexed dim alone (uneven: 7 rows over 2 and 4
+    # ranks, 4 ranks holding 2/2/2/1), indices GLOBAL and whole -- reads come out Partial(sum),
+    # writes keep self's layout; repeated indices accumulate; the gradients run the writes
+    rows = lambda: idx((9,), 7, None)  # noqa: E731
+    for mesh, place, tag in ((M2, S0, "2"), (M4, S0, "4"), (M22, ["S(0)", "S(0)"], "2x2_nested")):
+        for d, shape, sel in ((0, (7, 5), lambda: idx((3, 5), 7, None)), (1, (5, 7), lambda: idx((5, 3), 7, None))):
+            sharded = ["S(1)"] * len(place) if d == 1 else place
+            cases += [
+                Case(f"owned_gather_dim{d}_{tag}", lambda x, i, d=d: torch.gather(x, d, i),
+                     [Input(shape, placements=sharded), sel()], mesh),
+                Case(f"owned_index_select_dim{d}_{tag}", lambda x, i, d=d: torch.index_select(x, d, i) * 2,
+                     [Input(shape, placements=sharded), rows()], mesh),
+                Case(f"owned_index_add_dim{d}_{tag}", lambda x, i, y, d=d: torch.index_add(x, d, i, y, alpha=0.5),
+                     [Input(shape, placements=sharded), rows(), Input((9, 5) if d == 0 else (5, 9))], mesh),
+                Case(f"owned_scatter_add_dim{d}_{tag}", lambda x, i, y, d=d: torch.scatter_add(x, d, i, y),
+                     [Input(shape, placements=sharded), sel(), Input((3, 5) if d == 0 else (5, 3))], mesh),
+                Case(f"owned_index_fill_dim{d}_{tag}", lambda x, d=d: torch.index_fill(x, d, torch.tensor([6, 0, 3]), 2.5),
+                     [Input(shape, placements=sharded)], mesh),
+                Case(f"owned_index_copy_inplace_dim{d}_{tag}",
+                     lambda x, y, d=d: x.detach().clone().index_copy_(d, torch.tensor([6, 1, 3]), y),
+                     [Input(shape, placements=sharded), Input((3, 5) if d == 0 else (5, 3))], mesh, check_grad=False),
+                Case(f"owned_scatter_inplace_dim{d}_{tag}",
+                     lambda x, y, d=d: x.detach().clone().scatter_(d, torch.tensor([[6, 0, 2]]).T if d == 0
+                                                                   else torch.tensor([[6, 0, 2]]), y, reduce="add"),
+                     [Input(shape, placements=sharded), Input((3, 1) if d == 0 else (1, 3))], mesh, check_grad=False),
+            ]
     # accumulating writes keep Partial(sum) self and values (linear): the MoE token gather's backward
     # (zeros + index_put accumulate of a tensor-parallel Partial gradient); a whole self is filled
     for mesh, tag, self_place, values_place in ((M2, "values_partial", ["R"], ["P"]),

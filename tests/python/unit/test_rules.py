@@ -185,8 +185,15 @@ ROWS = {
          False),
         ("index_sharded_dim_gathered", "tp4", aten.index.Tensor, (T([8, 6], S(0)), [T([3], S(0), i64)]), {},
          [R1, R1], [R1], False),
+        # self sharded along dim alone: indexed by ownership (no gather of self; index and src whole)
         ("scatter_add_dim_sharded", "tp4", aten.scatter_add.default,
-         (T([8, 6], S(1)), 1, T([8, 6], S(1), i64), T([8, 6], S(1))), {}, [R1, R1, R1], [R1], False),
+         (T([8, 6], S(1)), 1, T([8, 6], S(1), i64), T([8, 6], S(1))), {}, [S(1), R1, R1], [S(1)], True),
+        ("gather_dim_sharded_partial_result", "tp4", aten.gather.default,
+         (T([8, 6], S(0)), 0, T([3, 6], R1, i64)), {}, None, [P1], True),
+        # sharded along dim AND another dim: the along-dims rule (dim made whole)
+        ("scatter_add_dim_and_other_sharded", "dp2tp2", aten.scatter_add.default,
+         (T([8, 6], S(1, 0)), 1, T([8, 6], R1 * 2, i64), T([8, 6], R1 * 2)), {},
+         [S(None, 0), S(None, 0), S(None, 0)], [S(None, 0)], False),
         ("topk_k_along_whole_dim", "dp2tp2", aten.topk.default, (T([8, 6], S(0, None)), 3, 1), {}, None,
          [S(0, None), S(0, None)], False),
         ("kthvalue_drops_dim", "dp2tp2", aten.kthvalue.default, (T([8, 6, 4], S(0, 2)), 2, 1), {}, None,
@@ -250,8 +257,8 @@ ERRORS = [
      "a histogram of a Partial tensor counts its parts"),
     ("index_boolean_mask_not_covered", "tp4", aten.index.Tensor, (T([8, 6], S(0)), [T([8, 6], R1, boolean)]), {},
      "Missing operator aten::index.Tensor for these arguments (a boolean mask index"),
-    ("missing_operator", "tp4", aten._fft_r2c.default, (T([8, 6], S(0)), [1], 0, True), {},
-     "Missing operator aten::_fft_r2c: no distributed rule for this op"),
+    ("missing_operator", "tp4", aten.bucketize.Tensor, (T([8, 6], S(0)), T([5], R1)), {},
+     "Missing operator aten::bucketize.Tensor: no distributed rule for this op"),
 ]
 
 
