@@ -27,7 +27,7 @@
 //   linalg       inv_ex, cholesky_ex, lu_factor_ex, lu, qr, eig, _linalg_eigh,   the last two (the
 //                _linalg_svd, _linalg_slogdet, _linalg_det, matrix_exp,          matrix); leading
 //                pinv.atol_rtol_tensor, lu_solve, solve_triangular, cholesky,    dims are a batch
-//                cholesky_inverse/_solve, geqrf, ldl_factor_ex/_solve, _solve_ex, _linalg_eigvals,
+//                cholesky_inverse/_solve, ldl_factor_ex/_solve, _solve_ex, _linalg_eigvals,
 //                householder_product (operands batched like the first keep its batch sharding)
 //   pooling      avg_pool2d, _adaptive_avg_pool2d, max_pool2d_with_indices,       the last two
 //                adaptive_max_pool2d and their backward ops (1-d pools reach them) (spatial)
@@ -354,13 +354,50 @@ OpPlan index_put_rule(const OpCall& call) {
 // zero slice at position L, with every index it does not own redirected there: a read of a
 // foreign position yields zero (the result is Partial(sum) over the axes sharding dim: exactly
 // one rank holds each element), a write to one lands in the pad, which is cut off afterwards
-// (self keeps its layout). Anything else (self sharded on another dim, a Partial operand) is
-// the along-dims rule's: dim made whole.
+// (self keeps its layout). Sum-Partial operands of the summing writes stay Partial
+// (summing_partial_plan). Anything else (self sharded on another dim, another Partial) is the
+// along-dims rule's: dim made whole.
 bool is_indexed_read(const std::string& name) { return name == "aten::gather" || name == "aten::index_select"; }
+
+// index_add and scatter_add (and in place) are linear in self and the added values together:
+// sum-Partial operands stay Partial (the other operand filled: rank 0 keeps it, the others hold
+// zeros); the index is whole, and so is every dim (an operand sharded elsewhere is gathered).
+OpPlan summing_partial_plan(const OpCall& call, const layout::PartialOps& summed) {
+  OpPlan plan;
+  for (size_t t = 0; t < call.tensors.size(); ++t) {
+    const Layout& l = call.layout(static_cast<int64_t>(t));
+    const bool index = call.tensors[t].arg == 2;
+    plan.inputs.push_back(make_layout(l, l.global_shape(), layout::DimAxes(static_cast<size_t>(l.ndim())),
+                                      index ? layout::PartialOps{} : summed));
+  }
+  const Layout& self = call.layout(0);
+  plan.outputs.push_back(make_layout(self, self.global_shape(), layout::DimAxes(static_cast<size_t>(self.ndim())),
+                                     summed));
+  return plan;
+}
+
+bool is_summing_write(const std::string& name) {
+  return name == "aten::index_add" || name == "aten::index_add_" || name == "aten::scatter_add" ||
+         name == "aten::scatter_add_";
+}
 
 OpPlan owned_indexing_rule(const OpCall& call) {
   const Layout& self = call.layout(0);
   const int64_t n = self.ndim();
+  if (is_summing_write(call.schema().name())) {
+    layout::PartialOps summed(static_cast<size_t>(self.mesh()->ndim()));
+    bool any = false, other = false;
+    for (const auto& t : call.tensors) {
+      if (t.arg == 2 && t.layout->has_partial()) other = true;  // a Partial index: not linear
+      for (int64_t axis = 0; axis < self.mesh()->ndim(); ++axis) {
+        const auto& op = t.layout->partial()[axis];
+        if (!op) continue;
+        if (*op == ReduceOp::Sum) summed[axis] = ReduceOp::Sum, any = true;
+        else other = true;
+      }
+    }
+    if (any && !other) return summing_partial_plan(call, summed);
+  }
   const int64_t dim = n == 0 ? 0 : wrap_dim(call, call.arg(1).toInt(), n);
   bool applies = n > 0 && !self.dim_axes()[dim].empty();
   for (int64_t d = 0; applies && d < n; ++d) applies = d == dim || self.dim_axes()[d].empty();
@@ -480,7 +517,7 @@ void register_along_dims(Registry& r) {
                           "aten::_linalg_svd", "aten::_linalg_slogdet", "aten::_linalg_det",
                           "aten::linalg_matrix_exp", "aten::linalg_pinv.atol_rtol_tensor",
                           "aten::linalg_lu_solve", "aten::linalg_solve_triangular", "aten::cholesky",
-                          "aten::cholesky_inverse", "aten::cholesky_solve", "aten::geqrf",
+                          "aten::cholesky_inverse", "aten::cholesky_solve",
                           "aten::linalg_ldl_factor_ex", "aten::linalg_ldl_solve", "aten::_linalg_solve_ex",
                           "aten::_linalg_eigvals",
                           "aten::linalg_householder_product"});

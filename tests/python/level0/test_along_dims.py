@@ -173,6 +173,17 @@ def along_cases():
                           lambda a, i, v: torch.index_put(a, (i,), v, accumulate=True) * 2,
                           [Input((5, 6), placements=self_place), idx((7,), 5, None),
                            Input((7, 6), placements=values_place)], mesh))
+    # index_add / scatter_add are linear in self and the added values: sum Partials stay Partial
+    for tag, self_place, src_place in (("both", ["P"], ["P"]), ("source", ["R"], ["P"]), ("self", ["P"], ["S(0)"])):
+        cases.append(Case(f"index_add_partial_{tag}", lambda a, i, v: torch.index_add(a, 0, i, v) * 2,
+                          [Input((5, 6), placements=self_place), idx((7,), 5, None),
+                           Input((7, 6), placements=src_place)], M2))
+        cases.append(Case(f"index_add_inplace_partial_{tag}", lambda a, i, v: a.detach().clone().index_add_(1, i, v),
+                          [Input((5, 6), placements=self_place), idx((4,), 6, None),
+                           Input((5, 4), placements=src_place)], M2, check_grad=False))
+        cases.append(Case(f"scatter_add_partial_{tag}", lambda a, i, v: torch.scatter_add(a, 1, i, v),
+                          [Input((5, 6), placements=self_place), idx((5, 3), 6, None),
+                           Input((5, 3), placements=src_place)], M2))
     cases.append(Case("gather_rows_partial_grad", lambda a, i, w: (a[i] @ w),
                       [Input((5, 6), placements=["R"]), idx((7,), 5, None), Input((6, 4), placements=["S(0)"])], M2))
     cases.append(Case("index_put_overwrite_partial_refused", lambda a, i, v: torch.index_put(a, (i,), v),

@@ -143,9 +143,9 @@ FNS: dict[str, Callable] = {
     "mean_then_mul": lambda x: x.mean(0) * 3.0,
 }
 
-# Gradients reach ops outside this family (see the family header); forward still compared:
-#   prod.default     -> nonzero
-NO_BACKWARD = {"prod", "norm0_0"}  # norm0: no gradient in torch
+# No gradient to compare (forward still compared). prod's backward (it reaches nonzero) is
+# compared since nonzero has a rule.
+NO_BACKWARD = {"norm0_0"}  # norm0: no gradient in torch
 # amax/amin/max/min/inf-norm backward divides by mask.sum(dim): a Partial(sum) count when the
 # reduced dim is sharded, which the pointwise family reduces first inside a backward pass (in
 # forward code the same division is refused; see the test in test_pointwise).
@@ -274,11 +274,6 @@ def _make_cases() -> list:
     add("amax_0", M2, [Inp((0, 3), ["S(0)"])], grad=False, expect_error="Expected reduction dim 0 to have non-zero size")
     add("mean_0", M2, [Inp((4, 3), ["S(0)"], dtype="int64", init="randint")], grad=False,
         expect_error="mean(): could not infer output dtype")
-    # Tripwire: a backward path that needs another family today (see NO_BACKWARD). When it
-    # starts passing, give the matching cases grad=True.
-    tripwire = {"grad": True, "suffix": "|backward-gap"}
-    add("prod", M2, [Inp((4, 5), ["S(0)"], init="pos")], expect_error="hypershard: Missing operator aten::nonzero",
-        **tripwire)
     names = [case.name for case in cases]
     assert len(names) == len(set(names)), sorted(n for n in set(names) if names.count(n) > 1)
     return cases
