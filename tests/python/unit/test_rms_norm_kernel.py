@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import hypershard.ops as hops
+from hypershard.testing.fused import assert_within
 
 FWD = torch.ops.hypershard.rms_norm.default
 BWD = torch.ops.hypershard.rms_norm_backward.default
@@ -168,20 +169,6 @@ def composed_y_bound(y_ref, x_dtype, out_dtype, n):
     rel = (1 + rho_c) * (1 + u) ** (1 + e) * (1 + u_x) * (1 + UNIT[out_dtype]) - 1
     magnitude = y_ref.abs() * (1 + ref_value_rel(n))
     return rel * magnitude + ref_value_rel(n) * magnitude + 4 * (ETA[f32] + ETA[x_dtype] + ETA[out_dtype])
-
-
-def assert_within(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, what: str) -> None:
-    """Every element of `got` within its own bound of the float64 `ref` (and the same shape)."""
-    assert got.shape == ref.shape, (what, got.shape, ref.shape)
-    err = (got.to(f64) - ref).abs()
-    bad = ~(err <= bound)  # NaN counts as bad
-    if bool(bad.any()):
-        index = int(torch.argmax(torch.where(bad, err / bound.clamp_min(1e-300), torch.zeros_like(err))))
-        flat_got, flat_ref, flat_bound = got.to(f64).flatten(), ref.flatten(), bound.flatten()
-        raise AssertionError(
-            f"{what}: {int(bad.sum())} of {bad.numel()} elements beyond their error bound; worst at flat index "
-            f"{index}: got {flat_got[index].item()!r}, reference {flat_ref[index].item()!r}, "
-            f"|err| {err.flatten()[index].item():.3e} > bound {flat_bound[index].item():.3e}")
 
 
 # --- inputs and the reference ----------------------------------------------------------------------

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_map
 
 import hypershard as hs
 import hypershard.ops as hops
+from hypershard.testing.fused import define_npu_standins
 from hypershard.testing.planning import PlanningMesh, plan, short_spec
 
 FWD = torch.ops.hypershard.rms_norm.default
@@ -567,35 +568,10 @@ NPU_SCHEMAS = {
     "npu_rms_norm_backward": "npu_rms_norm_backward(Tensor dy, Tensor self, Tensor gamma, Tensor rstd) -> "
                              "(Tensor, Tensor)",
 }
-# The stand-in library lives as long as the process: defining the ops twice (this file run twice
-# in one process) would fail, and dropping them while torch.ops.npu still holds their packets
-# would leave stale handles.
-_NPU_LIBRARIES: list = []
-
-
-def _has_op(name: str) -> bool:
-    try:
-        torch._C._dispatch_find_schema_or_throw(f"npu::{name}", "")
-        return True
-    except RuntimeError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def npu():
     """torch.ops.npu with torch_npu's RMSNorm schemas (stand-ins without kernels where torch_npu is absent)."""
-    missing = [name for name in NPU_SCHEMAS if not _has_op(name)]
-    if missing:
-        try:
-            library = torch.library.Library("npu", "DEF")
-        except RuntimeError:  # the namespace is defined already (torch_npu or another test)
-            library = torch.library.Library("npu", "FRAGMENT")
-        for name in missing:
-            library.define(NPU_SCHEMAS[name])
-        _NPU_LIBRARIES.append(library)
-    hs._C.sync_registrations()  # hypershard's runtime learns of ops registered after it loaded
-    assert all(_has_op(name) for name in NPU_SCHEMAS)
-    return torch.ops.npu
+    return define_npu_standins(NPU_SCHEMAS)
 
 
 NPU_ROWS = ["dp2_batch", "dp2_hidden_gathered", "tp4_uneven_seq", "dp2tp2_batch_seq", "dp2tp2_batch_hidden_gathered",

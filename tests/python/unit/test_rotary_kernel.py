@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import hypershard.ops as hops
+from hypershard.testing.fused import assert_within
 
 OP = torch.ops.hypershard.rotary_position_embedding.default
 BWD = torch.ops.hypershard.rotary_position_embedding_backward.default
@@ -66,20 +67,6 @@ def sum_bound(ref: torch.Tensor, terms: torch.Tensor, dtype: torch.dtype, n: int
     ref_err = gamma(n, UNIT[f64]) * terms
     inner = gamma(n, u_acc) * terms + n * ETA[acc]
     return u_out * (ref.abs() + ref_err) + ETA[dtype] + (1 + u_out) * inner + ref_err
-
-
-def assert_within(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, what: str) -> None:
-    """Every element of `got` within its own bound of the float64 `ref` (and the same shape)."""
-    assert got.shape == ref.shape, (what, got.shape, ref.shape)
-    err = (got.to(f64) - ref).abs()
-    bad = ~(err <= bound)  # NaN counts as bad
-    if bool(bad.any()):
-        index = int(torch.argmax(torch.where(bad, err / bound.clamp_min(1e-300), torch.zeros_like(err))))
-        flat_got, flat_ref, flat_bound = got.to(f64).flatten(), ref.flatten(), bound.flatten()
-        raise AssertionError(
-            f"{what}: {int(bad.sum())} of {bad.numel()} elements beyond their error bound; worst at flat index "
-            f"{index}: got {flat_got[index].item()!r}, reference {flat_ref[index].item()!r}, "
-            f"|err| {err.flatten()[index].item():.3e} > bound {flat_bound[index].item():.3e}")
 
 
 # --- the modes, independently of the kernel: y[i] = x[a(i)] cos[i] + s(i) x[b(i)] sin[i] ----------

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import hypershard as hs
+from hypershard.testing.fused import define_npu_standins
 from hypershard.testing.planning import PlanningMesh, plan
 
 FWD = torch.ops.hypershard.rotary_position_embedding.default
@@ -326,35 +327,10 @@ NPU_SCHEMAS = {
     "npu_rotary_position_embedding_backward": "npu_rotary_position_embedding_backward(Tensor grad, Tensor cos, "
                                               "Tensor sin, Tensor x, int mode=0) -> (Tensor, Tensor, Tensor)",
 }
-# The stand-in library lives as long as the process: defining the ops twice (this file run twice
-# in one process) would fail, and dropping them while torch.ops.npu still holds their packets
-# would leave stale handles.
-_NPU_LIBRARIES: list = []
-
-
-def _has_op(name: str) -> bool:
-    try:
-        torch._C._dispatch_find_schema_or_throw(f"npu::{name}", "")
-        return True
-    except RuntimeError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def npu():
     """torch.ops.npu with torch_npu's rotary schemas (stand-ins without kernels where torch_npu is absent)."""
-    missing = [name for name in NPU_SCHEMAS if not _has_op(name)]
-    if missing:
-        try:
-            library = torch.library.Library("npu", "DEF")
-        except RuntimeError:  # the namespace is defined already (torch_npu or another test)
-            library = torch.library.Library("npu", "FRAGMENT")
-        for name in missing:
-            library.define(NPU_SCHEMAS[name])
-        _NPU_LIBRARIES.append(library)
-    hs._C.sync_registrations()  # hypershard's runtime learns of ops registered after it loaded
-    assert all(_has_op(name) for name in NPU_SCHEMAS)
-    return torch.ops.npu
+    return define_npu_standins(NPU_SCHEMAS)
 
 
 NPU_ROWS = ["batch_on_dp_broadcast", "heads_on_tp_full", "dp_tp_batch_table", "dp_tp_sp_seq_table", "bsnd_dp_sp",
