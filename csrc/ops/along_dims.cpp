@@ -349,14 +349,16 @@ OpPlan index_put_rule(const OpCall& call) {
 // ------------------------------------------------------------------ indexing by ownership
 
 // gather, index_select and the indexed writes (scatter*, index_add/copy/fill/reduce, in place
-// too) on a self sharded along `dim` only, every other operand whole: no gather of self. Each
+// too) on a self sharded along `dim`: no gather of self. Its other dims keep their sharding, and
+// operands of self's rank follow it there (they must match self's size on those dims); the
+// index is whole along dim. Each
 // rank owns the GLOBAL positions [r0, r0 + L) of dim. Its local call runs on self padded with one
 // zero slice at position L, with every index it does not own redirected there: a read of a
 // foreign position yields zero (the result is Partial(sum) over the axes sharding dim: exactly
 // one rank holds each element), a write to one lands in the pad, which is cut off afterwards
 // (self keeps its layout). Sum-Partial operands of the summing writes stay Partial
-// (summing_partial_plan). Anything else (self sharded on another dim, another Partial) is the
-// along-dims rule's: dim made whole.
+// (summing_partial_plan). Anything else (dim not sharded, an operand shorter than self on a
+// sharded dim, another Partial) is the along-dims rule's: dim made whole.
 bool is_indexed_read(const std::string& name) { return name == "aten::gather" || name == "aten::index_select"; }
 
 // index_add and scatter_add (and in place) are linear in self and the added values together:
@@ -400,20 +402,37 @@ OpPlan owned_indexing_rule(const OpCall& call) {
   }
   const int64_t dim = n == 0 ? 0 : wrap_dim(call, call.arg(1).toInt(), n);
   bool applies = n > 0 && !self.dim_axes()[dim].empty();
-  for (int64_t d = 0; applies && d < n; ++d) applies = d == dim || self.dim_axes()[d].empty();
   for (const auto& t : call.tensors) applies = applies && !t.layout->has_partial();
+  // Operands of self's rank (gather/scatter's index and src, index_add's source) follow self on
+  // the other dims, which they must match in size where self is sharded; a 1-d index is whole.
+  std::vector<LayoutPtr> operands;
+  for (size_t t = 1; applies && t < call.tensors.size(); ++t) {
+    const Layout& l = call.layout(static_cast<int64_t>(t));
+    layout::DimAxes dims(static_cast<size_t>(l.ndim()));
+    if (l.ndim() == n) {
+      for (int64_t d = 0; d < n && applies; ++d) {
+        if (d == dim || self.dim_axes()[d].empty()) continue;
+        applies = l.global_shape()[d] == self.global_shape()[d];
+        dims[d] = self.dim_axes()[d];
+      }
+    }
+    operands.push_back(make_layout(l, l.global_shape(), std::move(dims)));
+  }
   if (!applies) return along_dims_rule<Along::kDimArg, false>(call);
   const std::string name = call.schema().name();
   const bool read = is_indexed_read(name);
   OpPlan plan;
   plan.inputs.push_back(intern(self));
-  for (size_t t = 1; t < call.tensors.size(); ++t)
-    plan.inputs.push_back(replicate_like(call.layout(static_cast<int64_t>(t)), call.layout(static_cast<int64_t>(t)).global_shape()));
+  plan.inputs.insert(plan.inputs.end(), operands.begin(), operands.end());
   if (read) {
+    // The result keeps self's sharding on its other dims (gather: the index's shape, which
+    // matches self's there; index_select: self's shape with dim resized).
     layout::PartialOps summed(static_cast<size_t>(self.mesh()->ndim()));
     for (int64_t axis : self.dim_axes()[dim]) summed[axis] = ReduceOp::Sum;
     const auto shape = meta_output_shapes(call).at(0);
-    plan.outputs.push_back(make_layout(self, shape, layout::DimAxes(shape.size()), std::move(summed)));
+    layout::DimAxes dims = self.dim_axes();
+    dims[dim].clear();
+    plan.outputs.push_back(make_layout(self, shape, std::move(dims), std::move(summed)));
   } else {
     plan.outputs.push_back(plan.inputs[0]);
   }

@@ -7,7 +7,7 @@ Cases whose backward reaches an op with no rule yet say so and check the forward
 import torch
 import torch.nn.functional as F
 
-from hypershard.testing import Case, Input, assert_all_passed, run_cases
+from hypershard.testing import Case, Input, assert_all_passed, in_distributed_run, run_cases
 from hypershard.testing.spec import randint
 
 M2 = ((2,), ("dp",))
@@ -163,6 +163,31 @@ def along_cases():
                                                                    else torch.tensor([[6, 0, 2]]), y, reduce="add"),
                      [Input(shape, placements=sharded), Input((3, 1) if d == 0 else (1, 3))], mesh, check_grad=False),
             ]
+    # ... and with another dim sharded too: the operands follow self there; in-place writes keep
+    # self's placements
+    def keeps_placements(fn):
+        def run(x, *rest):
+            y = fn(x.detach().clone(), *rest)
+            if in_distributed_run():
+                assert y.placements == x.placements, (y.placements, x.placements)
+            return y
+        return run
+    for d in (0, 1):
+        place = ["S(0)", "S(1)"] if d == 0 else ["S(1)", "S(0)"]
+        cases += [
+            Case(f"owned_gather_dim{d}_other_sharded", lambda x, i, d=d: torch.gather(x, d, i),
+                 [Input((7, 5), placements=place), idx((7, 5), 7 if d == 0 else 5, None)], M22),
+            Case(f"owned_index_select_dim{d}_other_sharded", lambda x, i, d=d: torch.index_select(x, d, i),
+                 [Input((7, 5), placements=place), rows() if d == 0 else idx((9,), 5, None)], M22),
+            Case(f"owned_index_add_inplace_dim{d}_other_sharded",
+                 keeps_placements(lambda x, i, y, d=d: x.index_add_(d, i, y)),
+                 [Input((7, 5), placements=place), rows() if d == 0 else idx((9,), 5, None),
+                  Input((9, 5) if d == 0 else (7, 9))], M22, check_grad=False),
+            Case(f"owned_scatter_inplace_dim{d}_other_sharded",
+                 keeps_placements(lambda x, i, y, d=d: x.scatter_(d, i, y, reduce="add")),
+                 [Input((7, 5), placements=place), idx((7, 5), 7 if d == 0 else 5, None), Input((7, 5))], M22,
+                 check_grad=False),
+        ]
     # accumulating writes keep Partial(sum) self and values (linear): the MoE token gather's backward
     # (zeros + index_put accumulate of a tensor-parallel Partial gradient); a whole self is filled
     for mesh, tag, self_place, values_place in ((M2, "values_partial", ["R"], ["P"]),

@@ -190,10 +190,13 @@ ROWS = {
          (T([8, 6], S(1)), 1, T([8, 6], S(1), i64), T([8, 6], S(1))), {}, [S(1), R1, R1], [S(1)], True),
         ("gather_dim_sharded_partial_result", "tp4", aten.gather.default,
          (T([8, 6], S(0)), 0, T([3, 6], R1, i64)), {}, None, [P1], True),
-        # sharded along dim AND another dim: the along-dims rule (dim made whole)
+        # sharded along dim AND another dim: index and src follow self on the other dim
         ("scatter_add_dim_and_other_sharded", "dp2tp2", aten.scatter_add.default,
          (T([8, 6], S(1, 0)), 1, T([8, 6], R1 * 2, i64), T([8, 6], R1 * 2)), {},
-         [S(None, 0), S(None, 0), S(None, 0)], [S(None, 0)], False),
+         [S(1, 0), S(None, 0), S(None, 0)], [S(1, 0)], True),
+        # an index shorter than self on a sharded other dim: the along-dims rule (dim made whole)
+        ("gather_short_index_on_sharded_dim", "dp2tp2", aten.gather.default,
+         (T([8, 6], S(1, 0)), 1, T([5, 6], R1 * 2, i64)), {}, [S(None, None), S(None, None)], [S(None, None)], False),
         ("topk_k_along_whole_dim", "dp2tp2", aten.topk.default, (T([8, 6], S(0, None)), 3, 1), {}, None,
          [S(0, None), S(0, None)], False),
         ("kthvalue_drops_dim", "dp2tp2", aten.kthvalue.default, (T([8, 6, 4], S(0, 2)), 2, 1), {}, None,
