@@ -42,7 +42,25 @@ TINY_CONFIGS: dict = {
                          q_lora_rank=32, qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32, n_group=2,
                          topk_group=1, num_experts_per_tok=4, first_k_dense_replace=1, index_n_heads=2,
                          index_head_dim=16, index_topk=8),
+    # Qwen3-VL-MoE (a Qwen3VLMoeForConditionalGeneration, not an AutoModelForCausalLM; see tiny_model): a MoE
+    # text decoder (8 experts top-4 in every layer, mrope on head_dim 8 = 4 frequencies) and a one-block vision
+    # tower whose merger outputs the text hidden size. The image/video token ids stay the defaults (outside
+    # the tiny vocab) so random text batches hold none; image batches override them below vocab_size.
+    "qwen3_vl_moe": dict(tie_word_embeddings=False,
+                         text_config=dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                                          moe_intermediate_size=16, num_experts=8, num_experts_per_tok=4,
+                                          decoder_sparse_step=1, max_position_embeddings=64, use_cache=False,
+                                          tie_word_embeddings=False,
+                                          rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                               mrope_section=[2, 1, 1], mrope_interleaved=True)),
+                         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
+                                            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32,
+                                            num_position_embeddings=16, deepstack_visual_indexes=[0])),
 }
+
+# Model types whose model class is not an AutoModelForCausalLM: (transformers class name).
+_MODEL_CLASSES = {"qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
 
 
 def tiny_config(model_type: str, **overrides: Any):
@@ -53,15 +71,22 @@ def tiny_config(model_type: str, **overrides: Any):
     values.update(overrides)
     config = AutoConfig.for_model(model_type, **values)
     config._attn_implementation = values.get("attn_implementation", "sdpa")
+    if getattr(config, "vocab_size", None) is None and hasattr(config, "text_config"):
+        config.vocab_size = config.text_config.vocab_size  # what make_batches draws token ids from
     return config
 
 
 def tiny_model(config, seed: int = 0) -> torch.nn.Module:
     """The causal-LM model of `config` with weights drawn from `seed` (identical on every rank)."""
+    import transformers
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)
+    if config.model_type in _MODEL_CLASSES:
+        cls = getattr(transformers, _MODEL_CLASSES[config.model_type])
+        model = cls._from_config(config, attn_implementation=config._attn_implementation)
+    else:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)
     return model.float().train()
 
 
@@ -81,12 +106,14 @@ def make_batches(vocab_size: int, steps: int, batch: int = 4, seq: int = 16, see
 def train(model: torch.nn.Module, batches: list, lr: float = 1e-3, clip: Optional[float] = 1.0,
           on_step: Optional[Callable[[int, float], None]] = None,
           on_backward: Optional[Callable[[int, torch.nn.Module], None]] = None) -> list:
-    """AdamW steps (one per batch) with clip_grad_norm_; returns the loss of every step.
-    `on_backward(step, model)` runs after each backward, before clipping and the step."""
+    """AdamW steps (one per batch) with clip_grad_norm_; returns the loss of every step. A batch is
+    (input_ids, labels), or (input_ids, labels, inputs) with `inputs` a dict of further model inputs
+    (pixel_values, image_grid_thw, ...). `on_backward(step, model)` runs after each backward, before
+    clipping and the step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     losses = []
-    for step, (ids, labels) in enumerate(batches):
-        loss = model(input_ids=ids, labels=labels).loss
+    for step, (ids, labels, *rest) in enumerate(batches):
+        loss = model(input_ids=ids, labels=labels, **(rest[0] if rest else {})).loss
         optimizer.zero_grad()
         loss.backward()
         if on_backward is not None:

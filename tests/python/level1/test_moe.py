@@ -77,3 +77,54 @@ def test_qwen3_5_moe_trains_like_one_device_strict():
 def test_deepseek_v32_trains_like_one_device_strict():
     assert_all_passed(run_cases([_case("deepseek_v32_dp2_tp2", DP2_TP2, *trainer("deepseek_v32"))],
                                 backend="hypershard", timeout=300))
+
+
+
+# Qwen3-VL-MoE (qwen3_vl_moe: Qwen3VLMoeForConditionalGeneration, a MoE text decoder with 8 experts top-4
+# in every layer and M-RoPE, plus a one-block vision tower), text-only batches. Its own tp plan shards the
+# attention (q/k/v colwise, o rowwise); the experts (transformers gives them only an ep plan) and the vision
+# tower stay Replicate on tp.
+def vl_text_trainer():
+    def setup():
+        from hypershard.models import make_batches, tiny_config
+
+        config = tiny_config("qwen3_vl_moe")
+        return config, make_batches(config.vocab_size, STEPS)
+
+    def reference(_dummy):
+        from hypershard.models import tiny_model, train
+
+        config, batches = setup()
+        return torch.tensor(train(tiny_model(config), batches), dtype=torch.float64)
+
+    def distributed(_dummy):
+        import hypershard as hs
+        from hypershard.models import tiny_model
+        from hypershard.parallel import parallelize
+        from hypershard.testing.training import check_training, record_training
+
+        assert hs.is_strict()
+        config, batches = setup()
+        expected = record_training(tiny_model(config), batches)
+        model = parallelize(tiny_model(config), current_mesh())
+        for name, p in model.named_parameters():
+            assert isinstance(p, hs.DTensor), name
+        # Attention really is sharded over tp (axis 1): q_proj [out, in] on out, o_proj on in.
+        attn = model.model.language_model.layers[0].self_attn
+        for weight, dim in ((attn.q_proj.weight, 0), (attn.o_proj.weight, 1)):
+            dims = [list(axes) for axes in hs.layout_of(weight).dim_axes]
+            assert dims == [[1] if d == dim else [] for d in range(2)], hs.layout_of(weight)
+        hs._C.reset_dispatch_stats()
+        got = record_training(model, batches)
+        stats = hs._C.dispatch_stats()
+        assert stats["implicit_calls"] == 0, stats
+        problems, _ = check_training(got, expected)
+        assert not problems, "\n".join(problems)
+        return torch.tensor(got.losses, dtype=torch.float64)
+
+    return reference, distributed
+
+
+def test_qwen3_vl_moe_text_trains_like_one_device_strict():
+    assert_all_passed(run_cases([_case("qwen3_vl_moe_text_dp2_tp2", DP2_TP2, *vl_text_trainer())],
+                                backend="hypershard", timeout=300))
