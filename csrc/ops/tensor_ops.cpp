@@ -14,6 +14,9 @@
 //                                    (the planned shape is a placeholder, see OpPlan::data_shaped);
 //                                    indices are GLOBAL coordinates since the input is whole.
 //                                    argwhere and where(cond) decompose to nonzero.
+//   _is_all_true, _is_any_true,      likewise gathered, a Replicate result shaped by the computation
+//   masked_scatter_backward,         (a bool scalar, the backward's sizes, the repeated indices)
+//   repeat_interleave.Tensor
 //   masked_scatter(_)                masked_select's backward: which source element lands where
 //                                    depends on every earlier mask element, so self, mask and
 //                                    source are whole (gathered) and so is the result
@@ -156,6 +159,12 @@ void register_tensor_ops(Registry& r) {
   r.add("aten::masked_scatter", &gathered_rule, KeyScalars::kNone);
   r.add("aten::masked_scatter_", &gathered_rule, KeyScalars::kNone);
   r.add("aten::masked_select", &gathered_data_shaped_rule, KeyScalars::kNone);
+  // Whole inputs, a Replicate result shaped by the computation too: the all/any checks HF's
+  // torch_compilable_check runs, masked_scatter's backward, repeat_interleave's counts.
+  r.add("aten::_is_all_true", &gathered_data_shaped_rule, KeyScalars::kNone);
+  r.add("aten::_is_any_true", &gathered_data_shaped_rule, KeyScalars::kNone);
+  r.add("aten::masked_scatter_backward", &gathered_data_shaped_rule, KeyScalars::kNone);
+  r.add("aten::repeat_interleave.Tensor", &gathered_data_shaped_rule, KeyScalars::kNone);
   r.add("aten::nonzero", &gathered_data_shaped_rule, KeyScalars::kNone);
 }
 

@@ -1,5 +1,6 @@
 """Level0: ops whose result size depends on the data (nonzero and what decomposes to it --
-argwhere, the one-argument where --, masked_select and its backward masked_scatter_) on real
+argwhere, the one-argument where --, masked_select and its backward masked_scatter_,
+_is_all_true, repeat_interleave's counts, masked_scatter and its backward) on real
 meshes in strict mode, against one device: the inputs are gathered, the result is Replicate with
 GLOBAL coordinates, its shape taken from the computed result (the same on every rank)."""
 
@@ -24,6 +25,10 @@ def cases():
             Case(f"argwhere_{tag}", lambda x: torch.argwhere(x < 0), [flags()], mesh),
             Case(f"masked_select_{tag}", lambda x: torch.masked_select(x, x > 0.3) * 2, [flags(grad=True)], mesh),
             Case(f"nonzero_none_{tag}", lambda x: torch.nonzero(x > 100), [flags()], mesh),
+            Case(f"is_all_true_{tag}", lambda x: torch._is_all_true(x > -100) * x.sum(), [flags(grad=True)], mesh),
+            Case(f"repeat_interleave_counts_{tag}", lambda x: torch.repeat_interleave((x > 0).sum(1)), [flags()], mesh),
+            Case(f"masked_scatter_grad_{tag}", lambda x, y: x.masked_scatter(x > 0, y * 3),
+                 [flags(grad=True), Input((35,))], mesh),
         ]
     return out
 
