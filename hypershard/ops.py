@@ -34,9 +34,7 @@ rules.
 
 from __future__ import annotations
 
-import torch
-
-from . import dtensor as _dtensor  # noqa: F401  (installs the dispatch, which defines the ops)
+import torch  # the ops are defined when hypershard (its dispatch) loads, before this module
 
 __all__ = ["MODES", "rms_norm", "rms_norm_composed", "rotary_mul", "rotary_position_embedding",
            "rotary_position_embedding_composed"]

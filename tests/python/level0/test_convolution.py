@@ -3,7 +3,6 @@ forward and gradients: the batch dim sharded (even and uneven, 1-D and 2-D meshe
 or spatial dim sharded (gathered first), Qwen3.5's causal depthwise conv1d, conv2d with bias and
 groups, a transposed conv1d. grad_weight / grad_bias come out Partial(sum) over the batch axes."""
 
-import torch
 import torch.nn.functional as F
 
 from hypershard.testing import Case, Input, assert_all_passed, run_cases
