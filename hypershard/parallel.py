@@ -33,6 +33,11 @@ Plan styles (HuggingFace names):
 
 ``colwise``/``rowwise`` on an ``nn.Embedding`` shard its weight on dim 1 / dim 0 (transformers' rule).
 
+Tensor parallelism wider than the KV heads (``num_key_value_heads`` not divisible by tp, e.g. 2 KV
+heads on tp=4): the ``k_proj``/``v_proj`` colwise entries become ``replicate`` -- every rank keeps
+every KV head, as Megatron replicates them, and the attention rule cuts the repeated heads its
+query heads need locally. A ``num_attention_heads`` that tp does not divide is refused up front.
+
 MoE experts (Qwen3.5-MoE, DeepSeek-V3, ...): ``experts.gate_up_proj`` packed_colwise,
 ``experts.down_proj`` rowwise and ``experts`` moe_tp_experts make the experts' grouped products
 column- then row-parallel over the intermediate dim, each rank summing its part of every expert's
@@ -192,6 +197,28 @@ def _shard_inputs(mesh, dp_axis: Optional[int]):
     return hook
 
 
+def _text_config(model: nn.Module):
+    config = getattr(model, "config", None)
+    return config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+
+
+def _kv_heads_replicated(model: nn.Module, tp_size: int) -> bool:
+    """Whether the key/value projections must stay whole on the tp axis: fewer KV heads than tp
+    ranks (or a count tp does not divide) cannot be split into whole heads, so each rank keeps
+    every KV head (Megatron replicates them the same way; the attention rule then cuts the
+    repeated heads each rank's query heads need, locally). Query heads that tp does not divide
+    are refused here, naming the config field, rather than deep inside a forward."""
+    text = _text_config(model)
+    heads = getattr(text, "num_attention_heads", None)
+    kv = getattr(text, "num_key_value_heads", None)
+    if tp_size <= 1 or heads is None:
+        return False
+    if heads % tp_size:
+        raise ValueError(f"hypershard: parallelize: config.num_attention_heads={heads} is not divisible by the "
+                         f"tensor-parallel size {tp_size}; allowed: a tp size that divides it")
+    return kv is not None and kv % tp_size != 0
+
+
 def _fail(name: str, style: str, why: str):
     raise ValueError(f"hypershard: parallelize: module {name!r}: plan style {style!r} {why}")
 
@@ -199,8 +226,7 @@ def _fail(name: str, style: str, why: str):
 def _check(model: nn.Module, name: str, module: nn.Module, style: str) -> None:
     """Raises (before any forward) when `style` cannot be honoured on `module`."""
     if style == "mla_kv_a_proj":
-        config = getattr(model, "config", None)
-        text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+        text = _text_config(model)
         rope = getattr(text, "qk_rope_head_dim", None)
         weight = getattr(module, "weight", None)
         if rope is None:
@@ -240,6 +266,10 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Mapping[str, str]] = None
     ep = names.index(ep_axis) if ep_axis in names else None
     tp_plan = (tp_plan_of(model) if plan is None else dict(plan)) if tp is not None else {}
     ep_plan = (ep_plan_of(model) if ep_plan is None else dict(ep_plan)) if ep is not None else {}
+    if tp is not None and tp_plan and _kv_heads_replicated(model, mesh.shape[tp]):
+        tp_plan = {pattern: ("replicate" if pattern.rsplit(".", 1)[-1] in ("k_proj", "v_proj")
+                             and style.startswith("colwise") else style)
+                   for pattern, style in tp_plan.items()}
     # pattern -> (style, mesh axis); the EP plan's keys first (they win where both name a module).
     entries = {pattern: (style, ep) for pattern, style in ep_plan.items()}
     for pattern, style in tp_plan.items():

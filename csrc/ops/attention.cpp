@@ -19,9 +19,10 @@
 // broadcasts and stays whole. The sequence dims (L, S) and the head dims (E, F) must be whole:
 // an input sharded there is an error (attention over a sharded sequence needs ring or
 // all-to-all attention, which is not a local rule). With grouped heads (key/value with Hkv <
-// Hq heads, query head i reading key/value head i / (Hq / Hkv)) the heads can be sharded only
-// when Hkv divides evenly over the sharding axes, so that every rank's query heads read exactly
-// its own key/value heads.
+// Hq heads, query head i reading key/value head i / (Hq / Hkv)) the heads shard alike when Hkv
+// divides evenly over the sharding axes. With more head shards than that (tensor parallelism
+// wider than the KV heads), key and value stay whole on the heads and each rank reads the KV
+// heads its query heads need (replicated_kv); their gradients are then Partial(sum).
 //
 // Partial algebra: attention is not linear in query, key or value: a sum/avg Partial input is
 // an error (max/min Partials are reduced first). The backward is linear in grad_out: a sum/avg
@@ -30,6 +31,11 @@
 // Excluded: the CUDA/NPU attention kernels (_scaled_dot_product_flash_attention,
 // _efficient_attention, npu_fusion_attention: same factors, no CPU test), context parallelism
 // (sharded sequence).
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <utility>
+
 #include "ops/factors.h"
 #include "ops/families.h"
 
@@ -110,12 +116,87 @@ FactorSpec attention_spec(const Attention& a) {
   return spec;
 }
 
-OpPlan finish(const OpCall& call, const Attention& a, const FactorSpec& spec) {
+// Fewer key/value heads than head shards (tensor parallelism wider than the KV heads): key and
+// value stay whole on the heads (every rank holds every KV head, as Megatron replicates them) and
+// each rank's local call reads the KV heads its query heads map to (query head i reads KV head
+// i / group). Valid when every rank's query heads lie within one group or cover whole groups.
+// In the backward, each rank's key/value gradient covers its KV heads only (zeros elsewhere):
+// Partial(sum) over the axes that shard the heads.
+struct ReplicatedKv {
+  LayoutPtr query;  // the planned query layout (its heads sharded)
+  int64_t group = 1;
+};
+
+std::optional<ReplicatedKv> replicated_kv(const OpCall& call, const Attention& a, const FactorPlan& f,
+                                          const std::vector<LayoutPtr>& inputs) {
+  const int64_t hq = call.layout(a.query).global_shape()[1];
+  const int64_t hkv = call.layout(a.key).global_shape()[1];
+  if (hq == hkv || hkv == 0 || hq % hkv != 0) return std::nullopt;
+  int64_t parts = 1;
+  for (size_t axis = 0; axis < f.shard_label.size(); ++axis)
+    if (f.shard_label[axis] == kHeads) parts *= call.mesh->mesh()->shape()[axis];
+  if (parts <= 1 || hkv % parts == 0) return std::nullopt;
+  ReplicatedKv r{inputs[a.query], hq / hkv};
+  for (int64_t pos = 0; pos < call.mesh->mesh()->size(); ++pos) {
+    const int64_t begin = r.query->global_offset_at(pos)[1], length = r.query->local_shape_at(pos)[1];
+    const bool one_group = length == 0 || begin / r.group == (begin + length - 1) / r.group;
+    const bool whole_groups = begin % r.group == 0 && length % r.group == 0;
+    if (!one_group && !whole_groups) return std::nullopt;  // check_grouped_heads names the problem
+  }
+  return r;
+}
+
+// The KV heads [begin, end) this rank's query heads read.
+std::pair<int64_t, int64_t> kv_heads_of(const ReplicatedKv& r, const OpCall& c, int64_t local_heads) {
+  const int64_t begin = r.query->global_offset_at(c.mesh->position())[1];
+  if (local_heads == 0) return {0, 1};
+  return {begin / r.group, (begin + local_heads - 1) / r.group + 1};
+}
+
+LayoutPtr heads_whole(const LayoutPtr& l, layout::PartialOps partial = {}) {
+  auto dims = l->dim_axes();
+  dims[1].clear();
+  return make_layout(*l, l->global_shape(), std::move(dims), std::move(partial));
+}
+
+OpPlan finish(const OpCall& call, const Attention& a, const FactorSpec& spec, bool backward) {
   const auto f = plan_factors(call, spec);
-  check_grouped_heads(call, a, f);
   OpPlan plan;
   plan.inputs = inputs_in_call_order(call, spec, f);
   plan.outputs = f.outputs;
+  const auto kv = replicated_kv(call, a, f, plan.inputs);
+  if (!kv) {
+    check_grouped_heads(call, a, f);
+    return plan;
+  }
+  layout::PartialOps summed(static_cast<size_t>(call.mesh->mesh()->ndim()));
+  for (int64_t axis : kv->query->dim_axes()[1]) summed[axis] = ReduceOp::Sum;
+  plan.inputs[a.key] = heads_whole(plan.inputs[a.key]);
+  plan.inputs[a.value] = heads_whole(plan.inputs[a.value]);
+  if (backward) {
+    plan.outputs[1] = heads_whole(plan.inputs[a.key], summed);
+    plan.outputs[2] = heads_whole(plan.inputs[a.value], summed);
+  }
+  const ReplicatedKv r = *kv;
+  const int64_t key_arg = call.tensors[a.key].arg, value_arg = call.tensors[a.value].arg;
+  const int64_t query_arg = call.tensors[a.query].arg;
+  plan.expand = [r, key_arg, value_arg, query_arg, backward](const OpCall& c, torch::jit::Stack& stack) {
+    const size_t n = c.schema().arguments().size();
+    c10::IValue* args = stack.data() + (stack.size() - n);
+    const at::Tensor key = args[key_arg].toTensor(), value = args[value_arg].toTensor();
+    const auto [begin, end] = kv_heads_of(r, c, args[query_arg].toTensor().size(1));
+    args[key_arg] = key.narrow(1, begin, end - begin);
+    args[value_arg] = value.narrow(1, begin, end - begin);
+    c.op->callBoxed(stack);
+    if (!backward) return;
+    c10::IValue* rets = stack.data() + (stack.size() - 3);
+    for (int i = 1; i <= 2; ++i) {
+      const at::Tensor& like = i == 1 ? key : value;
+      at::Tensor full = at::zeros(like.sizes(), like.options());
+      full.narrow(1, begin, end - begin).copy_(rets[i].toTensor());
+      rets[i] = std::move(full);
+    }
+  };
   return plan;
 }
 
@@ -126,7 +207,7 @@ OpPlan flash_attention_cpu_rule(const OpCall& call) {
   FactorSpec spec = attention_spec(a);
   spec.outputs = {"bhLF", "bhL"};
   spec.out_shapes = {{q[0], q[1], q[2], v[3]}, {q[0], q[1], q[2]}};
-  return finish(call, a, spec);
+  return finish(call, a, spec, false);
 }
 
 OpPlan flash_attention_cpu_backward_rule(const OpCall& call) {
@@ -138,7 +219,7 @@ OpPlan flash_attention_cpu_backward_rule(const OpCall& call) {
   spec.outputs = {"bhLE", "bhSE", "bhSF"};
   spec.out_shapes = {call.layout(a.query).global_shape(), call.layout(a.key).global_shape(),
                      call.layout(a.value).global_shape()};
-  return finish(call, a, spec);
+  return finish(call, a, spec, true);
 }
 
 }  // namespace

@@ -386,7 +386,16 @@ def attention_cases():
              expect_error="attn_mask"))
     add(Case("sdpa_partial_query", sdpa_causal, [I((B, H, L, D), P), I((B, H, L, D)), I((B, H, L, D))], mesh=M2,
              expect_error="not supported by attention"))
-    add(Case("sdpa_gqa_heads_uneven", sdpa_gqa, qkv(S1, hkv=2), mesh=M4, expect_error="cannot be split evenly"))
+    # more head shards than KV heads (tp wider than the KV heads): key/value whole on the heads, each
+    # rank reading the KV heads its query heads need; their gradients Partial(sum)
+    add(C("sdpa_gqa_kv_heads_fewer_than_shards", sdpa_gqa, qkv(S1, hkv=2), mesh=M4))
+    add(C("sdpa_gqa_kv_replicated_8_heads_1_kv", sdpa_gqa,
+          [I((B, 8, L, D), S1), I((B, 1, L, D)), I((B, 1, L, D))], mesh=M4))
+    add(C("sdpa_gqa_kv_replicated_8_heads_2_kv_m22", sdpa_gqa,
+          [I((B, 8, L, D), ["S(1)", "S(1)"]), I((B, 2, L, D)), I((B, 2, L, D))], mesh=M22))
+    # query heads split across a group boundary (3 query heads per KV head over 4 shards): refused
+    add(Case("sdpa_gqa_heads_cut_groups", sdpa_gqa, [I((B, 6, L, D), S1), I((B, 2, L, D)), I((B, 2, L, D))],
+             mesh=M4, expect_error="cannot be split evenly"))
     return c
 
 

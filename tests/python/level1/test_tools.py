@@ -20,6 +20,17 @@ def test_coverage_qwen3_has_no_missing_op():
     assert "FALLBACK" not in result.stdout
 
 
+def test_coverage_qwen3_tp_wider_than_kv_heads():
+    """2 KV heads on tp=4 (real configs have fewer KV heads than a tp group): parallelize keeps the KV
+    projections whole, the attention rule reads each rank's KV heads; no refusal, no fallback, the
+    losses match one device."""
+    result = run("hypershard.coverage", "--model", "qwen3", "--mesh", "tp=4", "--steps", "2",
+                 "--config", "num_key_value_heads=2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert ", 0 served by the fallback" in result.stdout and "; 0 calls whose rule refused" in result.stdout, \
+        result.stdout[-2000:]
+
+
 def test_demo_matches_one_device(tmp_path):
     result = run("hypershard.demo", "--steps", "3", "--out", str(tmp_path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

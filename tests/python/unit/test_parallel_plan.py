@@ -187,3 +187,27 @@ def test_every_style_of_transformers_moe_and_mla_plans_is_known():
     for style in ("colwise", "rowwise", "packed_colwise", "moe_tp_experts", "mla_kv_a_proj",
                   "replicated_with_grad_allreduce", "colwise_gather_output", "grouped_gemm", "ep_router"):
         assert style in STYLES, style
+
+
+def test_tp_wider_than_kv_heads_keeps_kv_projections_whole():
+    """2 KV heads on tp=4: k_proj / v_proj stay Replicate (every rank holds every KV head), q_proj and
+    o_proj keep their colwise / rowwise sharding; with 4 KV heads k_proj is colwise as the plan says."""
+    from hypershard.models import tiny_config, tiny_model
+
+    mesh = PlanningMesh({"tp": 4})
+    for kv, k_spec in ((2, ["R"]), (4, ["S(0)"])):
+        model = parallelize(tiny_model(tiny_config("qwen3", num_key_value_heads=kv)), mesh.device_mesh)
+        attention = model.model.layers[0].self_attn
+        specs = {name: [str(p)[0:1] if str(p).startswith("R") else f"S({p.dim})" for p in
+                        getattr(attention, name).weight.placements] for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        assert specs == {"q_proj": ["S(0)"], "k_proj": k_spec, "v_proj": k_spec, "o_proj": ["S(1)"]}, (kv, specs)
+
+
+def test_query_heads_not_divisible_by_tp_refused_up_front():
+    from hypershard.models import tiny_config, tiny_model
+
+    model = tiny_model(tiny_config("qwen3", num_attention_heads=6, num_key_value_heads=2, head_dim=8))
+    with pytest.raises(ValueError, match=r"config.num_attention_heads=6 is not divisible by the tensor-parallel "
+                                         r"size 4"):
+        parallelize(model, PlanningMesh({"tp": 4}).device_mesh)
+    assert not any(hs._C.is_dtensor(p) for p in model.parameters())  # refused before distributing
