@@ -33,8 +33,10 @@ def mesh_text(spec) -> str:
 
 
 # An op's arguments: ("tensor", shape, placement under the Shard variant) or ("list", count,
-# shape, placement) or ("target", shape, classes, placement); a placement is a Shard dim or None
-# (Replicate). The Replicate variant makes every argument Replicate.
+# shape, placement) or ("target", shape, classes, placement) or ("index", shape, high, placement)
+# (int64 indices in [0, high)) or ("offs", ends, placement) (int32 cumulative group ends, as
+# _grouped_mm's offs); a placement is a Shard dim or None (Replicate). The Replicate variant makes
+# every argument Replicate.
 
 def global_args(spec: list, seed: int) -> list:
     import torch
@@ -46,6 +48,10 @@ def global_args(spec: list, seed: int) -> list:
             out.append(torch.randn(*item[1], generator=g))
         elif item[0] == "list":
             out.append([torch.randn(*item[2], generator=g) for _ in range(item[1])])
+        elif item[0] == "index":
+            out.append(torch.randint(0, item[2], item[1], generator=g))
+        elif item[0] == "offs":
+            out.append(torch.tensor(item[1], dtype=torch.int32))
         else:  # class targets, about a quarter of them ignored (-100), as in HF labels
             target = torch.randint(0, item[2], item[1], generator=g)
             target[torch.rand(item[1], generator=g) < 0.25] = -100

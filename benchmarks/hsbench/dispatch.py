@@ -38,6 +38,17 @@ def op_classes():
         "cross_entropy": ([("tensor", (8, 16), 0), ("target", (8,), 16, 0)], lambda x, t: F.cross_entropy(x, t)),
         "cross_entropy_sum": ([("tensor", (8, 16), 0), ("target", (8,), 16, 0)],
                               lambda x, t: F.cross_entropy(x, t, reduction="sum")),
+        # families added since the first figures (issue 13). Indices stay below 2 so the plain
+        # eager call on a 4-rank shard of 2 rows is valid too.
+        "tril": ([("tensor", (8, 8), 0)], lambda a: torch.tril(a)),
+        "gather": ([("tensor", (8, 8), 0), ("index", (8, 4), 2, 0)], lambda a, i: torch.gather(a, 1, i)),
+        "index_select_owned": ([("tensor", (8, 8), 0), ("index", (4,), 2, None)],
+                               lambda a, i: torch.index_select(a, 0, i)),
+        "cumsum": ([("tensor", (8, 8), 0)], lambda a: torch.cumsum(a, dim=1)),
+        "rfft": ([("tensor", (8, 8), 0)], lambda a: torch.fft.rfft(a, dim=1)),
+        "avg_pool2d": ([("tensor", (8, 2, 4, 4), 0)], lambda x: F.avg_pool2d(x, 2)),
+        "grouped_mm_colwise": ([("tensor", (8, 8), None), ("tensor", (4, 8, 16), 2), ("offs", (2, 4, 6, 8), None)],
+                               lambda x, w, offs: torch._grouped_mm(x, w, offs=offs)),
     }
 
 
@@ -53,7 +64,23 @@ OP_NOTES = {
     "cross_entropy": "F.cross_entropy(logits [8, 16], target [8] with ignored -100 entries), mean; "
                      "Shard: both Shard(0) (batch)",
     "cross_entropy_sum": "the same with reduction='sum'",
+    "tril": "torch.tril(a), [8, 8]; Shard: Shard(0) (the matrix dims sharded, rows)",
+    "gather": "torch.gather(a, 1, index), a [8, 8], index [8, 4]; Shard: both Shard(0) (gathered along the "
+              "unsharded dim)",
+    "index_select_owned": "torch.index_select(a, 0, index), a [8, 8], index [4]; Shard: a Shard(0), index "
+                          "Replicate (by ownership along the sharded dim: a Partial(sum) result)",
+    "cumsum": "torch.cumsum(a, dim=1), [8, 8]; Shard: Shard(0) (along the unsharded dim)",
+    "rfft": "torch.fft.rfft(a, dim=1), [8, 8]; Shard: Shard(0) (along the unsharded dim)",
+    "avg_pool2d": "F.avg_pool2d(x, 2), [8, 2, 4, 4]; Shard: Shard(0) (batch)",
+    "grouped_mm_colwise": "torch._grouped_mm(x, w, offs), x [8, 8] Replicate, w [4, 8, 16] (4 experts), offs "
+                          "[2, 4, 6, 8]; Shard: w Shard(2) (colwise)",
 }
+
+
+# The issue-13 families: torch DTensor redistributes some of them (tril and index_select on a
+# Shard(0) input) through a path CollectiveBytes does not count, so its calls there are timed on
+# every rank (a rank-0-alone sample would wait forever on the other ranks' part of the collective).
+NEW_FAMILIES = ("tril", "gather", "index_select_owned", "cumsum", "rfft", "avg_pool2d", "grouped_mm_colwise")
 
 
 IMPL_NAMES = {"plain": "plain", "hypershard": "hypershard", "hypershard_boxed": "hypershard (fast path off)",
@@ -139,7 +166,9 @@ def dispatch_worker(rank: int, world: int, args: dict) -> dict:
             # An op without collectives is timed on rank 0 alone while the other ranks wait in a
             # barrier (ranks sharing few cores would otherwise preempt each other mid-sample); an
             # op with collectives runs on every rank, the same number of calls everywhere.
-            solo = {impl: collectives[impl] == 0 for impl in fns}
+            solo = {impl: collectives[impl] == 0 and not (impl == "torch_dtensor" and name in NEW_FAMILIES
+                                                         and world > 1)
+                    for impl in fns}
             counts, samples = time_interleaved(fns, solo, rank, args["sample_s"], args["repeats"], setting=path_of)
             if rank != 0:
                 continue  # rank 0 reports

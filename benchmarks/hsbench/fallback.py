@@ -22,10 +22,28 @@ FALLBACK_WORLDS = (1, 2, 4)
 FALLBACK_IMPLS = ("plain", "rule", "fallback")
 
 
+# the indexing/triangular/grouped rows: a [rows, hidden] table sharded on rows (indices below a
+# 4-rank shard's row count, so the plain eager call on any rank's shard is valid too)
+ROWS, HIDDEN, PICKS, OWNED = 2048, 256, 512, 512
+EXPERTS, TOKENS, EXPERT_DIM = 8, 512, 256
+
+
+def _expert_plain(world: int, rank: int):
+    """Plain eager for the expert-sharded _grouped_mm: this rank's experts on their tokens' rows."""
+    import torch
+
+    per, ends = EXPERTS // world, [TOKENS * (e + 1) // EXPERTS for e in range(EXPERTS)]
+    start = 0 if rank == 0 else ends[rank * per - 1]
+    stop = ends[(rank + 1) * per - 1]
+    offs = torch.tensor([e - start for e in ends[rank * per:(rank + 1) * per]], dtype=torch.int32)
+    return lambda x, w, _offs: torch._grouped_mm(x[start:stop], w, offs=offs)
+
+
 def fallback_ops():
     """name -> (arguments as in common.global_args with their Shard placements, op, the ATen ops
-    whose rules are switched off for the fallback's timing). Every rule here runs on the local
-    shards without a collective."""
+    whose rules are switched off for the fallback's timing[, plain(world, rank) -> the plain eager
+    op on the local arguments where that is not op itself]). Every rule here runs on the local
+    shards without a collective (a read by ownership leaves a Partial(sum) result unreduced)."""
     import torch
     import torch.nn.functional as F
 
@@ -38,6 +56,20 @@ def fallback_ops():
         # F.linear with a bias reaches aten::addmm (after aten::t, a view that keeps its rule)
         "linear": ([("tensor", (8, 8), None), ("tensor", (16, 8), 0), ("tensor", (16,), 0)],
                    lambda x, w, b: F.linear(x, w, b), ("aten::addmm",)),
+        # indexing by ownership along the sharded dim: nothing of the table gathered natively
+        "index_select_owned": ([("tensor", (ROWS, HIDDEN), 0), ("index", (PICKS,), OWNED, None)],
+                               lambda t, i: torch.index_select(t, 0, i), ("aten::index_select",)),
+        "gather_owned": ([("tensor", (ROWS, HIDDEN), 0), ("index", (PICKS, HIDDEN), OWNED, None)],
+                         lambda t, i: torch.gather(t, 0, i), ("aten::gather",)),
+        "index_add_owned": ([("tensor", (ROWS, HIDDEN), 0), ("index", (PICKS,), OWNED, None),
+                             ("tensor", (PICKS, HIDDEN), None)],
+                            lambda t, i, src: t.index_add_(0, i, src), ("aten::index_add_",)),
+        "tril_rows": ([("tensor", (1024, 1024), 0)], lambda a: torch.tril(a), ("aten::tril",)),
+        "triu_rows": ([("tensor", (1024, 1024), 0)], lambda a: torch.triu(a, 1), ("aten::triu",)),
+        "grouped_mm_expert": ([("tensor", (TOKENS, EXPERT_DIM), None), ("tensor", (EXPERTS, EXPERT_DIM, EXPERT_DIM), 0),
+                               ("offs", tuple(TOKENS * (e + 1) // EXPERTS for e in range(EXPERTS)), None)],
+                              lambda x, w, offs: torch._grouped_mm(x, w, offs=offs), ("aten::_grouped_mm",),
+                              _expert_plain),
     }
 
 
@@ -48,6 +80,17 @@ FALLBACK_NOTES = {
     "softmax": "torch.softmax(a, dim=1), [8, 8] Shard(0)",
     "mm": "torch.mm(a, b), [8, 8] Shard(0) @ [8, 8] Replicate",
     "linear": "F.linear(x, w, b), x [8, 8] Replicate, w [16, 8] and b [16] Shard(0) (colwise)",
+    "index_select_owned": f"torch.index_select(t, 0, index), t [{ROWS}, {HIDDEN}] Shard(0), index [{PICKS}] "
+                          "Replicate (by ownership: a Partial(sum) result)",
+    "gather_owned": f"torch.gather(t, 0, index), t [{ROWS}, {HIDDEN}] Shard(0), index [{PICKS}, {HIDDEN}] "
+                    "Replicate (by ownership: a Partial(sum) result)",
+    "index_add_owned": f"t.index_add_(0, index, src), t [{ROWS}, {HIDDEN}] Shard(0), index [{PICKS}] and src "
+                       f"[{PICKS}, {HIDDEN}] Replicate (each rank adds the rows it owns; t keeps Shard(0))",
+    "tril_rows": "torch.tril(a), [1024, 1024] Shard(0)",
+    "triu_rows": "torch.triu(a, 1), [1024, 1024] Shard(0)",
+    "grouped_mm_expert": f"torch._grouped_mm(x, w, offs), x [{TOKENS}, {EXPERT_DIM}] Replicate, w [{EXPERTS}, "
+                         f"{EXPERT_DIM}, {EXPERT_DIM}] Shard(0) (expert parallel: a Partial(sum) result), offs "
+                         "Replicate",
 }
 
 
@@ -78,7 +121,8 @@ def fallback_worker(rank: int, world: int, args: dict) -> dict:
         return t.tolist()
 
     out: dict = {}
-    for index, (name, (spec, op, rule_ops)) in enumerate(fallback_ops().items()):
+    for index, (name, (spec, op, rule_ops, *plain_of)) in enumerate(fallback_ops().items()):
+        plain_op = plain_of[0](world, rank) if plain_of else op
         values = global_args(spec, seed=index)
         entry: dict = {"op": FALLBACK_NOTES[name], "rules_switched_off": list(rule_ops)}
         case_start = time.perf_counter()
@@ -101,7 +145,7 @@ def fallback_worker(rank: int, world: int, args: dict) -> dict:
         # collectives it runs, and which path served it (fallback_calls must grow for the fallback
         # only, or this section would be timing the rule twice)
         expected = op(*placed_args(spec, values, False, lambda t, d: t.clone()))
-        check, collectives, fallback_calls, gathered = {}, {"plain": 0}, {}, {}
+        check, collectives, fallback_calls, gathered, sent, placements = {}, {"plain": 0}, {}, {}, {}, {}
         for impl in FALLBACK_IMPLS[1:]:
             try:
                 a = placed_args(spec, values, True, maker(impl))
@@ -111,6 +155,8 @@ def fallback_worker(rank: int, world: int, args: dict) -> dict:
                     result = op(*a)
                 after = hs._C.dispatch_stats()
                 collectives[impl] = hs._C.traffic()["collectives"]
+                sent[impl] = hs._C.traffic()["bytes_sent"]
+                placements[impl] = str(list(getattr(result, "placements", [])))
                 fallback_calls[impl] = after["fallback_calls"] - before["fallback_calls"]
                 gathered[impl] = after["fallback_bytes"] - before["fallback_bytes"]
                 check[impl] = bool(same_values(full_value(result), expected))
@@ -118,6 +164,10 @@ def fallback_worker(rank: int, world: int, args: dict) -> dict:
                 check[impl] = error_text(exc)
         entry["matches_one_device"] = check
         entry["fallback_calls_per_call"] = fallback_calls
+        # bytes this rank sent in the op's own collectives (a Partial result's later reduction not
+        # counted), and the result's placements
+        entry["bytes_sent_per_call"] = sent
+        entry["result_placements"] = placements
         path_ok = fallback_calls.get("fallback", 0) > 0 and fallback_calls.get("rule", 1) == 0
         raised = any(isinstance(c, str) for c in check.values())
         # every rank must take the same decision: the timing below runs collectives
@@ -130,7 +180,8 @@ def fallback_worker(rank: int, world: int, args: dict) -> dict:
                 entry["error"] = next(c for c in check.values() if isinstance(c, str))
             out[name] = entry
             continue
-        fns = {impl: (lambda a=placed_args(spec, values, True, maker(impl)): op(*a)) for impl in FALLBACK_IMPLS}
+        fns = {impl: (lambda a=placed_args(spec, values, True, maker(impl)), f=plain_op if impl == "plain" else op: f(*a))
+               for impl in FALLBACK_IMPLS}
         collectives = dict(zip(FALLBACK_IMPLS, agreed([collectives[i] for i in FALLBACK_IMPLS], dist.ReduceOp.MAX)))
         solo = {impl: collectives[impl] == 0 for impl in fns}
         before = hs._C.dispatch_stats()

@@ -210,15 +210,16 @@ def _target_lines(t: dict) -> list:
 def _fallback_lines(f) -> list:
     if not f:
         return []
-    lines = ["## Fallback vs native rule (µs per call, tiny sharded tensors)", "",
+    lines = ["## Fallback vs native rule (µs per call; tiny sharded tensors, the indexing, triangular and grouped rows at realistic sizes)", "",
              "Ops that have a distributed rule, timed side by side: on their rule (local shards), through "
              "the fallback with the rule switched off (`_C.set_rule_enabled(op, False)`: inputs gathered to "
              "Replicate, the op computed on the global values, outputs Replicate) and plain eager on the "
              "local shard. Gathered = the global bytes of the sharded inputs one fallback call gathered "
-             "(`dispatch_stats()[\"fallback_bytes\"]`); collectives = those one fallback call issued.", "",
+             "(`dispatch_stats()[\"fallback_bytes\"]`); collectives = those one fallback call issued; sent = the "
+             "bytes rank 0 sent in one call's collectives (`_C.traffic()`), rule / fallback.", "",
              f"| mesh | op | plain | rule | fallback | rule / plain (≤ {OVERHEAD_TARGET:.1f}×) | fallback / rule "
-             "| gathered bytes per call | collectives per call |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| gathered bytes per call | collectives per call | sent bytes per call, rule / fallback |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for vkey, ops in f.get("variants", {}).items():
         for name, r in ops.items():
             bad = [f"{impl} {'≠ one device' if c is False else 'raised: ' + str(c)[:80]}"
@@ -230,7 +231,9 @@ def _fallback_lines(f) -> list:
                          f"| {_f(r.get('plain_us'))} | {_f(r.get('rule_us'))} | {_f(r.get('fallback_us'))} "
                          f"| {_f(r.get('rule_vs_plain'), '{:.2f}x')} | {_times(r.get('fallback_vs_rule'))} "
                          f"| {_f(r.get('fallback_bytes_per_call'), '{:,.0f}')} "
-                         f"| {_f(r.get('collectives_per_call', {}).get('fallback'), '{}')} |")
+                         f"| {_f(r.get('collectives_per_call', {}).get('fallback'), '{}')} "
+                         f"| {_f(r.get('bytes_sent_per_call', {}).get('rule'), '{:,.0f}')} / "
+                         f"{_f(r.get('bytes_sent_per_call', {}).get('fallback'), '{:,.0f}')} |")
     lines += ["", "Geometric means over the ops (medians; and from each implementation's fastest sample):", "",
               "| mesh | rule / plain | fallback / rule | rule / plain (fastest) | fallback / rule (fastest) |",
               "|---|---:|---:|---:|---:|"]
