@@ -229,6 +229,9 @@ def run_dispatch(args: argparse.Namespace, log: Callable) -> dict:
                           "geomean_overhead_ratio": geomean([r["overhead_ratio_vs_torch_dtensor"]
                                                               for r in ops.values()]),
                           "geomean_ratio_vs_plain_best": geomean([r["ratio_vs_plain_best"] for r in ops.values()]),
+                          # the same over the issue-13 families alone
+                          "geomean_ratio_vs_plain_new_families": geomean([r["ratio_vs_plain"] for n, r in ops.items()
+                                                                          if n in NEW_FAMILIES]),
                           "geomean_speedup_vs_torch_dtensor_best": geomean([r["speedup_vs_torch_dtensor_best"]
                                                                              for r in ops.values()])}
                       for v, ops in variants.items()}

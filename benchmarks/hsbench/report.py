@@ -64,6 +64,11 @@ def markdown(results: dict) -> str:
                          f"| {_f(g['geomean_overhead_ratio'], '{:.1f}x')} "
                          f"| {_f(g['geomean_ratio_vs_plain_best'], '{:.2f}x')} "
                          f"| {_f(g['geomean_speedup_vs_torch_dtensor_best'], '{:.2f}x')} |")
+        fam = {v: g.get("geomean_ratio_vs_plain_new_families") for v, g in d.get("summary", {}).items()}
+        if any(fam.values()):
+            lines += ["", "Over the issue-13 families alone (tril, gather, index_select_owned, cumsum, rfft, "
+                          "avg_pool2d, grouped_mm_colwise), ratio vs plain: "
+                      + ", ".join(f"{v.replace('rank_', ' rank, ')} {_f(x, '{:.2f}x')}" for v, x in fam.items()) + "."]
         ref = d.get("info", {}).get("4rank_gloo_all_reduce_us")
         if ref:
             lines += ["", f"For scale: one bare gloo `all_reduce` of 2 floats over the 4 ranks takes "
