@@ -5,11 +5,18 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <array>
+#include <cstdint>
 #include <tuple>
 #include <vector>
 
 namespace hypershard::kernels {
+
+// at::parallel_for grain for loops over rows of `row_elements` each: about 32k elements per task.
+inline int64_t row_grain(int64_t row_elements) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elements, 1));
+}
 
 // autograd_support.cpp: for a backward op's autograd kernel that ran below autograd: when grad
 // mode is on and an input requires grad (create_graph=True), `outputs` get a grad_fn that raises

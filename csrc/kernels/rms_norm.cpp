@@ -44,7 +44,6 @@ std::vector<int64_t> stats_shape(const at::Tensor& x, int64_t k) {
   return shape;
 }
 
-int64_t grain(int64_t n) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)); }
 
 }  // namespace
 
@@ -65,7 +64,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x_in, const at
     const acc_t* wp = weight.const_data_ptr<acc_t>();
     acc_t* rp = rstd.mutable_data_ptr<acc_t>();
     const bool direct = y_work.scalar_type() == x.scalar_type();
-    at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* xr = xp + r * n;
         acc_t squares = 0;
@@ -111,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
       const acc_t* rp = rstd.const_data_ptr<acc_t>();
       scalar_t* dxp = dx.defined() ? dx.mutable_data_ptr<scalar_t>() : nullptr;
       acc_t* dwp = dweight_full.defined() ? dweight_full.mutable_data_ptr<acc_t>() : nullptr;
-      at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
           const acc_t* gr = gp + r * n;
           const scalar_t* xr = xp + r * n;

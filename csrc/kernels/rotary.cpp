@@ -64,7 +64,6 @@ struct RowOffsets {
   }
 };
 
-int64_t grain(int64_t d) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(d, 1)); }
 
 }  // namespace
 
@@ -215,8 +214,8 @@ HS_VECTOR_CLONES void backward_rows(int64_t begin, int64_t end, int64_t base, in
 // transient float memory of one block only.
 constexpr int64_t kBlockElements = int64_t{1} << 18;
 
-// Calls fn(first_row, row_count, views...) per block; each view is the block of one [rows, d]
-// tensor in the opmath type (the tensor itself where it already is).
+// Calls fn(first_row, row_count) per block of rows: blocks of ~kBlockElements when the rows are
+// widened (transient float copies), else one block of every row.
 template <typename Fn>
 void for_each_block(int64_t rows, int64_t d, bool widen, Fn fn) {
   const int64_t block = widen ? std::max<int64_t>(1, kBlockElements / std::max<int64_t>(d, 1)) : rows;
@@ -245,7 +244,7 @@ at::Tensor rotary_position_embedding_cpu(const at::Tensor& x_in, const at::Tenso
       const scalar_t* xp = xb.const_data_ptr<scalar_t>();
       scalar_t* yp = yb.mutable_data_ptr<scalar_t>();
       const scalar_t *cp = cos.const_data_ptr<scalar_t>(), *sp = sin.const_data_ptr<scalar_t>();
-      at::parallel_for(first, first + count, grain(d), [&](int64_t begin, int64_t end) {
+      at::parallel_for(first, first + count, row_grain(d), [&](int64_t begin, int64_t end) {
         forward_rows<scalar_t>(begin, end, first, d, mode, offsets, xp, cp, sp, yp);
       });
       if (widen) y_rows.narrow(0, first, count).copy_(yb);
@@ -288,7 +287,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_position_embedding_backwar
         const scalar_t* gp = gb.const_data_ptr<scalar_t>();
         const scalar_t* xp = xb.defined() ? xb.const_data_ptr<scalar_t>() : nullptr;
         scalar_t* dxp = dxb.defined() ? dxb.mutable_data_ptr<scalar_t>() : nullptr;
-        at::parallel_for(first, first + count, grain(d), [&](int64_t begin, int64_t end) {
+        at::parallel_for(first, first + count, row_grain(d), [&](int64_t begin, int64_t end) {
           backward_rows<scalar_t>(begin, end, first, d, mode, offsets, gp, xp, cp, sp, dxp, dcp, dsp);
         });
         if (dxb.defined() && x_in.scalar_type() != acc_type) dx_rows.narrow(0, first, count).copy_(dxb);

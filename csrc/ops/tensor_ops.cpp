@@ -123,10 +123,7 @@ at::Tensor one_hot_kernel(const at::Tensor& self, int64_t num_classes) {
 OpPlan gathered_data_shaped_rule(const OpCall& call) {
   OpPlan plan;
   for (const auto& t : call.tensors) plan.inputs.push_back(replicate_like(*t.layout, t.layout->global_shape()));
-  const int64_t ndim = call.layout(0).ndim();
-  std::vector<int64_t> placeholder = call.name() == "aten::nonzero" ? std::vector<int64_t>{0, ndim}
-                                                                    : std::vector<int64_t>{0};
-  plan.outputs.push_back(replicate_like(call.layout(0), std::move(placeholder)));
+  plan.outputs.push_back(replicate_like(call.layout(0), {0}));  // any shape: the dispatch replaces it
   plan.data_shaped = true;
   return plan;
 }
