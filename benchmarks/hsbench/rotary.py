@@ -24,7 +24,7 @@ from typing import Callable
 
 from .common import error_text, full_value, geomean, rank0_per_world, ratio, summary
 from .memory import malloc_trim, reset_peak_rss, set_mmap_threshold, vm_kib
-from .timing import slowest_rank
+from .timing import calibrate_one_call, time_interleaved
 
 ROTARY_SHAPE = (4, 16, 512, 128)        # x: B, N (heads), S, D
 ROTARY_QUICK_SHAPE = (2, 8, 256, 128)
@@ -79,41 +79,12 @@ def _rel_err(result, expected) -> float:
 
 
 def time_rotating(fns: dict, solo: dict, rank: int, sample_s: float, repeats: int) -> tuple:
-    """(calls per sample, {impl: [ms per call]}): 2 warm-up calls per implementation, then
-    `repeats` samples each, the starting implementation rotated every repeat, a barrier before
-    each sample, the garbage collector off inside it. solo[impl]: timed on rank 0 alone (it runs
-    no collective) while the other ranks wait; otherwise on every rank, the same calls everywhere."""
-    import torch.distributed as dist
-
-    counts = {}
-    for impl, fn in fns.items():
-        if solo[impl] and rank != 0:
-            continue
-        fn()
-        start = time.perf_counter()
-        fn()
-        elapsed = time.perf_counter() - start
-        if not solo[impl]:
-            elapsed = slowest_rank(elapsed)
-        counts[impl] = max(1, round(sample_s / max(elapsed, 1e-9)))
-    gc.collect()
-    samples: dict = {impl: [] for impl in fns}
-    order = list(fns)
-    for rep in range(repeats):
-        for impl in order[rep % len(order):] + order[:rep % len(order)]:
-            gc.collect(0)
-            dist.barrier()
-            if solo[impl] and rank != 0:
-                continue
-            fn, n = fns[impl], counts[impl]
-            gc.disable()
-            start = time.perf_counter()
-            for _ in range(n):
-                fn()
-            elapsed = time.perf_counter() - start
-            gc.enable()
-            samples[impl].append(elapsed / n * 1e3)
-    return counts, samples
+    """(calls per sample, {impl: [ms per call]}): timing.time_interleaved (a barrier before each
+    sample, the starting implementation rotated every repeat, the garbage collector off inside a
+    sample; solo implementations on rank 0 alone), calibrated from one timed call after a warm-up
+    one: these calls take milliseconds."""
+    counts, samples = time_interleaved(fns, solo, rank, sample_s, repeats, calibration=calibrate_one_call)
+    return counts, {impl: [us / 1e3 for us in values] for impl, values in samples.items()}
 
 
 def peak_extra_mb(fn: Callable):

@@ -28,6 +28,16 @@ def calibrate(fn: Callable, target_s: float, slowest: Callable) -> int:
         n *= 4
 
 
+def calibrate_one_call(fn: Callable, target_s: float, slowest: Callable) -> int:
+    """Calls per sample from one timed call after one warm-up call (at least 1): for calls of
+    milliseconds, where calibrate's 10 or more calls per sample would make a run slow."""
+    fn()
+    start = time.perf_counter()
+    fn()
+    elapsed = slowest(time.perf_counter() - start)
+    return max(1, round(target_s / max(elapsed, 1e-9)))
+
+
 def slowest_rank(elapsed: float) -> float:
     """The maximum of `elapsed` over the ranks."""
     import torch
@@ -40,7 +50,7 @@ def slowest_rank(elapsed: float) -> float:
 
 def time_interleaved(fns: dict, solo: dict, rank: int, sample_s: float, repeats: int,
                      setting: Callable = lambda impl: contextlib.nullcontext(),
-                     warm_first: bool = False) -> tuple:
+                     warm_first: bool = False, calibration: Callable = calibrate) -> tuple:
     """Times every implementation in fns ({impl: fn}) -> (calls per sample, {impl: [µs per call]}).
 
     solo[impl]: the implementation runs no collective, so it is timed on rank 0 alone while the
@@ -48,16 +58,17 @@ def time_interleaved(fns: dict, solo: dict, rank: int, sample_s: float, repeats:
     mid-sample); otherwise every rank runs it, the same number of calls everywhere.
     setting(impl): a context the implementation's calls run in (switches a global mode).
     warm_first: one untimed call after entering the setting, before each sample (a setting that
-    invalidates a cache would otherwise charge the first call's miss to the sample)."""
+    invalidates a cache would otherwise charge the first call's miss to the sample).
+    calibration(fn, sample_s, slowest) -> calls per sample (calibrate, or calibrate_one_call)."""
     import torch.distributed as dist
 
     counts = {}
     for impl, fn in fns.items():
         with setting(impl):
             if not solo[impl]:
-                counts[impl] = calibrate(fn, sample_s, slowest_rank)
+                counts[impl] = calibration(fn, sample_s, slowest_rank)
             elif rank == 0:
-                counts[impl] = calibrate(fn, sample_s, lambda e: e)
+                counts[impl] = calibration(fn, sample_s, lambda e: e)
     gc.collect()
     samples: dict = {impl: [] for impl in fns}
     order = list(fns)
