@@ -69,6 +69,7 @@ from .dtensor import (  # noqa: E402
 )
 from .parallel import parallelize  # noqa: E402
 from . import ops  # noqa: E402
+from . import checkpoint  # noqa: E402  (also gives DTensors DCP's save/load protocol)
 
 LayoutError.__module__ = __name__  # shown as hypershard.LayoutError in tracebacks
 
@@ -100,6 +101,7 @@ __all__ = [
     "Span",
     "StepKind",
     "alias",
+    "checkpoint",
     "chunk_span",
     "from_alias",
     "from_placements",
