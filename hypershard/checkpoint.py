@@ -333,6 +333,20 @@ def _export_names(model: torch.nn.Module, state: dict) -> list:
     return [name for name in state if name in keep]
 
 
+def _checkpoint_format(model: torch.nn.Module, tensors: dict) -> dict:
+    """The tensors under the names and shapes of the model's checkpoint format: transformers 5
+    fuses some weights when loading (MoE experts into one [experts, ...] tensor) and its
+    save_pretrained splits them back (revert_weight_conversion); so does this export."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # another transformers: the model's own names
+        return tensors
+    if not isinstance(model, PreTrainedModel):
+        return tensors
+    return {name: tensor.contiguous() for name, tensor in revert_weight_conversion(model, tensors).items()}
+
+
 def export_hf(model: torch.nn.Module, directory, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
     """Writes `model` as a HuggingFace ``save_pretrained`` folder (safetensors, plus the index
     when there are several files, config.json and generation_config.json when the model has
@@ -362,6 +376,7 @@ def export_hf(model: torch.nn.Module, directory, *, max_shard_bytes: int = DEFAU
     file_names = (["model.safetensors"] if count == 1 else
                   [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
     _barrier()  # the folder exists before any rank writes into it
+    written: dict = {}  # file name -> the keys this rank wrote into it
     with torch.no_grad():
         for index, members in enumerate(files):
             mine = index % world == rank
@@ -372,10 +387,16 @@ def export_hf(model: torch.nn.Module, directory, *, max_shard_bytes: int = DEFAU
                 if mine:
                     tensors[name] = full.detach().contiguous().clone()
             if mine:
+                tensors = _checkpoint_format(model, tensors)
+                written[file_names[index]] = sorted(tensors)
                 save_file(tensors, str(directory / file_names[index]), metadata={"format": "pt"})
+    if world > 1:  # the key names each file holds (after the format conversion), for the index
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, written)
+        written = {file: keys for part in gathered for file, keys in part.items()}
     if rank == 0:
         if count > 1:
-            weight_map = {name: file_names[i] for i, members in enumerate(files) for name in members}
+            weight_map = {name: file for file in file_names for name in written[file]}
             total = sum(state[n].numel() * state[n].element_size() for n in names)
             (directory / "model.safetensors.index.json").write_text(json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))

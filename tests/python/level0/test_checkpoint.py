@@ -246,3 +246,40 @@ def test_killed_save_leaves_no_complete_checkpoint(tmp_path):
     assert latest(tmp_path) == tmp_path / "step_00000001"
     with pytest.raises(RuntimeError, match="not a complete checkpoint"):
         load(tmp_path / "step_00000002", _model(None))
+
+
+def _export(rank, world, root, model_type, mesh_spec):
+    from hypershard import checkpoint
+    from hypershard.models import tiny_config, tiny_model
+    from hypershard.parallel import parallelize
+
+    import hypershard as hs
+
+    overrides = UNEVEN if model_type == "qwen3" else {}
+    model = parallelize(tiny_model(tiny_config(model_type, **overrides)), hs.init_device_mesh("cpu", *mesh_spec))
+    expected = {name: _full(t) for name, t in model.state_dict().items()}
+    checkpoint.export_hf(model, Path(root, model_type), max_shard_bytes=16_000)  # several files
+    if rank == 0:
+        torch.save(expected, Path(root, f"expected_{model_type}.pt"))
+    return "exported"
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_moe_text"])
+def test_export_hf_loads_with_from_pretrained(tmp_path, model_type):
+    """export_hf from dp=2 x tp=2 shards writes a save_pretrained folder (several safetensors files,
+    their index, config.json; MoE experts split back into transformers' checkpoint format) that
+    from_pretrained loads on one device with the distributed model's exact values."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    spawn_local_ranks(_export, 4, str(tmp_path), model_type, MESHES4["dp2_tp2"], timeout=TIMEOUT)
+    folder = tmp_path / model_type
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert len(files) > 2 and sorted(set(index["weight_map"].values())) == files
+    assert (folder / "config.json").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(folder).float().state_dict()
+    expected = torch.load(tmp_path / f"expected_{model_type}.pt")
+    assert sorted(loaded) == sorted(expected)
+    assert [n for n in expected if not torch.equal(loaded[n], expected[n])] == []
