@@ -14,6 +14,9 @@ Sections (see benchmarks/README.md for what each measures and how; the code is i
               cat/neg/mul/stack, forward and forward + backward, modes 0/1/3, float32 and bfloat16:
               plain tensors on one device, and DTensors on a 2-rank mesh (x sharded on heads or
               batch, strict mode) with torch DTensor running the composed form alongside
+  checkpoint  sharded checkpoints (hypershard.checkpoint, torch DCP) of a Qwen3 + AdamW state on
+              dp2 x tp2 vs full_tensor() + torch.save on rank 0: save/load seconds, bytes written
+              per rank, rank 0's peak memory over a save, a resharding load into tp4
   step        training step of a tiny HF Qwen3 on 4 CPU ranks (dp2 x tp2, tp4): hypershard
               parallelize() vs torch DTensor tensor parallelism vs one device, each also with the
               other way of summing data-parallel gradients (per parameter / bucketed); a dp2 x tp2
@@ -25,7 +28,7 @@ Sections (see benchmarks/README.md for what each measures and how; the code is i
 
 Writes bench/results.json, bench/RESULTS.md and bench/results.png and prints the tables.
 
-    .venv/bin/python benchmarks/run.py [--quick] [--sections dispatch,fallback,rotary,step,memory] [--out bench]
+    .venv/bin/python benchmarks/run.py [--quick] [--sections dispatch,fallback,rotary,checkpoint,step,memory] [--out bench]
 """
 
 from __future__ import annotations
@@ -51,9 +54,10 @@ from hsbench.fallback import run_fallback  # noqa: E402
 from hsbench.memory import MEMORY_CONFIG  # noqa: E402
 from hsbench.report import markdown, targets  # noqa: E402
 from hsbench.rotary import run_rotary  # noqa: E402
+from hsbench.checkpoint import run_checkpoint  # noqa: E402
 from hsbench.training import run_steps  # noqa: E402
 
-SECTIONS = ("dispatch", "fallback", "rotary", "step", "memory")
+SECTIONS = ("dispatch", "fallback", "rotary", "checkpoint", "step", "memory")
 
 
 def main(argv=None) -> int:
@@ -100,6 +104,8 @@ def main(argv=None) -> int:
         results["fallback"] = run_fallback(args, log)
     if "rotary" in sections:
         results["rotary"] = run_rotary(args, log)
+    if "checkpoint" in sections:
+        results["checkpoint"] = run_checkpoint(args, log)
     if "step" in sections or "memory" in sections:
         step, traffic, cache, memory = run_steps(args, log, with_memory="memory" in sections)
         if "step" in sections:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .common import geomean
 from .dispatch import IMPL_NAMES
+from .checkpoint import checkpoint_lines
 from .rotary import rotary_lines
 from .training import STEP_MESHES
 
@@ -76,6 +77,7 @@ def markdown(results: dict) -> str:
         lines.append("")
     lines += _fallback_lines(results.get("fallback"))
     lines += rotary_lines(results.get("rotary"))
+    lines += checkpoint_lines(results.get("checkpoint"))
     s = results.get("step")
     if s:
         lines += ["## Training step, Qwen3 on 4 CPU ranks (s per step)", "",
