@@ -1,0 +1,252 @@
+"""The SFT training loop that every rank runs: tokenizer, data, model (a local HF directory or a tiny
+config), parallelize() on the mesh, AdamW + clip_grad_norm_ + warmup/cosine LambdaLR, gradient
+accumulation over micro-batches, checkpoints (hypershard.checkpoint), losses.json and loss_curve.png."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .data import (collate, check_batch_sizes, encode_all, fail, global_batch, load_records, lr_factor,
+                   micro_batches, to_messages, trained_tokens, warmup_steps)
+
+CRASH_ENV = "HYPERSHARD_SFT_CRASH_AT_STEP"      # fault injection: a rank exits in the middle of this step
+CRASH_RANK_ENV = "HYPERSHARD_SFT_CRASH_RANK"    # which rank (default 1, or 0 on one rank)
+# Arguments a resumed run must share with the checkpoint: they fix the data order, the schedule and
+# the model. The mesh and --micro-batch-size may change (the same gradient up to rounding).
+RESUME_MUST_MATCH = ("model", "tokenizer", "data", "format", "cutoff_len", "batch_size", "epochs", "max_steps",
+                     "lr", "warmup_steps", "warmup_ratio", "min_lr_ratio", "weight_decay", "clip", "seed")
+
+
+def tiny_types() -> list:
+    from hypershard.models import _MODEL_CLASSES, TINY_CONFIGS
+    return sorted(t for t in TINY_CONFIGS if t not in _MODEL_CLASSES)
+
+
+def load_tokenizer(path):
+    """A transformers tokenizer from a local directory (never the hub)."""
+    from transformers import AutoTokenizer
+
+    if path is None or not Path(path).is_dir():
+        fail(f"tokenizer {str(path)!r} is not a directory", "--tokenizer DIR (a saved tokenizer), or a --model DIR "
+                                                           "that holds one")
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
+        fail(f"tokenizer {str(path)!r} has neither a pad nor an eos token", "a tokenizer with one of them")
+    return tokenizer
+
+
+def pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def build_model(model: str, vocab: int, seed: int, cutoff_len: int):
+    """--model DIR: from_pretrained (float32, local files only); a tiny type: tiny_config with the
+    tokenizer's vocabulary rounded up to a multiple of 8 (tp sizes up to 8 divide it)."""
+    from hypershard.models import TINY_CONFIGS, tiny_config, tiny_model
+
+    if Path(model).is_dir():
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        net = AutoModelForCausalLM.from_pretrained(model, local_files_only=True, dtype=torch.float32,
+                                                   attn_implementation="sdpa")
+        size = net.get_input_embeddings().weight.shape[0]
+        if size < vocab:
+            fail(f"model {model!r} has {size} embeddings, fewer than the tokenizer's {vocab} tokens",
+                 "a tokenizer whose vocabulary the model covers")
+        return net.float().train()
+    if model not in tiny_types():
+        fail(f"--model {model!r} is neither a directory nor a tiny model type", f"a directory, or {tiny_types()}")
+    overrides = {"vocab_size": 8 * math.ceil(vocab / 8)}
+    if "max_position_embeddings" in TINY_CONFIGS[model]:
+        overrides["max_position_embeddings"] = max(TINY_CONFIGS[model]["max_position_embeddings"], cutoff_len)
+    return tiny_model(tiny_config(model, **overrides), seed=seed)
+
+
+def prepare_data(args) -> tuple:
+    """(tokenizer, [(input_ids, labels), ...]) from the arguments; the same on every rank."""
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    examples = encode_all(to_messages(load_records(args.data), args.format), tokenizer, args.cutoff_len)
+    return tokenizer, examples
+
+
+def schedule(args, n_examples: int) -> tuple:
+    """(steps per epoch, total steps, warmup steps)."""
+    per_epoch = n_examples // args.batch_size
+    total = args.max_steps if args.max_steps else args.epochs * per_epoch
+    if total < 1:
+        fail(f"{total} training steps (--epochs {args.epochs}, --max-steps {args.max_steps})", "at least one step")
+    return per_epoch, total, warmup_steps(total, args.warmup_steps, args.warmup_ratio)
+
+
+def dp_size(mesh_spec) -> int:
+    shape, names = mesh_spec
+    return shape[names.index("dp")] if "dp" in names else 1
+
+
+def checkpoint_dir(args) -> Path:
+    return Path(args.output) / "checkpoints"
+
+
+def _must_match(args) -> dict:
+    return {k: getattr(args, k) for k in RESUME_MUST_MATCH}
+
+
+def _resume(args, model, optimizer, scheduler) -> tuple:
+    """Loads the newest complete checkpoint; returns (step, records so far, checkpoint path)."""
+    from hypershard import checkpoint
+
+    path = checkpoint.latest(checkpoint_dir(args))
+    if path is None:
+        fail(f"--resume: no complete checkpoint in {str(checkpoint_dir(args))!r}", "an --output folder of an "
+                                                                                    "earlier run with checkpoints")
+    extra = checkpoint.load(path, model, optimizer)
+    saved = extra["args"]
+    for key, value in _must_match(args).items():
+        if saved.get(key) != value:
+            fail(f"--resume: checkpoint {str(path)!r} was written with {key}={saved.get(key)!r}, this run has "
+                 f"{value!r}", "the checkpoint's value")
+    scheduler.load_state_dict(extra["scheduler"])
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr  # the schedule's lr, whatever the optimizer's saved param groups held
+    return extra["step"], list(extra["losses"]), path
+
+
+def _save(args, model, optimizer, scheduler, step: int, per_epoch: int, micro_per_step: int, records: list):
+    from hypershard import checkpoint
+
+    epoch, index = divmod(step, per_epoch)  # the position of the NEXT step
+    extra = {"step": step, "epoch": epoch, "batch_in_epoch": index, "micro_batches_consumed": step * micro_per_step,
+             "scheduler": scheduler.state_dict(), "losses": records, "args": _must_match(args),
+             "mesh": list(map(list, args.mesh)), "micro_batch_size": args.micro_batch_size}
+    return checkpoint.save(checkpoint_dir(args), model, optimizer, step=step, extra=extra)
+
+
+def _crash_step(world: int, rank: int) -> Optional[int]:
+    step = os.environ.get(CRASH_ENV)
+    target = int(os.environ.get(CRASH_RANK_ENV, min(1, world - 1)))
+    return int(step) if step and rank == target else None
+
+
+def accumulate(model, batches: list, n_items: int, strict: bool = False, crash: bool = False) -> float:
+    """Forward and backward of every micro-batch of one global batch (gradients accumulate in .grad);
+    returns the step loss, the sum of the micro-batch losses. Each micro-batch's loss is its summed
+    token losses over `n_items`, the trained tokens of the WHOLE global batch (HF's num_items_in_batch),
+    so the accumulated gradient is the one of a single large batch."""
+    loss_sum = 0.0
+    for batch in batches:
+        if strict:
+            # transformers' mask builder asks mask.sum() == numel (a data-dependent all-reduce over
+            # dp) to pick sdpa's causal path, which strict mode refuses. Padding sits on the right and
+            # the models are causal, so no real token attends to it: without the mask no trained
+            # token's output changes, and the model runs its causal path.
+            batch = {k: v for k, v in batch.items() if k != "attention_mask"}
+        loss = model(**batch, num_items_in_batch=max(n_items, 1)).loss
+        if crash:
+            os._exit(1)  # fault injection: die between a forward and its backward
+        loss.backward()
+        loss_sum += float(loss.detach().item())
+    return loss_sum
+
+
+def run_rank(rank: int, world: int, args) -> dict:
+    """One rank's training; rank 0 writes the outputs. Returns the step records and the time."""
+    import hypershard as hs
+    from hypershard.parallel import parallelize
+
+    torch.manual_seed(args.seed)
+    mesh = hs.init_device_mesh("cpu", *args.mesh)
+    tokenizer, examples = prepare_data(args)
+    check_batch_sizes(args.batch_size, args.micro_batch_size, dp_size(args.mesh), len(examples))
+    per_epoch, total, warmup = schedule(args, len(examples))
+    model = parallelize(build_model(args.model, len(tokenizer), args.seed, args.cutoff_len), mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, total, warmup, args.min_lr_ratio))
+    start, records, resumed_from = 0, [], None
+    if args.resume:
+        start, records, resumed_from = _resume(args, model, optimizer, scheduler)
+    stop = min(total, args.stop_after) if args.stop_after else total
+    micro_per_step = args.batch_size // args.micro_batch_size
+    crash_at = _crash_step(world, rank)
+    pad = pad_id(tokenizer)
+
+    bar = None
+    if rank == 0:
+        from tqdm import tqdm
+        bar = tqdm(total=total, initial=start, desc=f"sft {args.model_name} on {world} ranks", unit="step")
+    began = time.perf_counter()
+    with hs.strict() if args.strict else contextlib.nullcontext():
+        for step in range(start, stop):
+            tic = time.perf_counter()
+            epoch, _, indices = global_batch(len(examples), args.batch_size, args.seed, step)
+            batches = [collate([examples[i] for i in mb], pad) for mb in micro_batches(indices, args.micro_batch_size)]
+            n_items = sum(trained_tokens(b["labels"]) for b in batches)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum = accumulate(model, batches, n_items, strict=args.strict,
+                                  crash=crash_at == step + 1)
+            grad_norm = None
+            if args.clip > 0:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip).item())
+            optimizer.step()
+            scheduler.step()
+            tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+            seconds = time.perf_counter() - tic
+            records.append({"step": step + 1, "epoch": epoch, "loss": loss_sum, "lr": lr, "tokens": tokens,
+                            "trained_tokens": n_items, "grad_norm": grad_norm, "seconds": seconds})
+            done = step + 1
+            # Checkpoints every --save-steps steps and at the end (0: none); --stop-after always leaves one.
+            if (args.save_steps and done % args.save_steps == 0) or (done == stop and (args.save_steps or
+                                                                                     args.stop_after)):
+                _save(args, model, optimizer, scheduler, done, per_epoch, micro_per_step, records)
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / seconds:.0f}")
+                bar.update(1)
+    elapsed = time.perf_counter() - began
+    if bar is not None:
+        bar.close()
+    finished = records[-1]["step"] == total if records else False
+    if args.export_hf and finished:
+        from hypershard import checkpoint
+        checkpoint.export_hf(model, Path(args.output) / "hf")
+        if rank == 0:
+            tokenizer.save_pretrained(Path(args.output) / "hf")
+    if rank == 0:
+        write_outputs(Path(args.output), records, args, total, resumed_from)
+    return {"records": records, "seconds": elapsed, "total": total, "finished": finished,
+            "resumed_from": None if resumed_from is None else str(resumed_from)}
+
+
+def write_outputs(out: Path, records: list, args, total: int, resumed_from) -> None:
+    """losses.json (every step's loss, lr, tokens) and loss_curve.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    mesh_text = ",".join(f"{n}={s}" for s, n in zip(*args.mesh))
+    summary = {"model": args.model, "mesh": mesh_text, "batch_size": args.batch_size,
+               "micro_batch_size": args.micro_batch_size, "total_steps": total,
+               "resumed_from": None if resumed_from is None else str(resumed_from), "steps": records}
+    (out / "losses.json").write_text(json.dumps(summary, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], "o-", linewidth=1.5)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(f"SFT {args.model_name} ({mesh_text})")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "loss_curve.png")
+    plt.close(fig)
