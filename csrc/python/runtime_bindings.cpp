@@ -9,6 +9,7 @@
 #include "runtime/dispatch.h"
 #include "runtime/dtensor_impl.h"
 #include "runtime/fast_path.h"
+#include "runtime/fully_shard.h"
 #include "runtime/grad_sync.h"
 #include "runtime/redistribute.h"
 
@@ -117,6 +118,36 @@ void bind_runtime(py::module_& m) {
   m.def("set_fast_path", &runtime::set_fast_path, py::arg("on"),
         "On by default; off, every op takes the boxed fallback (for tests and benchmarks).");
   m.def("fast_path_enabled", &runtime::fast_path_enabled);
+  py::class_<runtime::FullyShardGroup, std::shared_ptr<runtime::FullyShardGroup>>(
+      m, "FullyShardGroup",
+      "The collectives and buffers of one fully_shard'ed module's parameters (see "
+      "csrc/runtime/fully_shard.h); hypershard.fully_shard drives it.")
+      .def(py::init([](std::vector<at::Tensor> sharded, const std::vector<layout::Layout>& unsharded, int64_t axis,
+                       std::optional<at::ScalarType> param_dtype, std::optional<at::ScalarType> reduce_dtype) {
+             std::vector<layout::LayoutPtr> layouts;
+             for (const auto& l : unsharded) layouts.push_back(layout::intern_layout(l));
+             return std::make_shared<runtime::FullyShardGroup>(std::move(sharded), std::move(layouts), axis,
+                                                               param_dtype, reduce_dtype);
+           }),
+           py::arg("sharded"), py::arg("unsharded_layouts"), py::arg("axis"), py::arg("param_dtype") = py::none(),
+           py::arg("reduce_dtype") = py::none())
+      .def("start_gather", &runtime::FullyShardGroup::start_gather, py::call_guard<py::gil_scoped_release>())
+      .def("finish_gather", &runtime::FullyShardGroup::finish_gather, py::call_guard<py::gil_scoped_release>())
+      .def("free_unsharded", &runtime::FullyShardGroup::free_unsharded, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "reduce_scatter",
+          [](runtime::FullyShardGroup& self, const std::vector<std::optional<at::Tensor>>& grads, bool sync) {
+            std::vector<at::Tensor> in;
+            for (const auto& g : grads) in.push_back(g.value_or(at::Tensor()));
+            return self.reduce_scatter(in, sync);  // undefined -> None
+          },
+          py::arg("grads"), py::arg("sync"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("gathered", &runtime::FullyShardGroup::gathered)
+      .def_property_readonly("gather_in_flight", &runtime::FullyShardGroup::gather_in_flight)
+      .def_property_readonly("flat_numel", &runtime::FullyShardGroup::flat_numel)
+      .def_property_readonly("unsharded_bytes", &runtime::FullyShardGroup::unsharded_bytes)
+      .def("__len__", &runtime::FullyShardGroup::size);
+
   m.def("set_grad_bucket_bytes", &runtime::set_grad_bucket_bytes, py::arg("bytes"),
         "The most bytes one data-parallel gradient bucket carries (default 25 MiB): gradients that "
         "differ from their parameter's layout only by Partial(sum) axes are reduced at the end of "

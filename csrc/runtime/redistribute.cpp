@@ -420,6 +420,11 @@ at::Tensor all_gather_along(const at::Tensor& local, const DeviceMesh& mesh, int
 }
 
 TrafficCounters traffic() { return {g_collectives.load(), g_bytes.load()}; }
+void count_collective(int64_t bytes) {
+  g_collectives.fetch_add(1, std::memory_order_relaxed);
+  g_bytes.fetch_add(bytes, std::memory_order_relaxed);
+}
+at::Tensor movable_view(const at::Tensor& t) { return movable(t); }
 void reset_traffic() {
   g_collectives.store(0);
   g_bytes.store(0);

@@ -47,5 +47,9 @@ struct TrafficCounters {
 };
 TrafficCounters traffic();
 void reset_traffic();
+// Counts one collective that sent `bytes` from this rank (collectives run outside this file).
+void count_collective(int64_t bytes);
+// The same bytes as a dtype every c10d backend moves (a view: writing it writes `t`).
+at::Tensor movable_view(const at::Tensor& t);
 
 }  // namespace hypershard::runtime
