@@ -17,6 +17,9 @@ Sections (see benchmarks/README.md for what each measures and how; the code is i
   checkpoint  sharded checkpoints (hypershard.checkpoint, torch DCP) of a Qwen3 + AdamW state on
               dp2 x tp2 vs full_tensor() + torch.save on rank 0: save/load seconds, bytes written
               per rank, rank 0's peak memory over a save, a resharding load into tp4
+  fully_shard hs.fully_shard vs hypershard data parallelism vs torch FSDP2 on dp4 (Qwen3, AdamW):
+              state bytes per rank vs the ideal 1/dp, step time, bytes per step vs 3 x params x
+              (dp-1)/dp, the time spent waiting for all-gathers (overlap)
   step        training step of a tiny HF Qwen3 on 4 CPU ranks (dp2 x tp2, tp4): hypershard
               parallelize() vs torch DTensor tensor parallelism vs one device, each also with the
               other way of summing data-parallel gradients (per parameter / bucketed); a dp2 x tp2
@@ -28,7 +31,7 @@ Sections (see benchmarks/README.md for what each measures and how; the code is i
 
 Writes bench/results.json, bench/RESULTS.md and bench/results.png and prints the tables.
 
-    .venv/bin/python benchmarks/run.py [--quick] [--sections dispatch,fallback,rotary,checkpoint,step,memory] [--out bench]
+    .venv/bin/python benchmarks/run.py [--quick] [--sections dispatch,fallback,rotary,checkpoint,fully_shard,step,memory] [--out bench]
 """
 
 from __future__ import annotations
@@ -55,9 +58,10 @@ from hsbench.memory import MEMORY_CONFIG  # noqa: E402
 from hsbench.report import markdown, targets  # noqa: E402
 from hsbench.rotary import run_rotary  # noqa: E402
 from hsbench.checkpoint import run_checkpoint  # noqa: E402
+from hsbench.fully_shard import run_fully_shard  # noqa: E402
 from hsbench.training import run_steps  # noqa: E402
 
-SECTIONS = ("dispatch", "fallback", "rotary", "checkpoint", "step", "memory")
+SECTIONS = ("dispatch", "fallback", "rotary", "checkpoint", "fully_shard", "step", "memory")
 
 
 def main(argv=None) -> int:
@@ -106,6 +110,8 @@ def main(argv=None) -> int:
         results["rotary"] = run_rotary(args, log)
     if "checkpoint" in sections:
         results["checkpoint"] = run_checkpoint(args, log)
+    if "fully_shard" in sections:
+        results["fully_shard"] = run_fully_shard(args, log)
     if "step" in sections or "memory" in sections:
         step, traffic, cache, memory = run_steps(args, log, with_memory="memory" in sections)
         if "step" in sections:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from .common import geomean
 from .dispatch import IMPL_NAMES
 from .checkpoint import checkpoint_lines
+from .fully_shard import fully_shard_lines
 from .rotary import rotary_lines
 from .training import STEP_MESHES
 
@@ -78,6 +79,7 @@ def markdown(results: dict) -> str:
     lines += _fallback_lines(results.get("fallback"))
     lines += rotary_lines(results.get("rotary"))
     lines += checkpoint_lines(results.get("checkpoint"))
+    lines += fully_shard_lines(results.get("fully_shard"))
     s = results.get("step")
     if s:
         lines += ["## Training step, Qwen3 on 4 CPU ranks (s per step)", "",
