@@ -68,6 +68,7 @@ from .dtensor import (  # noqa: E402
     strict,
 )
 from .parallel import parallelize  # noqa: E402
+from .fully_shard import FullyShardedModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
 from . import ops  # noqa: E402
 from . import checkpoint  # noqa: E402  (also gives DTensors DCP's save/load protocol)
 
@@ -78,6 +79,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AliasLayout",
     "DTensor",
+    "FullyShardedModule",
+    "MixedPrecisionPolicy",
     "DeviceMesh",
     "Partial",
     "Replicate",
@@ -106,6 +109,7 @@ __all__ = [
     "from_alias",
     "from_placements",
     "from_tensor_map",
+    "fully_shard",
     "layout",
     "layout_of",
     "make_layout",

@@ -146,6 +146,14 @@ void bind_runtime(py::module_& m) {
       .def_property_readonly("gather_in_flight", &runtime::FullyShardGroup::gather_in_flight)
       .def_property_readonly("flat_numel", &runtime::FullyShardGroup::flat_numel)
       .def_property_readonly("unsharded_bytes", &runtime::FullyShardGroup::unsharded_bytes)
+      .def("stats",
+           [](const runtime::FullyShardGroup& g) {
+             const auto& s = g.stats();
+             return py::dict(py::arg("gathers") = s.gathers, py::arg("prefetched") = s.prefetched,
+                             py::arg("reduce_scatters") = s.reduce_scatters, py::arg("bytes_sent") = s.bytes_sent,
+                             py::arg("wait_seconds") = s.wait_seconds);
+           })
+      .def("reset_stats", &runtime::FullyShardGroup::reset_stats)
       .def("__len__", &runtime::FullyShardGroup::size);
 
   m.def("set_grad_bucket_bytes", &runtime::set_grad_bucket_bytes, py::arg("bytes"),

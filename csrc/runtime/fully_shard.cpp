@@ -4,6 +4,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <algorithm>
+#include <chrono>
 
 #include "layout/error.h"
 #include "runtime/dispatch_internal.h"
@@ -105,18 +106,24 @@ void FullyShardGroup::start_gather() {
     received_.copy_(send_);
     return;
   }
-  count_collective(flat_ * (members_ - 1) * static_cast<int64_t>(send_.element_size()));
+  const int64_t bytes = flat_ * (members_ - 1) * static_cast<int64_t>(send_.element_size());
+  count_collective(bytes);
+  stats_.bytes_sent += bytes;
   at::Tensor received_bytes = movable_view(received_), send_bytes = movable_view(send_);
   work_ = mesh_->group(axis_)._allgather_base(received_bytes, send_bytes);
 }
 
 std::vector<at::Tensor> FullyShardGroup::finish_gather() {
   if (!gathered_) {
+    if (work_) ++stats_.prefetched;
     start_gather();
     if (work_) {
+      const auto started = std::chrono::steady_clock::now();
       work_->wait();
+      stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
       work_.reset();
     }
+    ++stats_.gathers;
     BelowAutograd below;
     for (auto& p : params_) {
       set_storage_bytes(p.unsharded_local, static_cast<size_t>(p.unsharded_local.numel()) *
@@ -220,12 +227,15 @@ std::vector<at::Tensor> FullyShardGroup::reduce_scatter(const std::vector<at::Te
     received = send[0];
   } else {
     received = at::empty({flat_}, options);
-    count_collective(flat_ * (members_ - 1) * static_cast<int64_t>(send.element_size()));
+    const int64_t bytes = flat_ * (members_ - 1) * static_cast<int64_t>(send.element_size());
+    count_collective(bytes);
+    stats_.bytes_sent += bytes;
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
     auto send_flat = send.view({members_ * flat_});  // c10d wants the members' blocks in one flat dim
     mesh_->group(axis_)._reduce_scatter_base(received, send_flat, opts)->wait();
   }
+  ++stats_.reduce_scatters;
   std::vector<at::Tensor> out(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!has_grad[i]) continue;

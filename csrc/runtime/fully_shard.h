@@ -52,6 +52,16 @@ class FullyShardGroup {
   // accumulation without communication); the next synchronized call adds what accumulated.
   std::vector<at::Tensor> reduce_scatter(const std::vector<at::Tensor>& grads, bool sync);
 
+  struct Stats {
+    int64_t gathers = 0;          // all-gathers finished
+    int64_t prefetched = 0;       // of those, issued before they were needed (start_gather ahead)
+    int64_t reduce_scatters = 0;
+    int64_t bytes_sent = 0;       // by this rank, both kinds
+    double wait_seconds = 0;      // spent waiting for all-gathers in finish_gather
+  };
+  const Stats& stats() const { return stats_; }
+  void reset_stats() { stats_ = Stats(); }
+
   int64_t size() const { return static_cast<int64_t>(params_.size()); }
   int64_t flat_numel() const { return flat_; }          // per member, padding included
   int64_t unsharded_bytes() const;                      // bytes of the gathered U-local tensors
@@ -83,6 +93,7 @@ class FullyShardGroup {
   bool gathered_ = false;
   c10::intrusive_ptr<c10d::Work> work_;
   at::Tensor send_, received_;
+  Stats stats_;
 };
 
 }  // namespace hypershard::runtime

@@ -17,6 +17,8 @@ the tolerances are argued there), all in strict mode unless said otherwise:
   device computing in a bf16 copy with fp32 master weights (tolerance argued at the case);
 - a fully sharded model's DCP checkpoint loads into a fully sharded model on dp=4 and into a plain
   tp=4 model with the exact values;
+- uneven dim 0 sizes and an empty chunk (a Qwen3 with vocab 126, a small MLP with a [3, 7] weight
+  on dp=4);
 - a planted fault (one rank's reduced gradients halved) is caught.
 
 Every case also checks the parameters are stored sharded (dim 0 over dp) and that no gathered
@@ -275,6 +277,60 @@ def checkpoint_round_trip(_dummy):
     return torch.zeros(1, dtype=torch.float64)
 
 
+def uneven_and_empty_chunks(_dummy):
+    """dim 0 sizes that dp=4 does not divide: a Qwen3 with vocab 126 and intermediate 62 (chunks of
+    32/32/31/31 and 16/16/15/15 rows), and a small MLP whose [3, 7] weight leaves one rank an EMPTY
+    chunk and whose [7, 5] weight splits 2/2/2/1."""
+    import hypershard as hs
+    from hypershard.fully_shard import fully_shard
+    from hypershard.models import make_batches, tiny_config, tiny_model
+    from hypershard.testing.training import check_training, record_training
+
+    mesh = current_mesh()
+    config = tiny_config("qwen3", vocab_size=126, intermediate_size=62)
+    batches = make_batches(config.vocab_size, STEPS, batch=4, seq=16)
+    expected = record_training(tiny_model(config), batches)
+    model = shard(tiny_model(config), mesh, tp=False)
+    got = record_training(model, batches)
+    check_released(model)
+    problems, _ = check_training(got, expected)
+    assert not problems, "\n".join(problems)
+
+    def mlp():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+    import torch.nn as nn
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)) for _ in range(STEPS)]
+
+    def train_mlp(model, batches, on_backward=None, distributed=False):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step, (x, y) in enumerate(batches):
+            if distributed:
+                x, y = hs.distribute_tensor(x, mesh, ["S(0)"]), hs.distribute_tensor(y, mesh, ["S(0)"])
+            loss = ((model(x) - y) ** 2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            if on_backward:
+                on_backward(step, model)
+            optimizer.step()
+            losses.append(float(loss.detach().item()))
+        return losses
+
+    expected = record_training(mlp(), data, train=train_mlp)
+    model = mlp()
+    fully_shard(model[2], mesh)
+    fully_shard(model, mesh)
+    assert hs._C.local_of(model[2].weight).shape[0] == (1 if torch.distributed.get_rank() < 3 else 0)
+    got = record_training(model, data, train=lambda m, b, on_backward=None: train_mlp(m, b, on_backward, True))
+    check_released(model)
+    problems, _ = check_training(got, expected)
+    assert not problems, "\n".join(problems)
+    return torch.zeros(1, dtype=torch.float64)
+
+
 def _case(name, mesh, reference, distributed):
     # The case's losses are compared again by the harness (rtol 1e-5; the mixed-precision and
     # checkpoint cases return zeros); the real checks ran inside `distributed`.
@@ -294,6 +350,7 @@ def cases():
               trains_like_one_device("qwen3_5_moe_text")),
         _case("qwen3_5_moe_dp2_ep2_default_mode", DP2_EP2, reference_losses("qwen3_5_moe_text"),
               trains_like_one_device("qwen3_5_moe_text", strict=False)),
+        _case("qwen3_and_mlp_dp4_uneven_and_empty_chunks", DP4, _zeros, uneven_and_empty_chunks),
         _case("qwen3_dp4_accumulation_without_sync", DP4, reference_losses("qwen3", batch=8, steps=2), accumulation),
         _case("qwen3_dp4_activation_checkpointing", DP4, reference_losses("qwen3"), activation_checkpointing),
         _case("qwen3_dp4_mixed_precision", DP4, _zeros, mixed_precision),
