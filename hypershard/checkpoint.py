@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from . import _C
 
-__all__ = ["export_hf", "latest", "load", "model_state_dict", "optimizer_state_dict", "save",
+__all__ = ["export_hf", "latest", "load", "model_state_dict", "optimizer_state_dict", "read_extra", "save",
            "set_optimizer_state_dict"]
 
 COMPLETE = "COMPLETE"          # the marker file of a finished checkpoint (JSON: step, world, time)
@@ -304,6 +304,12 @@ def load(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     if marker["world_size"] == _world():
         _set_rng_state(torch.load(path / _RNG.format(rank=_rank()), weights_only=False))
     return torch.load(path / _EXTRA, weights_only=False)
+
+
+def read_extra(path) -> dict:
+    """The `extra` a checkpoint was saved with, without loading anything (not a collective):
+    to check a resume's settings before the model is touched."""
+    return torch.load(_resolve(path) / _EXTRA, weights_only=False)
 
 
 def checkpoint_bytes(path) -> dict:

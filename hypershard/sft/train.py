@@ -108,12 +108,12 @@ def _resume(args, model, optimizer, scheduler) -> tuple:
     if path is None:
         fail(f"--resume: no complete checkpoint in {str(checkpoint_dir(args))!r}", "an --output folder of an "
                                                                                     "earlier run with checkpoints")
-    extra = checkpoint.load(path, model, optimizer)
-    saved = extra["args"]
+    saved = checkpoint.read_extra(path)["args"]  # checked before loading: a clear error, not a shape clash
     for key, value in _must_match(args).items():
         if saved.get(key) != value:
             fail(f"--resume: checkpoint {str(path)!r} was written with {key}={saved.get(key)!r}, this run has "
                  f"{value!r}", "the checkpoint's value")
+    extra = checkpoint.load(path, model, optimizer)
     scheduler.load_state_dict(extra["scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr  # the schedule's lr, whatever the optimizer's saved param groups held
