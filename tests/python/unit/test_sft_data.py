@@ -311,6 +311,7 @@ def test_resume_restores_the_schedule_and_refuses_changed_arguments(monkeypatch,
         T._resume(args, model, optimizer, scheduler)
     monkeypatch.setattr(checkpoint, "latest", lambda directory: tmp_path / "step_00000003")
     monkeypatch.setattr(checkpoint, "load", lambda path, m, o: extra)
+    monkeypatch.setattr(checkpoint, "read_extra", lambda path: extra)
     fresh = torch.optim.AdamW(model.parameters(), lr=1.0)
     fresh_scheduler = torch.optim.lr_scheduler.LambdaLR(fresh, lambda s: 0.5 ** s)
     step, records, path = T._resume(args, model, fresh, fresh_scheduler)
