@@ -5,7 +5,7 @@ the root, 3 AdamW steps with clip_grad_norm_, compared with the single-device ru
 hypershard.testing.training (losses rtol 1e-5, first-step gradients and final parameters in norm;
 the tolerances are argued there), all in strict mode unless said otherwise:
 
-- Qwen3 on dp=4; Qwen3 and Qwen3.5-MoE on dp_shard=2 x tp=2 (parallelize's TP plan first, then
+- Qwen3 and Qwen3.5-MoE on dp=4; Qwen3 and Qwen3.5-MoE on dp_shard=2 x tp=2 (parallelize's TP plan first, then
   fully_shard over dp: each parameter holds a dp chunk of its tp rows);
 - Qwen3.5-MoE on dp=2 x ep=2 in DEFAULT mode: expert parallelism's gate_up product is Partial(sum)
   over ep, which strict mode refuses at the activation (issue "the four target models", EP strict);
@@ -345,6 +345,7 @@ def _zeros(_dummy):
 def cases():
     return [
         _case("qwen3_dp4", DP4, reference_losses("qwen3"), trains_like_one_device("qwen3")),
+        _case("qwen3_5_moe_dp4", DP4, reference_losses("qwen3_5_moe_text"), trains_like_one_device("qwen3_5_moe_text")),
         _case("qwen3_dp2_tp2", DP2_TP2, reference_losses("qwen3"), trains_like_one_device("qwen3")),
         _case("qwen3_5_moe_dp2_tp2", DP2_TP2, reference_losses("qwen3_5_moe_text"),
               trains_like_one_device("qwen3_5_moe_text")),
