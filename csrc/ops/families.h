@@ -29,6 +29,9 @@ void register_reductions(Registry& r);   // reductions.cpp: sum, mean, amax, max
 // scatter into a plain tensor).
 void register_reduction_kernels();
 void register_loss(Registry& r);         // loss.cpp: softmax, log_softmax, nll_loss(2d), backwards
+// elementwise_loss.cpp: mse, smooth_l1, huber, soft_margin, binary_cross_entropy(_with_logits),
+// their backward ops: mean over the GLOBAL element count.
+void register_elementwise_loss(Registry& r);
 // loss.cpp: cross_entropy_loss on AutogradPrivateUse2 (label smoothing on class-sharded logits).
 void register_cross_entropy_kernel();
 void register_foreach(Registry& r);      // foreach.cpp: _foreach_* list ops, _fused_adam(w)_/_fused_sgd_

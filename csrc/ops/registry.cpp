@@ -160,6 +160,8 @@ void register_all(Registry& r) {
   register_reductions(r);
   r.set_family("loss");
   register_loss(r);
+  r.set_family("elementwise_loss");
+  register_elementwise_loss(r);
   r.set_family("foreach");
   register_foreach(r);
   r.set_family("embedding");
