@@ -136,19 +136,13 @@ def _crash_step(world: int, rank: int) -> Optional[int]:
     return int(step) if step and rank == target else None
 
 
-def accumulate(model, batches: list, n_items: int, strict: bool = False, crash: bool = False) -> float:
+def accumulate(model, batches: list, n_items: int, crash: bool = False) -> float:
     """Forward and backward of every micro-batch of one global batch (gradients accumulate in .grad);
     returns the step loss, the sum of the micro-batch losses. Each micro-batch's loss is its summed
     token losses over `n_items`, the trained tokens of the WHOLE global batch (HF's num_items_in_batch),
     so the accumulated gradient is the one of a single large batch."""
     loss_sum = 0.0
     for batch in batches:
-        if strict:
-            # transformers' mask builder asks mask.sum() == numel (a data-dependent all-reduce over
-            # dp) to pick sdpa's causal path, which strict mode refuses. Padding sits on the right and
-            # the models are causal, so no real token attends to it: without the mask no trained
-            # token's output changes, and the model runs its causal path.
-            batch = {k: v for k, v in batch.items() if k != "attention_mask"}
         loss = model(**batch, num_items_in_batch=max(n_items, 1)).loss
         if crash:
             os._exit(1)  # fault injection: die between a forward and its backward
@@ -192,8 +186,7 @@ def run_rank(rank: int, world: int, args) -> dict:
             n_items = sum(trained_tokens(b["labels"]) for b in batches)
             lr = scheduler.get_last_lr()[0]
             optimizer.zero_grad(set_to_none=True)
-            loss_sum = accumulate(model, batches, n_items, strict=args.strict,
-                                  crash=crash_at == step + 1)
+            loss_sum = accumulate(model, batches, n_items, crash=crash_at == step + 1)
             grad_norm = None
             if args.clip > 0:
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip).item())

@@ -91,6 +91,11 @@ def partial_cases():
              expect_error="Partial(sum) input"),
         Case("where_mask_P_rejected", lambda c, a: torch.where(c, a, a), [Input((4, 3), torch.bool, placements=P, requires_grad=False),
                                                                            Input((4, 3))], MESH2, expect_error="Partial"),
+        # a 0-dim sum-Partial (a count or sum tested in model code) is reduced first, in strict mode too:
+        # transformers' `mask.sum() == mask.numel()` on a sharded mask
+        Case("eq_scalar_of_a_sharded_count", lambda m: m.sum() == m.numel(),
+             [Input((5, 3), torch.int64, placements=["S(0)"], init=lambda s, d, g: torch.ones(s, dtype=d))], MESH4),
+        Case("gt_P_0dim", lambda x: x.sum() > 0, [Input((5, 3), placements=["S(0)"])], MESH2),
         # a max-Partial the algebra cannot keep is reduced first (exact); the sum-Partial stays
         Case("add_Pmax_Psum", torch.add, [Input((4, 3), placements=["P(max)"]), Input((4, 3), placements=P)], MESH2,
              dist_fn=placements_must_be(["Partial(sum)"], torch.add)),
