@@ -183,17 +183,24 @@ def _replicate_inputs_on(axis: int):
     return hook
 
 
+# Forward arguments whose dim 0 is not the batch: a vision model's patches of all images and
+# their grid sizes. They stay Replicate (every data-parallel rank runs the vision tower on all of
+# them); the text-side tensors are split over dp.
+_NOT_BATCH_INPUTS = frozenset({"pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw"})
+
+
 def _shard_inputs(mesh, dp_axis: Optional[int]):
-    def distribute(t):
+    def distribute(t, batch: bool = True):
         if not isinstance(t, torch.Tensor) or _C.is_dtensor(t) or t.dim() == 0:
             return t
         placements: list = [Replicate()] * mesh.ndim
-        if dp_axis is not None:
+        if dp_axis is not None and batch:
             placements[dp_axis] = Shard(0)
         return distribute_tensor(t, mesh, placements)
 
     def hook(module, args, kwargs):
-        return tuple(distribute(a) for a in args), {k: distribute(v) for k, v in kwargs.items()}
+        return (tuple(distribute(a) for a in args),
+                {k: distribute(v, k not in _NOT_BATCH_INPUTS) for k, v in kwargs.items()})
     return hook
 
 

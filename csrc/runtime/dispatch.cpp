@@ -462,8 +462,10 @@ void write_back_value(const c10::IValue& caller, const c10::IValue& result, cons
 // out=) get the result back in their own layouts and are returned as themselves. A view of a
 // gathered input does not alias the caller's tensor, so writes through it raise.
 // `why`: what the warning says the op has (no rule, a plain destination).
+// `counted` false: the inputs are whole already (nothing gathered, the result exact): not a
+// fallback call, no warning.
 void replicate_fallback(const c10::OperatorHandle& op, OpInfo& info, ops::OpCall& call, torch::jit::Stack* stack,
-                        const char* why = "has no distributed rule") {
+                        const char* why = "has no distributed rule", bool counted = true) {
   const size_t num_args = op.schema().arguments().size();
   c10::IValue* args = stack->data() + (stack->size() - num_args);
   std::vector<c10::IValue> callers(num_args), results(num_args);  // written arguments only
@@ -483,9 +485,9 @@ void replicate_fallback(const c10::OperatorHandle& op, OpInfo& info, ops::OpCall
   }
   for (size_t a = 0; a < num_args; ++a)
     if (info.written_args[a]) results[a] = args[a];
-  g_fallback_calls.fetch_add(1, std::memory_order_relaxed);
+  if (counted) g_fallback_calls.fetch_add(1, std::memory_order_relaxed);
   g_fallback_bytes.fetch_add(gathered_bytes, std::memory_order_relaxed);
-  if (!info.fallback_warned.exchange(true))
+  if (counted && !info.fallback_warned.exchange(true))
     TORCH_WARN("hypershard: ", call.name(), " ", why, ": computed on gathered inputs (",
                call.describe_inputs(), "; ", gathered_bytes,
                " bytes gathered this call), outputs Replicate. Warned once per op; "
@@ -594,9 +596,19 @@ void detail::dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet
   // A composite kernel that allocates a plain tensor and writes DTensor data into it (F.one_hot
   // does: zeros + scatter_) would return a plain tensor built from one rank's shard.
   // Default mode computes such a call on gathered inputs: the plain destination then receives
-  // the global result, the same on every rank.
+  // the global result, the same on every rank. When every DTensor input is whole already
+  // (Replicate everywhere: transformers writes position ids computed from replicated grids into
+  // a plain tensor) that is exact with nothing gathered, and strict mode allows it too.
   for (size_t a = 0; a < num_args; ++a)
     if (info.written_args[a] && args[a].isTensor() && args[a].toTensor().defined() && !is_dtensor(args[a].toTensor())) {
+      bool whole = true;
+      for (const auto& t : call.tensors)
+        if (t.is_dtensor && t.layout != intern_layout(layout::Layout::replicate(t.layout->mesh(), t.layout->global_shape())))
+          whole = false;
+      if (whole) {
+        replicate_fallback(op, info, call, stack, "writes into a plain tensor", /*counted=*/false);
+        return;
+      }
       TORCH_CHECK(!g_strict.load(std::memory_order_relaxed), "hypershard: ", info.name,
                   ": writes into the plain tensor argument ", op.schema().arguments()[a].name(),
                   " from DTensor inputs (", call.describe_inputs(), "); the result would hold one rank's shard; "

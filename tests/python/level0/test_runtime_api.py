@@ -151,6 +151,19 @@ def one_hot(index):
     return torch.nn.functional.one_hot(index, num_classes=-1).float() + torch.nn.functional.one_hot(index, 7).sum()
 
 
+def plain_destination_from_whole_inputs(index):
+    """A plain tensor written from DTensors that hold the whole value (Replicate everywhere; transformers
+    writes position ids computed from replicated image grids so): exact, nothing gathered, allowed in
+    strict mode too, and not a fallback call."""
+    out = torch.zeros(index.shape[0], 5)
+    before = hs._C.dispatch_stats()["fallback_calls"] if in_distributed_run() else 0
+    out.scatter_(1, index.unsqueeze(1), 1.0)
+    out[1:3] = index[1:3].unsqueeze(1).float()
+    if in_distributed_run():
+        assert not isinstance(out, hs.DTensor) and hs._C.dispatch_stats()["fallback_calls"] == before
+    return out
+
+
 def plain_destination(index):
     if not in_distributed_run():
         raise RuntimeError("writes into the plain tensor argument")
@@ -216,6 +229,8 @@ def api_cases():
         Case("storage_refuses", storage_refuses, [Input((4, 6), placements=["S(0)"])], MESH2, check_grad=False),
         Case("one_hot", one_hot, [Input((5, 3), torch.int64, placements=["S(0)", "S(1)"], init=randint(0, 6))], MESH22),
         Case("one_hot_uneven", one_hot, [Input((3,), torch.int64, placements=["S(0)"], init=randint(0, 6))], MESH4),
+        Case("plain_destination_from_whole_inputs", plain_destination_from_whole_inputs,
+             [Input((4,), torch.int64, placements=["R"], init=randint(0, 5))], MESH2, check_grad=False),
         Case("plain_destination_refused", plain_destination, [Input((4,), torch.int64, placements=["S(0)"], init=randint(0, 5))],
              MESH2, expect_error="writes into the plain tensor argument"),
         Case("submesh", on_submesh, [Input((4, 6), placements=["R", "R"])], MESH22, check_grad=False),
