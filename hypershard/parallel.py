@@ -50,14 +50,18 @@ same values and parameter layouts' memory, one all-gather of the [tokens x top_k
 product more than transformers' local kernels.
 
 Expert parallelism (``base_model_ep_plan``) on an ``ep`` axis: ``grouped_gemm`` shards the experts
-weights on dim 0 (the experts) and ``moe_tp_experts`` reduces the Partial(sum) experts output (each
-rank's grouped product computes the rows of its own experts, zeros elsewhere: the grouped matmul
-rule); ``ep_router`` leaves the router Replicate and its outputs unchanged -- the routing stays
-global (GLOBAL expert ids), which the grouped matmul rule needs. Used when the mesh has ``ep``
-(``ep_axis``) and the model an EP plan; with both ``tp`` and ``ep`` the EP plan's keys win. The
-gate_up product is then Partial(sum) over ep too (zeros in the other ranks' experts' rows, which no
-Layout can say), so the activation after it refuses it: default mode all-reduces it implicitly
-(counted in ``implicit_calls``), strict mode raises (``aten::silu``: Partial input).
+weights on dim 0 (the experts) and the experts module runs as transformers runs it under EP, on
+LOCAL tensors: this rank's experts (its shard of the weights), every token of its data-parallel
+shard, and the routing remapped to local expert ids (tokens routed to other ranks' experts get the
+sentinel id ``num_local_experts``, which transformers' implementations skip, and weight 0). Its
+output, this rank's part of the sum over ep, becomes a DTensor Partial(sum) over ep, which
+``moe_tp_experts`` reduces (one all-reduce at the experts' output). ``ep_router`` leaves the router
+Replicate and its outputs unchanged: the routing stays global (GLOBAL expert ids). No per-op rule
+sees the experts' intermediate products (their zeros in other ranks' rows are not a Layout), so
+strict mode trains MoE models on dp x ep meshes; the gradients come back Partial over ep (the
+experts' inputs) and over the token axes (the weights) and the usual reductions sum them. Used
+when the mesh has ``ep`` (``ep_axis``) and the model an EP plan; with both ``tp`` and ``ep`` the EP
+plan's keys win.
 """
 
 from __future__ import annotations
@@ -181,6 +185,86 @@ def _replicate_inputs_on(axis: int):
         return (tuple(_replicate_tensor_on(a, axis) for a in args),
                 {k: _replicate_tensor_on(v, axis) for k, v in kwargs.items()})
     return hook
+
+
+# ---------------------------------------------------------------------------------- local experts
+
+def _with_partial(layout, axes) -> "_C.Layout":
+    partial = list(layout.partial)
+    for a in axes:
+        partial[a] = _C.ReduceOp.Sum
+    return _C.Layout.create(layout.mesh, layout.global_shape, layout.dim_axes, partial)
+
+
+class _LocalPartialGrad(torch.autograd.Function):
+    """DTensor -> its local tensor; the local gradient comes back as a DTensor of the same
+    layout, Partial(sum) over `axes`: this rank's part of a sum over those axes (its experts'
+    contributions over ep, its tokens' over dp)."""
+
+    @staticmethod
+    def forward(ctx, t, axes):
+        ctx.layout, ctx.mesh, ctx.axes = _C.layout_of(t), _C.device_mesh_of(t), axes
+        return _C.local_of(t).detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _C.from_local(grad.contiguous(), ctx.mesh, _with_partial(ctx.layout, ctx.axes)), None
+
+
+def _local(t, axes):
+    return _LocalPartialGrad.apply(t, tuple(axes)) if t.requires_grad else _C.local_of(t)
+
+
+def _local_experts(mesh, ep_axis: int):
+    """Expert parallelism on local tensors, as transformers runs it: the experts module gets this
+    rank's experts (its shard of the [experts, ...] weights), every token of its data-parallel
+    shard, and the routing remapped to local expert ids -- tokens routed to other ranks' experts
+    get the sentinel id `num_local_experts` (which transformers' expert implementations skip) and
+    weight 0. Its output is this rank's part of the sum over ep (Partial(sum) on ep), which the
+    moe_tp_experts style then reduces. Nothing inside the module is a DTensor, so no per-op rule
+    sees the experts' [tokens, 2 x intermediate] products (whose zeros in other ranks' rows no
+    Layout can say); gradients come back Partial over ep (inputs) and over the token axes
+    (weights), and the usual reductions sum them."""
+    ep_size = mesh.shape[ep_axis]
+    ep_rank = mesh.get_local_rank(ep_axis)
+    saved: dict = {}
+
+    def pre(module, args, kwargs):
+        names = ("hidden_states", "top_k_index", "top_k_weights")
+        values = list(args) + [kwargs[n] for n in names[len(args):] if n in kwargs]
+        if len(values) != 3 or not all(_C.is_dtensor(v) for v in values):
+            return None  # not a call this hook understands (plain tensors): transformers' own path
+        hidden, index, weights = values
+        num_experts = module.num_experts
+        local_count = num_experts // ep_size
+        token_axes = sorted({a for axes in _C.layout_of(hidden).dim_axes for a in axes})
+        saved[id(module)] = (num_experts, getattr(module, "_is_expert_parallel", None), _C.layout_of(hidden),
+                             dict(module._parameters))
+        for name, param in list(module._parameters.items()):
+            if param is not None and _C.is_dtensor(param):
+                module._parameters[name] = _local(param, token_axes)
+        module.num_experts = local_count
+        module._is_expert_parallel = True  # transformers' implementations then mask the sentinel rows
+        index = _C.local_of(index)
+        mine = torch.div(index, local_count, rounding_mode="floor") == ep_rank
+        index = torch.where(mine, index - ep_rank * local_count, torch.full_like(index, local_count))
+        weights = _local(weights, [ep_axis]).masked_fill(~mine, 0.0)
+        return (_local(hidden, [ep_axis]), index, weights), {}
+
+    def post(module, args, kwargs, output):
+        if id(module) not in saved:
+            return output
+        num_experts, expert_parallel, layout, params = saved.pop(id(module))
+        module.num_experts = num_experts
+        if expert_parallel is None:
+            del module._is_expert_parallel
+        else:
+            module._is_expert_parallel = expert_parallel
+        module._parameters.update(params)
+        return _C.from_local(output, _C.device_mesh_of(next(p for p in params.values() if p is not None)),
+                             _with_partial(layout, [ep_axis]))
+
+    return pre, post
 
 
 # Forward arguments whose dim 0 is not the batch: a vision model's patches of all images and
@@ -328,6 +412,10 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Mapping[str, str]] = None
             module.register_forward_pre_hook(_replicate_inputs_on(axis), with_kwargs=True)
         if style in _OUTPUT_REPLICATE:
             module.register_forward_hook(_replicate_on(axis))
+        if style == "moe_tp_experts" and axis is not None and axis == ep and hasattr(module, "num_experts"):
+            pre, post = _local_experts(mesh, axis)
+            module.register_forward_pre_hook(pre, with_kwargs=True)
+            module.register_forward_hook(post, with_kwargs=True, prepend=True)  # before the reduction
     if shard_inputs:
         model.register_forward_pre_hook(_shard_inputs(mesh, dp), with_kwargs=True)
     return model

@@ -26,7 +26,8 @@
 //   repeat                            dims repeated once keep their sharding; the others are whole
 //   as_strided                        only on a tensor with no sharded dim (a checked backstop)
 // Partial: every op here is linear (it moves or copies elements), so Partial passes through
-// unchanged; cat/stack need all operands Partial alike (a Replicate operand is filled for free).
+// unchanged; cat/stack make the output Partial where any operand is (a whole operand is filled
+// for free; sum and avg on one axis do not mix).
 #include <ATen/ATen.h>
 #include <ATen/InferSize.h>
 #include <torch/library.h>
@@ -513,13 +514,22 @@ OpPlan cat_rule(const OpCall& call) {
   const int64_t dim = wrap_dim(call, int_arg(call.arg(1)), r.ndim() + (is_stack ? 1 : 0));
   layout::DimAxes dims = r.dim_axes();
   if (!is_stack) dims[dim].clear();
-  // Partial: sum/avg pass through when every operand can take it (Replicate is filled free).
+  // Partial: sum/avg pass through; the output is Partial on every axis some operand is Partial
+  // on, and an operand whole there is filled for free (rank 0 keeps it, the others hold 0) --
+  // a backward pass concatenates a Partial gradient with plain ones (DeepSeek's q/k rope parts).
   layout::PartialOps partial(r.mesh()->ndim());
-  if (auto op = r.partial_op()) {
-    if (*op != ReduceOp::Sum && *op != ReduceOp::Avg)
-      fail_argument(call, ref, std::string("Partial(") + layout::reduce_op_name(*op) + ") input",
-                    "Partial(sum), Partial(avg), Replicate or Shard");
-    partial = r.partial();
+  for (size_t i = 0; i < call.tensors.size(); ++i) {
+    const Layout& t = call.layout(i);
+    for (size_t a = 0; a < t.partial().size(); ++a) {
+      const auto& op = t.partial()[a];
+      if (!op) continue;
+      if (*op != ReduceOp::Sum && *op != ReduceOp::Avg)
+        fail_argument(call, int64_t(i), std::string("Partial(") + layout::reduce_op_name(*op) + ") input",
+                      "Partial(sum), Partial(avg), Replicate or Shard");
+      if (partial[a] && *partial[a] != *op)
+        fail_argument(call, int64_t(i), "a Partial operand that the others do not share", "operands Partial alike");
+      partial[a] = op;
+    }
   }
   OpPlan plan;
   int64_t total = 0;
@@ -537,8 +547,6 @@ OpPlan cat_rule(const OpCall& call) {
                                                         r.global_shape()[d], " in another operand"),
                       is_stack ? std::string("operands of equal shape")
                                : layout::str_cat("equal sizes except along dim ", dim));
-    if (auto op = t.partial_op(); op && (!r.partial_op() || *op != *r.partial_op() || t.partial() != r.partial()))
-      fail_argument(call, int64_t(i), "a Partial operand that the others do not share", "operands Partial alike");
     plan.inputs.push_back(make_layout(t, t.global_shape(), dims, partial));
     total += is_stack ? 1 : t.global_shape()[dim];
   }

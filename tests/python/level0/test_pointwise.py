@@ -96,6 +96,10 @@ def partial_cases():
         Case("eq_scalar_of_a_sharded_count", lambda m: m.sum() == m.numel(),
              [Input((5, 3), torch.int64, placements=["S(0)"], init=lambda s, d, g: torch.ones(s, dtype=d))], MESH4),
         Case("gt_P_0dim", lambda x: x.sum() > 0, [Input((5, 3), placements=["S(0)"])], MESH2),
+        # cat of a Partial and a whole operand (a backward pass does: DeepSeek's q/k rope parts under EP): the
+        # whole one is filled, the output Partial; the Partial operand need not come first
+        Case("cat_R_P", lambda a, b: torch.cat([a, b], 0), [Input((2, 3), placements=R), Input((4, 3), placements=P)],
+             MESH2, dist_fn=placements_must_be(["Partial(sum)"], lambda a, b: torch.cat([a, b], 0))),
         # a max-Partial the algebra cannot keep is reduced first (exact); the sum-Partial stays
         Case("add_Pmax_Psum", torch.add, [Input((4, 3), placements=["P(max)"]), Input((4, 3), placements=P)], MESH2,
              dist_fn=placements_must_be(["Partial(sum)"], torch.add)),

@@ -7,8 +7,8 @@ the tolerances are argued there), all in strict mode unless said otherwise:
 
 - Qwen3 and Qwen3.5-MoE on dp=4; Qwen3 and Qwen3.5-MoE on dp_shard=2 x tp=2 (parallelize's TP plan first, then
   fully_shard over dp: each parameter holds a dp chunk of its tp rows);
-- Qwen3.5-MoE on dp=2 x ep=2 in DEFAULT mode: expert parallelism's gate_up product is Partial(sum)
-  over ep, which strict mode refuses at the activation (issue "the four target models", EP strict);
+- Qwen3.5-MoE on dp=2 x ep=2 (the experts sharded over ep and then over dp; each rank's experts run
+  on local tensors, hypershard/parallel.py);
 - gradient accumulation: two micro-batches, the first with set_requires_gradient_sync(False) (no
   reduce-scatter), equal one device on the whole batch;
 - activation checkpointing (transformers' gradient_checkpointing_enable): the recomputation gathers
@@ -349,8 +349,8 @@ def cases():
         _case("qwen3_dp2_tp2", DP2_TP2, reference_losses("qwen3"), trains_like_one_device("qwen3")),
         _case("qwen3_5_moe_dp2_tp2", DP2_TP2, reference_losses("qwen3_5_moe_text"),
               trains_like_one_device("qwen3_5_moe_text")),
-        _case("qwen3_5_moe_dp2_ep2_default_mode", DP2_EP2, reference_losses("qwen3_5_moe_text"),
-              trains_like_one_device("qwen3_5_moe_text", strict=False)),
+        _case("qwen3_5_moe_dp2_ep2", DP2_EP2, reference_losses("qwen3_5_moe_text"),
+              trains_like_one_device("qwen3_5_moe_text")),
         _case("qwen3_and_mlp_dp4_uneven_and_empty_chunks", DP4, _zeros, uneven_and_empty_chunks),
         _case("qwen3_dp4_accumulation_without_sync", DP4, reference_losses("qwen3", batch=8, steps=2), accumulation),
         _case("qwen3_dp4_activation_checkpointing", DP4, reference_losses("qwen3"), activation_checkpointing),

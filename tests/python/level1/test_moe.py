@@ -161,6 +161,26 @@ def _train(model_type, check_layouts):
                                 backend="hypershard", timeout=300))
 
 
+DP2_EP2 = ((2, 2), ("dp", "ep"))
+
+
+def experts_sharded_on_ep(model):
+    """The model's EP plan: the routed experts' weights sharded on the experts dim over ep (axis 1)."""
+    import hypershard as hs
+
+    layer = next(layer for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+    for weight in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+        assert [list(axes) for axes in hs.layout_of(weight).dim_axes] == [[1], [], []], hs.layout_of(weight)
+
+
+def test_moe_models_train_on_dp2_ep2_strict():
+    """Expert parallelism: each rank runs its experts on local tensors with the routing remapped (transformers'
+    EP), the experts' output reduced over ep; strict mode, no implicit redistribution."""
+    cases = [_case(f"{m}_dp2_ep2", DP2_EP2, *trainer(m, experts_sharded_on_ep))
+             for m in ("qwen3_5_moe_text", "deepseek_v32")]
+    assert_all_passed(run_cases(cases, backend="hypershard", timeout=300))
+
+
 def test_qwen3_5_dense_trains_like_one_device_strict():
     _train("qwen3_5_text", attention_sharded(lambda m: m.model.layers))
 

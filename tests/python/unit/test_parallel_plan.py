@@ -10,7 +10,8 @@ layouts, local shards and module hooks are checked for the MoE and MLA styles of
 - moe_tp_experts: the experts module's own parameters keep their keys' layouts (others Replicate),
   its tensor inputs are made Replicate on tp and its Partial(sum) output reduced (hooks);
 - mla_kv_a_proj: weight Replicate, output made Replicate on tp (hook); needs qk_rope_head_dim;
-- grouped_gemm (expert parallelism, an "ep" axis): the experts dim is sharded, evenly.
+- grouped_gemm (expert parallelism, an "ep" axis): the experts dim is sharded, evenly; the experts
+  module runs this rank's experts on local tensors (hooks) before moe_tp_experts reduces its output.
 
 A plan entry that cannot be honoured (an unknown style, an MLA projection without the config's
 qk_rope_head_dim, an odd packed dim, experts not divisible by the ep ranks) raises a ValueError naming
@@ -143,7 +144,12 @@ def test_grouped_gemm_shards_the_experts_dim_over_ep():
     assert dim_axes(experts.gate_up_proj) == [[0], [], []]
     assert dim_axes(experts.down_proj) == [[0], [], []]
     assert dim_axes(experts.extra_scale) == [[], []]
-    assert len(experts._forward_hooks) == 1
+    # the local-experts hooks (this rank's experts on local tensors, output Partial over ep) run
+    # before the moe_tp_experts reduction of that output
+    post = list(experts._forward_hooks.values())
+    assert len(post) == 2 and post[0].__qualname__.startswith("_local_experts")
+    assert post[1].__qualname__.startswith("_replicate_on")
+    assert any(h.__qualname__.startswith("_local_experts") for h in experts._forward_pre_hooks.values())
     with pytest.raises(ValueError, match=r"'layers\.0\.experts\.gate_up_proj'.*'grouped_gemm'.*4 experts.*3"):
         parallelize(Model(), PlanningMesh({"ep": 3}).device_mesh, ep_plan=ep_plan)
 
