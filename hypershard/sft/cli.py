@@ -50,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
                    help="checkpoint every N steps and at the end (default 500; 0: no checkpoints)")
     p.add_argument("--seed", type=int, default=42, help="model init and data order seed (default 42)")
     p.add_argument("--strict", action="store_true", help="run in hypershard.strict() (no fallback)")
+    p.add_argument("--fully-shard", action="store_true",
+                   help="hs.fully_shard every decoder layer and the root over dp (parameters, gradients and "
+                        "optimizer states 1/dp per rank)")
     p.add_argument("--export-hf", action="store_true", help="at the end, export the model to OUTPUT/hf (safetensors)")
     p.add_argument("--stop-after", type=int, default=0,
                    help="end after step K, with a checkpoint there (simulates an interrupted run)")

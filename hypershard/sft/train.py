@@ -151,6 +151,20 @@ def accumulate(model, batches: list, n_items: int, crash: bool = False) -> float
     return loss_sum
 
 
+def _fully_shard(model, mesh) -> None:
+    """hs.fully_shard on every decoder layer and the root (docs/fully_shard.md): parameters,
+    gradients and AdamW states 1/dp per rank; the checkpoints save and reshard the shards."""
+    import hypershard as hs
+
+    if "dp" not in mesh.mesh_dim_names:
+        fail("--fully-shard needs a dp axis in --mesh", "a mesh such as dp=2,tp=2")
+    layers = next((m for name, m in model.named_modules() if name.endswith("layers")
+                   and isinstance(m, torch.nn.ModuleList)), None)
+    for layer in layers if layers is not None else []:
+        hs.fully_shard(layer, mesh)
+    hs.fully_shard(model, mesh)
+
+
 def run_rank(rank: int, world: int, args) -> dict:
     """One rank's training; rank 0 writes the outputs. Returns the step records and the time."""
     import hypershard as hs
@@ -162,6 +176,8 @@ def run_rank(rank: int, world: int, args) -> dict:
     check_batch_sizes(args.batch_size, args.micro_batch_size, dp_size(args.mesh), len(examples))
     per_epoch, total, warmup = schedule(args, len(examples))
     model = parallelize(build_model(args.model, len(tokenizer), args.seed, args.cutoff_len), mesh)
+    if getattr(args, "fully_shard", False):
+        _fully_shard(model, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, total, warmup, args.min_lr_ratio))

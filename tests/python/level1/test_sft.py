@@ -149,3 +149,14 @@ def test_qwen3_5_moe_under_torchrun(fixtures, tmp_path):
     assert all(r["loss"] == r["loss"] and r["loss"] > 0 for r in steps)
     assert (tmp_path / "loss_curve.png").stat().st_size > 0
     assert (tmp_path / "checkpoints" / "step_00000004").is_dir()
+
+
+def test_fully_sharded_run_and_resume_without_it(fixtures, reference, tmp_path):
+    """--fully-shard (hs.fully_shard on every decoder layer and the root over dp): the same losses as the
+    reference run up to summation order (rtol 1e-5); its step-2 checkpoint (fully sharded layouts) then
+    resumes into a plain dp=2 x tp=2 model (resharded on load) with the reference's losses too."""
+    first = tmp_path / "fsdp"
+    ok(sft(fixtures, first, "--fully-shard", "--stop-after", "2"))
+    torch.testing.assert_close(losses(first), losses(reference)[:2], rtol=1e-5, atol=0)
+    ok(sft(fixtures, first, "--resume"))
+    torch.testing.assert_close(losses(first), losses(reference), rtol=1e-5, atol=0)
