@@ -49,6 +49,7 @@
 #include <algorithm>
 
 #include "ops/families.h"
+#include "ops/masked.h"
 
 namespace hypershard::ops {
 namespace {
@@ -212,8 +213,8 @@ OpPlan along_dims_rule(const OpCall& call) {
 // are whole (the indices are GLOBAL coordinates), the index tensors are read whole, every other
 // dim keeps its sharding; the result has the broadcast index shape where the indexed dims were
 // (all at the front when they are not adjacent, as torch does). index_put's values take the
-// result's sharding where their sizes agree (size 1 broadcasts). A boolean mask index has a
-// data-dependent size: not covered (the fallback's in default mode). index.Tensor is linear in
+// result's sharding where their sizes agree (size 1 broadcasts). A boolean mask index (a
+// data-dependent size) goes to masked.cpp's rules (GLOBAL order). index.Tensor is linear in
 // self (it selects elements): a sum-Partial self passes; index_put keeps Partial(sum) self and
 // values when it accumulates (summed_axes), and refuses Partial otherwise.
 struct Indexing {
@@ -273,6 +274,7 @@ Indexing plan_indexing(const OpCall& call) {
 }
 
 OpPlan index_rule(const OpCall& call) {
+  if (has_bool_mask_index(call)) return bool_mask_index_rule(call);  // masked.cpp: GLOBAL order
   const Layout& self = call.layout(0);
   const Indexing ix = plan_indexing(call);
   layout::PartialOps partial = self.partial();
@@ -318,6 +320,7 @@ layout::PartialOps summed_axes(const OpCall& call, const Indexing& ix, int64_t v
 }
 
 OpPlan index_put_rule(const OpCall& call) {
+  if (has_bool_mask_index(call)) return bool_mask_index_put_rule(call);  // masked.cpp
   const Layout& self = call.layout(0);
   const Indexing ix = plan_indexing(call);
   const int64_t values = call.tensor_index(2);

@@ -22,6 +22,7 @@ void register_reshape_kernel();
 // tensor_ops.cpp: one_hot on AutogradPrivateUse2 (its composite kernel would escape the DTensor).
 void register_one_hot_kernel();
 void register_matmul(Registry& r);       // matmul.cpp: mm, bmm, addmm, baddbmm, mv, addmv, dot
+void register_masked(Registry& r);       // masked.cpp: masked_scatter (and boolean-mask indexing) in GLOBAL order
 void register_along_dims(Registry& r);   // along_dims.cpp: scans, sorts, dim-wise reductions, flip/roll, linalg
 void register_convolution(Registry& r);  // convolution.cpp: convolution and its backward, batch-parallel
 void register_reductions(Registry& r);   // reductions.cpp: sum, mean, amax, max, var, norms, any/all, ...

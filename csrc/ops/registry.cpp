@@ -174,6 +174,8 @@ void register_all(Registry& r) {
   register_random(r);
   r.set_family("along_dims");
   register_along_dims(r);
+  r.set_family("masked");
+  register_masked(r);
   r.set_family("convolution");
   register_convolution(r);
   r.set_family("rotary");

@@ -17,9 +17,6 @@
 //   _is_all_true, _is_any_true,      likewise gathered, a Replicate result shaped by the computation
 //   masked_scatter_backward,         (a bool scalar, the backward's sizes, the repeated indices)
 //   repeat_interleave.Tensor
-//   masked_scatter(_)                masked_select's backward: which source element lands where
-//                                    depends on every earlier mask element, so self, mask and
-//                                    source are whole (gathered) and so is the result
 //   one_hot                          a kernel of its own at the autograd key (its composite kernel
 //                                    would scatter DTensor data into a plain zeros tensor): the
 //                                    index keeps its sharding, the new class dim is whole;
@@ -128,14 +125,6 @@ OpPlan gathered_data_shaped_rule(const OpCall& call) {
   return plan;
 }
 
-// Every tensor argument whole; the result (self's shape) whole too.
-OpPlan gathered_rule(const OpCall& call) {
-  OpPlan plan;
-  for (const auto& t : call.tensors) plan.inputs.push_back(replicate_like(*t.layout, t.layout->global_shape()));
-  plan.outputs.push_back(plan.inputs.at(0));
-  return plan;
-}
-
 }  // namespace
 
 void register_one_hot_kernel() {
@@ -153,8 +142,6 @@ void register_tensor_ops(Registry& r) {
                          "aten::new_full"})
     r.add(op, &new_sized_rule, KeyScalars::kAll);
   r.add("aten::_local_scalar_dense", &gather_scalar_rule, KeyScalars::kNone);
-  r.add("aten::masked_scatter", &gathered_rule, KeyScalars::kNone);
-  r.add("aten::masked_scatter_", &gathered_rule, KeyScalars::kNone);
   r.add("aten::masked_select", &gathered_data_shaped_rule, KeyScalars::kNone);
   // Whole inputs, a Replicate result shaped by the computation too: the all/any checks HF's
   // torch_compilable_check runs, masked_scatter's backward, repeat_interleave's counts.

@@ -724,8 +724,9 @@ void detail::dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet
       at::Tensor local = v.toTensor();
       if (local.defined()) {
         LayoutPtr layout = plan->outputs.at(out_index);
-        if (plan->data_shaped && local.sizes() != c10::IntArrayRef(layout->global_shape()))
-          layout = intern_layout(layout::Layout::replicate(layout->mesh(), local.sizes().vec()));
+        if (plan->data_shaped && local.sizes() != c10::IntArrayRef(layout->global_shape()))  // whole dims, Partial kept
+          layout = intern_layout(layout::Layout::create(layout->mesh(), local.sizes().vec(),
+                                                        layout::DimAxes(local.dim()), layout->partial()));
         auto wrapped = wrap_view_or_output(std::move(local), ri.kind == ReturnKind::kView, layout, call.mesh,
                                            geometry_from_local, geometry, view_index, detached);
         v = std::move(wrapped);

@@ -16,8 +16,9 @@ steps of AdamW with clip_grad_norm_; parallelize() uses the models' own tensor-p
   shards the attention (q/k/v colwise, o rowwise); the experts (transformers gives them only an ep
   plan) and the vision tower stay Replicate on tp.
 
-A Qwen3-VL-MoE batch WITH images (one 16-patch image per sample) runs in default mode: its boolean-mask
-merge of image features has no rule yet and goes through the fallback, but the run matches one device.
+A Qwen3-VL-MoE batch WITH images (one 16-patch image per sample) trains strict on dp=2 x tp=2 too: the
+image features merged into the dp-sharded embeddings in GLOBAL order (masked_scatter, boolean-mask
+indexing: csrc/ops/masked.cpp).
 
 Each case checks that the weights its plan shards really are sharded (not silently left Replicate),
 then compares with the single-device run by hypershard.testing.training: every step's loss (rtol
@@ -114,11 +115,11 @@ def image_batches(steps=STEPS):
 
 
 def vl_image_trainer():
-    """Qwen3-VL-MoE on a batch with images, DEFAULT mode: pixel_values and the image grids stay
+    """Qwen3-VL-MoE on a batch with images, strict mode: pixel_values and the image grids stay
     Replicate (parallelize keeps them whole: their dim 0 is not the batch), the text side is split
-    over dp. The boolean-mask index / index_put of the deepstack merge have no rule yet (data-dependent
-    row counts; the models issue) and run through the fallback; the run must still match one device
-    and need no implicit redistribution."""
+    over dp; the image features land in the dp-sharded embeddings by masked_scatter in GLOBAL order
+    and the deepstack merge's boolean-mask index / index_put keep the hidden states sharded
+    (csrc/ops/masked.cpp). Matches one device with no fallback and no implicit redistribution."""
     def config():
         from hypershard.models import tiny_config
 
@@ -137,11 +138,14 @@ def vl_image_trainer():
 
         batches = image_batches()
         expected = record_training(tiny_model(config()), batches)
-        with hs.strict(False):
-            model = parallelize(tiny_model(config()), current_mesh())
-            hs._C.reset_dispatch_stats()
-            got = record_training(model, batches)
-        assert hs._C.dispatch_stats()["implicit_calls"] == 0, hs._C.dispatch_stats()
+        assert hs.is_strict()
+        model = parallelize(tiny_model(config()), current_mesh())
+        hs._C.reset_dispatch_stats()
+        got = record_training(model, batches)
+        stats = hs._C.dispatch_stats()
+        assert stats["implicit_calls"] == 0 and stats["fallback_calls"] == 0, stats
+        embeds = model.get_input_embeddings()(hs.distribute_tensor(batches[0][0], current_mesh(), ["S(0)", "R"]))
+        assert [list(a) for a in hs.layout_of(embeds).dim_axes][0] == [0]  # the text side stays dp-sharded
         problems, _ = check_training(got, expected)
         assert not problems, "\n".join(problems)
         return torch.tensor(got.losses, dtype=torch.float64)
@@ -197,6 +201,6 @@ def test_qwen3_vl_moe_text_trains_like_one_device_strict():
     _train("qwen3_vl_moe", attention_sharded(lambda m: m.model.language_model.layers))
 
 
-def test_qwen3_vl_moe_image_batch_trains_like_one_device_default_mode():
+def test_qwen3_vl_moe_image_batch_trains_like_one_device_strict():
     assert_all_passed(run_cases([_case("qwen3_vl_moe_image_dp2_tp2", DP2_TP2, *vl_image_trainer())],
                                 backend="hypershard", timeout=300))

@@ -258,7 +258,7 @@ ERRORS = [
      "dim 2 is out of range for a 2-d tensor"),
     ("histc_of_partial", "tp4", aten.histc.default, (T([8, 6], P1), 5, 0, 0), {},
      "a histogram of a Partial tensor counts its parts"),
-    ("index_boolean_mask_not_covered", "tp4", aten.index.Tensor, (T([8, 6], S(0)), [T([8, 6], R1, boolean)]), {},
+    ("index_boolean_mask_not_covered", "tp4", aten.index.Tensor, (T([8, 6], S(0)), [T([6], R1, boolean)]), {},
      "Missing operator aten::index.Tensor for these arguments (a boolean mask index"),
     ("missing_operator", "tp4", aten.bucketize.Tensor, (T([8, 6], S(0)), T([5], R1)), {},
      "Missing operator aten::bucketize.Tensor: no distributed rule for this op"),
