@@ -19,9 +19,10 @@
 //   cast        float-to-float casts keep every Partial; other casts reject them.
 //   reject      everything else (comparisons, abs, pow, fill_ ...): a sum/avg Partial input is an
 //               error that names the op and the argument (redistribute it first), except a 0-dim
-//               one (a count or sum that model code tests, e.g. `mask.sum() == mask.numel()`),
-//               which is reduced first: one element; a max/min/prod Partial (only made by the
-//               monotone row above) is reduced first, which is exact.
+//               or an integer one (a sum or counts that model code tests: `mask.sum() ==
+//               mask.numel()`, eager MoE's `expert_mask.sum(...) > 0`), which is reduced first; a
+//               max/min/prod Partial (only made by the monotone row above) is reduced first, which
+//               is exact.
 // The engine (elementwise_layouts, pointwise.h) is shared with the _foreach_* list ops
 // (foreach.cpp), which run it once per list position.
 // Beyond these tables, every op torch tags `pointwise` gets the reject row (register_tagged_pointwise).
@@ -170,10 +171,14 @@ ElementwiseLayouts elementwise_layouts(const OpCall& call, Algebra algebra, int6
     const auto op = call.layout(t).partial_op();
     if (!op || is_out[k]) continue;
     if (!is_mask[k] && output_partial(algebra, *op, call, t, first_data)) continue;
-    // A 0-dim one (a count or a sum tested in model code: transformers' `mask.sum() == numel`)
-    // is reduced first: one element moves, and unmodified code has no other way.
+    // A 0-dim one (a sum tested in model code: transformers' `mask.sum() == numel`) or an
+    // integer one (counts: eager MoE's `expert_mask.sum(...) > 0` over dp-sharded tokens) is
+    // reduced first: it is data-dependent control, not an activation missing its reduction, and
+    // unmodified code has no other way.
     const bool scalar = call.layout(t).global_shape().empty();
-    if (is_sum_like(*op) && !call.in_backward && !scalar)
+    const auto dtype = call.tensors[t].dtype;
+    const bool count = c10::isIntegralType(dtype, /*includeBool=*/false);  // a bool Partial has no meaning
+    if (is_sum_like(*op) && !call.in_backward && !scalar && !count)
       fail_argument(call, t, std::string("Partial(") + layout::reduce_op_name(*op) +
                     ") input is not supported by this op", "Replicate or Shard (redistribute the Partial input first)");
     reduce_first[k] = true;

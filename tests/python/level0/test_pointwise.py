@@ -96,6 +96,10 @@ def partial_cases():
         Case("eq_scalar_of_a_sharded_count", lambda m: m.sum() == m.numel(),
              [Input((5, 3), torch.int64, placements=["S(0)"], init=lambda s, d, g: torch.ones(s, dtype=d))], MESH4),
         Case("gt_P_0dim", lambda x: x.sum() > 0, [Input((5, 3), placements=["S(0)"])], MESH2),
+        # integer counts over a sharded dim (eager MoE's `expert_mask.sum(...) > 0`): reduced first too
+        Case("gt_integer_counts", lambda m: (m.sum(0) > 0).long() + m.sum(0),
+             [Input((5, 3), torch.int64, placements=["S(0)"], init=lambda s, d, g: torch.randint(0, 2, s, generator=g))],
+             MESH4, check_grad=False),
         # cat of a Partial and a whole operand (a backward pass does: DeepSeek's q/k rope parts under EP): the
         # whole one is filled, the output Partial; the Partial operand need not come first
         Case("cat_R_P", lambda a, b: torch.cat([a, b], 0), [Input((2, 3), placements=R), Input((4, 3), placements=P)],

@@ -204,3 +204,81 @@ def test_qwen3_vl_moe_text_trains_like_one_device_strict():
 def test_qwen3_vl_moe_image_batch_trains_like_one_device_strict():
     assert_all_passed(run_cases([_case("qwen3_vl_moe_image_dp2_tp2", DP2_TP2, *vl_image_trainer())],
                                 backend="hypershard", timeout=300))
+
+
+# ---------------------------------------------------------------------------------- the matrix
+
+MATRIX_MESHES = {"tp4": ((4,), ("tp",)), "dp2_tp2": DP2_TP2, "dp2_ep2": DP2_EP2}
+EXPERTS = ("eager", "grouped_mm", "grouped_mm_fallback")
+
+
+def matrix_trainer(model_type, experts=None, **overrides):
+    """One model x mesh x experts implementation, strict: `grouped_mm_fallback` is transformers'
+    custom op, forced by making its `_can_use_grouped_mm` say no."""
+    def setup():
+        from hypershard.models import make_batches, tiny_config
+
+        values = dict(overrides)
+        if experts is not None:
+            values["experts_implementation"] = "grouped_mm" if experts == "grouped_mm_fallback" else experts
+        config = tiny_config(model_type, **values)
+        return config, make_batches(config.vocab_size, 2, batch=4, seq=16)
+
+    def run(model_factory):
+        import contextlib
+        from unittest import mock
+
+        patch = (mock.patch("transformers.integrations.moe._can_use_grouped_mm", lambda *a, **k: False)
+                 if experts == "grouped_mm_fallback" else contextlib.nullcontext())
+        with patch:
+            return model_factory()
+
+    def reference(_dummy):
+        from hypershard.models import tiny_model, train
+
+        config, batches = setup()
+        return run(lambda: torch.tensor(train(tiny_model(config), batches), dtype=torch.float64))
+
+    def distributed(_dummy):
+        import hypershard as hs
+        from hypershard.models import tiny_model
+        from hypershard.parallel import parallelize
+        from hypershard.testing.training import check_training, record_training
+
+        config, batches = setup()
+
+        def both():
+            expected = record_training(tiny_model(config), batches)
+            model = parallelize(tiny_model(config), current_mesh())
+            hs._C.reset_dispatch_stats()
+            return expected, record_training(model, batches), hs._C.dispatch_stats()
+
+        expected, got, stats = run(both)
+        assert stats["implicit_calls"] == 0 and stats["fallback_calls"] == 0, stats
+        problems, _ = check_training(got, expected)
+        assert not problems, "\n".join(problems)
+        return torch.tensor(got.losses, dtype=torch.float64)
+
+    return reference, distributed
+
+
+def matrix_cases():
+    cases = []
+    for model_type in ("qwen3_5_moe_text", "deepseek_v32", "qwen3_vl_moe"):
+        for mesh_name, mesh in MATRIX_MESHES.items():
+            for experts in EXPERTS:
+                cases.append(_case(f"{model_type}_{mesh_name}_{experts}", mesh, *matrix_trainer(model_type, experts)))
+    for mesh_name in ("tp4", "dp2_tp2"):
+        cases.append(_case(f"qwen3_5_text_{mesh_name}", MATRIX_MESHES[mesh_name], *matrix_trainer("qwen3_5_text")))
+    # fewer KV heads than tp ranks: the KV projections stay whole (Megatron's KV replication)
+    cases.append(_case("qwen3_5_text_tp4_2_kv_heads", MATRIX_MESHES["tp4"],
+                       *matrix_trainer("qwen3_5_text", num_key_value_heads=2)))
+    return cases
+
+
+def test_model_mesh_experts_matrix_strict():
+    """Every MoE target on tp=4, dp=2 x tp=2 and dp=2 x ep=2 with each experts implementation transformers
+    offers (eager: one_hot/greater/where/index_add_; grouped_mm: torch._grouped_mm; its custom-op fallback),
+    and Qwen3.5 dense on tp=4 (also with 2 KV heads) and dp=2 x tp=2: 2 AdamW steps in strict mode, no
+    fallback and no implicit redistribution, matching one device (hypershard.testing.training)."""
+    assert_all_passed(run_cases(matrix_cases(), backend="hypershard", timeout=600))
