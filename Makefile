@@ -46,7 +46,7 @@ export CCACHE_BASEDIR := $(CURDIR)
 
 .PHONY: help setup system-packages build test test-cpp test-sanitize test-fuzz test-unit \
         test-level0 test-level1 \
-        demo bench clean distclean
+        demo bench coverage-docs clean distclean
 
 help:
 	@echo "make demo         set up everything, then run the demo (python -m hypershard.demo)"
@@ -62,6 +62,7 @@ help:
 	@echo "make test-unit    Python unit tests (tests/python/unit)"
 	@echo "make test-level0  single-operator distributed tests (tests/python/level0)"
 	@echo "make test-level1  model training tests (tests/python/level1)"
+	@echo "make coverage-docs  regenerate docs/coverage (ops of every target model on every mesh)"
 	@echo "make bench        benchmarks vs plain eager and torch DTensor -> bench/ (results.json, RESULTS.md, PNG)"
 	@echo "make clean        remove build outputs; make distclean also removes .venv"
 
@@ -157,6 +158,10 @@ test-level1: setup
 
 demo: setup
 	$(PY) -m hypershard.demo
+
+# docs/coverage: every target model x mesh's ops and what serves them (a level1 test keeps it current).
+coverage-docs: setup
+	$(PY) -m hypershard.coverage --all --write docs/coverage
 
 bench:
 	@if [[ -f benchmarks/run.py ]]; then \

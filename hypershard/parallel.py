@@ -242,6 +242,7 @@ def _local_experts(mesh, ep_axis: int):
                              dict(module._parameters))
         for name, param in list(module._parameters.items()):
             if param is not None and _C.is_dtensor(param):
+                _C.install_grad_hook(param)  # it reaches no op itself: its Partial gradient needs the hook
                 module._parameters[name] = _local(param, token_axes)
         module.num_experts = local_count
         module._is_expert_parallel = True  # transformers' implementations then mask the sentinel rows

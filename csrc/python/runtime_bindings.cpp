@@ -7,6 +7,7 @@
 #include "layout/error.h"
 #include "layout/intern.h"
 #include "runtime/dispatch.h"
+#include "runtime/dispatch_internal.h"
 #include "runtime/dtensor_impl.h"
 #include "runtime/fast_path.h"
 #include "runtime/fully_shard.h"
@@ -156,6 +157,15 @@ void bind_runtime(py::module_& m) {
       .def("reset_stats", &runtime::FullyShardGroup::reset_stats)
       .def("__len__", &runtime::FullyShardGroup::size);
 
+  m.def(
+      "install_grad_hook",
+      [](const at::Tensor& leaf) {
+        if (runtime::is_dtensor(leaf) && leaf.requires_grad() && leaf.is_leaf()) runtime::detail::install_grad_hook(leaf);
+      },
+      py::arg("leaf"),
+      "hypershard's gradient-layout hook on a DTensor leaf (normally installed when the leaf reaches an op): "
+      "for parameters used only through local tensors (expert parallelism's local experts), so that their "
+      "Partial gradients are still summed before .grad takes them.");
   m.def("set_grad_bucket_bytes", &runtime::set_grad_bucket_bytes, py::arg("bytes"),
         "The most bytes one data-parallel gradient bucket carries (default 25 MiB): gradients that "
         "differ from their parameter's layout only by Partial(sum) axes are reduced at the end of "

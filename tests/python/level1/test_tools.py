@@ -61,3 +61,18 @@ def test_coverage_lists_fallback_ops_and_the_model_still_matches_one_device():
     assert served and int(served.group(1)) > 0, result.stdout[-2000:]
     worst = re.search(r"max relative difference ([0-9.e+-]+)", result.stdout)
     assert worst and float(worst.group(1)) <= 1e-5, result.stdout[-2000:]
+
+
+def test_coverage_docs_are_current(tmp_path):
+    """docs/coverage (make coverage-docs): every target model on tp=4, dp=2 x tp=2 and (MoE) dp=2 x ep=2 reaches
+    no op without a rule, needs no implicit redistribution and matches one device; regenerated here, the
+    reports must equal the checked-in ones (an op gaining or losing a rule, or a new call count, shows)."""
+    from pathlib import Path
+
+    result = run("hypershard.coverage", "--all", "--write", str(tmp_path))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    docs = Path(__file__).resolve().parents[3] / "docs" / "coverage"
+    expected = sorted(p.name for p in docs.glob("*.md"))
+    assert sorted(p.name for p in tmp_path.glob("*.md")) == expected
+    stale = [name for name in expected if (tmp_path / name).read_text() != (docs / name).read_text()]
+    assert not stale, f"docs/coverage is out of date ({stale}); run make coverage-docs"
