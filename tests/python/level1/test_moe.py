@@ -212,9 +212,13 @@ MATRIX_MESHES = {"tp4": ((4,), ("tp",)), "dp2_tp2": DP2_TP2, "dp2_ep2": DP2_EP2}
 EXPERTS = ("eager", "grouped_mm", "grouped_mm_fallback")
 
 
-def matrix_trainer(model_type, experts=None, **overrides):
+MATRIX_STEPS = 3
+
+
+def matrix_trainer(model_type, experts=None, sequence_sharded=False, batch=4, **overrides):
     """One model x mesh x experts implementation, strict: `grouped_mm_fallback` is transformers'
-    custom op, forced by making its `_can_use_grouped_mm` say no."""
+    custom op, forced by making its `_can_use_grouped_mm` say no. `sequence_sharded`: the batches
+    enter as DTensors sharded on the sequence dim over the (tp) mesh instead of split over dp."""
     def setup():
         from hypershard.models import make_batches, tiny_config
 
@@ -222,7 +226,7 @@ def matrix_trainer(model_type, experts=None, **overrides):
         if experts is not None:
             values["experts_implementation"] = "grouped_mm" if experts == "grouped_mm_fallback" else experts
         config = tiny_config(model_type, **values)
-        return config, make_batches(config.vocab_size, 2, batch=4, seq=16)
+        return config, make_batches(config.vocab_size, MATRIX_STEPS, batch=batch, seq=16)
 
     def run(model_factory):
         import contextlib
@@ -249,9 +253,13 @@ def matrix_trainer(model_type, experts=None, **overrides):
 
         def both():
             expected = record_training(tiny_model(config), batches)
-            model = parallelize(tiny_model(config), current_mesh())
+            mesh = current_mesh()
+            model = parallelize(tiny_model(config), mesh, shard_inputs=not sequence_sharded)
+            inputs = batches
+            if sequence_sharded:
+                inputs = [tuple(hs.distribute_tensor(t, mesh, ["S(1)"]) for t in b) for b in batches]
             hs._C.reset_dispatch_stats()
-            return expected, record_training(model, batches), hs._C.dispatch_stats()
+            return expected, record_training(model, inputs), hs._C.dispatch_stats()
 
         expected, got, stats = run(both)
         assert stats["implicit_calls"] == 0 and stats["fallback_calls"] == 0, stats
@@ -273,12 +281,18 @@ def matrix_cases():
     # fewer KV heads than tp ranks: the KV projections stay whole (Megatron's KV replication)
     cases.append(_case("qwen3_5_text_tp4_2_kv_heads", MATRIX_MESHES["tp4"],
                        *matrix_trainer("qwen3_5_text", num_key_value_heads=2)))
+    # the sequence dim sharded over tp=2 on the activations; the MoE blocks flatten [B, S, H] with
+    # view(-1, H), which keeps a sequence shard whole only for one sequence per batch
+    for model_type, batch in (("qwen3", 2), ("qwen3_5_text", 2), ("qwen3_5_moe_text", 1), ("deepseek_v32", 1)):
+        cases.append(_case(f"{model_type}_tp2_sequence_sharded", ((2,), ("tp",)),
+                           *matrix_trainer(model_type, sequence_sharded=True, batch=batch)))
     return cases
 
 
 def test_model_mesh_experts_matrix_strict():
     """Every MoE target on tp=4, dp=2 x tp=2 and dp=2 x ep=2 with each experts implementation transformers
     offers (eager: one_hot/greater/where/index_add_; grouped_mm: torch._grouped_mm; its custom-op fallback),
-    and Qwen3.5 dense on tp=4 (also with 2 KV heads) and dp=2 x tp=2: 2 AdamW steps in strict mode, no
-    fallback and no implicit redistribution, matching one device (hypershard.testing.training)."""
+    Qwen3.5 dense on tp=4 (also with 2 KV heads) and dp=2 x tp=2, and the dense and MoE text models on tp=2
+    with the sequence dim sharded: 3 AdamW steps in strict mode, no fallback and no implicit
+    redistribution, matching one device (hypershard.testing.training)."""
     assert_all_passed(run_cases(matrix_cases(), backend="hypershard", timeout=600))
