@@ -104,6 +104,14 @@ def partial_cases():
         # whole one is filled, the output Partial; the Partial operand need not come first
         Case("cat_R_P", lambda a, b: torch.cat([a, b], 0), [Input((2, 3), placements=R), Input((4, 3), placements=P)],
              MESH2, dist_fn=placements_must_be(["Partial(sum)"], lambda a, b: torch.cat([a, b], 0))),
+        # bitwise ops on sharded integer / bool masks (the target models' mask arithmetic)
+        Case("bitwise_and_not_int", lambda a, b: a & ~b,
+             [Input((5, 3), torch.int64, placements=["S(0)"], init=lambda s, d, g: torch.randint(0, 8, s, generator=g)),
+              Input((5, 3), torch.int64, placements=["R"], init=lambda s, d, g: torch.randint(0, 8, s, generator=g))],
+             MESH4, check_grad=False),
+        Case("bitwise_and_not_bool", lambda a, b: a & ~b,
+             [Input((5, 3), torch.bool, placements=["S(1)"], requires_grad=False),
+              Input((5, 3), torch.bool, placements=["S(1)"], requires_grad=False)], MESH2, check_grad=False),
         # a max-Partial the algebra cannot keep is reduced first (exact); the sum-Partial stays
         Case("add_Pmax_Psum", torch.add, [Input((4, 3), placements=["P(max)"]), Input((4, 3), placements=P)], MESH2,
              dist_fn=placements_must_be(["Partial(sum)"], torch.add)),
