@@ -53,11 +53,12 @@ def _measure(mesh, model_type: str, overrides: dict, steps: int, batch: int, seq
             losses = train(parallelize(tiny_model(config), mesh), batches)
         except Exception as exc:  # reported, then the exit code says it failed
             losses, error = None, f"{type(exc).__name__}: {exc}"
-    for op in without_rule:
+    report = {"ops": hs._C.op_counts(), "reference": reference, "losses": losses, "error": error,
+              "fallback_bytes": hs._C.dispatch_stats()["fallback_bytes"],
+              "implicit_calls": hs._C.dispatch_stats()["implicit_calls"]}
+    for op in without_rule:  # after op_counts, which reports whether a rule served each op
         hs._C.set_rule_enabled(op, True)
-    return {"ops": hs._C.op_counts(), "reference": reference, "losses": losses, "error": error,
-            "fallback_bytes": hs._C.dispatch_stats()["fallback_bytes"],
-            "implicit_calls": hs._C.dispatch_stats()["implicit_calls"]}
+    return report
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
