@@ -32,7 +32,7 @@
 namespace hypershard::ops {
 namespace {
 
-constexpr int64_t kNone = 0, kMean = 1, kSum = 2;  // at::Reduction
+constexpr int64_t kNone = at::Reduction::None, kMean = at::Reduction::Mean, kSum = at::Reduction::Sum;
 
 struct Operands {
   int64_t grad = -1, self = -1, target = -1, weight = -1, pos_weight = -1;  // indices into call.tensors
@@ -90,12 +90,7 @@ void sum_then_scale(int64_t reduction_arg, int64_t reduction, double count, cons
 template <bool kBackward>
 OpPlan elementwise_loss_rule(const OpCall& call) {
   const Operands o = operands_of(call, kBackward);
-  for (int64_t t : {o.self, o.target, o.weight, o.pos_weight})
-    if (t >= 0 && call.layout(t).has_partial())
-      fail_argument(call, t,
-                    std::string("Partial(") + layout::reduce_op_name(*call.layout(t).partial_op()) +
-                        ") input is not supported: the loss term is not linear in it",
-                    "Replicate or Shard (redistribute the Partial input first)");
+  for (int64_t t : {o.self, o.target, o.weight, o.pos_weight}) reject_partial(call, t, "the loss term is not linear in it");
   const Layout& self = call.layout(o.self);
   const Layout& target = call.layout(o.target);
   const auto& shape = self.global_shape();

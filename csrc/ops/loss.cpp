@@ -79,12 +79,6 @@ int64_t int_arg(const c10::IValue& v) { return v.isInt() ? v.toInt() : v.toSymIn
 
 std::string partial_name(const Layout& l) { return std::string("Partial(") + layout::reduce_op_name(*l.partial_op()) + ")"; }
 
-void reject_partial(const OpCall& call, int64_t t, const char* why) {
-  if (t >= 0 && call.layout(t).has_partial())
-    fail_argument(call, t, partial_name(call.layout(t)) + " input is not supported: " + why,
-                  "Replicate or Shard (redistribute the Partial input first)");
-}
-
 bool uses_axis(const layout::DimAxes& dims, int64_t axis) {
   for (const auto& d : dims)
     if (std::find(d.begin(), d.end(), axis) != d.end()) return true;

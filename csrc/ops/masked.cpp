@@ -47,8 +47,8 @@ std::optional<std::vector<int64_t>> dim0_only_axes(const Layout& l) {
   return l.dim_axes()[0];
 }
 
-// The per-chunk values of a one-element local tensor, in dim-0 chunk order over `axes` (major ->
-// minor): gathering the minor axis first, then the major ones, orders them major-first.
+// Every rank's `local` (equal shapes) concatenated along dim 0 in dim-0 chunk order over `axes`
+// (major -> minor): gathering the minor axis first, then the major ones, orders them major-first.
 at::Tensor gather_in_chunk_order(at::Tensor local, const OpCall& call, const std::vector<int64_t>& axes) {
   for (auto it = axes.rbegin(); it != axes.rend(); ++it) local = runtime::all_gather_along(local, *call.mesh, *it, 0);
   return local;
@@ -61,15 +61,21 @@ int64_t chunk_index(const OpCall& call, const std::vector<int64_t>& axes) {
   return index;
 }
 
-// Counts of true mask elements per chunk (a CPU int64 vector) and this rank's offset.
-std::pair<std::vector<int64_t>, int64_t> global_offset(const at::Tensor& mask, const OpCall& call,
-                                                       const std::vector<int64_t>& axes) {
+// Where this rank's true mask elements sit in the GLOBAL order (one all-gather of the counts).
+struct GlobalOrder {
+  std::vector<int64_t> counts;  // true elements per dim-0 chunk
+  int64_t offset = 0;           // before this rank's chunk
+  int64_t count = 0;            // in this rank's chunk
+};
+
+GlobalOrder global_order(const at::Tensor& mask, const OpCall& call, const std::vector<int64_t>& axes) {
   const auto counts = gather_in_chunk_order(mask.sum().reshape({1}).to(at::kLong), call, axes).cpu();
-  std::vector<int64_t> out(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + counts.numel());
+  GlobalOrder order;
+  order.counts.assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + counts.numel());
   const int64_t mine = chunk_index(call, axes);
-  int64_t offset = 0;
-  for (int64_t c = 0; c < mine; ++c) offset += out[c];
-  return {out, offset};
+  for (int64_t c = 0; c < mine; ++c) order.offset += order.counts[c];
+  order.count = order.counts[mine];
+  return order;
 }
 
 void check_mask_shape(const OpCall& call, int64_t mask, const std::vector<int64_t>& self_shape) {
@@ -85,9 +91,10 @@ LayoutPtr whole_or_refused(const OpCall& call, int64_t t, layout::DimAxes dims) 
   return make_layout(call.layout(t), call.layout(t).global_shape(), std::move(dims));
 }
 
-layout::DimAxes dims_with_dim0(int64_t ndim, const std::vector<int64_t>& axes) {
+// `ndim` whole dims, dim 0 sharded over `axes` when given.
+layout::DimAxes dims_with_dim0(int64_t ndim, const std::optional<std::vector<int64_t>>& axes) {
   layout::DimAxes dims(static_cast<size_t>(ndim));
-  if (ndim > 0) dims[0] = axes;
+  if (ndim > 0 && axes) dims[0] = *axes;
   return dims;
 }
 
@@ -96,10 +103,8 @@ layout::DimAxes dims_with_dim0(int64_t ndim, const std::vector<int64_t>& axes) {
 void masked_scatter_expand(const std::vector<int64_t>& axes, const OpCall& call, Stack& stack) {
   at::Tensor self = call.arg(0).toTensor();
   const at::Tensor mask = call.arg(1).toTensor().expand_as(self), source = call.arg(2).toTensor();
-  const auto [counts, offset] = global_offset(mask, call, axes);
-  (void)counts;
-  const int64_t mine = mask.sum().item<int64_t>();
-  const auto part = source.reshape({-1}).narrow(0, offset, mine);
+  const auto order = global_order(mask, call, axes);
+  const auto part = source.reshape({-1}).narrow(0, order.offset, order.count);
   const bool inplace = call.name() == "aten::masked_scatter_";
   at::Tensor out = inplace ? self.masked_scatter_(mask, part) : self.masked_scatter(mask, part);
   torch::jit::drop(stack, call.num_args());
@@ -121,11 +126,10 @@ OpPlan masked_scatter_rule(const OpCall& call) {
                           layout::shape_string(shape));
   OpPlan plan;
   const auto axes = dim0_only_axes(self);
-  const layout::DimAxes dims = axes ? dims_with_dim0(self.ndim(), *axes) : layout::DimAxes(self.ndim());
-  layout::DimAxes mask_dims(mshape.size());
-  if (axes && lead == 0 && !mshape.empty() && mshape[0] == shape[0]) mask_dims[0] = *axes;
-  plan.inputs.push_back(whole_or_refused(call, 0, dims));
-  plan.inputs.push_back(whole_or_refused(call, 1, mask_dims));
+  const bool mask_dim0 = lead == 0 && !mshape.empty() && mshape[0] == shape[0];  // not broadcast there
+  plan.inputs.push_back(whole_or_refused(call, 0, dims_with_dim0(self.ndim(), axes)));
+  plan.inputs.push_back(whole_or_refused(call, 1, dims_with_dim0(static_cast<int64_t>(mshape.size()),
+                                                                 mask_dim0 ? axes : std::nullopt)));
   plan.inputs.push_back(whole_or_refused(call, 2, layout::DimAxes(call.layout(2).ndim())));
   plan.outputs.push_back(plan.inputs[0]);
   if (axes) plan.expand = [a = *axes](const OpCall& c, Stack& s) { masked_scatter_expand(a, c, s); };
@@ -158,8 +162,7 @@ at::Tensor gather_rows(const at::Tensor& local, const std::vector<int64_t>& coun
   auto sizes = local.sizes().vec();
   sizes[0] = longest - local.size(0);
   const auto padded = sizes[0] > 0 ? at::cat({local, at::zeros(sizes, local.options())}, 0) : local;
-  at::Tensor all = padded.contiguous();
-  for (auto it = axes.rbegin(); it != axes.rend(); ++it) all = runtime::all_gather_along(all, *call.mesh, *it, 0);
+  const at::Tensor all = gather_in_chunk_order(padded.contiguous(), call, axes);
   std::vector<at::Tensor> pieces;
   for (size_t c = 0; c < counts.size(); ++c) pieces.push_back(all.narrow(0, static_cast<int64_t>(c) * longest, counts[c]));
   return at::cat(pieces, 0);
@@ -169,9 +172,7 @@ void bool_index_expand(const std::vector<int64_t>& axes, const OpCall& call, Sta
   const at::Tensor self = call.arg(0).toTensor();
   const auto list = call.arg(1).toList();
   const at::Tensor mask = list.get(0).toTensor();
-  const auto [counts, offset] = global_offset(mask, call, axes);
-  (void)offset;
-  at::Tensor out = gather_rows(self.index({mask}), counts, call, axes);
+  at::Tensor out = gather_rows(self.index({mask}), global_order(mask, call, axes).counts, call, axes);
   torch::jit::drop(stack, call.num_args());
   stack.emplace_back(out);
 }
@@ -183,9 +184,8 @@ void bool_index_put_expand(const std::vector<int64_t>& axes, bool per_position, 
   at::Tensor values = call.arg(2).toTensor();
   const bool accumulate = call.arg(3).toBool();
   if (per_position) {
-    const auto [counts, offset] = global_offset(mask, call, axes);
-    (void)counts;
-    values = values.narrow(0, offset, mask.sum().item<int64_t>());
+    const auto order = global_order(mask, call, axes);
+    values = values.narrow(0, order.offset, order.count);
   }
   c10::List<std::optional<at::Tensor>> indices;
   indices.push_back(mask);
@@ -196,6 +196,27 @@ void bool_index_put_expand(const std::vector<int64_t>& axes, bool per_position, 
   else out = at::_index_put_impl_(self, indices, values, accumulate, call.arg(4).toBool());
   torch::jit::drop(stack, call.num_args());
   stack.emplace_back(out);
+}
+
+// What both indexing rules plan for the mask: which tensor it is, how many leading dims of self
+// it covers, and the shardings (dim 0 of self and mask over `axes`, or everything whole).
+struct MaskIndexing {
+  int64_t mask = -1;
+  int64_t k = 0;
+  std::optional<std::vector<int64_t>> axes;
+  layout::DimAxes self_dims, mask_dims;
+};
+
+MaskIndexing mask_indexing(const OpCall& call) {
+  const Layout& self = call.layout(0);
+  MaskIndexing m;
+  m.mask = the_mask(call);
+  check_mask_shape(call, m.mask, self.global_shape());
+  m.k = call.layout(m.mask).ndim();
+  m.axes = dim0_only_axes(self);
+  m.self_dims = dims_with_dim0(self.ndim(), m.axes);
+  m.mask_dims = dims_with_dim0(m.k, m.axes);
+  return m;
 }
 
 }  // namespace
@@ -213,47 +234,39 @@ bool has_bool_mask_index(const OpCall& call) {
 
 OpPlan bool_mask_index_rule(const OpCall& call) {
   const Layout& self = call.layout(0);
-  const int64_t mask = the_mask(call);
-  check_mask_shape(call, mask, self.global_shape());
-  const int64_t k = call.layout(mask).ndim();
+  const MaskIndexing m = mask_indexing(call);
   layout::PartialOps partial = self.partial();
   if (auto op = self.partial_op(); op && !is_sum_like(*op)) partial.assign(partial.size(), std::nullopt);
-  const auto axes = dim0_only_axes(self);
-  const layout::DimAxes dims = axes ? dims_with_dim0(self.ndim(), *axes) : layout::DimAxes(self.ndim());
   OpPlan plan;
-  plan.inputs.push_back(make_layout(self, self.global_shape(), dims, partial));
-  plan.inputs.push_back(make_layout(call.layout(mask), call.layout(mask).global_shape(),
-                                    axes ? dims_with_dim0(k, *axes) : layout::DimAxes(k)));
+  plan.inputs.push_back(make_layout(self, self.global_shape(), m.self_dims, partial));
+  plan.inputs.push_back(make_layout(call.layout(m.mask), call.layout(m.mask).global_shape(), m.mask_dims));
   std::vector<int64_t> out_shape{0};  // the selected count: a placeholder the dispatch replaces
-  out_shape.insert(out_shape.end(), self.global_shape().begin() + k, self.global_shape().end());
+  out_shape.insert(out_shape.end(), self.global_shape().begin() + m.k, self.global_shape().end());
   plan.outputs.push_back(make_layout(self, out_shape, layout::DimAxes(out_shape.size()), partial));
   plan.data_shaped = true;
-  if (axes) plan.expand = [a = *axes](const OpCall& c, Stack& s) { bool_index_expand(a, c, s); };
+  if (m.axes) plan.expand = [a = *m.axes](const OpCall& c, Stack& s) { bool_index_expand(a, c, s); };
   return plan;
 }
 
 OpPlan bool_mask_index_put_rule(const OpCall& call) {
   const Layout& self = call.layout(0);
-  const int64_t mask = the_mask(call);
-  check_mask_shape(call, mask, self.global_shape());
-  const int64_t k = call.layout(mask).ndim();
+  const MaskIndexing m = mask_indexing(call);
   const int64_t values = call.tensor_index(2);
   const auto& vshape = call.layout(values).global_shape();
-  const std::vector<int64_t> rest(self.global_shape().begin() + k, self.global_shape().end());
+  const std::vector<int64_t> rest(self.global_shape().begin() + m.k, self.global_shape().end());
   // One row per selected position (in order), or values that broadcast to every selected row.
   const bool per_position = vshape.size() == rest.size() + 1 && vshape[0] != 1 &&
                             std::equal(rest.begin(), rest.end(), vshape.begin() + 1);
-  const auto axes = dim0_only_axes(self);
-  const layout::DimAxes dims = axes ? dims_with_dim0(self.ndim(), *axes) : layout::DimAxes(self.ndim());
   OpPlan plan;
   for (size_t t = 0; t < call.tensors.size(); ++t) {
     const int64_t i = static_cast<int64_t>(t);
-    if (i == 0) plan.inputs.push_back(whole_or_refused(call, 0, dims));
-    else if (i == mask) plan.inputs.push_back(whole_or_refused(call, i, axes ? dims_with_dim0(k, *axes) : layout::DimAxes(k)));
+    if (i == 0) plan.inputs.push_back(whole_or_refused(call, 0, m.self_dims));
+    else if (i == m.mask) plan.inputs.push_back(whole_or_refused(call, i, m.mask_dims));
     else plan.inputs.push_back(whole_or_refused(call, i, layout::DimAxes(call.layout(i).ndim())));
   }
   plan.outputs.push_back(plan.inputs[0]);
-  if (axes) plan.expand = [a = *axes, per_position](const OpCall& c, Stack& s) { bool_index_put_expand(a, per_position, c, s); };
+  if (m.axes)
+    plan.expand = [a = *m.axes, per_position](const OpCall& c, Stack& s) { bool_index_put_expand(a, per_position, c, s); };
   return plan;
 }
 

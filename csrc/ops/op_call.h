@@ -148,6 +148,9 @@ inline bool is_sum_like(ReduceOp op) { return op == ReduceOp::Sum || op == Reduc
 // inside a backward pass the formula is torch's, so the caller reduces it instead. Returns
 // whether `t` is Partial at all (the caller then drops the Partial: a redistribution reduces it).
 bool refuse_sum_partial(const OpCall& call, int64_t t, const std::string& allowed);
+// Tensor `t` (-1: absent) may not be Partial at all, in forward or backward code: "Partial(op)
+// input is not supported: <why>; allowed: Replicate or Shard (...)".
+void reject_partial(const OpCall& call, int64_t t, const std::string& why);
 // `dim` in [-ndim, ndim) made non-negative (a 0-d tensor takes -1 and 0); out of range is the
 // house error, raised on every rank alike before anything runs.
 int64_t wrap_dim(const OpCall& call, int64_t dim, int64_t ndim);

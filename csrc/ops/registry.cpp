@@ -75,6 +75,14 @@ bool refuse_sum_partial(const OpCall& call, int64_t t, const std::string& allowe
   return op.has_value();
 }
 
+void reject_partial(const OpCall& call, int64_t t, const std::string& why) {
+  if (t >= 0 && call.layout(t).has_partial())
+    fail_argument(call, t,
+                  std::string("Partial(") + layout::reduce_op_name(*call.layout(t).partial_op()) +
+                      ") input is not supported: " + why,
+                  "Replicate or Shard (redistribute the Partial input first)");
+}
+
 void fail_call(const OpCall& call, const std::string& problem) {
   layout::fail(call.name(), problem + " (inputs: " + call.describe_inputs() + ")");
 }

@@ -15,19 +15,6 @@ namespace {
 
 constexpr const char* kWhere = "fully_shard";
 
-int64_t product(const std::vector<int64_t>& v, size_t from) {
-  int64_t n = 1;
-  for (size_t i = from; i < v.size(); ++i) n *= v[i];
-  return n;
-}
-
-// Mesh position of the member with coordinate `c` on `axis` in this rank's group.
-int64_t member_position(const DeviceMesh& mesh, int64_t axis, int64_t c) {
-  auto coord = mesh.mesh()->coordinate_at(mesh.position());
-  coord[axis] = c;
-  return mesh.mesh()->position_at(coord);
-}
-
 // Gives a storage `bytes` of fresh memory from its own allocator (contents undefined), or none.
 void set_storage_bytes(const at::Tensor& t, size_t bytes) {
   auto* storage = t.storage().unsafeGetStorageImpl();
@@ -71,10 +58,10 @@ FullyShardGroup::FullyShardGroup(std::vector<at::Tensor> sharded, std::vector<La
     p.sharded_layout = impl.layout();
     p.local_shape = unsharded[i]->local_shape_at(mesh_->position());
     HS_CHECK(!p.local_shape.empty(), kWhere, "a 0-dim parameter cannot be sharded on dim 0");
-    p.row_numel = product(p.local_shape, 1);
+    p.row_numel = layout::numel({p.local_shape.begin() + 1, p.local_shape.end()});
     int64_t offset = 0;
     for (int64_t c = 0; c < members_; ++c) {
-      const int64_t rows = p.sharded_layout->local_shape_at(member_position(*mesh_, axis, c))[0];
+      const int64_t rows = p.sharded_layout->local_shape_at(mesh_->member_position(axis, c))[0];
       p.rows.push_back(rows);
       p.row_offsets.push_back(offset);
       offset += rows;

@@ -82,13 +82,6 @@ at::Tensor reducible(const at::Tensor& t, ReduceOp op) {
   return t.to(at::kFloat);
 }
 
-// Mesh position of the member with coordinate `c` on `axis` in this rank's group.
-int64_t member_position(const DeviceMesh& mesh, int64_t axis, int64_t c) {
-  auto coord = mesh.mesh()->coordinate_at(mesh.position());
-  coord[axis] = c;
-  return mesh.mesh()->position_at(coord);
-}
-
 // Pads `t` along `dim` to `length` with zeros.
 at::Tensor pad_to(const at::Tensor& t, int64_t dim, int64_t length) {
   if (t.size(dim) == length) return t;
@@ -103,7 +96,7 @@ at::Tensor all_gather(const RedistributeStep& step, const at::Tensor& local, con
   std::vector<int64_t> lengths(k);
   int64_t longest = 0;
   for (int64_t c = 0; c < k; ++c) {
-    lengths[c] = step.from.local_shape_at(member_position(mesh, step.axis, c))[d];
+    lengths[c] = step.from.local_shape_at(mesh.member_position(step.axis, c))[d];
     longest = std::max(longest, lengths[c]);
   }
   // Gather equal-sized padded chunks along dim 0, then trim and join along d.
@@ -212,7 +205,7 @@ at::Tensor all_to_all(const RedistributeStep& step, const at::Tensor& local, con
   std::vector<std::vector<int64_t>> recv_shapes(k);
   const int64_t my_dst = chunk_span(dst_length, k, me).length;
   for (int64_t c = 0; c < k; ++c) {
-    auto shape = step.from.local_shape_at(member_position(mesh, step.axis, c));
+    auto shape = step.from.local_shape_at(mesh.member_position(step.axis, c));
     shape[dst] = my_dst;
     recv_counts[c] = layout::numel(shape);
     recv_shapes[c] = std::move(shape);
