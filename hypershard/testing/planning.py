@@ -24,7 +24,7 @@ import torch
 from .. import _C
 from ..layout import make_layout, mesh as make_mesh
 
-__all__ = ["PlanningMesh", "Plan", "plan", "short_spec"]
+__all__ = ["Arg", "PlanningMesh", "Plan", "plan", "realise", "short_spec", "spec"]
 
 
 def short_spec(layout: Optional[_C.Layout]) -> Optional[list]:
@@ -89,3 +89,32 @@ def plan(op: Any, *args: Any, **kwargs: Any) -> Plan:
     result = _C.infer_plan(schema.name, schema.overload_name, *args, **kwargs)
     return Plan(list(result["inputs"]), list(result["outputs"]), result["localizes"],
                 result["expands"], result["refused"])
+
+
+# ---------------------------------------------------------------------------------- rule-test rows
+
+class Arg:
+    """A DTensor argument of a rule-test row (global shape, placements, dtype), made on the row's
+    mesh by `realise` -- rows are written before their mesh exists."""
+
+    def __init__(self, shape: Sequence[int], spec: Any, dtype: torch.dtype = torch.float32):
+        self.shape, self.spec, self.dtype = list(shape), spec, dtype
+
+    def make(self, mesh: PlanningMesh) -> torch.Tensor:
+        return mesh.dtensor(self.shape, self.spec, self.dtype)
+
+
+def realise(value: Any, mesh: PlanningMesh) -> Any:
+    """`value` with every Arg (alone, in a list, or a dict's value) made on `mesh`."""
+    if isinstance(value, Arg):
+        return value.make(mesh)
+    if isinstance(value, list) and value and isinstance(value[0], Arg):
+        return [item.make(mesh) for item in value]
+    if isinstance(value, dict):
+        return {key: realise(item, mesh) for key, item in value.items()}
+    return value
+
+
+def spec(*dims: Any) -> list:
+    """Placements per mesh axis: an int d is Shard(d), None Replicate, a str itself ("P", "P(max)")."""
+    return [d if isinstance(d, str) else (f"S({d})" if d is not None else "R") for d in dims]

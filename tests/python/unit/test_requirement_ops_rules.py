@@ -54,7 +54,7 @@ from torch.utils._pytree import tree_flatten
 
 import hypershard as hs
 from hypershard import ops as hops
-from hypershard.testing.planning import PlanningMesh, plan
+from hypershard.testing.planning import Arg as T, PlanningMesh, plan, realise, spec as S
 
 importlib.import_module("transformers.integrations.moe")  # registers transformers::grouped_mm_fallback
 
@@ -243,29 +243,6 @@ def test_plain_trace(name):
 
 
 # ------------------------------------------------------------------------------ planning
-
-class T:
-    """A DTensor argument: global shape, placements (one per mesh axis), dtype."""
-
-    def __init__(self, shape, spec, dtype=torch.float32):
-        self.shape, self.spec, self.dtype = shape, spec, dtype
-
-    def make(self, mesh):
-        return mesh.dtensor(self.shape, self.spec, self.dtype)
-
-
-def realise(value, mesh):
-    if isinstance(value, T):
-        return value.make(mesh)
-    if isinstance(value, list) and value and isinstance(value[0], T):
-        return [item.make(mesh) for item in value]
-    if isinstance(value, dict):
-        return {key: realise(item, mesh) for key, item in value.items()}
-    return value
-
-
-def S(*dims):
-    return [f"S({d})" if d is not None else "R" for d in dims]
 
 
 R, P, PMAX = ["R", "R"], ["P", "R"], ["P(max)", "R"]

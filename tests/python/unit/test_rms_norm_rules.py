@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_map
 import hypershard as hs
 import hypershard.ops as hops
 from hypershard.testing.fused import define_npu_standins
-from hypershard.testing.planning import PlanningMesh, plan, short_spec
+from hypershard.testing.planning import Arg as T, PlanningMesh, plan, short_spec, realise, spec as S
 
 FWD = torch.ops.hypershard.rms_norm.default
 BWD = torch.ops.hypershard.rms_norm_backward.default
@@ -54,25 +54,6 @@ BSH_B8 = [8, 6, 8]         # B = 8: two mesh axes on B
 UNEVEN = [3, 5, 8]         # B = 3 over 2 (2, 1), S = 5 over 2 (3, 2)
 UNEVEN_S7 = [3, 7, 8]      # S = 7 over 4 (2, 2, 2, 1)
 BSND = [4, 6, 4, 8]        # (B, S, N, D) with a (N, D) weight
-
-
-class T:
-    """A DTensor argument: global shape and placements (one per mesh axis), made on the row's mesh."""
-
-    def __init__(self, shape, spec, dtype=torch.float32):
-        self.shape, self.spec, self.dtype = list(shape), spec, dtype
-
-    def make(self, mesh: PlanningMesh):
-        return mesh.dtensor(self.shape, self.spec, self.dtype)
-
-
-def realise(value, mesh):
-    return value.make(mesh) if isinstance(value, T) else value
-
-
-def S(*dims):
-    """Placements per mesh axis: an int d is Shard(d), None is Replicate, a str is itself ("P", "P(max)")."""
-    return [d if isinstance(d, str) else (f"S({d})" if d is not None else "R") for d in dims]
 
 
 def R(mesh_key):

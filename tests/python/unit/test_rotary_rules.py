@@ -16,7 +16,7 @@ import torch
 
 import hypershard as hs
 from hypershard.testing.fused import define_npu_standins
-from hypershard.testing.planning import PlanningMesh, plan
+from hypershard.testing.planning import Arg as T, PlanningMesh, plan, realise, spec as S
 
 FWD = torch.ops.hypershard.rotary_position_embedding.default
 BWD = torch.ops.hypershard.rotary_position_embedding_backward.default
@@ -37,25 +37,6 @@ MESHES = {
 BNSD, BSND, SBND = [4, 4, 6, 8], [4, 6, 4, 8], [6, 4, 4, 8]
 BNSD_TABLE, BN1D_TABLE = [1, 1, 6, 8], [4, 1, 6, 8]   # (1, 1, S, D) and (B, 1, S, D)
 BSND_TABLE, SBND_TABLE = [1, 6, 1, 8], [6, 1, 1, 8]   # (1, S, 1, D) and (S, 1, 1, D)
-
-
-class T:
-    """A DTensor argument: global shape and placements (one per mesh axis), made on the row's mesh."""
-
-    def __init__(self, shape, spec, dtype=torch.float32):
-        self.shape, self.spec, self.dtype = shape, spec, dtype
-
-    def make(self, mesh: PlanningMesh):
-        return mesh.dtensor(self.shape, self.spec, self.dtype)
-
-
-def realise(value, mesh):
-    return value.make(mesh) if isinstance(value, T) else value
-
-
-def S(*dims):
-    """Placements per mesh axis: an int d is Shard(d), None is Replicate, "P" is Partial(sum)."""
-    return [d if isinstance(d, str) else (f"S({d})" if d is not None else "R") for d in dims]
 
 
 def fwd(x, cos, sin=None, mode=0):

@@ -14,34 +14,12 @@ import pytest
 import torch
 
 import hypershard as hs
-from hypershard.testing.planning import PlanningMesh, plan
+from hypershard.testing.planning import Arg as T, PlanningMesh, plan, realise, spec as S
 
 aten = torch.ops.aten
 i64, boolean = torch.int64, torch.bool
 
 MESHES = {"tp4": {"tp": 4}, "dp2tp2": {"dp": 2, "tp": 2}}
-
-
-class T:
-    """A DTensor argument: global shape, placements, dtype; made on the row's mesh."""
-
-    def __init__(self, shape, spec, dtype=torch.float32):
-        self.shape, self.spec, self.dtype = shape, spec, dtype
-
-    def make(self, mesh: PlanningMesh):
-        return mesh.dtensor(self.shape, self.spec, self.dtype)
-
-
-def realise(value, mesh):
-    if isinstance(value, T):
-        return value.make(mesh)
-    if isinstance(value, list) and value and isinstance(value[0], T):
-        return [item.make(mesh) for item in value]
-    return value
-
-
-def S(*dims):
-    return [f"S({d})" if d is not None else "R" for d in dims]
 
 
 R1, P1 = ["R"], ["P"]
