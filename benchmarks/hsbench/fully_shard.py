@@ -141,16 +141,15 @@ def _worker(rank: int, world: int, settings: dict) -> dict:
                 waits[impl] += sum(s["wait_seconds"] for s in stats)
                 out.setdefault("prefetched", sum(s["prefetched"] for s in stats))
                 out.setdefault("gathers", sum(s["gathers"] for s in stats))
-    param_bytes = sum(p.numel() * 4 for p in built[next(iter(built))][1]) if built else 0
-    if "hypershard_dp" in built:
-        param_bytes = sum(p.numel() * p.element_size() for p in built["hypershard_dp"][1])
+    # the model's size: a DTensor parameter's numel is its GLOBAL one in every implementation
+    model_params = next(iter(built.values()))[1] if built else []
     for impl, (model, params, optimizer) in built.items():
         out[impl] = {"step_s": statistics.median(times[impl]), "state": state_bytes(params, [optimizer]),
                      "peak_rss_mb": statistics.median(peaks[impl]) / 2**20,
                      "bytes_per_step": statistics.median(sent[impl]), "losses": losses[impl],
                      "wait_s_per_step": waits[impl] / max(1, len(times[impl]))}
-    out["param_bytes"] = param_bytes
-    out["params"] = param_bytes // 4
+    out["param_bytes"] = sum(p.numel() * p.element_size() for p in model_params)
+    out["params"] = sum(p.numel() for p in model_params)
     return out
 
 
