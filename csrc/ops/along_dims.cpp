@@ -2,7 +2,6 @@
 // other dims is the block of their result. So the named dims are made whole (gathered where
 // sharded) and the op runs on the local shards; every other dim keeps its sharding.
 //
-//   scans        cumsum, cumprod, logcumsumexp, cummax, cummin                   dim
 //   sorts        sort(.stable), argsort(.stable), topk, kthvalue, mode,          dim
 //                median.dim, nanmedian.dim
 //   reductions   logsumexp, nansum, norm.ScalarOpt_dim,                          dim (None or [] = all)
@@ -12,7 +11,6 @@
 //                (every rank checks the whole info tensor, so every rank raises alike)
 //   diagonal     diag_embed (the last dim becomes a diagonal in the output's last two; leading
 //                dims are a batch; the diagonal elsewhere: every dim whole)
-//   moves        flip, roll                                                      dims (roll: [] = all)
 //   transforms   _fft_c2c, _fft_r2c, _fft_c2r (the transformed dims whole; linear) dim
 //   indexing     gather, scatter(.src/.value/.reduce/_add/_reduce.two), index_select, dim: its indices are
 //                index_add, index_copy, index_fill, index_reduce (and in place)   GLOBAL coordinates
@@ -41,8 +39,10 @@
 // first: operands of the first's rank go along with it (indexing); a matrix op's operands
 // batched like the first keep its batch sharding (other_operand); every other one is read whole.
 //
-// Partial: flip, roll, cumsum and the Fourier transforms are linear (they move, add or combine
-// elements linearly), so a sum/avg Partial passes through them. Every other op here is not: a sum/avg Partial input is an error (default
+// (Scans, flip and roll keep a sharded dim sharded: along_sharded.cpp.)
+//
+// Partial: the Fourier transforms are linear (they combine elements linearly), so a sum/avg
+// Partial passes through them. Every other op here is not: a sum/avg Partial input is an error (default
 // mode reduces it first) -- inside a backward pass, where the formula is torch's, it is reduced.
 #include <ATen/ATen.h>
 
@@ -56,7 +56,6 @@ namespace {
 
 enum class Along : int8_t {
   kDimArg,   // the "dim" argument: an int, an int list, or None / [] for every dim
-  kDimsArg,  // the "dims" argument (flip: [] = none; roll: [] = every dim)
   kAll,      // every dim
   kMatrix,   // the last two dims
   kLastDim,  // the last dim
@@ -88,9 +87,8 @@ std::vector<int64_t> named_dims(const OpCall& call, AlongSpec spec, int64_t ndim
     if (std::min(d1, d2) != ndim - 1 || std::max(d1, d2) != ndim) return all;
     return {ndim - 1};
   }
-  const char* name = spec.along == Along::kDimArg ? "dim" : "dims";
-  auto index = call.schema().argumentIndexWithName(name);
-  if (!index && spec.along == Along::kDimArg) index = call.schema().argumentIndexWithName("dimension");  // unfold
+  auto index = call.schema().argumentIndexWithName("dim");
+  if (!index) index = call.schema().argumentIndexWithName("dimension");  // unfold
   if (!index) return all;
   const c10::IValue& value = call.arg(static_cast<int64_t>(*index));
   if (value.isNone()) return all;
@@ -99,8 +97,7 @@ std::vector<int64_t> named_dims(const OpCall& call, AlongSpec spec, int64_t ndim
     dims.push_back(wrap_dim(call, value.toInt(), ndim));
   } else {
     for (int64_t d : value.toIntList()) dims.push_back(wrap_dim(call, d, ndim));
-    const bool empty_means_all = spec.along == Along::kDimArg || call.schema().name() == "aten::roll";
-    if (dims.empty() && empty_means_all) return all;
+    if (dims.empty()) return all;
   }
   return dims;
 }
@@ -533,12 +530,9 @@ void register_along_dims(Registry& r) {
   r.add("aten::index.Tensor", &index_rule, KeyScalars::kAll);
   for (const char* op : {"aten::index_put", "aten::index_put_", "aten::_index_put_impl_"})
     r.add(op, &index_put_rule, KeyScalars::kAll);
-  add<Along::kDimArg, true>(r, {"aten::cumsum"});
-  add<Along::kDimsArg, true>(r, {"aten::flip", "aten::roll"});
   // Discrete Fourier transforms along their dims (linear: a sum Partial passes)
   add<Along::kDimArg, true>(r, {"aten::_fft_c2c", "aten::_fft_c2r", "aten::_fft_r2c"});
-  add<Along::kDimArg>(r, {"aten::cumprod", "aten::logcumsumexp", "aten::cummax", "aten::cummin",
-                          "aten::sort", "aten::sort.stable", "aten::argsort", "aten::argsort.stable", "aten::topk",
+  add<Along::kDimArg>(r, {"aten::sort", "aten::sort.stable", "aten::argsort", "aten::argsort.stable", "aten::topk",
                           "aten::kthvalue", "aten::mode", "aten::median.dim", "aten::nanmedian.dim",
                           "aten::logsumexp", "aten::nansum", "aten::norm.ScalarOpt_dim",
                           "aten::std_mean.correction", "aten::var_mean.correction", "aten::aminmax",

@@ -23,7 +23,11 @@ void register_reshape_kernel();
 void register_one_hot_kernel();
 void register_matmul(Registry& r);       // matmul.cpp: mm, bmm, addmm, baddbmm, mv, addmv, dot
 void register_masked(Registry& r);       // masked.cpp: masked_scatter (and boolean-mask indexing) in GLOBAL order
-void register_along_dims(Registry& r);   // along_dims.cpp: scans, sorts, dim-wise reductions, flip/roll, linalg
+void register_along_dims(Registry& r);   // along_dims.cpp: sorts, dim-wise reductions, indexing, linalg
+// along_sharded.cpp: scans (exchange of shard totals), flip and roll (span exchange) along a sharded dim
+void register_along_sharded(Registry& r);
+// along_sharded.cpp: cummaxmin_backward on AutogradPrivateUse2 (its composite writes into a plain tensor).
+void register_along_sharded_kernels();
 void register_convolution(Registry& r);  // convolution.cpp: convolution and its backward, batch-parallel
 void register_reductions(Registry& r);   // reductions.cpp: sum, mean, amax, max, var, norms, any/all, ...
 // reductions.cpp: max.dim/min.dim backward on AutogradPrivateUse2 (its composite kernel would

@@ -47,20 +47,6 @@ std::optional<std::vector<int64_t>> dim0_only_axes(const Layout& l) {
   return l.dim_axes()[0];
 }
 
-// Every rank's `local` (equal shapes) concatenated along dim 0 in dim-0 chunk order over `axes`
-// (major -> minor): gathering the minor axis first, then the major ones, orders them major-first.
-at::Tensor gather_in_chunk_order(at::Tensor local, const OpCall& call, const std::vector<int64_t>& axes) {
-  for (auto it = axes.rbegin(); it != axes.rend(); ++it) local = runtime::all_gather_along(local, *call.mesh, *it, 0);
-  return local;
-}
-
-// This rank's chunk index along dim 0 over `axes` (major -> minor).
-int64_t chunk_index(const OpCall& call, const std::vector<int64_t>& axes) {
-  int64_t index = 0;
-  for (int64_t a : axes) index = index * call.mesh->mesh()->shape()[a] + call.mesh->coordinate(a);
-  return index;
-}
-
 // Where this rank's true mask elements sit in the GLOBAL order (one all-gather of the counts).
 struct GlobalOrder {
   std::vector<int64_t> counts;  // true elements per dim-0 chunk
@@ -69,10 +55,10 @@ struct GlobalOrder {
 };
 
 GlobalOrder global_order(const at::Tensor& mask, const OpCall& call, const std::vector<int64_t>& axes) {
-  const auto counts = gather_in_chunk_order(mask.sum().reshape({1}).to(at::kLong), call, axes).cpu();
+  const auto counts = runtime::all_gather_in_chunk_order(mask.sum().reshape({1}).to(at::kLong), *call.mesh, axes, 0).cpu();
   GlobalOrder order;
   order.counts.assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + counts.numel());
-  const int64_t mine = chunk_index(call, axes);
+  const int64_t mine = call.mesh->chunk_index(axes);
   for (int64_t c = 0; c < mine; ++c) order.offset += order.counts[c];
   order.count = order.counts[mine];
   return order;
@@ -162,7 +148,7 @@ at::Tensor gather_rows(const at::Tensor& local, const std::vector<int64_t>& coun
   auto sizes = local.sizes().vec();
   sizes[0] = longest - local.size(0);
   const auto padded = sizes[0] > 0 ? at::cat({local, at::zeros(sizes, local.options())}, 0) : local;
-  const at::Tensor all = gather_in_chunk_order(padded.contiguous(), call, axes);
+  const at::Tensor all = runtime::all_gather_in_chunk_order(padded.contiguous(), *call.mesh, axes, 0);
   std::vector<at::Tensor> pieces;
   for (size_t c = 0; c < counts.size(); ++c) pieces.push_back(all.narrow(0, static_cast<int64_t>(c) * longest, counts[c]));
   return at::cat(pieces, 0);

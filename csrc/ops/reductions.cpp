@@ -204,7 +204,7 @@ at::Tensor all_reduce_axes(at::Tensor t, const OpCall& call, const std::vector<i
 at::Tensor gather_candidates(const at::Tensor& t, const OpCall& call, const std::vector<int64_t>& axes) {
   const bool is_bool = t.scalar_type() == at::kBool;
   at::Tensor out = (is_bool ? t.to(at::kByte) : t).unsqueeze(0);
-  for (auto it = axes.rbegin(); it != axes.rend(); ++it) out = runtime::all_gather_along(out, mesh_of(call), *it, 0);
+  out = runtime::all_gather_in_chunk_order(out, mesh_of(call), axes, 0);
   return is_bool ? out.to(at::kBool) : out;
 }
 

@@ -182,6 +182,8 @@ void register_all(Registry& r) {
   register_random(r);
   r.set_family("along_dims");
   register_along_dims(r);
+  r.set_family("along_sharded");
+  register_along_sharded(r);
   r.set_family("masked");
   register_masked(r);
   r.set_family("convolution");

@@ -40,6 +40,21 @@ class DeviceMesh {
     coord[axis] = c;
     return mesh_->position_at(coord);
   }
+  // For a dim sharded over `axes` (major -> minor): this rank's chunk index, and the mesh
+  // position of the member (this rank's other coordinates) that holds chunk `chunk`.
+  int64_t chunk_index(const std::vector<int64_t>& axes) const {
+    int64_t index = 0;
+    for (int64_t a : axes) index = index * mesh_->shape()[a] + coordinate(a);
+    return index;
+  }
+  int64_t chunk_member_position(const std::vector<int64_t>& axes, int64_t chunk) const {
+    auto coord = mesh_->coordinate_at(position_);
+    for (auto a = axes.rbegin(); a != axes.rend(); ++a) {
+      coord[*a] = chunk % mesh_->shape()[*a];
+      chunk /= mesh_->shape()[*a];
+    }
+    return mesh_->position_at(coord);
+  }
   c10::DeviceType device_type() const { return device_type_; }
   c10d::ProcessGroup& group(int64_t axis) const;
   bool has_group(int64_t axis) const { return groups_.at(axis).defined(); }

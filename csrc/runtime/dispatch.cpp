@@ -845,6 +845,7 @@ void install_dispatch() {
     ops::register_reshape_kernel();
     ops::register_one_hot_kernel();
     ops::register_reduction_kernels();
+    ops::register_along_sharded_kernels();
     ops::register_composite_kernels();
     ops::register_cross_entropy_kernel();
     ops::register_embedding_kernels();

@@ -413,6 +413,12 @@ at::Tensor all_gather_along(const at::Tensor& local, const DeviceMesh& mesh, int
 }
 
 TrafficCounters traffic() { return {g_collectives.load(), g_bytes.load()}; }
+at::Tensor all_gather_in_chunk_order(at::Tensor local, const DeviceMesh& mesh, const std::vector<int64_t>& axes,
+                                     int64_t dim) {
+  for (auto it = axes.rbegin(); it != axes.rend(); ++it) local = all_gather_along(local, mesh, *it, dim);
+  return local;
+}
+
 void count_collective(int64_t bytes) {
   g_collectives.fetch_add(1, std::memory_order_relaxed);
   g_bytes.fetch_add(bytes, std::memory_order_relaxed);

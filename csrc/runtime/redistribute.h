@@ -33,6 +33,11 @@ void sum_in_place_along(at::Tensor& buffer, const DeviceMesh& mesh, int64_t axis
 // Concatenates the group's tensors along `dim` in coordinate order; every member's tensor has
 // the same shape (no length exchange: one collective).
 at::Tensor all_gather_along(const at::Tensor& local, const DeviceMesh& mesh, int64_t axis, int64_t dim);
+// Every member's `local` (equal shapes) of this rank's group over `axes` (major -> minor, the
+// axes sharding one dim) concatenated along `dim` in that dim's chunk order: gathering the minor
+// axis first, then the major ones, orders them major-first.
+at::Tensor all_gather_in_chunk_order(at::Tensor local, const DeviceMesh& mesh, const std::vector<int64_t>& axes,
+                                     int64_t dim);
 
 // Debug check (one small all-reduce per mesh axis): raises, with the same text on every
 // rank, when `tensor` is not the same on every rank of `mesh`. `what` names the tensor in the

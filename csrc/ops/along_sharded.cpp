@@ -1,0 +1,268 @@
+// Ops along a dim that stays sharded: no rank gathers the dim, each computes its own block of the
+// result and exchanges only what its block depends on. Every other dim keeps its sharding too.
+//
+//   scans   cumsum, cumprod, logcumsumexp,    the local scan, then the totals of the chunks before
+//           cummax, cummin                    this rank's folded into it: ONE all-gather of each
+//                                             rank's last slice (for cummax/cummin its GLOBAL
+//                                             index too) along the axes sharding `dim`
+//   moves   flip (dims), roll (shifts, dims)  each rank fetches the GLOBAL range its block reads
+//                                             (the mirrored range; the range `shift` before it,
+//                                             cyclically) in one all-to-all per sharded dim
+//                                             (runtime/span_exchange.h), then flips or rolls the
+//                                             remaining dims locally
+//
+// Why the scans hold: scan(x)[i] for i in chunk j is op(total of chunks 0..j-1, local scan[i]),
+// with op = + (cumsum), * (cumprod), logaddexp (logcumsumexp), and for cummax/cummin the later
+// of two candidates on ties (torch takes the last index of an equal maximum, `>=`), a NaN
+// winning over numbers (torch propagates NaN with the index of the last NaN). A chunk with no
+// elements (uneven shards) is skipped. Values equal one device's up to the association of the
+// additions or multiplications (rounding only); indices are exact.
+// Where a scan or move does not apply -- the dim sharded over two mesh axes (moves), a complex
+// logcumsumexp, roll over the flattened tensor (no dims) -- the dim is made whole, as the
+// along-dims family does.
+//
+// cummaxmin_backward (autograd level): torch's composite writes into a plain tensor; the kernel
+// here scatter-adds into zeros like the input instead.
+//
+// Partial: cumsum, flip and roll are linear (they add or move elements), so a sum/avg Partial
+// passes through -- the exchanged totals and ranges are Partial alike. cumprod, logcumsumexp,
+// cummax and cummin are not: a sum/avg Partial input is an error (default mode reduces it first;
+// inside a backward pass it is reduced); a max/min Partial is reduced.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "ops/families.h"
+#include "runtime/redistribute.h"
+#include "runtime/span_exchange.h"
+
+namespace hypershard::ops {
+namespace {
+
+using runtime::Span;
+using runtime::SpanPlan;
+
+enum class Scan : int8_t { kSum, kProd, kLogSumExp, kMax, kMin };
+
+// The input's layout with the Partial a non-linear op cannot take dropped (reduced first).
+layout::PartialOps kept_partial(const OpCall& call, bool linear, const char* allowed) {
+  const Layout& in = call.layout(0);
+  const auto op = in.partial_op();
+  if (linear && op && is_sum_like(*op)) return in.partial();
+  if (refuse_sum_partial(call, 0, allowed)) return layout::PartialOps(in.partial().size());
+  return in.partial();
+}
+
+// The GLOBAL span of `dim` every member of `axis` (this rank's other coordinates) holds.
+std::vector<Span> owned_spans(const Layout& l, const runtime::DeviceMesh& mesh, int64_t axis, int64_t dim) {
+  std::vector<Span> owned;
+  for (int64_t c = 0; c < mesh.mesh()->shape()[axis]; ++c) {
+    const int64_t pos = mesh.member_position(axis, c);
+    const int64_t begin = l.global_offset_at(pos)[dim];
+    owned.push_back({begin, begin + l.local_shape_at(pos)[dim]});
+  }
+  return owned;
+}
+
+// ------------------------------------------------------------------ scans
+
+// Folds the chunk totals before this rank's into its local scan (the stack holds the op's
+// returns: the values, and for cummax/cummin the local indices).
+void fold_scan_totals(Scan scan, const OpCall& call, const LayoutPtr& layout, int64_t dim, torch::jit::Stack& stack) {
+  const runtime::DeviceMesh& mesh = *call.mesh;
+  const auto& axes = layout->dim_axes()[dim];
+  const bool indexed = scan == Scan::kMax || scan == Scan::kMin;
+  at::Tensor values = stack[stack.size() - (indexed ? 2 : 1)].toTensor();
+  at::Tensor indices = indexed ? stack.back().toTensor() : at::Tensor();
+  const int64_t length = values.size(dim);
+  const int64_t chunks = [&] {
+    int64_t n = 1;
+    for (int64_t a : axes) n *= mesh.mesh()->shape()[a];
+    return n;
+  }();
+  const int64_t mine = mesh.chunk_index(axes);
+  if (indexed) indices.add_(layout->global_offset_at(mesh.position())[dim]);  // local -> GLOBAL
+  // Each rank's last slice (zeros for an empty block: skipped below, its length is known).
+  auto last = [&](const at::Tensor& t) {
+    if (length > 0) return t.narrow(dim, length - 1, 1).contiguous();
+    auto shape = t.sizes().vec();
+    shape[dim] = 1;
+    return at::zeros(shape, t.options());
+  };
+  const at::Tensor totals = runtime::all_gather_in_chunk_order(last(values), mesh, axes, dim);
+  const at::Tensor total_indices = indexed ? runtime::all_gather_in_chunk_order(last(indices), mesh, axes, dim)
+                                           : at::Tensor();
+  // Is `candidate` (later in the dim) the scan's pick over `current`?
+  auto later_wins = [&](const at::Tensor& candidate, const at::Tensor& current) {
+    const at::Tensor better = scan == Scan::kMax ? candidate.ge(current) : candidate.le(current);
+    return better.logical_or(at::isnan(candidate));
+  };
+  at::Tensor prefix, prefix_indices;
+  for (int64_t j = 0; j < mine; ++j) {
+    if (layout->local_shape_at(mesh.chunk_member_position(axes, j))[dim] == 0) continue;
+    const at::Tensor total = totals.narrow(dim, j, 1);
+    if (!prefix.defined()) {
+      prefix = total;
+      if (indexed) prefix_indices = total_indices.narrow(dim, j, 1);
+      continue;
+    }
+    switch (scan) {
+      case Scan::kSum: prefix = prefix + total; break;
+      case Scan::kProd: prefix = prefix * total; break;
+      case Scan::kLogSumExp: prefix = at::logaddexp(prefix, total); break;
+      case Scan::kMax:
+      case Scan::kMin: {
+        const at::Tensor take = later_wins(total, prefix);
+        prefix = at::where(take, total, prefix);
+        prefix_indices = at::where(take, total_indices.narrow(dim, j, 1), prefix_indices);
+        break;
+      }
+    }
+  }
+  if (!prefix.defined() || length == 0) return;
+  switch (scan) {
+    case Scan::kSum: values.add_(prefix); break;
+    case Scan::kProd: values.mul_(prefix); break;
+    case Scan::kLogSumExp: values.copy_(at::logaddexp(prefix, values)); break;
+    case Scan::kMax:
+    case Scan::kMin: {
+      const at::Tensor keep = later_wins(values, prefix);
+      values.copy_(at::where(keep, values, prefix));
+      indices.copy_(at::where(keep, indices, prefix_indices));
+      break;
+    }
+  }
+}
+
+template <Scan S>
+OpPlan scan_rule(const OpCall& call) {
+  const Layout& in = call.layout(0);
+  const bool linear = S == Scan::kSum;
+  const layout::PartialOps partial =
+      kept_partial(call, linear, "Replicate or Shard (redistribute the Partial input first)");
+  const int64_t dim = in.ndim() == 0 ? 0 : wrap_dim(call, call.arg(1).toInt(), in.ndim());
+  layout::DimAxes dims = in.dim_axes();
+  // complex logcumsumexp: no complex logaddexp to fold with; the dim is made whole
+  if (S == Scan::kLogSumExp && in.ndim() > 0 && c10::isComplexType(call.tensors[0].dtype)) dims[dim].clear();
+  OpPlan plan;
+  plan.inputs.push_back(make_layout(in, in.global_shape(), dims, partial));
+  plan.outputs.push_back(plan.inputs[0]);
+  if (S == Scan::kMax || S == Scan::kMin) plan.outputs.push_back(make_layout(in, in.global_shape(), dims, {}));
+  if (in.ndim() > 0 && !dims[dim].empty()) {
+    const LayoutPtr layout = plan.inputs[0];
+    plan.expand = [layout, dim](const OpCall& c, torch::jit::Stack& stack) {
+      c.op->callBoxed(stack);
+      fold_scan_totals(S, c, layout, dim, stack);
+    };
+  }
+  return plan;
+}
+
+// ------------------------------------------------------------------ flip and roll
+
+// The spans of GLOBAL positions member c's block reads, for a flip or a roll by `shift`.
+SpanPlan move_plan(const Layout& l, const runtime::DeviceMesh& mesh, int64_t dim, std::optional<int64_t> shift) {
+  const int64_t axis = l.dim_axes()[dim].front(), n = l.global_shape()[dim];
+  SpanPlan plan{dim, axis, owned_spans(l, mesh, axis, dim), {}};
+  for (const Span& o : plan.owned) {
+    if (!shift) {
+      plan.wanted.push_back({{n - o.end, n - o.begin}});
+      continue;
+    }
+    // out[i] = x[(i - shift) mod n]: a cyclic range, split where it wraps
+    const int64_t begin = o.length() == 0 ? 0 : (((o.begin - *shift) % n) + n) % n;
+    const int64_t first = std::min(o.length(), n - begin);
+    std::vector<Span> spans{{begin, begin + first}};
+    if (first < o.length()) spans.push_back({0, o.length() - first});
+    plan.wanted.push_back(std::move(spans));
+  }
+  return plan;
+}
+
+// flip(self, dims) / roll(self, shifts, dims): the dims sharded over one mesh axis are exchanged
+// (move_plan); a dim sharded over more is made whole; roll over every dim flattened (dims [])
+// makes every dim whole.
+OpPlan move_rule(const OpCall& call) {
+  const Layout& in = call.layout(0);
+  const bool is_roll = call.schema().name() == "aten::roll";
+  const layout::PartialOps partial = kept_partial(call, true, "");
+  const int64_t dims_index = call.arg_index("dims");
+  std::vector<int64_t> moved;
+  for (int64_t d : call.arg(dims_index).toIntList()) moved.push_back(wrap_dim(call, d, std::max<int64_t>(in.ndim(), 1)));
+  layout::DimAxes dims = in.dim_axes();
+  if (is_roll && moved.empty()) dims.assign(dims.size(), {});
+  std::vector<int64_t> exchanged;  // positions in `moved`
+  for (size_t i = 0; i < moved.size() && in.ndim() > 0; ++i) {
+    auto& axes = dims[moved[i]];
+    if (axes.size() > 1) axes.clear();
+    if (axes.size() == 1 && in.global_shape()[moved[i]] > 0) exchanged.push_back(static_cast<int64_t>(i));
+  }
+  OpPlan plan;
+  plan.inputs.push_back(make_layout(in, in.global_shape(), dims, partial));
+  plan.outputs.push_back(plan.inputs[0]);
+  if (exchanged.empty()) return plan;
+  const LayoutPtr layout = plan.inputs[0];
+  plan.expand = [layout, moved, exchanged, is_roll, dims_index](const OpCall& c, torch::jit::Stack& stack) {
+    const size_t num = c.schema().arguments().size();
+    c10::IValue* args = stack.data() + (stack.size() - num);
+    at::Tensor local = args[0].toTensor();
+    std::vector<int64_t> shifts;
+    if (is_roll && args[1].isIntList()) shifts = args[1].toIntVector();
+    else if (is_roll)
+      for (const auto& s : args[1].toSymIntVector()) shifts.push_back(s.expect_int());
+    std::vector<int64_t> rest_dims, rest_shifts;  // what the local call still moves
+    for (size_t i = 0; i < moved.size(); ++i) {
+      const bool exchange = std::find(exchanged.begin(), exchanged.end(), static_cast<int64_t>(i)) != exchanged.end();
+      if (exchange) {
+        const std::optional<int64_t> shift = is_roll ? std::optional<int64_t>(shifts[i]) : std::nullopt;
+        local = runtime::fetch_spans(local, move_plan(*layout, *c.mesh, moved[i], shift), *c.mesh);
+      }
+      if (!exchange || !is_roll) {  // a flip still reverses the fetched block locally
+        rest_dims.push_back(moved[i]);
+        if (is_roll) rest_shifts.push_back(shifts[i]);
+      }
+    }
+    if (rest_dims.empty()) {  // a roll whose every dim was exchanged
+      torch::jit::drop(stack, num);
+      stack.emplace_back(std::move(local));
+      return;
+    }
+    args[0] = local;
+    args[dims_index] = c10::IValue(rest_dims);
+    if (is_roll) args[1] = c10::IValue(rest_shifts);
+    c.op->callBoxed(stack);
+  };
+  return plan;
+}
+
+// ------------------------------------------------------------------ cummax/cummin backward
+
+// cummaxmin_backward is composite-implicit: it scatter-adds the gradient into a PLAIN zeros
+// tensor of the input's size, which hypershard refuses (that tensor would hold one rank's shard).
+// The same maths from DTensor ops: zeros like the input, scatter_add of the gradient at the
+// GLOBAL indices (the indexing family adds by ownership along a sharded dim). At the
+// AutogradPrivateUse2 key, so autograd records these ops.
+at::Tensor cummaxmin_backward_kernel(const at::Tensor& grad, const at::Tensor& input, const at::Tensor& indices,
+                                     int64_t dim) {
+  if (input.numel() == 0) return input;
+  return at::zeros_like(input).scatter_add(dim, indices, grad);
+}
+
+}  // namespace
+
+void register_along_sharded_kernels() {
+  aten_autograd_kernels().impl("cummaxmin_backward", TORCH_FN(cummaxmin_backward_kernel));
+}
+
+void register_along_sharded(Registry& r) {
+  r.add("aten::cumsum", &scan_rule<Scan::kSum>, KeyScalars::kAll);
+  r.add("aten::cumprod", &scan_rule<Scan::kProd>, KeyScalars::kAll);
+  r.add("aten::logcumsumexp", &scan_rule<Scan::kLogSumExp>, KeyScalars::kAll);
+  r.add("aten::cummax", &scan_rule<Scan::kMax>, KeyScalars::kAll);
+  r.add("aten::cummin", &scan_rule<Scan::kMin>, KeyScalars::kAll);
+  r.add("aten::flip", &move_rule, KeyScalars::kAll);
+  r.add("aten::roll", &move_rule, KeyScalars::kAll);
+}
+
+}  // namespace hypershard::ops

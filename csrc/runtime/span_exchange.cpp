@@ -1,0 +1,127 @@
+#include "runtime/span_exchange.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "runtime/redistribute.h"
+
+namespace hypershard::runtime {
+namespace {
+
+Span intersect(const Span& a, const Span& b) { return {std::max(a.begin, b.begin), std::min(a.end, b.end)}; }
+
+// Whether any member wants an element another member owns (the same answer on every rank).
+bool crosses_ranks(const SpanPlan& plan) {
+  const int64_t k = static_cast<int64_t>(plan.owned.size());
+  for (int64_t c = 0; c < k; ++c)
+    for (const Span& w : plan.wanted[c])
+      for (int64_t o = 0; o < k; ++o)
+        if (o != c && intersect(w, plan.owned[o]).length() > 0) return true;
+  return false;
+}
+
+// `rows` (dim 0 = the exchanged dim) with no rows, for an empty message.
+at::Tensor no_rows(const at::Tensor& rows) {
+  auto shape = rows.sizes().vec();
+  shape[0] = 0;
+  return at::empty(shape, rows.options());
+}
+
+// One all-to-all on the plan's axis: piece lists per member (rows along dim 0), received rows
+// per member. Returns what arrived, member after member.
+at::Tensor all_to_all_rows(const std::vector<std::vector<at::Tensor>>& pieces, const std::vector<int64_t>& recv_rows,
+                           const at::Tensor& like, const SpanPlan& plan, const DeviceMesh& mesh) {
+  const int64_t k = static_cast<int64_t>(pieces.size()), me = mesh.coordinate(plan.axis);
+  std::vector<at::Tensor> flat;
+  std::vector<int64_t> send_rows(static_cast<size_t>(k), 0);
+  int64_t sent_elements = 0;
+  for (int64_t c = 0; c < k; ++c)
+    for (const at::Tensor& p : pieces[c]) {
+      flat.push_back(p);
+      send_rows[c] += p.size(0);
+      if (c != me) sent_elements += p.numel();
+    }
+  at::Tensor send = flat.empty() ? no_rows(like) : at::cat(flat, 0).contiguous();
+  auto shape = like.sizes().vec();
+  shape[0] = std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0});
+  at::Tensor received = at::empty(shape, like.options());
+  at::Tensor received_bytes = movable_view(received), send_bytes = movable_view(send);
+  std::vector<int64_t> recv_splits = recv_rows;  // c10d takes the split lists by non-const reference
+  mesh.group(plan.axis).alltoall_base(received_bytes, send_bytes, recv_splits, send_rows)->wait();
+  count_collective(sent_elements * static_cast<int64_t>(like.element_size()));
+  return received;
+}
+
+}  // namespace
+
+at::Tensor fetch_spans(const at::Tensor& local, const SpanPlan& plan, const DeviceMesh& mesh) {
+  const int64_t k = static_cast<int64_t>(plan.owned.size()), me = mesh.coordinate(plan.axis);
+  const at::Tensor rows = local.movedim(plan.dim, 0);
+  const Span& mine = plan.owned[me];
+  std::vector<at::Tensor> out;
+  if (!crosses_ranks(plan)) {
+    for (const Span& w : plan.wanted[me])
+      if (const Span i = intersect(w, mine); i.length() > 0) out.push_back(rows.narrow(0, i.begin - mine.begin, i.length()));
+  } else {
+    std::vector<std::vector<at::Tensor>> pieces(static_cast<size_t>(k));
+    std::vector<int64_t> recv_rows(static_cast<size_t>(k), 0);
+    for (int64_t c = 0; c < k; ++c) {
+      for (const Span& w : plan.wanted[c])
+        if (const Span i = intersect(w, mine); i.length() > 0)
+          pieces[c].push_back(rows.narrow(0, i.begin - mine.begin, i.length()));
+      for (const Span& w : plan.wanted[me]) recv_rows[c] += intersect(w, plan.owned[c]).length();
+    }
+    const at::Tensor received = all_to_all_rows(pieces, recv_rows, rows, plan, mesh);
+    std::vector<int64_t> offset(static_cast<size_t>(k), 0);
+    for (int64_t c = 1; c < k; ++c) offset[c] = offset[c - 1] + recv_rows[c - 1];
+    // Each wanted span is the members' intersections in member order (= GLOBAL order on one axis).
+    for (const Span& w : plan.wanted[me])
+      for (int64_t c = 0; c < k; ++c)
+        if (const int64_t n = intersect(w, plan.owned[c]).length(); n > 0) {
+          out.push_back(received.narrow(0, offset[c], n));
+          offset[c] += n;
+        }
+  }
+  const at::Tensor joined = out.empty() ? no_rows(rows) : at::cat(out, 0);
+  return joined.movedim(0, plan.dim).contiguous();
+}
+
+at::Tensor return_spans_summed(const at::Tensor& fetched, int64_t local_length, const SpanPlan& plan,
+                               const DeviceMesh& mesh) {
+  const int64_t k = static_cast<int64_t>(plan.owned.size()), me = mesh.coordinate(plan.axis);
+  const at::Tensor rows = fetched.movedim(plan.dim, 0);
+  const Span& mine = plan.owned[me];
+  auto shape = rows.sizes().vec();
+  shape[0] = local_length;
+  at::Tensor result = at::zeros(shape, rows.options());
+  // The rows of `fetched` that member c owns, in the order fetch_spans laid them out.
+  std::vector<std::vector<at::Tensor>> pieces(static_cast<size_t>(k));
+  std::vector<std::vector<Span>> owned_spans(static_cast<size_t>(k));
+  int64_t at_row = 0;
+  for (const Span& w : plan.wanted[me])
+    for (int64_t c = 0; c < k; ++c)
+      if (const Span i = intersect(w, plan.owned[c]); i.length() > 0) {
+        pieces[c].push_back(rows.narrow(0, at_row, i.length()));
+        owned_spans[c].push_back(i);
+        at_row += i.length();
+      }
+  if (!crosses_ranks(plan)) {
+    for (size_t p = 0; p < pieces[me].size(); ++p)
+      result.narrow(0, owned_spans[me][p].begin - mine.begin, owned_spans[me][p].length()).add_(pieces[me][p]);
+  } else {
+    std::vector<int64_t> recv_rows(static_cast<size_t>(k), 0);
+    for (int64_t c = 0; c < k; ++c)
+      for (const Span& w : plan.wanted[c]) recv_rows[c] += intersect(w, mine).length();
+    const at::Tensor received = all_to_all_rows(pieces, recv_rows, rows, plan, mesh);
+    int64_t offset = 0;
+    for (int64_t c = 0; c < k; ++c)
+      for (const Span& w : plan.wanted[c])
+        if (const Span i = intersect(w, mine); i.length() > 0) {
+          result.narrow(0, i.begin - mine.begin, i.length()).add_(received.narrow(0, offset, i.length()));
+          offset += i.length();
+        }
+  }
+  return result.movedim(0, plan.dim).contiguous();
+}
+
+}  // namespace hypershard::runtime

@@ -1,0 +1,49 @@
+// Moving GLOBAL spans of one sharded dim between the members of one mesh axis: what an op needs
+// when a rank's output block reads a range of the input that other ranks hold -- a flip or a
+// roll (the mirrored or shifted range), a convolution's halo (kernel - 1 neighbouring positions),
+// a slice or a pad whose output chunks do not line up with the input's. Each member sends exactly
+// the elements another member asks for, in ONE all-to-all on the axis: the bytes moved are the
+// wanted ranges' minus what a rank already holds, never the whole dim.
+//
+// Every rank computes every member's owned and wanted spans from the layout and the op's
+// arguments alone (the same on every rank), so all ranks agree on the message sizes, and on
+// skipping the collective when no element crosses ranks.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "runtime/device_mesh.h"
+
+namespace hypershard::runtime {
+
+// A half-open range [begin, end) of GLOBAL positions along one dim.
+struct Span {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t length() const { return end > begin ? end - begin : 0; }
+};
+
+// Spans of one dim sharded over exactly one mesh axis: `owned[c]` is the span member c (the
+// member with coordinate c on the axis, this rank's other coordinates) holds, `wanted[c]` the
+// spans member c needs, in the order it wants them concatenated.
+struct SpanPlan {
+  int64_t dim = 0;
+  int64_t axis = 0;
+  std::vector<Span> owned;
+  std::vector<std::vector<Span>> wanted;
+};
+
+// This rank's wanted spans of the tensor whose local block along plan.dim is `local`,
+// concatenated along plan.dim (every other dim as in `local`).
+at::Tensor fetch_spans(const at::Tensor& local, const SpanPlan& plan, const DeviceMesh& mesh);
+
+// The reverse of fetch_spans, for gradients: `fetched` holds values for this rank's wanted spans
+// (concatenated along plan.dim, as fetch_spans returned them); every element goes back to the
+// member owning its position and the contributions for one position are summed there. Returns
+// this rank's block (`local_length` long along plan.dim; zero where nothing was wanted).
+at::Tensor return_spans_summed(const at::Tensor& fetched, int64_t local_length, const SpanPlan& plan,
+                               const DeviceMesh& mesh);
+
+}  // namespace hypershard::runtime

@@ -1,0 +1,147 @@
+"""Level0: scans, flip and roll along a SHARDED dim (csrc/ops/along_sharded.cpp) on real meshes
+against one device, strict mode, forward and gradients: the dim stays sharded (the output's
+placements are the input's) and each case's second call moves at most the bytes its exchange
+needs -- a fraction of what gathering the dim would send -- so a rule that gathered would fail.
+
+Meshes (2), (4), (2, 2) (the dim over one axis, and over both) and (2, 2, 2); sizes uneven and
+with empty shards (3 positions over 4 ranks); ties and NaN for cummax/cummin (torch picks the
+last index of an equal extreme and propagates NaN); a Partial input through the linear ones.
+A planted fault (each rank's local scan, no exchange) is caught."""
+
+import hypershard as hs
+import torch
+
+from hypershard.testing import Case, Input, assert_all_passed, current_mesh, run_cases
+from hypershard.testing.spec import randint
+
+M2 = ((2,), ("dp",))
+M4 = ((4,), ("tp",))
+M22 = ((2, 2), ("dp", "tp"))
+M222 = ((2, 2, 2), ("dp", "tp", "sp"))
+
+
+def ties(shape, dtype, generator):
+    """Few distinct values: every cummax/cummin step meets ties."""
+    return torch.randint(0, 3, shape, generator=generator).to(dtype)
+
+
+def with_nan(shape, dtype, generator):
+    t = torch.randn(shape, generator=generator, dtype=dtype)
+    t[torch.rand(shape, generator=generator) > 0.8] = float("nan")
+    return t
+
+
+def checked(fn, max_bytes):
+    """The distributed call: once for the plan cache, then again with the traffic counted: the
+    first output keeps the input's placements (the dim was not gathered) and this rank sent at
+    most `max_bytes(x)` bytes (x: the first input)."""
+
+    def run(x, *rest):
+        fn(x, *rest)
+        hs._C.reset_traffic()
+        out = fn(x, *rest)
+        sent = hs._C.traffic()["bytes_sent"]
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        problems = []
+        if tuple(first.placements) != tuple(x.placements):
+            problems.append(f"placements {first.placements}, expected the input's {x.placements}")
+        limit = max_bytes(x)
+        if sent > limit:
+            problems.append(f"rank {current_mesh().rank} sent {sent} bytes, at most {limit} expected")
+        if problems:
+            raise AssertionError("; ".join(problems))
+        return out
+    return run
+
+
+def chunks(x, dim):
+    """How many chunks `dim` of x is split into."""
+    sizes = dict(zip(x.device_mesh.mesh_dim_names, x.device_mesh.shape))
+    n = 1
+    for name, p in zip(x.device_mesh.mesh_dim_names, x.placements):
+        if isinstance(p, hs.Shard) and p.dim == dim:
+            n *= sizes[name]
+    return n
+
+
+def scan_bytes(dim, value_bytes=4, indexed=False):
+    """A scan sends each other member of the dim's group one slice of its result across `dim`
+    (an all-gather per axis: chunks - 1 slices in all), of `value_bytes` per element, plus the
+    int64 indices for cummax/cummin."""
+    def limit(x):
+        local = x.to_local()
+        slice_elements = 1
+        for d, size in enumerate(local.shape):
+            slice_elements *= size if d != dim else 1
+        return slice_elements * (chunks(x, dim) - 1) * (value_bytes + (8 if indexed else 0))
+    return limit
+
+
+def block_bytes(x):
+    """flip/roll: at most this rank's block leaves it (every position goes to one rank)."""
+    return x.to_local().numel() * x.to_local().element_size()
+
+
+def cases():
+    out = []
+
+    def add(name, fn, shape, placements, mesh, limit, dtype=torch.float32, init=None, check_grad=True, rtol=None):
+        out.append(Case(name, fn, [Input(shape, dtype, placements=placements, init=init)], mesh,
+                        dist_fn=checked(fn, limit), check_grad=check_grad and dtype.is_floating_point,
+                        rtol=rtol))
+
+    layouts = ((M2, ["S(1)"], "2"), (M4, ["S(1)"], "4"), (M22, ["S(0)", "S(1)"], "2x2"),
+               (M22, ["S(1)", "S(1)"], "2x2_two_axes"), (M222, ["S(0)", "S(1)", "S(1)"], "2x2x2"))
+    for mesh, place, tag in layouts:
+        two_axes = tag in ("2x2_two_axes", "2x2x2")
+        for shape, size_tag in (((5, 11), "uneven"), ((4, 3), "empty_shards")):
+            t = f"{size_tag}_{tag}"
+            add(f"cumsum_{t}", lambda x: torch.cumsum(x, 1), shape, place, mesh, scan_bytes(1))
+            add(f"cumsum_float64_{t}", lambda x: torch.cumsum(x, 1, dtype=torch.float64), shape, place, mesh,
+                scan_bytes(1, value_bytes=8))
+            add(f"cumsum_int_{t}", lambda x: torch.cumsum(x, 1), shape, place, mesh, scan_bytes(1, value_bytes=8),
+                dtype=torch.int32, init=randint(-5, 5))
+            # cumprod of values near 1: the products stay in range; its backward (no zeros) is
+            # reversed cumsums, which flip along the sharded dim
+            add(f"cumprod_{t}", lambda x: torch.cumprod(x * 0.1 + 1, 1), shape, place, mesh, scan_bytes(1))
+            add(f"logcumsumexp_{t}", lambda x: torch.logcumsumexp(x, 1), shape, place, mesh, scan_bytes(1))
+            add(f"cummax_{t}", lambda x: torch.cummax(x, 1), shape, place, mesh, scan_bytes(1, indexed=True))
+            add(f"cummin_ties_{t}", lambda x: torch.cummin(x, 1), shape, place, mesh, scan_bytes(1, indexed=True), init=ties,
+                check_grad=False)
+            add(f"cummax_ties_{t}", lambda x: torch.cummax(x, 1), shape, place, mesh, scan_bytes(1, indexed=True), init=ties,
+                check_grad=False)
+            add(f"cummax_nan_{t}", lambda x: torch.cummax(x, 1), shape, place, mesh, scan_bytes(1, indexed=True),
+                init=with_nan, check_grad=False)
+            add(f"cummin_nan_{t}", lambda x: torch.cummin(x, 1), shape, place, mesh, scan_bytes(1, indexed=True),
+                init=with_nan, check_grad=False)
+            if not two_axes:  # moves exchange over one axis; over two the dim is made whole
+                add(f"flip_{t}", lambda x: torch.flip(x, [1]), shape, place, mesh, block_bytes)
+                add(f"flip_both_{t}", lambda x: torch.flip(x, [0, 1]), shape, place, mesh,
+                    lambda x: 2 * block_bytes(x))
+                for shift in (1, -4, 13):
+                    add(f"roll_{shift}_{t}", lambda x, s=shift: torch.roll(x, s, 1), shape, place, mesh, block_bytes)
+                add(f"roll_two_dims_{t}", lambda x: torch.roll(x, (2, -3), (0, 1)), shape, place, mesh,
+                    lambda x: 2 * block_bytes(x))
+    # a small roll moves only the positions that cross a boundary: 1 column of 5 rows per rank
+    add("roll_1_moves_one_column_4", lambda x: torch.roll(x, 1, 1), (5, 16), ["S(1)"], M4,
+        lambda x: 5 * 4)
+    # Partial inputs through the linear ones (cumsum, flip, roll), the dim sharded on the other axis
+    for name, fn in (("cumsum", lambda x: torch.cumsum(x, 1)), ("flip", lambda x: torch.flip(x, [1])),
+                     ("roll", lambda x: torch.roll(x, 2, 1))):
+        out.append(Case(f"{name}_partial_2x2", fn, [Input((5, 11), placements=["P", "S(1)"])], M22))
+    return out
+
+
+def test_along_sharded_matches_one_device():
+    assert_all_passed(run_cases(cases(), timeout=900))
+
+
+def _local_cumsum(x):
+    """A planted fault: each rank's local cumsum, no totals exchanged."""
+    return hs.DTensor.from_local(torch.cumsum(x.to_local(), 1), x.device_mesh, x.placements, shape=x.shape)
+
+
+def test_a_local_scan_would_be_caught():
+    case = Case("planted_local_cumsum", lambda x: torch.cumsum(x, 1), [Input((5, 11), placements=["S(1)"])], M4,
+                dist_fn=_local_cumsum, check_grad=False)
+    assert not run_cases([case], timeout=300).ok, "the planted local cumsum passed"
