@@ -30,7 +30,7 @@ in each rank process on first use), sharded in strict mode, forward and the grad
 gamma against the composed form with torch's autograd on one device (see "torch_npu's op"), and a
 planted wrong backward kernel that those checks catch.
 
-Cases per launch (test_case_counts): 2 ranks 35, 4 ranks 53, 8 ranks 18 (strict mode); 4 ranks 9
+Cases per launch (test_case_counts): 2 ranks 36, 4 ranks 53, 8 ranks 18 (strict mode); 4 ranks 9
 (default mode).
 """
 
@@ -382,6 +382,13 @@ def npu_reference(x, gamma):
     return ops.rms_norm_composed(x, gamma, EPS), rstd
 
 
+def npu_double_backward(x, gamma):
+    y, _ = through_npu(x, gamma)
+    dx, = torch.autograd.grad(y.sum(), x, create_graph=True)
+    dx.sum().backward()
+    return dx
+
+
 def npu_case(name, mesh, place, dist_fn=through_npu):
     inputs = items((B, S, H), place)
     return Case(name, npu_reference, inputs, mesh, dist_fn=dist_fn, rtol=0.0,
@@ -397,6 +404,10 @@ def npu_cases(world):
     for tag, mesh, place in layouts:
         cases.append(npu_case(f"npu_rms_norm_{tag}_{world}", mesh, place))
     if world == 2:
+        # first-order gradients with create_graph=True work; a second derivative raises
+        cases.append(Case("npu_rms_norm_double_backward_refused", npu_double_backward, items((B, S, H), ["S(0)"]),
+                          mesh1(2, "dp"), expect_error="hypershard: npu::npu_rms_norm_backward: a second derivative "
+                                                       "(double backward) is not implemented"))
         inputs = [Input((B, S, H), placements=["P"], requires_grad=False), Input((H,), requires_grad=False)]
         cases.append(Case("npu_rms_norm_partial_x_refused", through_npu, inputs, mesh1(2, "dp"),
                           expect_error="npu::npu_rms_norm: argument self (#0) [3, 5, 8] (\"None\", \"None\", \"None\") "
@@ -434,7 +445,7 @@ def strict_cases(world):
 
 def test_case_counts():
     counts = {w: len(strict_cases(w)) for w in (2, 4, 8)}
-    assert counts == {2: 35, 4: 53, 8: 18}, counts
+    assert counts == {2: 36, 4: 53, 8: 18}, counts
     assert len(default_mode_cases()) == 9
 
 

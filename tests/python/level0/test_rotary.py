@@ -41,7 +41,7 @@ Besides the eight:
   form with torch's autograd on one device (see "torch_npu's op"); the rule registered under the
   npu name refuses what it refuses for the fused op; a planted wrong backward kernel is caught.
 
-Cases per launch: 2 ranks 123, 4 ranks 153, 8 ranks 178 (strict mode); 4 ranks 20 (default mode).
+Cases per launch: 2 ranks 124, 4 ranks 153, 8 ranks 178 (strict mode); 4 ranks 20 (default mode).
 """
 
 import dataclasses
@@ -409,6 +409,13 @@ def npu_reference(rotary_mode):
     return run
 
 
+def npu_double_backward(x, r1, r2):
+    y = through_npu("half")(x, r1, r2)
+    dx, = torch.autograd.grad(y.sum(), x, create_graph=True)
+    dx.sum().backward()
+    return dx
+
+
 def npu_case(name, rotary_mode, mesh, x_place, t_shape, t_place, dist_fn=None):
     tol = {} if sums_tables((B, N, S, D), t_shape) else {"rtol": 0.0, "atol": 0.0}
     return Case(name, npu_reference(rotary_mode), inputs((B, N, S, D), x_place, t_shape, t_place), mesh,
@@ -426,6 +433,11 @@ def npu_cases(world):
                 ("heads_tp", mesh1(2, "tp"), ["S(1)"], (1, N, S, D), ["S(1)"]),
                 ("fullsize_tp", mesh1(2, "tp"), ["S(1)"], (B, N, S, D), ["S(1)"])):
             cases.append(npu_case(f"npu_rotary_mul_{rotary_mode}_{tag}", rotary_mode, mesh, x_place, t_shape, t_place))
+    # first-order gradients with create_graph=True work; a second derivative raises
+    cases.append(Case("npu_rotary_mul_double_backward_refused", npu_double_backward,
+                      inputs((B, N, S, D), ["S(0)"], (1, 1, S, D), ["R"]), mesh1(2, "dp"),
+                      expect_error="hypershard: npu::npu_rotary_mul_backward: a second derivative (double backward) "
+                                   "is not implemented"))
     # the rule's checks under the npu name: a refused layout, a mode npu_rotary_mul does not have
     items = [Input((B, N, S, D), placements=["S(2)"], requires_grad=False),
              Input((1, 1, S, D), requires_grad=False), Input((1, 1, S, D), requires_grad=False)]
