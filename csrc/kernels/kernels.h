@@ -24,6 +24,11 @@ inline int64_t row_grain(int64_t row_elements) {
 void forbid_second_derivative(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
                               const char* op);
 
+// external_autograd.cpp: kernels at AutogradPrivateUse2 for torch_npu's npu_rms_norm /
+// npu_rotary_mul (and their backward ops) and transformers' grouped_mm_fallback, registered before
+// those ops are defined (torch_npu / transformers imported later).
+void register_external_autograd_kernels();
+
 // rotary.cpp: hypershard::rotary_position_embedding and its backward (modes 0..3).
 void register_rotary_kernels();
 // Raises the argument errors of rotary_position_embedding (mode, D, cos/sin shapes, dtypes).

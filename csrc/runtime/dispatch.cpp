@@ -851,6 +851,7 @@ void install_dispatch() {
     ops::register_embedding_kernels();
     kernels::register_rotary_kernels();
     kernels::register_rms_norm_kernels();
+    kernels::register_external_autograd_kernels();
     register_fast_paths();
     // The listener is also told of every op registered so far; sync registers them.
     static auto* listener = new c10::RegistrationHandleRAII(

@@ -25,10 +25,12 @@ is not x's trailing shape, and the composed form with H sharded, whose mean over
 a Partial(sum) that rsqrt refuses); default mode (one 4-rank launch): a Partial x is reduced first
 (counted in dispatch_stats()["implicit_calls"]), the composed form with H sharded runs with its
 variance all-reduced and keeps H sharded (unlike the fused op, which gathers H); torch_npu's
-npu::npu_rms_norm through a stand-in op (CPU kernel: the composed maths returning (y, rstd);
-defined in each rank process on first use), forward only, sharded in strict mode.
+npu::npu_rms_norm through stand-in ops of torch_npu's schemas (hypershard.testing.fused; defined
+in each rank process on first use), sharded in strict mode, forward and the gradients of self and
+gamma against the composed form with torch's autograd on one device (see "torch_npu's op"), and a
+planted wrong backward kernel that those checks catch.
 
-Cases per launch (test_case_counts): 2 ranks 35, 4 ranks 53, 8 ranks 18 (strict mode); 4 ranks 9
+Cases per launch (test_case_counts): 2 ranks 36, 4 ranks 53, 8 ranks 18 (strict mode); 4 ranks 9
 (default mode).
 """
 
@@ -339,45 +341,58 @@ def error_cases(world):
 
 
 # --------------------------------------------------------------------------- torch_npu's op
+#
+# npu::npu_rms_norm through stand-ins of torch_npu's schemas (hypershard.testing.fused: the CPU
+# kernels compute torch_npu's maths -- the forward HF's RMSNorm written out, the backward
+# npu_rms_norm_backward's formula). On a DTensor hypershard's autograd kernel at
+# AutogradPrivateUse2 (csrc/kernels/external_autograd.cpp) records a backward that calls
+# npu::npu_rms_norm_backward, which the rule serves. The one-device reference is NOT the stand-in:
+# it is the composed form with torch's autograd (the true derivative), so a wrong backward kernel,
+# or a backward that is never recorded, fails the gradient comparison (test_npu_planted_*).
+#
+# Tolerance: y and rstd are the same composed float32 code on each row in both runs (bit-equal);
+# dx is the explicit formula in one run and autograd's chain through the composed ops in the
+# other: each within (3n + 24) 2^-24 of the exact value relative to its magnitude M (the argument
+# at composed_hidden_atol; the formula takes about n + 8 roundings, fewer than the chain), so
+# composed_hidden_atol's 2 (3n + 24) 2^-24 max M bounds their difference; dgamma is a sum of the
+# same float32 products g * h in another order (and Partial over split rows): dweight_atol, which
+# composed_hidden_atol adds where the leading dims are split.
 
-_NPU_LIBRARY = []  # keeps the stand-in's torch.library alive in a rank process
-NPU_SCHEMA = "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)"
 
-
-def _composed_npu_rms_norm(x, gamma, epsilon=1e-6):
-    rstd = torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + epsilon)
-    return ops.rms_norm_composed(x, gamma, epsilon), rstd
-
-
-def _forward_only(x, gamma, epsilon=1e-6):
-    # The stand-in's autograd kernel: forward only (the cases' inputs want no gradient), below
-    # autograd -- for a DTensor that reaches hypershard's dispatch, for a plain tensor the CPU kernel.
-    with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.npu.npu_rms_norm(x, gamma, epsilon)
-
-
-def npu_rms_norm():
-    """torch.ops.npu.npu_rms_norm; where torch_npu is absent (here), a stand-in with its schema
-    whose CPU kernel is the composed maths, defined on first use in each rank process. (A schema
-    without kernels, as the rule UT defines in its process, gets the kernels here.)"""
-    if not hasattr(torch.ops.npu, "npu_rms_norm") or not torch._C._dispatch_has_kernel_for_dispatch_key(
-            "npu::npu_rms_norm", "CPU"):
-        library = torch.library.Library("npu", "FRAGMENT")
-        if not hasattr(torch.ops.npu, "npu_rms_norm"):
-            library.define(NPU_SCHEMA)
-        library.impl("npu_rms_norm", _composed_npu_rms_norm, "CPU")
-        library.impl("npu_rms_norm", _forward_only, "Autograd")
-        _NPU_LIBRARY.append(library)
-        hs._C.sync_registrations()
-    return torch.ops.npu.npu_rms_norm
+def npu_ops():
+    from hypershard.testing.fused import NPU_RMS_NORM_SCHEMAS, define_npu_kernels
+    return define_npu_kernels(NPU_RMS_NORM_SCHEMAS)
 
 
 def through_npu(x, gamma):
-    y, rstd = npu_rms_norm()(x, gamma, EPS)
+    """npu::npu_rms_norm (y and rstd laid out like x with H whole)."""
+    y, rstd = npu_ops().npu_rms_norm(x, gamma, EPS)
     if in_distributed_run():
         want = expected_placements(x, 1)
         assert y.placements == rstd.placements == want, (y.placements, rstd.placements, want)
+        assert not rstd.requires_grad
+        if x.requires_grad or gamma.requires_grad:  # recorded by hypershard's kernel, not torch_npu's
+            assert "NpuRmsNorm" in y.grad_fn.name(), y.grad_fn.name()
     return y, rstd
+
+
+def npu_reference(x, gamma):
+    """The one-device reference: the composed form (torch's autograd), rstd not differentiable."""
+    rstd = torch.rsqrt(x.detach().to(torch.float32).pow(2).mean(-1, keepdim=True) + EPS)
+    return ops.rms_norm_composed(x, gamma, EPS), rstd
+
+
+def npu_double_backward(x, gamma):
+    y, _ = through_npu(x, gamma)
+    dx, = torch.autograd.grad(y.sum(), x, create_graph=True)
+    dx.sum().backward()
+    return dx
+
+
+def npu_case(name, mesh, place, dist_fn=through_npu):
+    inputs = items((B, S, H), place)
+    return Case(name, npu_reference, inputs, mesh, dist_fn=dist_fn, rtol=0.0,
+                atol=composed_hidden_atol(name, inputs, mesh))
 
 
 def npu_cases(world):
@@ -387,14 +402,41 @@ def npu_cases(world):
                4: [("dp_tp", M2, ["S(0)", "S(1)"]), ("dp_tp_hidden_gathered", M2, ["S(0)", "S(2)"])],
                8: [("3d", M3, ["S(0)", "S(2)", "S(1)"])]}[world]
     for tag, mesh, place in layouts:
-        inputs = [Input((B, S, H), placements=place, requires_grad=False), Input((H,), requires_grad=False)]
-        cases.append(Case(f"npu_rms_norm_{tag}_{world}", through_npu, inputs, mesh))
+        cases.append(npu_case(f"npu_rms_norm_{tag}_{world}", mesh, place))
     if world == 2:
+        # first-order gradients with create_graph=True work; a second derivative raises
+        cases.append(Case("npu_rms_norm_double_backward_refused", npu_double_backward, items((B, S, H), ["S(0)"]),
+                          mesh1(2, "dp"), expect_error="hypershard: npu::npu_rms_norm_backward: a second derivative "
+                                                       "(double backward) is not implemented"))
         inputs = [Input((B, S, H), placements=["P"], requires_grad=False), Input((H,), requires_grad=False)]
         cases.append(Case("npu_rms_norm_partial_x_refused", through_npu, inputs, mesh1(2, "dp"),
                           expect_error="npu::npu_rms_norm: argument self (#0) [3, 5, 8] (\"None\", \"None\", \"None\") "
                           "partial(sum: dp): " + NOT_LINEAR))
     return cases
+
+
+def _dx_without_mean_term(dy, x, gamma, rstd):
+    """A planted fault: dx = rstd * dy * gamma (the projection term dropped), dgamma right."""
+    h = x.float() * rstd
+    return (rstd * dy * gamma).to(x.dtype), (dy * h).sum(tuple(range(x.dim() - gamma.dim())))
+
+
+def planted(fault):
+    def run(x, gamma):
+        from hypershard.testing import fused
+        fused.PLANTED_BACKWARD["npu_rms_norm_backward"] = fault  # this launch's rank processes only
+        return through_npu(x, gamma)
+    return run
+
+
+def test_npu_planted_wrong_backward_is_caught():
+    """The npu cases' checks fail on a wrong backward kernel: the same case with a stand-in
+    backward that drops dx's mean term (its own launch, so the fault stays in those ranks)."""
+    case = npu_case("npu_rms_norm_planted_dx_2", mesh1(2, "dp"), ["S(0)"], dist_fn=planted(_dx_without_mean_term))
+    result = run_cases([case], timeout=300)
+    got = result["npu_rms_norm_planted_dx_2"]
+    assert got.status == "failed" and "grad of input 0" in got.message, (got.status, got.message)
+    assert "grad of input 1" not in got.message, got.message
 
 
 def strict_cases(world):
@@ -403,7 +445,7 @@ def strict_cases(world):
 
 def test_case_counts():
     counts = {w: len(strict_cases(w)) for w in (2, 4, 8)}
-    assert counts == {2: 35, 4: 53, 8: 18}, counts
+    assert counts == {2: 36, 4: 53, 8: 18}, counts
     assert len(default_mode_cases()) == 9
 
 

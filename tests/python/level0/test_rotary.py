@@ -35,11 +35,13 @@ Besides the eight:
 - default mode (one 4-rank launch): the full-size table whole where x is sharded on S is cut
   locally (counted in dispatch_stats()["implicit_calls"]) and gives the one-device values and
   gradients; a Partial x is reduced first and gives the right values;
-- torch_npu's npu::npu_rotary_mul through a stand-in op of its schema (CPU kernel: the composed
-  form; defined in each rank process on first use), forward only, sharded in strict mode: the
-  rule registered under the npu name serves it, and refuses what it refuses for the fused op.
+- torch_npu's npu::npu_rotary_mul through stand-in ops of torch_npu's schemas
+  (hypershard.testing.fused; defined in each rank process on first use), sharded in strict mode,
+  modes half and interleave: forward and the gradients of self, r1 and r2 against the composed
+  form with torch's autograd on one device (see "torch_npu's op"); the rule registered under the
+  npu name refuses what it refuses for the fused op; a planted wrong backward kernel is caught.
 
-Cases per launch: 2 ranks 121, 4 ranks 153, 8 ranks 178 (strict mode); 4 ranks 20 (default mode).
+Cases per launch: 2 ranks 124, 4 ranks 153, 8 ranks 178 (strict mode); 4 ranks 20 (default mode).
 """
 
 import dataclasses
@@ -370,42 +372,54 @@ def error_cases(world):
 
 
 # --------------------------------------------------------------------------- torch_npu's op
+#
+# npu::npu_rotary_mul through stand-ins of torch_npu's schemas (hypershard.testing.fused: CPU
+# kernels of torch_npu's maths, the backward npu_rotary_mul_backward's dx = g * r1 - rotate(g * r2),
+# dr1 / dr2 = g * x / g * rotate(x) summed to the tables' shapes). On a DTensor hypershard's
+# autograd kernel at AutogradPrivateUse2 (csrc/kernels/external_autograd.cpp) records a backward
+# that calls npu::npu_rotary_mul_backward, which the rule serves. The one-device reference is the
+# composed form with torch's autograd (the true derivative), not the stand-in, so a wrong backward
+# kernel or an unrecorded backward fails (test_npu_planted_wrong_backward_is_caught).
+# Tolerance: y is the same float32 products and sum on each element in both runs; dx too (autograd
+# through cat / neg / mul forms g * r1 and the rotated g * r2, negation and slicing exact, and adds
+# them once, as the formula does): bit-equal where the tables are full size. dr1 / dr2 of a table
+# broadcast over B and N are float32 sums in another order (and Partial over split rows): float32's
+# default tolerance, as the fused op's summed cases (sums_tables).
 
-_NPU_LIBRARY = []  # keeps the stand-in's torch.library alive in a rank process
 
-
-def _composed_rotary_mul(x, r1, r2, rotary_mode="half"):
-    return ops.rotary_position_embedding_composed(x, r1, r2, ops.MODES[rotary_mode])
-
-
-def _forward_only(x, r1, r2, rotary_mode="half"):
-    # The stand-in's autograd kernel: forward only (the cases' inputs want no gradient), below
-    # autograd -- for a DTensor that reaches hypershard's dispatch, for a plain tensor the CPU kernel.
-    with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.npu.npu_rotary_mul(x, r1, r2, rotary_mode)
-
-
-def npu_rotary_mul():
-    """torch.ops.npu.npu_rotary_mul; where torch_npu is absent (here), a stand-in with its schema
-    whose CPU kernel is the composed form, defined on first use in each rank process (the parent
-    test process never defines it)."""
-    if not hasattr(torch.ops.npu, "npu_rotary_mul"):
-        library = torch.library.Library("npu", "FRAGMENT")
-        library.define("npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> Tensor")
-        library.impl("npu_rotary_mul", _composed_rotary_mul, "CPU")
-        library.impl("npu_rotary_mul", _forward_only, "Autograd")
-        _NPU_LIBRARY.append(library)
-        hs._C.sync_registrations()
-    return torch.ops.npu.npu_rotary_mul
+def npu_ops():
+    from hypershard.testing.fused import NPU_ROTARY_MUL_SCHEMAS, define_npu_kernels
+    return define_npu_kernels(NPU_ROTARY_MUL_SCHEMAS)
 
 
 def through_npu(rotary_mode):
     def run(x, r1, r2):
-        y = npu_rotary_mul()(x, r1, r2, rotary_mode)
+        y = npu_ops().npu_rotary_mul(x, r1, r2, rotary_mode)
         if in_distributed_run():
             assert y.placements == x.placements, (y.placements, x.placements)
+            if x.requires_grad:  # recorded by hypershard's kernel, not torch_npu's
+                assert "NpuRotaryMul" in y.grad_fn.name(), y.grad_fn.name()
         return y
     return run
+
+
+def npu_reference(rotary_mode):
+    def run(x, r1, r2):
+        return ops.rotary_position_embedding_composed(x, r1, r2, ops.MODES[rotary_mode])
+    return run
+
+
+def npu_double_backward(x, r1, r2):
+    y = through_npu("half")(x, r1, r2)
+    dx, = torch.autograd.grad(y.sum(), x, create_graph=True)
+    dx.sum().backward()
+    return dx
+
+
+def npu_case(name, rotary_mode, mesh, x_place, t_shape, t_place, dist_fn=None):
+    tol = {} if sums_tables((B, N, S, D), t_shape) else {"rtol": 0.0, "atol": 0.0}
+    return Case(name, npu_reference(rotary_mode), inputs((B, N, S, D), x_place, t_shape, t_place), mesh,
+                dist_fn=dist_fn or through_npu(rotary_mode), **tol)
 
 
 def npu_cases(world):
@@ -416,10 +430,14 @@ def npu_cases(world):
         for tag, mesh, x_place, t_shape, t_place in (
                 ("batch_dp", mesh1(2, "dp"), ["S(0)"], (1, 1, S, D), ["R"]),
                 ("seq_sp", mesh1(2, "sp"), ["S(2)"], (1, 1, S, D), ["S(2)"]),
-                ("heads_tp", mesh1(2, "tp"), ["S(1)"], (1, N, S, D), ["S(1)"])):
-            items = [Input(shape, placements=place, requires_grad=False)
-                     for shape, place in (((B, N, S, D), x_place), (t_shape, t_place), (t_shape, t_place))]
-            cases.append(Case(f"npu_rotary_mul_{rotary_mode}_{tag}", through_npu(rotary_mode), items, mesh))
+                ("heads_tp", mesh1(2, "tp"), ["S(1)"], (1, N, S, D), ["S(1)"]),
+                ("fullsize_tp", mesh1(2, "tp"), ["S(1)"], (B, N, S, D), ["S(1)"])):
+            cases.append(npu_case(f"npu_rotary_mul_{rotary_mode}_{tag}", rotary_mode, mesh, x_place, t_shape, t_place))
+    # first-order gradients with create_graph=True work; a second derivative raises
+    cases.append(Case("npu_rotary_mul_double_backward_refused", npu_double_backward,
+                      inputs((B, N, S, D), ["S(0)"], (1, 1, S, D), ["R"]), mesh1(2, "dp"),
+                      expect_error="hypershard: npu::npu_rotary_mul_backward: a second derivative (double backward) "
+                                   "is not implemented"))
     # the rule's checks under the npu name: a refused layout, a mode npu_rotary_mul does not have
     items = [Input((B, N, S, D), placements=["S(2)"], requires_grad=False),
              Input((1, 1, S, D), requires_grad=False), Input((1, 1, S, D), requires_grad=False)]
@@ -432,6 +450,32 @@ def npu_cases(world):
                       expect_error="npu::npu_rotary_mul: rotary_mode 'quarter' is not supported; allowed: 'half', "
                                    "'interleave'"))
     return cases
+
+
+def _dx_rotated_the_wrong_way(grad, x, r1, r2, rotary_mode="half"):
+    """A planted fault: dx = g * r1 + rotate(g * r2) (rotate taken for its own transpose)."""
+    from hypershard.testing.fused import rotate
+    return (grad * r1 + rotate(grad * r2, rotary_mode), (grad * x).sum_to_size(r1.shape),
+            (grad * rotate(x, rotary_mode)).sum_to_size(r2.shape))
+
+
+def planted(fault, rotary_mode):
+    def run(x, r1, r2):
+        from hypershard.testing import fused
+        fused.PLANTED_BACKWARD["npu_rotary_mul_backward"] = fault  # this launch's rank processes only
+        return through_npu(rotary_mode)(x, r1, r2)
+    return run
+
+
+def test_npu_planted_wrong_backward_is_caught():
+    """The npu cases' checks fail on a wrong backward kernel: the same case with a stand-in
+    backward whose dx rotates the wrong way (its own launch, so the fault stays in those ranks);
+    the tables' gradients stay right."""
+    case = npu_case("npu_rotary_mul_planted_dx", "interleave", mesh1(2, "dp"), ["S(0)"], (1, 1, S, D), ["R"],
+                    dist_fn=planted(_dx_rotated_the_wrong_way, "interleave"))
+    got = run_cases([case], timeout=300)["npu_rotary_mul_planted_dx"]
+    assert got.status == "failed" and "grad of input 0" in got.message, (got.status, got.message)
+    assert "grad of input 1" not in got.message and "grad of input 2" not in got.message, got.message
 
 
 def strict_cases(world):
