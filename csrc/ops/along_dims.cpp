@@ -2,7 +2,7 @@
 // other dims is the block of their result. So the named dims are made whole (gathered where
 // sharded) and the op runs on the local shards; every other dim keeps its sharding.
 //
-//   sorts        sort(.stable), argsort(.stable), topk, kthvalue, mode,          dim
+//   sorts        sort(.stable), argsort(.stable), kthvalue, mode,                dim
 //                median.dim, nanmedian.dim
 //   reductions   logsumexp, nansum, norm.ScalarOpt_dim,                          dim (None or [] = all)
 //                std_mean/var_mean.correction, aminmax, count_nonzero(.dim_IntList)
@@ -39,7 +39,8 @@
 // first: operands of the first's rank go along with it (indexing); a matrix op's operands
 // batched like the first keep its batch sharding (other_operand); every other one is read whole.
 //
-// (Scans, flip and roll keep a sharded dim sharded: along_sharded.cpp.)
+// (Scans, flip and roll keep a sharded dim sharded, topk merges per-rank candidates:
+// along_sharded.cpp.)
 //
 // Partial: the Fourier transforms are linear (they combine elements linearly), so a sum/avg
 // Partial passes through them. Every other op here is not: a sum/avg Partial input is an error (default
@@ -532,7 +533,7 @@ void register_along_dims(Registry& r) {
     r.add(op, &index_put_rule, KeyScalars::kAll);
   // Discrete Fourier transforms along their dims (linear: a sum Partial passes)
   add<Along::kDimArg, true>(r, {"aten::_fft_c2c", "aten::_fft_c2r", "aten::_fft_r2c"});
-  add<Along::kDimArg>(r, {"aten::sort", "aten::sort.stable", "aten::argsort", "aten::argsort.stable", "aten::topk",
+  add<Along::kDimArg>(r, {"aten::sort", "aten::sort.stable", "aten::argsort", "aten::argsort.stable",
                           "aten::kthvalue", "aten::mode", "aten::median.dim", "aten::nanmedian.dim",
                           "aten::logsumexp", "aten::nansum", "aten::norm.ScalarOpt_dim",
                           "aten::std_mean.correction", "aten::var_mean.correction", "aten::aminmax",

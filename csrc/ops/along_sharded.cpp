@@ -1,10 +1,13 @@
-// Ops along a dim that stays sharded: no rank gathers the dim, each computes its own block of the
-// result and exchanges only what its block depends on. Every other dim keeps its sharding too.
+// Ops along a sharded dim that never gather it: each rank computes its own block of the result and
+// exchanges only what that block depends on. Every other dim keeps its sharding too.
 //
 //   scans   cumsum, cumprod, logcumsumexp,    the local scan, then the totals of the chunks before
 //           cummax, cummin                    this rank's folded into it: ONE all-gather of each
 //                                             rank's last slice (for cummax/cummin its GLOBAL
 //                                             index too) along the axes sharding `dim`
+//   topk    topk (k, dim)                     the k best of each rank's block with GLOBAL indices,
+//                                             one all-gather of these candidates, the k best of
+//                                             them: values and indices whole along dim
 //   moves   flip (dims), roll (shifts, dims)  each rank fetches the GLOBAL range its block reads
 //                                             (the mirrored range; the range `shift` before it,
 //                                             cyclically) in one all-to-all per sharded dim
@@ -26,8 +29,8 @@
 //
 // Partial: cumsum, flip and roll are linear (they add or move elements), so a sum/avg Partial
 // passes through -- the exchanged totals and ranges are Partial alike. cumprod, logcumsumexp,
-// cummax and cummin are not: a sum/avg Partial input is an error (default mode reduces it first;
-// inside a backward pass it is reduced); a max/min Partial is reduced.
+// cummax, cummin and topk are not: a sum/avg Partial input is an error (default mode reduces it
+// first; inside a backward pass it is reduced); a max/min Partial is reduced.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -52,17 +55,6 @@ layout::PartialOps kept_partial(const OpCall& call, bool linear, const char* all
   if (linear && op && is_sum_like(*op)) return in.partial();
   if (refuse_sum_partial(call, 0, allowed)) return layout::PartialOps(in.partial().size());
   return in.partial();
-}
-
-// The GLOBAL span of `dim` every member of `axis` (this rank's other coordinates) holds.
-std::vector<Span> owned_spans(const Layout& l, const runtime::DeviceMesh& mesh, int64_t axis, int64_t dim) {
-  std::vector<Span> owned;
-  for (int64_t c = 0; c < mesh.mesh()->shape()[axis]; ++c) {
-    const int64_t pos = mesh.member_position(axis, c);
-    const int64_t begin = l.global_offset_at(pos)[dim];
-    owned.push_back({begin, begin + l.local_shape_at(pos)[dim]});
-  }
-  return owned;
 }
 
 // ------------------------------------------------------------------ scans
@@ -163,8 +155,8 @@ OpPlan scan_rule(const OpCall& call) {
 
 // The spans of GLOBAL positions member c's block reads, for a flip or a roll by `shift`.
 SpanPlan move_plan(const Layout& l, const runtime::DeviceMesh& mesh, int64_t dim, std::optional<int64_t> shift) {
-  const int64_t axis = l.dim_axes()[dim].front(), n = l.global_shape()[dim];
-  SpanPlan plan{dim, axis, owned_spans(l, mesh, axis, dim), {}};
+  const int64_t n = l.global_shape()[dim];
+  SpanPlan plan = runtime::owned_spans(l, mesh, dim);
   for (const Span& o : plan.owned) {
     if (!shift) {
       plan.wanted.push_back({{n - o.end, n - o.begin}});
@@ -236,6 +228,59 @@ OpPlan move_rule(const OpCall& call) {
   return plan;
 }
 
+// ------------------------------------------------------------------ topk
+
+// topk(self, k, dim, largest, sorted). Along a sharded dim: each rank takes the k best of its
+// block (all of it when shorter), with GLOBAL indices; ONE all-gather per axis sharding dim brings
+// every rank's candidates (k per chunk, padded: each chunk's count is known from the layout, so
+// the padding is cut before use); the k best of the candidates are the k best of the dim, since
+// each of those is among the k best of its own chunk. Values and indices come out whole along
+// dim (k positions), every other dim keeps its sharding. Along a whole dim the local call is the
+// answer.
+OpPlan topk_rule(const OpCall& call) {
+  const Layout& in = call.layout(0);
+  const layout::PartialOps partial = kept_partial(call, false, "Replicate or Shard (redistribute the Partial input first)");
+  const auto shapes = meta_output_shapes(call);  // validates k against the GLOBAL length
+  const int64_t dim = in.ndim() == 0 ? 0 : wrap_dim(call, call.arg(2).toInt(), in.ndim());
+  layout::DimAxes out_dims = in.dim_axes();
+  std::vector<int64_t> axes;
+  if (in.ndim() > 0) std::swap(axes, out_dims[dim]);
+  OpPlan plan;
+  plan.inputs.push_back(make_layout(in, in.global_shape(), in.dim_axes(), layout::PartialOps(partial.size())));
+  for (const auto& shape : shapes) plan.outputs.push_back(make_layout(in, shape, out_dims));
+  if (axes.empty()) return plan;
+  const LayoutPtr layout = plan.inputs[0];
+  plan.expand = [layout, axes, dim](const OpCall& c, torch::jit::Stack& stack) {
+    const size_t num = c.schema().arguments().size();
+    const at::Tensor local = stack[stack.size() - num].toTensor();
+    const int64_t k = stack[stack.size() - num + 1].toInt();
+    const bool largest = stack[stack.size() - num + 3].toBool(), sorted = stack[stack.size() - num + 4].toBool();
+    const runtime::DeviceMesh& mesh = *c.mesh;
+    auto pad_to_k = [&](const at::Tensor& t) {
+      if (t.size(dim) == k) return t;
+      auto shape = t.sizes().vec();
+      shape[dim] = k - t.size(dim);
+      return at::cat({t, at::zeros(shape, t.options())}, dim);
+    };
+    auto [values, indices] = at::topk(local, std::min(k, local.size(dim)), dim, largest, /*sorted=*/true);
+    indices.add_(layout->global_offset_at(mesh.position())[dim]);
+    const at::Tensor all_values = runtime::all_gather_in_chunk_order(pad_to_k(values).contiguous(), mesh, axes, dim);
+    const at::Tensor all_indices = runtime::all_gather_in_chunk_order(pad_to_k(indices).contiguous(), mesh, axes, dim);
+    std::vector<at::Tensor> value_parts, index_parts;
+    for (int64_t j = 0; j * k < all_values.size(dim); ++j) {
+      const int64_t count = std::min(k, layout->local_shape_at(mesh.chunk_member_position(axes, j))[dim]);
+      value_parts.push_back(all_values.narrow(dim, j * k, count));
+      index_parts.push_back(all_indices.narrow(dim, j * k, count));
+    }
+    const at::Tensor candidates = at::cat(value_parts, dim), candidate_indices = at::cat(index_parts, dim);
+    auto [best, position] = at::topk(candidates, k, dim, largest, sorted);
+    torch::jit::drop(stack, num);
+    stack.emplace_back(std::move(best));
+    stack.emplace_back(candidate_indices.gather(dim, position));
+  };
+  return plan;
+}
+
 // ------------------------------------------------------------------ cummax/cummin backward
 
 // cummaxmin_backward is composite-implicit: it scatter-adds the gradient into a PLAIN zeros
@@ -262,6 +307,7 @@ void register_along_sharded(Registry& r) {
   r.add("aten::cummax", &scan_rule<Scan::kMax>, KeyScalars::kAll);
   r.add("aten::cummin", &scan_rule<Scan::kMin>, KeyScalars::kAll);
   r.add("aten::flip", &move_rule, KeyScalars::kAll);
+  r.add("aten::topk", &topk_rule, KeyScalars::kAll);
   r.add("aten::roll", &move_rule, KeyScalars::kAll);
 }
 

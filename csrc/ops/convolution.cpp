@@ -1,25 +1,134 @@
 // Convolutions (conv1d/2d/3d, transposed, grouped and depthwise: ATen's convolution and
-// convolution_backward), data-parallel: the batch dim keeps its sharding, channel and spatial
-// dims are whole (gathered where sharded), weight and bias are whole.
+// convolution_backward): the batch dim keeps its sharding; a spatial dim sharded over one mesh
+// axis stays sharded through a halo exchange; channels, the other spatial dims, weight and bias
+// are whole (gathered where sharded).
 //
-//   convolution            output batch-sharded like the input
-//   convolution_backward   grad_input batch-sharded; grad_weight and grad_bias are sums over the
-//                          batch, so each rank's are Partial(sum) over the axes sharding the batch
+//   convolution            output batch-sharded like the input, and sharded along the halo dim
+//                          (the torch.chunk split of the OUTPUT's length)
+//   convolution_backward   grad_input laid out like the input; grad_weight and grad_bias are sums
+//                          over the batch and the output positions, so each rank's are
+//                          Partial(sum) over the axes sharding the batch and the halo dim
+//
+// Halo exchange (a spatial dim sharded over one axis, not transposed): output position o reads
+// padded input positions [o*stride, o*stride + dilation*(kernel-1)]. Each rank fetches, in one
+// all-to-all (runtime/span_exchange.h), the GLOBAL input range its output chunk reads -- its own
+// block plus (kernel-1)*dilation neighbouring positions for a stride-1 convolution -- adds the
+// zero padding only where that range passes the tensor's ends, and convolves with no padding
+// along that dim: exactly the single-device sums, element by element. Backward convolves the same
+// fetched range and sends each input position's gradient back to its owner, which adds the
+// contributions (return_spans_summed). A rank whose output chunk is empty still takes part in
+// both exchanges. Qwen3.5's causal depthwise conv1d on a sequence-sharded activation takes this
+// path. A transposed convolution, or a dim sharded over two axes, makes the dim whole.
 //
 // Partial: a convolution is linear in its input but adds the bias once, so a sum/avg Partial
 // input is refused (default mode reduces it first); in backward, grad_output is reduced first.
-// Not yet: channel sharding of grouped/depthwise convolutions, a halo exchange for a sharded
-// spatial dim (both gather today).
+// Not yet: channel sharding of grouped/depthwise convolutions (channels are gathered).
+#include <ATen/ATen.h>
+
+#include <optional>
+
 #include "ops/families.h"
+#include "runtime/span_exchange.h"
 
 namespace hypershard::ops {
 namespace {
 
-// `l` with every dim but the batch dim whole, Partial dropped (reduced).
-LayoutPtr batch_only(const Layout& l, const std::vector<int64_t>& batch_axes) {
+using runtime::Span;
+using runtime::SpanPlan;
+
+// `l` with every dim but the batch dim (and the halo dim, where there is one) whole, Partial
+// dropped (reduced).
+LayoutPtr batch_only(const Layout& l, const std::vector<int64_t>& batch_axes, std::optional<int64_t> halo = {},
+                     int64_t halo_axis = -1) {
   layout::DimAxes dims(static_cast<size_t>(l.ndim()));
   if (!dims.empty()) dims[0] = batch_axes;
+  if (halo) dims[*halo] = {halo_axis};
   return make_layout(l, l.global_shape(), std::move(dims), {});
+}
+
+// The spatial dim a halo exchange serves: the first spatial dim (>= 2) of the input sharded over
+// exactly one mesh axis, for a convolution that is not transposed.
+std::optional<int64_t> halo_dim(const Layout& input, bool transposed) {
+  if (transposed) return std::nullopt;
+  for (int64_t d = 2; d < input.ndim(); ++d)
+    if (input.dim_axes()[d].size() == 1) return d;
+  return std::nullopt;
+}
+
+int64_t list_item(const c10::IValue& list, size_t i) {
+  const auto& v = list.isIntList() ? list.toIntVector() : [&] {
+    std::vector<int64_t> out;
+    for (const auto& s : list.toSymIntVector()) out.push_back(s.expect_int());
+    return out;
+  }();
+  return v.size() == 1 ? v[0] : v.at(i);
+}
+
+// What each member of the halo axis reads: the GLOBAL input span its output chunk needs (clipped
+// to the tensor), and how many zero positions of the padding go before and after it.
+struct HaloPlan {
+  SpanPlan spans;
+  int64_t zeros_before = 0, zeros_after = 0;  // this rank's
+  int64_t output_length = 0;                  // this rank's output chunk
+  int64_t input_length = 0;                   // this rank's input block
+};
+
+// `first_list`: the index of the stride argument (padding and dilation follow it): 3 in
+// convolution, 4 in convolution_backward.
+HaloPlan plan_halo(const OpCall& c, const Layout& input, const Layout& output, int64_t dim, const c10::IValue* args,
+                   int64_t first_list, int64_t kernel) {
+  const runtime::DeviceMesh& mesh = *c.mesh;
+  const int64_t axis = input.dim_axes()[dim].front(), n = input.global_shape()[dim];
+  const size_t spatial = static_cast<size_t>(dim - 2);
+  const int64_t stride = list_item(args[first_list], spatial), pad = list_item(args[first_list + 1], spatial),
+                dilation = list_item(args[first_list + 2], spatial);
+  HaloPlan h;
+  h.spans.dim = dim;
+  h.spans.axis = axis;
+  const int64_t me = mesh.coordinate(axis);
+  for (int64_t m = 0; m < mesh.mesh()->shape()[axis]; ++m) {
+    const Span in = runtime::member_span(input, mesh, axis, m, dim);
+    const Span out = runtime::member_span(output, mesh, axis, m, dim);
+    const int64_t in_length = in.length(), out_begin = out.begin, out_length = out.length();
+    h.spans.owned.push_back(in);
+    if (out_length == 0) {
+      h.spans.wanted.push_back({});
+      if (m == me) h.input_length = in_length;
+      continue;
+    }
+    // padded positions [out_begin*stride, (out_end-1)*stride + dilation*(kernel-1)], unpadded
+    const int64_t lo = out_begin * stride - pad;
+    const int64_t hi = (out_begin + out_length - 1) * stride + dilation * (kernel - 1) + 1 - pad;
+    const Span read{std::max<int64_t>(lo, 0), std::min(hi, n)};
+    h.spans.wanted.push_back({read});
+    if (m == me) {
+      h.zeros_before = std::min(std::max<int64_t>(-lo, 0), hi - lo);
+      h.zeros_after = hi - lo - h.zeros_before - read.length();
+      h.output_length = out_length;
+      h.input_length = in_length;
+    }
+  }
+  return h;
+}
+
+// `t` with `before` and `after` zero positions added along `dim`.
+at::Tensor with_zeros(const at::Tensor& t, int64_t dim, int64_t before, int64_t after) {
+  if (before == 0 && after == 0) return t;
+  auto shape = t.sizes().vec();
+  std::vector<at::Tensor> parts;
+  shape[dim] = before;
+  if (before > 0) parts.push_back(at::zeros(shape, t.options()));
+  parts.push_back(t);
+  shape[dim] = after;
+  if (after > 0) parts.push_back(at::zeros(shape, t.options()));
+  return at::cat(parts, dim);
+}
+
+// The padding list with the halo dim's entry 0 (the fetched range carries its padding).
+c10::IValue without_padding(const c10::IValue& padding, size_t spatial, size_t spatial_dims) {
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < spatial_dims; ++i) out.push_back(i == spatial ? 0 : list_item(padding, i));
+  return c10::IValue(out);
 }
 
 // convolution(input, weight, bias?, stride, padding, dilation, transposed, output_padding, groups)
@@ -27,41 +136,102 @@ OpPlan convolution_rule(const OpCall& call) {
   const Layout& input = call.layout(0);
   refuse_sum_partial(call, 0, "Replicate or Shard (a convolution adds its bias once; redistribute the Partial input first)");
   const std::vector<int64_t> batch = input.ndim() > 0 ? input.dim_axes()[0] : std::vector<int64_t>{};
+  const auto halo = halo_dim(input, call.arg(6).toBool());
+  const int64_t halo_axis = halo ? input.dim_axes()[*halo].front() : -1;
   OpPlan plan;
-  plan.inputs.push_back(batch_only(input, batch));
+  plan.inputs.push_back(batch_only(input, batch, halo, halo_axis));
   for (size_t t = 1; t < call.tensors.size(); ++t)
     plan.inputs.push_back(replicate_like(call.layout(static_cast<int64_t>(t)), call.layout(static_cast<int64_t>(t)).global_shape()));
   const auto shape = meta_output_shapes(call).at(0);
   layout::DimAxes dims(shape.size());
   if (!dims.empty()) dims[0] = batch;
+  if (halo) dims[*halo] = {halo_axis};
   plan.outputs.push_back(make_layout(input, shape, std::move(dims)));
+  if (!halo) return plan;
+  const LayoutPtr in_layout = plan.inputs[0], out_layout = plan.outputs[0];
+  const int64_t dim = *halo;
+  plan.expand = [in_layout, out_layout, dim](const OpCall& c, torch::jit::Stack& stack) {
+    const size_t num = c.schema().arguments().size();
+    c10::IValue* args = stack.data() + (stack.size() - num);
+    const at::Tensor local = args[0].toTensor();
+    const int64_t kernel = args[1].toTensor().size(dim);
+    const HaloPlan h = plan_halo(c, *in_layout, *out_layout, dim, args, 3, kernel);
+    const at::Tensor fetched = runtime::fetch_spans(local, h.spans, *c.mesh);
+    if (h.output_length == 0) {  // an empty output chunk: nothing to convolve
+      auto shape = out_layout->local_shape_at(c.mesh->position());
+      torch::jit::drop(stack, num);
+      stack.emplace_back(at::zeros(shape, local.options()));
+      return;
+    }
+    args[0] = with_zeros(fetched, dim, h.zeros_before, h.zeros_after);
+    args[4] = without_padding(args[4], static_cast<size_t>(dim - 2), static_cast<size_t>(local.dim() - 2));
+    c.op->callBoxed(stack);
+  };
   return plan;
 }
 
-// convolution_backward(grad_output, input, weight, bias_sizes?, ..., output_mask)
-//   -> (grad_input, grad_weight, grad_bias)
+// convolution_backward(grad_output, input, weight, bias_sizes?, stride, padding, dilation,
+// transposed, output_padding, groups, output_mask) -> (grad_input, grad_weight, grad_bias)
 OpPlan convolution_backward_rule(const OpCall& call) {
   const int64_t go = call.tensor_index(0, -1), in = call.tensor_index(1, -1);
   const Layout& input = call.layout(in);
   const std::vector<int64_t> batch = input.ndim() > 0 ? input.dim_axes()[0] : std::vector<int64_t>{};
+  const auto halo = halo_dim(input, call.arg(7).toBool());
+  const int64_t halo_axis = halo ? input.dim_axes()[*halo].front() : -1;
   OpPlan plan;
   for (size_t t = 0; t < call.tensors.size(); ++t) {
     const Layout& l = call.layout(static_cast<int64_t>(t));
     const bool batched = static_cast<int64_t>(t) == go || static_cast<int64_t>(t) == in;
-    plan.inputs.push_back(batched ? batch_only(l, batch) : replicate_like(l, l.global_shape()));
+    plan.inputs.push_back(batched ? batch_only(l, batch, halo, halo_axis) : replicate_like(l, l.global_shape()));
   }
   layout::PartialOps summed(static_cast<size_t>(input.mesh()->ndim()));
   for (int64_t axis : batch) summed[axis] = ReduceOp::Sum;
+  if (halo) summed[halo_axis] = ReduceOp::Sum;
   const auto shapes = meta_output_shapes(call);
   for (size_t o = 0; o < shapes.size(); ++o) {
     layout::DimAxes dims(shapes[o].size());
     if (o == 0) {
       if (!dims.empty()) dims[0] = batch;
+      if (halo && !dims.empty()) dims[*halo] = {halo_axis};
       plan.outputs.push_back(make_layout(input, shapes[o], std::move(dims)));
     } else {
       plan.outputs.push_back(make_layout(input, shapes[o], std::move(dims), summed));
     }
   }
+  if (!halo || go < 0 || in < 0) return plan;
+  const LayoutPtr in_layout = plan.inputs[in], out_layout = plan.inputs[go];
+  const int64_t dim = *halo;
+  plan.expand = [in_layout, out_layout, dim](const OpCall& c, torch::jit::Stack& stack) {
+    const size_t num = c.schema().arguments().size();
+    c10::IValue* args = stack.data() + (stack.size() - num);
+    const at::Tensor local = args[1].toTensor(), weight = args[2].toTensor();
+    const auto mask = args[10].toBoolList();
+    const HaloPlan h = plan_halo(c, *in_layout, *out_layout, dim, args, 4, weight.size(dim));
+    const at::Tensor fetched = runtime::fetch_spans(local, h.spans, *c.mesh);
+    at::Tensor grad_input, grad_weight, grad_bias;
+    if (h.output_length == 0) {  // no output positions here: zero contributions
+      if (mask[1]) grad_weight = at::zeros_like(weight);
+      if (mask[2]) grad_bias = at::zeros({weight.size(0)}, weight.options());
+      if (mask[0]) grad_input = at::zeros_like(fetched);
+      torch::jit::drop(stack, num);
+    } else {
+      args[1] = with_zeros(fetched, dim, h.zeros_before, h.zeros_after);
+      args[5] = without_padding(args[5], static_cast<size_t>(dim - 2), static_cast<size_t>(local.dim() - 2));
+      c.op->callBoxed(stack);
+      grad_bias = stack.back().toTensor();
+      stack.pop_back();
+      grad_weight = stack.back().toTensor();
+      stack.pop_back();
+      grad_input = stack.back().toTensor();
+      stack.pop_back();
+      if (mask[0]) grad_input = grad_input.narrow(dim, h.zeros_before, fetched.size(dim));
+    }
+    // each fetched position's gradient goes back to its owner, which adds them up
+    if (mask[0]) grad_input = runtime::return_spans_summed(grad_input, h.input_length, h.spans, *c.mesh);
+    stack.emplace_back(grad_input);
+    stack.emplace_back(grad_weight);
+    stack.emplace_back(grad_bias);
+  };
   return plan;
 }
 

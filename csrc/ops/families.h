@@ -28,6 +28,7 @@ void register_along_dims(Registry& r);   // along_dims.cpp: sorts, dim-wise redu
 void register_along_sharded(Registry& r);
 // along_sharded.cpp: cummaxmin_backward on AutogradPrivateUse2 (its composite writes into a plain tensor).
 void register_along_sharded_kernels();
+void register_lookups(Registry& r);      // lookups.cpp: searchsorted, bucketize, take (the query keeps its sharding)
 void register_convolution(Registry& r);  // convolution.cpp: convolution and its backward, batch-parallel
 void register_reductions(Registry& r);   // reductions.cpp: sum, mean, amax, max, var, norms, any/all, ...
 // reductions.cpp: max.dim/min.dim backward on AutogradPrivateUse2 (its composite kernel would

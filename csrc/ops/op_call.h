@@ -81,6 +81,10 @@ struct OpPlan {
   // outputs with placeholder shapes, and the framework takes each global shape from the local
   // result (the same on every rank, since the inputs are whole).
   bool data_shaped = false;
+  // A view op whose outputs the expand step computes as new tensors (an exchange between ranks
+  // built them): like a view of a redistributed input, they do not alias the base, so writes
+  // through them are refused.
+  bool copies = false;
   // An int-list argument (a view's `size`) that the framework rewrites to the first output's
   // local shape on this rank where that output is split; -1: none.
   int64_t local_shape_arg = -1;

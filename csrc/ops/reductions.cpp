@@ -1,6 +1,6 @@
 // Reductions: sum, mean, amax, amin, max, min, argmax, argmin, var, std, linalg_vector_norm,
-// _foreach_norm, prod, any, all, and histc (counts: Partial(sum) over the sharding axes, the data
-// range all-reduced when not given; see histc_rule).
+// _foreach_norm, prod, any, all, and histc / bincount (counts: Partial(sum) over the sharding axes;
+// histc's data range and bincount's length all-reduced from the data; see histc_rule, bincount_rule).
 //
 //   aten::sum, sum.dim_IntList, sum.IntList_out, mean, mean.dim          (linear)
 //   aten::amax, amin, max, min, prod, prod.dim_int, any, any.dim, any.dims, all, all.dim,
@@ -591,9 +591,50 @@ OpPlan histc_rule(const OpCall& call) {
   return plan;
 }
 
+// bincount(self, weights?, minlength): self 1-D non-negative integers. Each rank counts its
+// shard (weights follow self's sharding) into the same number of bins -- one max all-reduce gives
+// the GLOBAL largest value, so every rank's local call gets minlength max(minlength, max + 1),
+// the length one device's result has -- and the counts are Partial(sum) over the axes sharding
+// self. The length depends on the data: the plan is data_shaped. A Partial self or weights (sums
+// of parts) is an error, as for histc.
+OpPlan bincount_rule(const OpCall& call) {
+  const Layout& in = call.layout(0);
+  const int64_t weights = call.tensor_index(1);
+  for (int64_t t : {int64_t{0}, weights})
+    if (t >= 0 && call.layout(t).has_partial())
+      fail_argument(call, t, "the counts of a Partial tensor would count its parts, not its values",
+                    "Replicate or Shard (redistribute the Partial input first)");
+  if (in.ndim() != 1) fail_argument(call, 0, "is not 1-D", "a 1-D tensor of non-negative integers");
+  const std::vector<int64_t> axes = in.dim_axes()[0];
+  layout::PartialOps counts(static_cast<size_t>(in.mesh()->ndim()));
+  for (int64_t axis : axes) counts[axis] = ReduceOp::Sum;
+  OpPlan plan;
+  plan.inputs.push_back(call.tensors[0].layout);
+  if (weights >= 0) {
+    const Layout& w = call.layout(weights);
+    plan.inputs.push_back(make_layout(w, w.global_shape(), in.dim_axes()));
+  }
+  plan.outputs.push_back(make_layout(in, {0}, {{}}, counts));  // the length comes from the local result
+  plan.data_shaped = true;
+  if (axes.empty()) return plan;
+  plan.expand = [axes](const OpCall& c, Stack& stack) {
+    const size_t num = static_cast<size_t>(c.num_args());
+    const at::Tensor local = stack[stack.size() - num].toTensor();
+    const c10::IValue weights = stack[stack.size() - num + 1];
+    at::Tensor largest = local.numel() ? local.max().reshape({1}).to(at::kLong) : at::full({1}, -1, at::kLong);
+    largest = all_reduce_extremum(largest, c, axes, /*is_max=*/true);
+    const int64_t minlength = std::max(stack[stack.size() - 1].toInt(), largest.item<int64_t>() + 1);
+    torch::jit::drop(stack, num);
+    stack.emplace_back(at::bincount(local, weights.isNone() ? std::optional<at::Tensor>() : weights.toTensor(),
+                                    minlength));
+  };
+  return plan;
+}
+
 void register_reductions(Registry& r) {
   using K = Kind;
   r.add("aten::histc", &histc_rule, KeyScalars::kAll);
+  r.add("aten::bincount", &bincount_rule, KeyScalars::kAll);
   r.add("aten::_foreach_norm.Scalar", &foreach_norm_rule, KeyScalars::kAll);
   r.add("aten::all", &collective_rule<K::kAll>, KeyScalars::kAll);
   r.add("aten::all.dim", &collective_rule<K::kAll>, KeyScalars::kAll);

@@ -186,6 +186,8 @@ void register_all(Registry& r) {
   register_along_sharded(r);
   r.set_family("masked");
   register_masked(r);
+  r.set_family("lookups");
+  register_lookups(r);
   r.set_family("convolution");
   register_convolution(r);
   r.set_family("rotary");

@@ -16,11 +16,15 @@
 //                                     before viewing, so x.view(16, 6) of a [12, 8] tensor sharded
 //                                     on dim 1 is never computed from wrong local data.
 //   slice.Tensor, select.int, split*, unbind  local on a whole dim (and a slice covering a whole
-//                                     sharded dim); otherwise the dim is gathered first (global
-//                                     indices then equal local ones) and the result, which no
-//                                     longer aliases its base, refuses in-place writes (dispatch.cpp)
+//                                     sharded dim); a slice of a dim sharded over one mesh axis
+//                                     keeps it sharded: each rank fetches the GLOBAL range its
+//                                     output chunk reads (runtime/span_exchange.h, one all-to-all);
+//                                     otherwise the dim is gathered first (global indices then
+//                                     equal local ones). Either result no longer aliases its base
+//                                     and refuses in-place writes (dispatch.cpp)
 //   cat, stack                        the cat dim whole; other dims sharded alike
-//   select_backward, slice_backward   the inverse shapes, same rule
+//   select_backward, slice_backward   the inverse shapes, same rule (slice_backward of a gradient
+//                                     sharded over one axis: the exchange in reverse)
 //   constant_pad_nd                   padded dims whole, the others keep their sharding
 //   diagonal(_backward)               dim1, dim2 whole (GLOBAL offset); the other dims keep theirs
 //   repeat                            dims repeated once keep their sharding; the others are whole
@@ -37,6 +41,7 @@
 #include "ops/families.h"
 #include "runtime/dtensor_impl.h"
 #include "runtime/redistribute.h"
+#include "runtime/span_exchange.h"
 
 namespace hypershard::ops {
 namespace {
@@ -345,7 +350,83 @@ OpPlan view_rule(const OpCall& call) {
 
 // ------------------------------------------------------------------ slicing along one dim
 
-// slice / select / split / unbind: local when `dim` is whole; otherwise gather it first.
+// A slice's bounds along a dim of length n, normalized as torch does; `length` is the result's.
+struct SliceBounds {
+  int64_t start = 0, step = 1, length = 0;
+};
+
+SliceBounds slice_bounds(const c10::IValue& start_v, const c10::IValue& end_v, int64_t step, int64_t n) {
+  int64_t start = start_v.isNone() ? 0 : int_arg(start_v);
+  int64_t end = end_v.isNone() ? n : int_arg(end_v);
+  if (start < 0) start += n;
+  if (end < 0) end += n;
+  start = std::clamp<int64_t>(start, 0, n);
+  end = std::clamp<int64_t>(end, start, n);
+  return {start, step, (end - start + step - 1) / step};
+}
+
+// slice(self, dim, start, end, step) of a dim sharded over one mesh axis: the result keeps the dim
+// sharded there (the torch.chunk split of its own length). Output position j reads input
+// start + step*j, so a rank's output chunk [a, a + m) reads the GLOBAL input range
+// [start + step*a, start + step*(a + m - 1)] which it fetches and slices with the step.
+OpPlan exchanged_slice_plan(const OpCall& call, int64_t dim, SliceBounds b) {
+  const Layout& in = call.layout(0);
+  auto shape = in.global_shape();
+  shape[dim] = b.length;
+  OpPlan plan = single(call, call.tensors[0].layout, make_layout(in, shape, in.dim_axes(), in.partial()));
+  plan.copies = true;
+  const LayoutPtr input = plan.inputs[0], output = plan.outputs[0];
+  plan.expand = [input, output, dim, b](const OpCall& c, torch::jit::Stack& stack) {
+    runtime::SpanPlan spans = runtime::owned_spans(*input, *c.mesh, dim);
+    for (size_t m = 0; m < spans.owned.size(); ++m) {
+      const runtime::Span out = runtime::member_span(*output, *c.mesh, spans.axis, static_cast<int64_t>(m), dim);
+      if (out.length() == 0) spans.wanted.emplace_back();
+      else spans.wanted.push_back({{b.start + b.step * out.begin, b.start + b.step * (out.end - 1) + 1}});
+    }
+    const size_t num = c.schema().arguments().size();
+    const at::Tensor fetched = runtime::fetch_spans(stack[stack.size() - num].toTensor(), spans, *c.mesh);
+    torch::jit::drop(stack, num);
+    stack.emplace_back(fetched.slice(dim, 0, c10::nullopt, b.step).contiguous());
+  };
+  return plan;
+}
+
+// slice_backward(grad, input_sizes, dim, start, end, step) of a gradient sharded along dim over one
+// mesh axis: the input gradient keeps that sharding. A rank's chunk [p, p + l) of the input holds
+// the gradient positions j with p <= start + step*j < p + l, which it fetches and places with the
+// step (zeros elsewhere).
+OpPlan exchanged_slice_backward_plan(const OpCall& call, const std::vector<int64_t>& sizes, int64_t dim) {
+  const Layout& grad = call.layout(0);
+  const SliceBounds b = slice_bounds(call.arg(3), call.arg(4), int_arg(call.arg(5)), sizes[dim]);
+  OpPlan plan = single(call, call.tensors[0].layout, make_layout(grad, sizes, grad.dim_axes(), grad.partial()));
+  const LayoutPtr input = plan.inputs[0], output = plan.outputs[0];
+  plan.expand = [input, output, dim, b](const OpCall& c, torch::jit::Stack& stack) {
+    runtime::SpanPlan spans = runtime::owned_spans(*input, *c.mesh, dim);
+    runtime::Span mine;  // the gradient positions this rank's chunk holds
+    for (size_t m = 0; m < spans.owned.size(); ++m) {
+      const runtime::Span out = runtime::member_span(*output, *c.mesh, spans.axis, static_cast<int64_t>(m), dim);
+      const int64_t from = out.begin - b.start;
+      const runtime::Span j{from <= 0 ? 0 : (from + b.step - 1) / b.step,
+                            std::min(b.length, out.end - b.start <= 0 ? 0 : (out.end - 1 - b.start) / b.step + 1)};
+      spans.wanted.push_back(j.length() > 0 ? std::vector<runtime::Span>{j} : std::vector<runtime::Span>{});
+      if (static_cast<int64_t>(m) == c.mesh->coordinate(spans.axis)) mine = j;
+    }
+    const size_t num = c.schema().arguments().size();
+    const at::Tensor local_grad = stack[stack.size() - num].toTensor();
+    const at::Tensor fetched = runtime::fetch_spans(local_grad, spans, *c.mesh);
+    at::Tensor result = at::zeros(output->local_shape_at(c.mesh->position()), local_grad.options());
+    if (mine.length() > 0) {
+      const int64_t first = b.start + b.step * mine.begin - output->global_offset_at(c.mesh->position())[dim];
+      result.slice(dim, first, first + b.step * (mine.length() - 1) + 1, b.step).copy_(fetched);
+    }
+    torch::jit::drop(stack, num);
+    stack.emplace_back(std::move(result));
+  };
+  return plan;
+}
+
+// slice / select / split / unbind: local when `dim` is whole; a slice of a dim sharded over one
+// axis by exchange (exchanged_slice_plan); otherwise gather the dim first.
 OpPlan along_dim_rule(const OpCall& call) {
   const Layout& in = call.layout(0);
   const auto dim_index = call.schema().argumentIndexWithName("dim");
@@ -367,6 +448,8 @@ OpPlan along_dim_rule(const OpCall& call) {
       };
       return plan;
     }
+    if (in.dim_axes()[dim].size() == 1)
+      return exchanged_slice_plan(call, dim, slice_bounds(start_v, end_v, int_arg(call.arg(4)), full_length));
   }
   auto input = whole_dims(in, {dim});
   const Layout& whole = *input;
@@ -385,16 +468,7 @@ OpPlan along_dim_rule(const OpCall& call) {
     dims.erase(dims.begin() + dim);
     plan.outputs.push_back(make_layout(whole, shape, dims, whole.partial()));
   } else if (name == "aten::slice") {
-    const auto& start_v = call.arg(2);
-    const auto& end_v = call.arg(3);
-    int64_t start = start_v.isNone() ? 0 : int_arg(start_v);
-    int64_t end = end_v.isNone() ? length : int_arg(end_v);
-    const int64_t step = int_arg(call.arg(4));
-    if (start < 0) start += length;
-    if (end < 0) end += length;
-    start = std::clamp<int64_t>(start, 0, length);
-    end = std::clamp<int64_t>(end, start, length);
-    plan.outputs.push_back(with_dim((end - start + step - 1) / step));
+    plan.outputs.push_back(with_dim(slice_bounds(call.arg(2), call.arg(3), int_arg(call.arg(4)), length).length));
   } else if (name == "aten::split" || name == "aten::unsafe_split") {
     const int64_t size = int_arg(call.arg(1));
     const int64_t pieces = size == 0 ? 1 : std::max<int64_t>((length + size - 1) / size, 1);
@@ -418,6 +492,7 @@ OpPlan slicing_backward_rule(const OpCall& call) {
   const auto sizes = int_list(call.arg(1));
   const int64_t dim = wrap_dim(call, int_arg(call.arg(2)), static_cast<int64_t>(sizes.size()));
   const bool is_select = call.schema().name() == "aten::select_backward";
+  if (!is_select && grad.dim_axes()[dim].size() == 1) return exchanged_slice_backward_plan(call, sizes, dim);
   layout::DimAxes out_dims(sizes.size());
   layout::DimAxes grad_dims = grad.dim_axes();
   if (!is_select) grad_dims[dim].clear();

@@ -671,7 +671,7 @@ void detail::dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet
     const at::Tensor& value = arg_tensor(args, t, scratch);
     if (t.is_dtensor) {
       auto* impl = dtensor_impl(value);
-      if (info.is_view && !detached && (impl->is_detached_view() || plan->inputs[i] != t.layout))
+      if (info.is_view && !detached && (impl->is_detached_view() || plan->inputs[i] != t.layout || plan->copies))
         detached = DetachedBase::of(value);
       if (value.requires_grad() && value.is_leaf()) install_grad_hook(value);
       at::Tensor local = impl->local();

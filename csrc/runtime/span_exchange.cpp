@@ -54,6 +54,20 @@ at::Tensor all_to_all_rows(const std::vector<std::vector<at::Tensor>>& pieces, c
 
 }  // namespace
 
+Span member_span(const layout::Layout& l, const DeviceMesh& mesh, int64_t axis, int64_t c, int64_t dim) {
+  const int64_t pos = mesh.member_position(axis, c);
+  const int64_t begin = l.global_offset_at(pos)[dim];
+  return {begin, begin + l.local_shape_at(pos)[dim]};
+}
+
+SpanPlan owned_spans(const layout::Layout& l, const DeviceMesh& mesh, int64_t dim) {
+  SpanPlan plan;
+  plan.dim = dim;
+  plan.axis = l.dim_axes()[dim].at(0);
+  for (int64_t c = 0; c < mesh.mesh()->shape()[plan.axis]; ++c) plan.owned.push_back(member_span(l, mesh, plan.axis, c, dim));
+  return plan;
+}
+
 at::Tensor fetch_spans(const at::Tensor& local, const SpanPlan& plan, const DeviceMesh& mesh) {
   const int64_t k = static_cast<int64_t>(plan.owned.size()), me = mesh.coordinate(plan.axis);
   const at::Tensor rows = local.movedim(plan.dim, 0);

@@ -14,6 +14,7 @@
 
 #include <vector>
 
+#include "layout/layout.h"
 #include "runtime/device_mesh.h"
 
 namespace hypershard::runtime {
@@ -34,6 +35,13 @@ struct SpanPlan {
   std::vector<Span> owned;
   std::vector<std::vector<Span>> wanted;
 };
+
+// The GLOBAL span of `dim` of layout `l` that member `c` of mesh axis `axis` (this rank's other
+// coordinates) holds.
+Span member_span(const layout::Layout& l, const DeviceMesh& mesh, int64_t axis, int64_t c, int64_t dim);
+// A plan for `dim` of `l`, sharded over exactly one mesh axis, with every member's owned span;
+// the caller adds the wanted ones.
+SpanPlan owned_spans(const layout::Layout& l, const DeviceMesh& mesh, int64_t dim);
 
 // This rank's wanted spans of the tensor whose local block along plan.dim is `local`,
 // concatenated along plan.dim (every other dim as in `local`).

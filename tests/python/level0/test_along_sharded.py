@@ -1,4 +1,5 @@
-"""Level0: scans, flip and roll along a SHARDED dim (csrc/ops/along_sharded.cpp) on real meshes
+"""Level0: scans, flip, roll and slices along a SHARDED dim (csrc/ops/along_sharded.cpp, views.cpp's
+exchanged slices) on real meshes
 against one device, strict mode, forward and gradients: the dim stays sharded (the output's
 placements are the input's) and each case's second call moves at most the bytes its exchange
 needs -- a fraction of what gathering the dim would send -- so a rule that gathered would fail.
@@ -31,10 +32,10 @@ def with_nan(shape, dtype, generator):
     return t
 
 
-def checked(fn, max_bytes):
+def checked(fn, max_bytes, keep=True):
     """The distributed call: once for the plan cache, then again with the traffic counted: the
-    first output keeps the input's placements (the dim was not gathered) and this rank sent at
-    most `max_bytes(x)` bytes (x: the first input)."""
+    first output keeps the input's placements (the dim was not gathered; `keep`) and this rank
+    sent at most `max_bytes(x)` bytes (x: the first input)."""
 
     def run(x, *rest):
         fn(x, *rest)
@@ -43,7 +44,7 @@ def checked(fn, max_bytes):
         sent = hs._C.traffic()["bytes_sent"]
         first = out[0] if isinstance(out, (tuple, list)) else out
         problems = []
-        if tuple(first.placements) != tuple(x.placements):
+        if keep and tuple(first.placements) != tuple(x.placements):
             problems.append(f"placements {first.placements}, expected the input's {x.placements}")
         limit = max_bytes(x)
         if sent > limit:
@@ -85,9 +86,10 @@ def block_bytes(x):
 def cases():
     out = []
 
-    def add(name, fn, shape, placements, mesh, limit, dtype=torch.float32, init=None, check_grad=True, rtol=None):
+    def add(name, fn, shape, placements, mesh, limit, dtype=torch.float32, init=None, check_grad=True, rtol=None,
+            keep=True):
         out.append(Case(name, fn, [Input(shape, dtype, placements=placements, init=init)], mesh,
-                        dist_fn=checked(fn, limit), check_grad=check_grad and dtype.is_floating_point,
+                        dist_fn=checked(fn, limit, keep), check_grad=check_grad and dtype.is_floating_point,
                         rtol=rtol))
 
     layouts = ((M2, ["S(1)"], "2"), (M4, ["S(1)"], "4"), (M22, ["S(0)", "S(1)"], "2x2"),
@@ -125,6 +127,25 @@ def cases():
     # a small roll moves only the positions that cross a boundary: 1 column of 5 rows per rank
     add("roll_1_moves_one_column_4", lambda x: torch.roll(x, 1, 1), (5, 16), ["S(1)"], M4,
         lambda x: 5 * 4)
+    # topk along the sharded dim: k best per rank, one all-gather of candidates, values and
+    # indices whole along dim; k larger than some chunks (3 over 4 ranks: empty chunks)
+    for mesh, place, tag in layouts:
+        for k, shape in ((3, (5, 11)), (4, (4, 5))):
+            for largest in (True, False):
+                add(f"topk_{k}_{'largest' if largest else 'smallest'}_{shape[1]}_{tag}",
+                    lambda x, k=k, largest=largest: torch.topk(x, k, 1, largest=largest), shape, place, mesh,
+                    lambda x, k=k: x.to_local().shape[0] * k * (4 + 8) * (chunks(x, 1) - 1), keep=False)
+    # slices of the sharded dim (steps, negative bounds, a short slice leaving chunks empty) and
+    # their backward (slice_backward by the reverse exchange): at most the rank's block leaves it
+    for mesh, place, tag in layouts[:3]:
+        for name, fn in (("head", lambda x: x[:, :9]), ("tail", lambda x: x[:, -7:]),
+                         ("step2", lambda x: x[:, 1::2]), ("step3_mid", lambda x: x[:, 2:10:3]),
+                         ("short", lambda x: x[:, 4:6]), ("narrow", lambda x: x.narrow(1, 3, 5))):
+            add(f"slice_{name}_{tag}", fn, (5, 11), place, mesh, block_bytes)
+    # Qwen3.5's causal conv: conv1d padded by k - 1 on both sides (a halo exchange), then [..., :L]
+    add("causal_conv_then_slice_4", lambda x: torch.nn.functional.conv1d(
+        x, torch.linspace(-1, 1, 12).view(3, 1, 4), padding=3, groups=3)[..., :17], (2, 3, 17), ["S(2)"], M4,
+        lambda x: block_bytes(x))
     # Partial inputs through the linear ones (cumsum, flip, roll), the dim sharded on the other axis
     for name, fn in (("cumsum", lambda x: torch.cumsum(x, 1)), ("flip", lambda x: torch.flip(x, [1])),
                      ("roll", lambda x: torch.roll(x, 2, 1))):
@@ -134,6 +155,20 @@ def cases():
 
 def test_along_sharded_matches_one_device():
     assert_all_passed(run_cases(cases(), timeout=900))
+
+
+def _write_through_exchanged_slice(x):
+    y = x.detach().clone()
+    y[:, 2:9].mul_(2)  # the slice was fetched from other ranks: it does not alias y
+    return y
+
+
+def test_a_write_through_an_exchanged_slice_is_refused():
+    """A slice built by an exchange is a new tensor: writing into it would be lost, so it raises
+    on every rank (as for a slice of a gathered dim)."""
+    case = Case("write_through_exchanged_slice", _write_through_exchanged_slice,
+                [Input((5, 11), placements=["S(1)"])], M4, check_grad=False, expect_error="does not alias its base")
+    assert_all_passed(run_cases([case], timeout=300))
 
 
 def _local_cumsum(x):

@@ -1,15 +1,23 @@
 """Level0: convolutions (csrc/ops/convolution.cpp) on real meshes against one device, in strict mode,
 forward and gradients: the batch dim sharded (even and uneven, 1-D and 2-D meshes), a channel
-or spatial dim sharded (gathered first), Qwen3.5's causal depthwise conv1d, conv2d with bias and
-groups, a transposed conv1d. grad_weight / grad_bias come out Partial(sum) over the batch axes."""
+dim sharded (gathered first), a spatial dim sharded (a halo exchange: the output stays sharded
+along it and each rank sends only the neighbouring positions its neighbours read), Qwen3.5's
+causal depthwise conv1d, conv2d with bias and groups, strides, dilations and paddings, a
+transposed conv1d (its sharded length is gathered). grad_weight / grad_bias come out
+Partial(sum) over the batch and halo axes. A planted fault (each rank convolving its own block
+with no halo) is caught."""
 
+import hypershard as hs
+import torch
 import torch.nn.functional as F
 
-from hypershard.testing import Case, Input, assert_all_passed, run_cases
+from hypershard.testing import Case, Input, assert_all_passed, current_mesh, run_cases
 
 M2 = ((2,), ("dp",))
 M4 = ((4,), ("dp",))
 M22 = ((2, 2), ("dp", "tp"))
+M4SP = ((4,), ("sp",))
+M222 = ((2, 2, 2), ("dp", "tp", "sp"))
 
 
 def causal_depthwise(x, w):
@@ -36,5 +44,77 @@ def conv_cases():
     return cases
 
 
+def halo_checked(fn, dim, reach):
+    """The distributed call, twice: the second keeps the output sharded like the input along the
+    halo dim `dim`, and this rank sends at most `reach` positions' slices plus the shift between
+    the input's and the output's chunk boundaries (a gather would send the whole block to every
+    other member)."""
+
+    def run(x, *rest):
+        fn(x, *rest)
+        hs._C.reset_traffic()
+        out = fn(x, *rest)
+        sent = hs._C.traffic()["bytes_sent"]
+        problems = []
+        shard = [p for p in out.placements if isinstance(p, hs.Shard) and p.dim == dim]
+        if len(shard) != 1:
+            problems.append(f"output placements {out.placements}: not sharded along dim {dim}")
+        local = x.to_local()
+        slice_bytes = local.numel() // max(local.shape[dim], 1) * local.element_size()
+        limit = (reach + abs(out.shape[dim] - x.shape[dim])) * slice_bytes
+        if sent > limit:
+            problems.append(f"rank {current_mesh().rank} sent {sent} bytes, at most {limit} expected")
+        if problems:
+            raise AssertionError("; ".join(problems))
+        return out
+    return run
+
+
+def halo_cases():
+    """A spatial dim sharded: conv1d/2d/3d, strides, dilations, paddings, empty output chunks."""
+    cases = []
+
+    def add(name, fn, inputs, mesh, dim, reach):
+        cases.append(Case(name, fn, inputs, mesh, dist_fn=halo_checked(fn, dim, reach)))
+
+    for mesh, place, tag in ((M2, ["S(2)"], "2"), (M4SP, ["S(2)"], "4"), (M22, ["S(0)", "S(2)"], "2x2"),
+                             (M222, ["S(0)", "R", "S(2)"], "2x2x2")):
+        x = lambda length=26: Input((3, 4, length), placements=place)  # noqa: E731
+        add(f"halo_conv1d_same_{tag}", lambda x, w, b: F.conv1d(x, w, b, padding=1),
+            [x(), Input((5, 4, 3)), Input((5,))], mesh, 2, 2)
+        add(f"halo_conv1d_depthwise_padded_{tag}", lambda x, w: F.conv1d(x, w, padding=3, groups=4),
+            [x(), Input((4, 1, 4))], mesh, 2, 6)
+        add(f"halo_conv1d_stride2_{tag}", lambda x, w: F.conv1d(x, w, stride=2, padding=2),
+            [x(27), Input((2, 4, 5))], mesh, 2, 6)
+        add(f"halo_conv1d_dilation2_{tag}", lambda x, w: F.conv1d(x, w, dilation=2),
+            [x(), Input((3, 4, 3))], mesh, 2, 4)
+        add(f"halo_conv1d_stride3_no_pad_{tag}", lambda x, w: F.conv1d(x, w, stride=3),
+            [x(), Input((3, 4, 2))], mesh, 2, 4)
+    # a length-3 input over 4 ranks (an empty block), a 2-long output (empty output chunks)
+    add("halo_conv1d_empty_chunks_4", lambda x, w: F.conv1d(x, w), [Input((2, 3, 3), placements=["S(2)"]),
+                                                                   Input((2, 3, 2))], M4SP, 2, 2)
+    # conv2d with H sharded, then with W sharded (and the batch on the other axis)
+    add("halo_conv2d_h_2", lambda x, w, b: F.conv2d(x, w, b, padding=1),
+        [Input((2, 3, 13, 6), placements=["S(2)"]), Input((4, 3, 3, 3)), Input((4,))], M2, 2, 2)
+    add("halo_conv2d_w_2x2", lambda x, w: F.conv2d(x, w, stride=(1, 2), padding=(0, 1)),
+        [Input((2, 3, 5, 14), placements=["S(0)", "S(3)"]), Input((4, 3, 2, 3))], M22, 3, 3)
+    add("halo_conv3d_d_4", lambda x, w: F.conv3d(x, w, padding=1),
+        [Input((1, 2, 12, 4, 3), placements=["S(2)"]), Input((3, 2, 3, 3, 3))], M4SP, 2, 2)
+    return cases
+
+
 def test_convolutions_match_one_device():
-    assert_all_passed(run_cases(conv_cases(), timeout=900))
+    assert_all_passed(run_cases(conv_cases() + halo_cases(), timeout=900))
+
+
+def _no_halo(x, w):
+    """A planted fault: each rank convolves its own block (zero padding at every block edge)."""
+    local = F.conv1d(x.to_local(), w.to_local(), padding=1)
+    return hs.DTensor.from_local(local, x.device_mesh, x.placements)
+
+
+def test_a_missing_halo_would_be_caught():
+    case = Case("planted_no_halo", lambda x, w: F.conv1d(x, w, padding=1),
+                [Input((3, 4, 26), placements=["S(2)"]), Input((5, 4, 3))], M4SP, dist_fn=_no_halo,
+                check_grad=False)
+    assert not run_cases([case], timeout=300).ok, "a convolution without its halo passed"
