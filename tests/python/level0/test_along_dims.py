@@ -1,6 +1,7 @@
 """Level0: the along-dims family (csrc/ops/along_dims.cpp) on real meshes against one device, in
 strict mode: scans, sorts and selections, dim-wise reductions, flip/roll and batched linear
-algebra, along a whole dim and along a sharded one (gathered first), on (2), (4) and (2, 2)
+algebra, along a whole dim and along a sharded one (gathered first; the scans, flip/roll and topk
+exchange instead: test_along_sharded.py checks their traffic), on (2), (4) and (2, 2)
 meshes with even and uneven sizes, Partial inputs through the linear ops, forward and gradients.
 Cases whose backward reaches an op with no rule yet say so and check the forward only."""
 
@@ -52,14 +53,14 @@ def along_cases():
         add(f"var_mean_{tag}", lambda x: torch.var_mean(x, 1), (5, 7), place, mesh)
         add(f"std_mean_all_{tag}", lambda x: torch.std_mean(x), (5, 7), place, mesh)
         add(f"norm_dim_{tag}", lambda x: torch.norm(x, 3, dim=1), (5, 7), place, mesh)
-        # value-selecting ops: their backward scatters into the input (no rule yet)
-        add(f"sort_{tag}", lambda x: torch.sort(x, 1, descending=True), (5, 7), place, mesh, check_grad=False)
+        # value-selecting ops: their backward is value_selecting_reduction_backward's kernel
+        add(f"sort_{tag}", lambda x: torch.sort(x, 1, descending=True), (5, 7), place, mesh)
         add(f"argsort_{tag}", lambda x: torch.argsort(x, 0), (5, 7), place, mesh, check_grad=False)
-        add(f"topk_{tag}", lambda x: torch.topk(x, 3, 1), (5, 7), place, mesh, check_grad=False)
+        add(f"topk_{tag}", lambda x: torch.topk(x, 3, 1), (5, 7), place, mesh)
         add(f"kthvalue_{tag}", lambda x: torch.kthvalue(x, 2, 1, keepdim=True), (5, 7), place, mesh, check_grad=False)
         add(f"median_dim_{tag}", lambda x: torch.median(x, 1), (5, 7), place, mesh, check_grad=False)
         add(f"mode_{tag}", lambda x: torch.mode(torch.round(x), 1), (5, 7), place, mesh, check_grad=False)
-        add(f"cummax_{tag}", lambda x: torch.cummax(x, 1), (5, 7), place, mesh, check_grad=False)
+        add(f"cummax_{tag}", lambda x: torch.cummax(x, 1), (5, 7), place, mesh)
         add(f"aminmax_{tag}", lambda x: torch.aminmax(x, dim=0), (5, 7), place, mesh, check_grad=False)
         add(f"count_nonzero_{tag}", lambda x: torch.count_nonzero(torch.relu(x), dim=1), (5, 7), place, mesh,
             check_grad=False)
