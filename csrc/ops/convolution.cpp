@@ -1,7 +1,14 @@
 // Convolutions (conv1d/2d/3d, transposed, grouped and depthwise: ATen's convolution and
 // convolution_backward): the batch dim keeps its sharding; a spatial dim sharded over one mesh
-// axis stays sharded through a halo exchange; channels, the other spatial dims, weight and bias
-// are whole (gathered where sharded).
+// axis stays sharded through a halo exchange; a grouped (depthwise) convolution's channels stay
+// sharded when the shards hold whole groups; other channel shardings, the other spatial dims,
+// weight and bias are whole (gathered where sharded).
+//
+// Groups: with input channels sharded over axes of `parts` ranks in all and `groups` a multiple
+// of `parts`, rank r's channel chunk is exactly groups [r*G/parts, (r+1)*G/parts): its output
+// channels and weight/bias rows are the same chunk of theirs (dim 0 split alike), and the local
+// call runs with groups/parts groups -- each output channel reads only its own group's inputs,
+// so no rank needs another's channels. grad_weight/grad_bias stay split like weight/bias.
 //
 //   convolution            output batch-sharded like the input, and sharded along the halo dim
 //                          (the torch.chunk split of the OUTPUT's length)
@@ -22,7 +29,8 @@
 //
 // Partial: a convolution is linear in its input but adds the bias once, so a sum/avg Partial
 // input is refused (default mode reduces it first); in backward, grad_output is reduced first.
-// Not yet: channel sharding of grouped/depthwise convolutions (channels are gathered).
+// Not yet: channel sharding of dense (groups = 1) convolutions, which would leave a Partial sum
+// over input channels (channels are gathered).
 #include <ATen/ATen.h>
 
 #include <optional>
@@ -36,14 +44,34 @@ namespace {
 using runtime::Span;
 using runtime::SpanPlan;
 
-// `l` with every dim but the batch dim (and the halo dim, where there is one) whole, Partial
-// dropped (reduced).
-LayoutPtr batch_only(const Layout& l, const std::vector<int64_t>& batch_axes, std::optional<int64_t> halo = {},
-                     int64_t halo_axis = -1) {
-  layout::DimAxes dims(static_cast<size_t>(l.ndim()));
-  if (!dims.empty()) dims[0] = batch_axes;
-  if (halo) dims[*halo] = {halo_axis};
-  return make_layout(l, l.global_shape(), std::move(dims), {});
+// How a convolution's operands are split: the mesh axes of the batch, the halo dim and its axis
+// (if any), and the axes splitting the groups -- a grouped (depthwise) convolution whose input
+// channels are sharded over axes whose sizes multiply to a divisor of `groups` runs each rank's
+// groups locally: input and output channels, and the weight's and bias's out-channels (dim 0),
+// split alike (torch.chunk of a multiple of the parts cuts at group boundaries).
+struct ConvSplit {
+  std::vector<int64_t> batch;
+  std::optional<int64_t> halo;
+  int64_t halo_axis = -1;
+  std::vector<int64_t> group_axes;
+  int64_t group_parts = 1;
+};
+
+// The layout of an activation (input, output and their gradients) under `s`, Partial dropped.
+LayoutPtr activation_layout(const Layout& l, std::vector<int64_t> shape, const ConvSplit& s) {
+  layout::DimAxes dims(shape.size());
+  if (!dims.empty()) dims[0] = s.batch;
+  if (dims.size() > 1) dims[1] = s.group_axes;
+  if (s.halo) dims[*s.halo] = {s.halo_axis};
+  return make_layout(l, std::move(shape), std::move(dims), {});
+}
+
+// The layout of a weight or bias (or their gradients) under `s`: out-channels split with the groups.
+LayoutPtr parameter_layout(const Layout& l, std::vector<int64_t> shape, const ConvSplit& s,
+                           layout::PartialOps partial = {}) {
+  layout::DimAxes dims(shape.size());
+  if (!dims.empty()) dims[0] = s.group_axes;
+  return make_layout(l, std::move(shape), std::move(dims), std::move(partial));
 }
 
 // The spatial dim a halo exchange serves: the first spatial dim (>= 2) of the input sharded over
@@ -53,6 +81,22 @@ std::optional<int64_t> halo_dim(const Layout& input, bool transposed) {
   for (int64_t d = 2; d < input.ndim(); ++d)
     if (input.dim_axes()[d].size() == 1) return d;
   return std::nullopt;
+}
+
+ConvSplit conv_split(const Layout& input, bool transposed, int64_t groups) {
+  ConvSplit s;
+  if (input.ndim() > 0) s.batch = input.dim_axes()[0];
+  s.halo = halo_dim(input, transposed);
+  if (s.halo) s.halo_axis = input.dim_axes()[*s.halo].front();
+  if (!transposed && groups > 1 && input.ndim() > 1 && !input.dim_axes()[1].empty()) {
+    int64_t parts = 1;
+    for (int64_t axis : input.dim_axes()[1]) parts *= input.mesh()->shape()[axis];
+    if (groups % parts == 0) {
+      s.group_axes = input.dim_axes()[1];
+      s.group_parts = parts;
+    }
+  }
+  return s;
 }
 
 int64_t list_item(const c10::IValue& list, size_t i) {
@@ -135,18 +179,19 @@ c10::IValue without_padding(const c10::IValue& padding, size_t spatial, size_t s
 OpPlan convolution_rule(const OpCall& call) {
   const Layout& input = call.layout(0);
   refuse_sum_partial(call, 0, "Replicate or Shard (a convolution adds its bias once; redistribute the Partial input first)");
-  const std::vector<int64_t> batch = input.ndim() > 0 ? input.dim_axes()[0] : std::vector<int64_t>{};
-  const auto halo = halo_dim(input, call.arg(6).toBool());
-  const int64_t halo_axis = halo ? input.dim_axes()[*halo].front() : -1;
+  const ConvSplit split = conv_split(input, call.arg(6).toBool(), call.arg(8).toInt());
+  const auto halo = split.halo;
   OpPlan plan;
-  plan.inputs.push_back(batch_only(input, batch, halo, halo_axis));
-  for (size_t t = 1; t < call.tensors.size(); ++t)
-    plan.inputs.push_back(replicate_like(call.layout(static_cast<int64_t>(t)), call.layout(static_cast<int64_t>(t)).global_shape()));
-  const auto shape = meta_output_shapes(call).at(0);
-  layout::DimAxes dims(shape.size());
-  if (!dims.empty()) dims[0] = batch;
-  if (halo) dims[*halo] = {halo_axis};
-  plan.outputs.push_back(make_layout(input, shape, std::move(dims)));
+  plan.inputs.push_back(activation_layout(input, input.global_shape(), split));
+  for (size_t t = 1; t < call.tensors.size(); ++t) {
+    const Layout& l = call.layout(static_cast<int64_t>(t));
+    plan.inputs.push_back(parameter_layout(l, l.global_shape(), split));
+  }
+  plan.outputs.push_back(activation_layout(input, meta_output_shapes(call).at(0), split));
+  if (split.group_parts > 1) {
+    const int64_t parts = split.group_parts;
+    plan.localize = [parts](const OpCall&, c10::IValue* args) { args[8] = c10::IValue(args[8].toInt() / parts); };
+  }
   if (!halo) return plan;
   const LayoutPtr in_layout = plan.inputs[0], out_layout = plan.outputs[0];
   const int64_t dim = *halo;
@@ -175,28 +220,32 @@ OpPlan convolution_rule(const OpCall& call) {
 OpPlan convolution_backward_rule(const OpCall& call) {
   const int64_t go = call.tensor_index(0, -1), in = call.tensor_index(1, -1);
   const Layout& input = call.layout(in);
-  const std::vector<int64_t> batch = input.ndim() > 0 ? input.dim_axes()[0] : std::vector<int64_t>{};
-  const auto halo = halo_dim(input, call.arg(7).toBool());
-  const int64_t halo_axis = halo ? input.dim_axes()[*halo].front() : -1;
+  const ConvSplit split = conv_split(input, call.arg(7).toBool(), call.arg(9).toInt());
+  const auto halo = split.halo;
   OpPlan plan;
   for (size_t t = 0; t < call.tensors.size(); ++t) {
     const Layout& l = call.layout(static_cast<int64_t>(t));
-    const bool batched = static_cast<int64_t>(t) == go || static_cast<int64_t>(t) == in;
-    plan.inputs.push_back(batched ? batch_only(l, batch, halo, halo_axis) : replicate_like(l, l.global_shape()));
+    const bool activation = static_cast<int64_t>(t) == go || static_cast<int64_t>(t) == in;
+    plan.inputs.push_back(activation ? activation_layout(l, l.global_shape(), split)
+                                     : parameter_layout(l, l.global_shape(), split));
   }
+  // grad_weight and grad_bias sum over the batch and the output positions
   layout::PartialOps summed(static_cast<size_t>(input.mesh()->ndim()));
-  for (int64_t axis : batch) summed[axis] = ReduceOp::Sum;
-  if (halo) summed[halo_axis] = ReduceOp::Sum;
+  for (int64_t axis : split.batch) summed[axis] = ReduceOp::Sum;
+  if (halo) summed[split.halo_axis] = ReduceOp::Sum;
   const auto shapes = meta_output_shapes(call);
-  for (size_t o = 0; o < shapes.size(); ++o) {
-    layout::DimAxes dims(shapes[o].size());
-    if (o == 0) {
-      if (!dims.empty()) dims[0] = batch;
-      if (halo && !dims.empty()) dims[*halo] = {halo_axis};
-      plan.outputs.push_back(make_layout(input, shapes[o], std::move(dims)));
-    } else {
-      plan.outputs.push_back(make_layout(input, shapes[o], std::move(dims), summed));
-    }
+  for (size_t o = 0; o < shapes.size(); ++o)
+    plan.outputs.push_back(o == 0 ? activation_layout(input, shapes[o], split)
+                                  : parameter_layout(input, shapes[o], split, summed));
+  if (split.group_parts > 1) {
+    const int64_t parts = split.group_parts;
+    plan.localize = [parts](const OpCall&, c10::IValue* args) {
+      args[9] = c10::IValue(args[9].toInt() / parts);
+      if (!args[3].isNone()) {  // bias_sizes: this rank's out-channels
+        std::vector<int64_t> sizes{list_item(args[3], 0) / parts};
+        args[3] = c10::IValue(sizes);
+      }
+    };
   }
   if (!halo || go < 0 || in < 0) return plan;
   const LayoutPtr in_layout = plan.inputs[in], out_layout = plan.inputs[go];

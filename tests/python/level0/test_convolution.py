@@ -1,6 +1,7 @@
 """Level0: convolutions (csrc/ops/convolution.cpp) on real meshes against one device, in strict mode,
-forward and gradients: the batch dim sharded (even and uneven, 1-D and 2-D meshes), a channel
-dim sharded (gathered first), a spatial dim sharded (a halo exchange: the output stays sharded
+forward and gradients: the batch dim sharded (even and uneven, 1-D and 2-D meshes), the channels
+of a grouped or depthwise convolution sharded (each rank convolves its own groups, nothing sent;
+a dense convolution's channels are gathered), a spatial dim sharded (a halo exchange: the output stays sharded
 along it and each rank sends only the neighbouring positions its neighbours read), Qwen3.5's
 causal depthwise conv1d, conv2d with bias and groups, strides, dilations and paddings, a
 transposed conv1d (its sharded length is gathered). grad_weight / grad_bias come out
@@ -103,8 +104,50 @@ def halo_cases():
     return cases
 
 
+def channels_local(fn):
+    """The distributed call, twice: the second keeps the output's channels (dim 1) sharded like
+    the input's and sends nothing (each rank convolves its own groups)."""
+
+    def run(x, *rest):
+        fn(x, *rest)
+        hs._C.reset_traffic()
+        out = fn(x, *rest)
+        sent = hs._C.traffic()["bytes_sent"]
+        if list(out.placements) != list(x.placements) or sent:
+            raise AssertionError(f"output placements {out.placements} (input {x.placements}), {sent} bytes sent "
+                                 f"on rank {current_mesh().rank}: expected the input's placements and none")
+        return out
+    return run
+
+
+def channel_cases():
+    """Grouped / depthwise convolutions with the channels sharded: each rank runs its own groups
+    (weight and bias split on their out-channels); with the length sharded too, the halo as well."""
+    cases = []
+
+    def add(name, fn, inputs, mesh, local=True):
+        cases.append(Case(name, fn, inputs, mesh, dist_fn=channels_local(fn) if local else None))
+
+    add("depthwise_conv1d_channels_2", lambda x, w, b: F.conv1d(x, w, b, padding=1, groups=6),
+        [Input((3, 6, 10), placements=["S(1)"]), Input((6, 1, 3)), Input((6,))], M2)
+    add("depthwise_causal_channels_4", lambda x, w: causal_depthwise(x, w),
+        [Input((2, 8, 9), placements=["S(1)"]), Input((8, 1, 4))], M4, local=False)  # the slice is a view
+    add("grouped_conv1d_channels_4", lambda x, w: F.conv1d(x, w, groups=4),
+        [Input((2, 8, 7), placements=["S(1)"]), Input((12, 2, 3))], M4)
+    add("grouped_conv2d_channels_2x2", lambda x, w, b: F.conv2d(x, w, b, padding=1, groups=4),
+        [Input((3, 8, 5, 4), placements=["S(0)", "S(1)"]), Input((8, 2, 3, 3)), Input((8,))], M22)
+    add("depthwise_conv1d_channels_and_length_2x2", lambda x, w: F.conv1d(x, w, padding=2, groups=4),
+        [Input((2, 4, 13), placements=["S(1)", "S(2)"]), Input((4, 1, 3))], M22, local=False)
+    add("depthwise_conv1d_channels_2x2x2", lambda x, w: F.conv1d(x, w, padding=1, groups=8),
+        [Input((4, 8, 6), placements=["S(0)", "S(1)", "S(1)"]), Input((8, 1, 3))], M222)
+    # 3 groups over 2 ranks: shards would split a group, the channels are gathered
+    add("grouped_conv1d_groups_not_divisible_2", lambda x, w: F.conv1d(x, w, groups=3),
+        [Input((2, 6, 7), placements=["S(1)"]), Input((6, 2, 3))], M2, local=False)
+    return cases
+
+
 def test_convolutions_match_one_device():
-    assert_all_passed(run_cases(conv_cases() + halo_cases(), timeout=900))
+    assert_all_passed(run_cases(conv_cases() + halo_cases() + channel_cases(), timeout=900))
 
 
 def _no_halo(x, w):

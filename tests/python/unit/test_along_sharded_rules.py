@@ -128,3 +128,19 @@ def test_bincount_counts_are_partial_and_data_shaped():
     assert p.input_specs == [["S(0)"]] and p.output_specs == [["P"]] and p.expands
     with pytest.raises(hs.LayoutError, match="aten::bincount: argument self"):
         plan(A.bincount.default, m.dtensor([13], [hs.Partial()], dtype=torch.int64))
+
+
+def test_grouped_convolution_keeps_its_channels_sharded():
+    m = PlanningMesh({"dp": 2, "tp": 2})
+    x, w, b = m.dtensor([4, 8, 10], ["S(0)", "S(1)"]), m.dtensor([8, 1, 3], ["R", "R"]), m.dtensor([8], ["R", "R"])
+    p = plan(A.convolution.default, x, w, b, [1], [1], [1], False, [0], 8)
+    assert p.input_specs == [["S(0)", "S(1)"], ["R", "S(0)"], ["R", "S(0)"]] and p.output_specs == [["S(0)", "S(1)"]]
+    go = m.dtensor([4, 8, 10], ["S(0)", "S(1)"])
+    p = plan(A.convolution_backward.default, go, x, w, [8], [1], [1], [1], False, [0], 8, [True, True, True])
+    assert p.output_specs == [["S(0)", "S(1)"], ["P", "S(0)"], ["P", "S(0)"]]
+    # 3 groups over 2 ranks, or a dense convolution: the channels are gathered
+    x6 = m.dtensor([4, 6, 10], ["S(0)", "S(1)"])
+    p = plan(A.convolution.default, x6, m.dtensor([6, 2, 3], ["R", "R"]), None, [1], [0], [1], False, [0], 3)
+    assert p.input_specs[0] == ["S(0)", "R"]
+    p = plan(A.convolution.default, x6, m.dtensor([5, 6, 3], ["R", "R"]), None, [1], [0], [1], False, [0], 1)
+    assert p.input_specs[0] == ["S(0)", "R"]
