@@ -132,7 +132,9 @@ void register_one_hot_kernel() {
 }
 
 void register_tensor_ops(Registry& r) {
-  for (const char* op : {"aten::alias", "aten::detach", "aten::detach_", "aten::lift_fresh"})
+  // _conj and _neg_view are lazy views (a bit on the tensor), linear: Partial passes through
+  for (const char* op : {"aten::alias", "aten::alias_copy", "aten::detach", "aten::detach_", "aten::lift_fresh",
+                         "aten::_conj", "aten::_neg_view"})
     r.add(op, &same_layout_rule, KeyScalars::kNone);
   // Random *_like ops are not here: they need the random-op rules (same draw on every replica).
   // fill.Scalar: a fresh tensor of self's layout filled with one value, as full_like
