@@ -60,10 +60,20 @@ using runtime::SpanPlan;
 // torch's pad, upsampling and pooling kernels refuse an empty non-batch dim, which an uneven
 // shard gives some rank (3 channels over 4 ranks): that rank's block of every result is empty
 // too, so it is made here instead of calling the kernel.
+bool some_block_empty(const Layout& l) {
+  if (!l.is_sharded_anywhere()) return false;
+  for (int64_t p = 0; p < l.mesh()->size(); ++p) {
+    const auto local = l.local_shape_at(p);
+    for (int64_t d = 0; d < l.ndim(); ++d)
+      if (local[d] == 0 && l.global_shape()[d] > 0) return true;
+  }
+  return false;
+}
+
 void skip_empty_blocks(OpPlan& plan) {
-  bool sharded = false;
-  for (const LayoutPtr& l : plan.inputs) sharded = sharded || l->is_sharded_anywhere();
-  if (plan.expand || !sharded) return;
+  bool empty = false;
+  for (const LayoutPtr& l : plan.inputs) empty = empty || some_block_empty(*l);
+  if (plan.expand || !empty) return;
   plan.expand = [outputs = plan.outputs](const OpCall& c, torch::jit::Stack& stack) {
     const size_t num = c.schema().arguments().size();
     const c10::IValue* args = stack.data() + (stack.size() - num);
