@@ -115,7 +115,9 @@ struct PaddedDim {
 std::vector<PaddedDim> padded_dims(const OpCall& call, const std::vector<int64_t>& in_shape) {
   const auto padding = call.arg(call.arg_index("padding")).toSymIntVector();
   const int64_t n = static_cast<int64_t>(in_shape.size()), k = static_cast<int64_t>(padding.size()) / 2;
-  if (k > n) fail_call(call, "more padded dims than the input has");
+  // torch's kernels take a batch of channels (k + 2 dims) or the channels alone (k + 1)
+  if (n != k + 1 && n != k + 2)
+    fail_call(call, layout::str_cat("a ", k, "-d pad needs a ", k + 1, "-d or ", k + 2, "-d input, not ", n, "-d"));
   std::vector<PaddedDim> out;
   for (int64_t j = 0; j < k; ++j) {
     const int64_t d = n - 1 - j;
@@ -192,11 +194,11 @@ OpPlan pad_rule(const OpCall& call) {
   const Layout& first = call.layout(0);  // self, or grad_output (padded)
   const int64_t self = kBackward ? 1 : 0;
   const Layout& unpadded = call.layout(self);
-  const auto shapes = meta_output_shapes(call);  // torch's own argument checks, on every rank alike
   const std::vector<int64_t> in_shape = unpadded.global_shape();
-  const std::vector<int64_t> out_shape = kBackward ? first.global_shape() : shapes.at(0);
-  if (static_cast<int64_t>(out_shape.size()) != unpadded.ndim()) fail_call(call, "grad_output's rank differs from self's");
   const auto pads = padded_dims(call, in_shape);
+  const auto shapes = meta_output_shapes(call);  // torch's own argument checks, on every rank alike
+  const std::vector<int64_t> out_shape = kBackward ? first.global_shape() : shapes.at(0);
+  if (static_cast<int64_t>(out_shape.size()) != unpadded.ndim()) fail_call(call, "the padded tensor's rank differs from the unpadded one's");
 
   // Every dim keeps the sharding of the tensor the op reads; a padded dim over two axes is whole.
   layout::DimAxes dims = first.dim_axes();
