@@ -13,10 +13,11 @@ Tolerances: the pads' forward only copies elements (exact); their gradients add 
 cotangent values per position, in another order than one device (float32 defaults). The
 upsampling runs torch's own kernel on whole spatial dims, the same arithmetic as one device."""
 
+import hypershard as hs
 import torch
 import torch.nn.functional as F
 
-from hypershard.testing import Case, Input, assert_all_passed, run_cases
+from hypershard.testing import Case, Input, assert_all_passed, current_mesh, run_cases
 
 M2 = ((2,), ("dp",))
 M4 = ((4,), ("tp",))
@@ -128,3 +129,52 @@ def test_pads_match_one_device():
 
 def test_interpolate_matches_one_device():
     assert_all_passed(run_cases(interpolate_cases(), timeout=900))
+
+
+def moves_at_most_twice_its_block(fn):
+    """The distributed call, once for the plan cache and again with the traffic counted: the
+    output keeps the input's placements and this rank sent at most twice its block -- a position
+    goes to the ranks whose output blocks read it, at most two others for these pads (its own
+    mirror image and the edge it replicates), where gathering the dim over 4 ranks would send
+    three times the block."""
+
+    def run(x):
+        fn(x)
+        hs._C.reset_traffic()
+        out = fn(x)
+        sent = hs._C.traffic()["bytes_sent"]
+        local = x.to_local()
+        limit = 2 * local.numel() * local.element_size()
+        problems = []
+        if tuple(out.placements) != tuple(x.placements):
+            problems.append(f"placements {out.placements}, expected the input's {x.placements}")
+        if sent > limit:
+            problems.append(f"rank {current_mesh().rank} sent {sent} bytes, at most {limit} expected")
+        if problems:
+            raise AssertionError("; ".join(problems))
+        return out
+    return run
+
+
+def test_a_sharded_padded_dim_is_not_gathered():
+    cases = []
+    for name, fn, shape in (
+            ("reflect1d", lambda x: F.pad(x, (2, 1), mode="reflect"), (2, 3, 16)),
+            ("reflect_wide", lambda x: F.pad(x, (6, 6), mode="reflect"), (2, 3, 7)),
+            ("replicate_wide", lambda x: F.pad(x, (9, 11), mode="replicate"), (2, 3, 5)),
+            ("replicate2d", lambda x: F.pad(x, (3, 2, 1, 1), mode="replicate"), (2, 3, 4, 13))):
+        cases.append(Case(f"traffic_{name}_4", fn, [Input(shape, placements=[f"S({len(shape) - 1})"])], M4,
+                          dist_fn=moves_at_most_twice_its_block(fn), check_grad=False))
+    assert_all_passed(run_cases(cases, timeout=300))
+
+
+def _local_pad(x):
+    """A planted fault: each rank reflect-pads its own block, nothing exchanged."""
+    local = F.pad(x.to_local(), (2, 1), mode="reflect")
+    return hs.DTensor.from_local(local, x.device_mesh, x.placements)
+
+
+def test_a_local_pad_would_be_caught():
+    case = Case("planted_local_reflect", lambda x: F.pad(x, (2, 1), mode="reflect"),
+                [Input((2, 3, 16), placements=["S(2)"])], M4, dist_fn=_local_pad, check_grad=False)
+    assert not run_cases([case], timeout=300).ok, "the planted local pad passed"
