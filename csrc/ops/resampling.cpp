@@ -41,9 +41,14 @@
 //                      passes; a max/min Partial is reduced first (exact). The input of a backward
 //                      that is read for its shape only (area backward's self) is never Partial
 //
+// An uneven shard can leave a rank an empty block (3 channels over 4 ranks), which torch's
+// kernels refuse; where some rank's block is empty the plan makes that rank's (empty) results
+// itself (skip_empty_blocks), no collective involved.
+//
 // Not covered: a padded dim sharded over two mesh axes is made whole instead of exchanged; the
 // upsampling ops always gather a sharded spatial dim (a halo exchange would do, but the halo's
-// width depends on the mode and scale).
+// width depends on the mode and scale); adaptive_max_pool3d / avg_pool3d / max_pool3d (not
+// resampling; no rule yet).
 #include <ATen/ATen.h>
 
 #include <algorithm>
