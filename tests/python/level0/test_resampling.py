@@ -79,6 +79,9 @@ def pad_cases():
             ("replicate_2d_no_batch_2", lambda x: F.pad(x, (1, 2), mode="replicate"), (3, 5), M2)):
         out.append(Case(f"pad_{name}", fn, [Input(shape, placements=[f"S({len(shape) - 1})"])], mesh,
                         dist_fn=keeps_placements(fn)))
+    # the same exchanged pad twice (the second from the plan cache), forward and backward
+    twice = lambda x: F.pad(x, (2, 3), mode="reflect") + F.pad(x * 2, (2, 3), mode="reflect")  # noqa: E731
+    out.append(Case("pad_reflect_twice_padded_4", twice, [Input((2, 3, 9), placements=["S(2)"])], M4))
     return out
 
 
@@ -120,6 +123,11 @@ def interpolate_cases():
                     [Input((5, 6, 5, 6), placements=["S(0)", "S(1)", "S(3)"])], M222))
     out.append(Case("nearest3d_2x2x2", lambda x: F.interpolate(x, scale_factor=(2, 1, 3), mode="nearest"),
                     [Input((3, 4, 3, 2, 5), placements=["S(1)", "S(0)", "S(4)"])], M222))
+    # the same call twice (the second from the plan cache / fast path): a backward's input_size
+    # localised both times
+    twice = lambda x: (F.interpolate(x, size=(9, 7), mode="bilinear")  # noqa: E731
+                       + F.interpolate(x * 2, size=(9, 7), mode="bilinear"))
+    out.append(Case("bilinear_twice_batch_4", twice, [Input((6, 3, 5, 6), placements=["S(0)"])], M4))
     return out
 
 
