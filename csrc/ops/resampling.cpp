@@ -107,12 +107,11 @@ int64_t pad_source(Pad mode, int64_t p, int64_t left, int64_t n) {
   return i;
 }
 
-// One padded dim: where it is, its padding, and how it is sharded.
+// One padded dim: where it is, its padding before position 0, its unpadded length.
 struct PaddedDim {
   int64_t dim = 0;
   int64_t left = 0;
   int64_t in_length = 0;
-  bool exchanged = false;  // sharded over exactly one mesh axis (stays sharded)
 };
 
 // The padded dims (the last padding.size() / 2, the last dim first in `padding`) of a tensor whose
@@ -126,7 +125,7 @@ std::vector<PaddedDim> padded_dims(const OpCall& call, const std::vector<int64_t
   std::vector<PaddedDim> out;
   for (int64_t j = 0; j < k; ++j) {
     const int64_t d = n - 1 - j;
-    out.push_back({d, padding[2 * j].expect_int(), in_shape[d], false});
+    out.push_back({d, padding[2 * j].expect_int(), in_shape[d]});
   }
   return out;
 }
