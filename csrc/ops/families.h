@@ -29,6 +29,9 @@ void register_along_sharded(Registry& r);
 // along_sharded.cpp: cummaxmin_backward on AutogradPrivateUse2 (its composite writes into a plain tensor).
 void register_along_sharded_kernels();
 void register_lookups(Registry& r);      // lookups.cpp: searchsorted, bucketize, take (the query keeps its sharding)
+// resampling.cpp: reflect/replicate pads (a sharded padded dim stays sharded: span exchange),
+// upsampling and 3-d area (the spatial dims whole)
+void register_resampling(Registry& r);
 void register_convolution(Registry& r);  // convolution.cpp: convolution and its backward, batch-parallel
 void register_reductions(Registry& r);   // reductions.cpp: sum, mean, amax, max, var, norms, any/all, ...
 // reductions.cpp: max.dim/min.dim backward on AutogradPrivateUse2 (its composite kernel would

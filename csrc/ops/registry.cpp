@@ -192,6 +192,8 @@ void register_all(Registry& r) {
   register_convolution(r);
   r.set_family("rotary");
   register_rotary(r);
+  r.set_family("resampling");
+  register_resampling(r);
   r.set_family("pointwise");
   register_tagged_pointwise(r);
 }
