@@ -7,7 +7,8 @@
 //                                             index too) along the axes sharding `dim`
 //   topk    topk (k, dim)                     the k best of each rank's block with GLOBAL indices,
 //                                             one all-gather of these candidates, the k best of
-//                                             them: values and indices whole along dim
+//                                             them: values and indices whole along dim (the dim
+//                                             gathered when candidates tie: torch's tie order)
 //   moves   flip (dims), roll (shifts, dims)  each rank fetches the GLOBAL range its block reads
 //                                             (the mirrored range; the range `shift` before it,
 //                                             cyclically) in one all-to-all per sharded dim
@@ -141,7 +142,7 @@ OpPlan scan_rule(const OpCall& call) {
   plan.inputs.push_back(make_layout(in, in.global_shape(), dims, partial));
   plan.outputs.push_back(plan.inputs[0]);
   if (S == Scan::kMax || S == Scan::kMin) plan.outputs.push_back(make_layout(in, in.global_shape(), dims, {}));
-  if (in.ndim() > 0 && !dims[dim].empty()) {
+  if (in.ndim() > 0 && dim_parts(*plan.inputs[0], dim) > 1) {
     const LayoutPtr layout = plan.inputs[0];
     plan.expand = [layout, dim](const OpCall& c, torch::jit::Stack& stack) {
       c.op->callBoxed(stack);
@@ -188,7 +189,8 @@ OpPlan move_rule(const OpCall& call) {
   for (size_t i = 0; i < moved.size() && in.ndim() > 0; ++i) {
     auto& axes = dims[moved[i]];
     if (axes.size() > 1) axes.clear();
-    if (axes.size() == 1 && in.global_shape()[moved[i]] > 0) exchanged.push_back(static_cast<int64_t>(i));
+    if (axes.size() == 1 && dim_parts(in, moved[i]) > 1 && in.global_shape()[moved[i]] > 0)
+      exchanged.push_back(static_cast<int64_t>(i));
   }
   OpPlan plan;
   plan.inputs.push_back(make_layout(in, in.global_shape(), dims, partial));
@@ -216,6 +218,7 @@ OpPlan move_rule(const OpCall& call) {
       }
     }
     if (rest_dims.empty()) {  // a roll whose every dim was exchanged
+      if (local.is_alias_of(args[0].toTensor())) local = local.clone();  // a roll by whole turns
       torch::jit::drop(stack, num);
       stack.emplace_back(std::move(local));
       return;
@@ -230,27 +233,41 @@ OpPlan move_rule(const OpCall& call) {
 
 // ------------------------------------------------------------------ topk
 
+// Whether any two of the candidates along `dim` (of one slice) are equal, or any is NaN.
+bool has_ties(const at::Tensor& candidates, int64_t dim) {
+  if (candidates.size(dim) < 2) return false;
+  const at::Tensor ordered = std::get<0>(candidates.sort(dim));
+  const int64_t n = ordered.size(dim);
+  return ordered.narrow(dim, 1, n - 1).eq(ordered.narrow(dim, 0, n - 1)).any().item<bool>() ||
+         (candidates.is_floating_point() && at::isnan(candidates).any().item<bool>());
+}
+
 // topk(self, k, dim, largest, sorted). Along a sharded dim: each rank takes the k best of its
 // block (all of it when shorter), with GLOBAL indices; ONE all-gather per axis sharding dim brings
 // every rank's candidates (k per chunk, padded: each chunk's count is known from the layout, so
 // the padding is cut before use); the k best of the candidates are the k best of the dim, since
 // each of those is among the k best of its own chunk. Values and indices come out whole along
 // dim (k positions), every other dim keeps its sharding. Along a whole dim the local call is the
-// answer.
+// answer. Candidates with equal values (a masked row of -inf, say) fall back to gathering the dim:
+// torch breaks such ties its own way, and one device's indices are the reference.
 OpPlan topk_rule(const OpCall& call) {
   const Layout& in = call.layout(0);
   const layout::PartialOps partial = kept_partial(call, false, "Replicate or Shard (redistribute the Partial input first)");
-  const auto shapes = meta_output_shapes(call);  // validates k against the GLOBAL length
   const int64_t dim = in.ndim() == 0 ? 0 : wrap_dim(call, call.arg(2).toInt(), in.ndim());
+  const auto shapes = meta_output_shapes(call);  // validates k against the GLOBAL length
   layout::DimAxes out_dims = in.dim_axes();
   std::vector<int64_t> axes;
   if (in.ndim() > 0) std::swap(axes, out_dims[dim]);
+  // sorted=False: torch's kernel returns the k best in an order of its own; the dim is gathered
+  const bool merge = in.ndim() > 0 && dim_parts(in, dim) > 1 && call.arg(4).toBool();
   OpPlan plan;
-  plan.inputs.push_back(make_layout(in, in.global_shape(), in.dim_axes(), layout::PartialOps(partial.size())));
+  plan.inputs.push_back(make_layout(in, in.global_shape(), merge ? in.dim_axes() : out_dims,
+                                    layout::PartialOps(partial.size())));
   for (const auto& shape : shapes) plan.outputs.push_back(make_layout(in, shape, out_dims));
-  if (axes.empty()) return plan;
+  if (!merge) return plan;
   const LayoutPtr layout = plan.inputs[0];
-  plan.expand = [layout, axes, dim](const OpCall& c, torch::jit::Stack& stack) {
+  const LayoutPtr whole_layout = make_layout(in, in.global_shape(), out_dims);
+  plan.expand = [layout, whole_layout, axes, dim](const OpCall& c, torch::jit::Stack& stack) {
     const size_t num = c.schema().arguments().size();
     const at::Tensor local = stack[stack.size() - num].toTensor();
     const int64_t k = stack[stack.size() - num + 1].toInt();
@@ -273,6 +290,17 @@ OpPlan topk_rule(const OpCall& call) {
       index_parts.push_back(all_indices.narrow(dim, j * k, count));
     }
     const at::Tensor candidates = at::cat(value_parts, dim), candidate_indices = at::cat(index_parts, dim);
+    if (has_ties(candidates, dim)) {
+      // Equal values (or NaNs): which of them torch's kernel picks, and in which order, is its own
+      // business; the dim is gathered and torch's kernel runs on it, as on one device. Every rank
+      // of the group holds the same candidates, so the group decides alike.
+      const at::Tensor whole = runtime::redistribute_local(local, layout, whole_layout, mesh);
+      torch::jit::drop(stack, num);
+      auto [v, i] = at::topk(whole, k, dim, largest, sorted);
+      stack.emplace_back(std::move(v));
+      stack.emplace_back(std::move(i));
+      return;
+    }
     auto [best, position] = at::topk(candidates, k, dim, largest, sorted);
     torch::jit::drop(stack, num);
     stack.emplace_back(std::move(best));

@@ -79,7 +79,7 @@ LayoutPtr parameter_layout(const Layout& l, std::vector<int64_t> shape, const Co
 std::optional<int64_t> halo_dim(const Layout& input, bool transposed) {
   if (transposed) return std::nullopt;
   for (int64_t d = 2; d < input.ndim(); ++d)
-    if (input.dim_axes()[d].size() == 1) return d;
+    if (input.dim_axes()[d].size() == 1 && dim_parts(input, d) > 1) return d;
   return std::nullopt;
 }
 
@@ -155,19 +155,6 @@ HaloPlan plan_halo(const OpCall& c, const Layout& input, const Layout& output, i
   return h;
 }
 
-// `t` with `before` and `after` zero positions added along `dim`.
-at::Tensor with_zeros(const at::Tensor& t, int64_t dim, int64_t before, int64_t after) {
-  if (before == 0 && after == 0) return t;
-  auto shape = t.sizes().vec();
-  std::vector<at::Tensor> parts;
-  shape[dim] = before;
-  if (before > 0) parts.push_back(at::zeros(shape, t.options()));
-  parts.push_back(t);
-  shape[dim] = after;
-  if (after > 0) parts.push_back(at::zeros(shape, t.options()));
-  return at::cat(parts, dim);
-}
-
 // The padding list with the halo dim's entry 0 (the fetched range carries its padding).
 c10::IValue without_padding(const c10::IValue& padding, size_t spatial, size_t spatial_dims) {
   std::vector<int64_t> out;
@@ -201,14 +188,14 @@ OpPlan convolution_rule(const OpCall& call) {
     const at::Tensor local = args[0].toTensor();
     const int64_t kernel = args[1].toTensor().size(dim);
     const HaloPlan h = plan_halo(c, *in_layout, *out_layout, dim, args, 3, kernel);
-    const at::Tensor fetched = runtime::fetch_spans(local, h.spans, *c.mesh);
+    const at::Tensor padded = runtime::fetch_spans(local, h.spans, *c.mesh, h.zeros_before, h.zeros_after);
     if (h.output_length == 0) {  // an empty output chunk: nothing to convolve
       auto shape = out_layout->local_shape_at(c.mesh->position());
       torch::jit::drop(stack, num);
       stack.emplace_back(at::zeros(shape, local.options()));
       return;
     }
-    args[0] = with_zeros(fetched, dim, h.zeros_before, h.zeros_after);
+    args[0] = padded;
     args[4] = without_padding(args[4], static_cast<size_t>(dim - 2), static_cast<size_t>(local.dim() - 2));
     c.op->callBoxed(stack);
   };
@@ -256,15 +243,15 @@ OpPlan convolution_backward_rule(const OpCall& call) {
     const at::Tensor local = args[1].toTensor(), weight = args[2].toTensor();
     const auto mask = args[10].toBoolList();
     const HaloPlan h = plan_halo(c, *in_layout, *out_layout, dim, args, 4, weight.size(dim));
-    const at::Tensor fetched = runtime::fetch_spans(local, h.spans, *c.mesh);
+    const at::Tensor padded = runtime::fetch_spans(local, h.spans, *c.mesh, h.zeros_before, h.zeros_after);
     at::Tensor grad_input, grad_weight, grad_bias;
     if (h.output_length == 0) {  // no output positions here: zero contributions
       if (mask[1]) grad_weight = at::zeros_like(weight);
       if (mask[2]) grad_bias = at::zeros({weight.size(0)}, weight.options());
-      if (mask[0]) grad_input = at::zeros_like(fetched);
+      if (mask[0]) grad_input = at::zeros_like(padded);
       torch::jit::drop(stack, num);
     } else {
-      args[1] = with_zeros(fetched, dim, h.zeros_before, h.zeros_after);
+      args[1] = padded;
       args[5] = without_padding(args[5], static_cast<size_t>(dim - 2), static_cast<size_t>(local.dim() - 2));
       c.op->callBoxed(stack);
       grad_bias = stack.back().toTensor();
@@ -273,7 +260,7 @@ OpPlan convolution_backward_rule(const OpCall& call) {
       stack.pop_back();
       grad_input = stack.back().toTensor();
       stack.pop_back();
-      if (mask[0]) grad_input = grad_input.narrow(dim, h.zeros_before, fetched.size(dim));
+      if (mask[0]) grad_input = grad_input.narrow(dim, h.zeros_before, padded.size(dim) - h.zeros_before - h.zeros_after);
     }
     // each fetched position's gradient goes back to its owner, which adds them up
     if (mask[0]) grad_input = runtime::return_spans_summed(grad_input, h.input_length, h.spans, *c.mesh);

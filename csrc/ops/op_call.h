@@ -164,6 +164,14 @@ int64_t wrap_dim(const OpCall& call, int64_t dim, int64_t ndim);
 // return (a masked-out gradient) reports a 0-d shape.
 std::vector<std::vector<int64_t>> meta_output_shapes(const OpCall& call);
 
+// How many blocks `dim` of `l` is split into (the product of its axes' sizes): 1 when it is whole
+// or sharded over axes of one rank only (nothing to exchange then).
+inline int64_t dim_parts(const Layout& l, int64_t dim) {
+  int64_t parts = 1;
+  for (int64_t axis : l.dim_axes()[dim]) parts *= l.mesh()->shape()[axis];
+  return parts;
+}
+
 LayoutPtr make_layout(const Layout& like, std::vector<int64_t> shape, layout::DimAxes dims,
                       layout::PartialOps partial = {});
 LayoutPtr replicate_like(const Layout& like, std::vector<int64_t> shape);

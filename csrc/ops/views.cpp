@@ -451,7 +451,7 @@ OpPlan along_dim_rule(const OpCall& call) {
       };
       return plan;
     }
-    if (in.dim_axes()[dim].size() == 1)
+    if (in.dim_axes()[dim].size() == 1 && dim_parts(in, dim) > 1)
       return exchanged_slice_plan(call, dim, slice_bounds(start_v, end_v, int_arg(call.arg(4)), full_length));
   }
   auto input = whole_dims(in, {dim});
@@ -495,7 +495,8 @@ OpPlan slicing_backward_rule(const OpCall& call) {
   const auto sizes = int_list(call.arg(1));
   const int64_t dim = wrap_dim(call, int_arg(call.arg(2)), static_cast<int64_t>(sizes.size()));
   const bool is_select = call.schema().name() == "aten::select_backward";
-  if (!is_select && grad.dim_axes()[dim].size() == 1) return exchanged_slice_backward_plan(call, sizes, dim);
+  if (!is_select && grad.dim_axes()[dim].size() == 1 && dim_parts(grad, dim) > 1)
+    return exchanged_slice_backward_plan(call, sizes, dim);
   layout::DimAxes out_dims(sizes.size());
   layout::DimAxes grad_dims = grad.dim_axes();
   if (!is_select) grad_dims[dim].clear();

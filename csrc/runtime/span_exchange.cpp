@@ -68,74 +68,87 @@ SpanPlan owned_spans(const layout::Layout& l, const DeviceMesh& mesh, int64_t di
   return plan;
 }
 
-at::Tensor fetch_spans(const at::Tensor& local, const SpanPlan& plan, const DeviceMesh& mesh) {
-  const int64_t k = static_cast<int64_t>(plan.owned.size()), me = mesh.coordinate(plan.axis);
-  const at::Tensor rows = local.movedim(plan.dim, 0);
+at::Tensor fetch_spans(const at::Tensor& local, const SpanPlan& plan, const DeviceMesh& mesh, int64_t zeros_before,
+                       int64_t zeros_after) {
+  const int64_t k = static_cast<int64_t>(plan.owned.size()), me = mesh.coordinate(plan.axis), dim = plan.dim;
   const Span& mine = plan.owned[me];
-  std::vector<at::Tensor> out;
-  if (!crosses_ranks(plan)) {
-    for (const Span& w : plan.wanted[me])
-      if (const Span i = intersect(w, mine); i.length() > 0) out.push_back(rows.narrow(0, i.begin - mine.begin, i.length()));
-  } else {
+  auto zeros = [&](int64_t n) {
+    auto shape = local.sizes().vec();
+    shape[dim] = n;
+    return at::zeros(shape, local.options());
+  };
+  // This rank's own pieces come straight from `local`; only the others' travel (rows along dim 0).
+  at::Tensor received;
+  std::vector<int64_t> offset(static_cast<size_t>(k), 0);
+  if (crosses_ranks(plan)) {
+    const at::Tensor rows = local.movedim(dim, 0);
     std::vector<std::vector<at::Tensor>> pieces(static_cast<size_t>(k));
     std::vector<int64_t> recv_rows(static_cast<size_t>(k), 0);
     for (int64_t c = 0; c < k; ++c) {
+      if (c == me) continue;
       for (const Span& w : plan.wanted[c])
         if (const Span i = intersect(w, mine); i.length() > 0)
           pieces[c].push_back(rows.narrow(0, i.begin - mine.begin, i.length()));
       for (const Span& w : plan.wanted[me]) recv_rows[c] += intersect(w, plan.owned[c]).length();
     }
-    const at::Tensor received = all_to_all_rows(pieces, recv_rows, rows, plan, mesh);
-    std::vector<int64_t> offset(static_cast<size_t>(k), 0);
+    received = all_to_all_rows(pieces, recv_rows, rows, plan, mesh);
     for (int64_t c = 1; c < k; ++c) offset[c] = offset[c - 1] + recv_rows[c - 1];
-    // Each wanted span is the members' intersections in member order (= GLOBAL order on one axis).
-    for (const Span& w : plan.wanted[me])
-      for (int64_t c = 0; c < k; ++c)
-        if (const int64_t n = intersect(w, plan.owned[c]).length(); n > 0) {
-          out.push_back(received.narrow(0, offset[c], n));
-          offset[c] += n;
-        }
   }
-  const at::Tensor joined = out.empty() ? no_rows(rows) : at::cat(out, 0);
-  return joined.movedim(0, plan.dim).contiguous();
+  // Each wanted span is the members' intersections in member order (= GLOBAL order on one axis).
+  std::vector<at::Tensor> out;
+  if (zeros_before > 0) out.push_back(zeros(zeros_before));
+  for (const Span& w : plan.wanted[me])
+    for (int64_t c = 0; c < k; ++c) {
+      const Span i = intersect(w, plan.owned[c]);
+      if (i.length() == 0) continue;
+      if (c == me) {
+        out.push_back(local.narrow(dim, i.begin - mine.begin, i.length()));
+      } else {
+        out.push_back(received.narrow(0, offset[c], i.length()).movedim(0, dim));
+        offset[c] += i.length();
+      }
+    }
+  if (zeros_after > 0) out.push_back(zeros(zeros_after));
+  if (out.empty()) return zeros(0);
+  if (out.size() == 1) return out[0];  // a view of `local` or of what arrived: no copy
+  return at::cat(out, dim);
 }
 
 at::Tensor return_spans_summed(const at::Tensor& fetched, int64_t local_length, const SpanPlan& plan,
                                const DeviceMesh& mesh) {
-  const int64_t k = static_cast<int64_t>(plan.owned.size()), me = mesh.coordinate(plan.axis);
-  const at::Tensor rows = fetched.movedim(plan.dim, 0);
+  const int64_t k = static_cast<int64_t>(plan.owned.size()), me = mesh.coordinate(plan.axis), dim = plan.dim;
   const Span& mine = plan.owned[me];
-  auto shape = rows.sizes().vec();
-  shape[0] = local_length;
-  at::Tensor result = at::zeros(shape, rows.options());
-  // The rows of `fetched` that member c owns, in the order fetch_spans laid them out.
+  auto shape = fetched.sizes().vec();
+  shape[dim] = local_length;
+  at::Tensor result = at::zeros(shape, fetched.options());
+  // The pieces of `fetched` member c owns, in the order fetch_spans laid them out; this rank's
+  // own are added here directly, the others travel back (rows along dim 0).
+  const at::Tensor rows = fetched.movedim(dim, 0);
   std::vector<std::vector<at::Tensor>> pieces(static_cast<size_t>(k));
-  std::vector<std::vector<Span>> owned_spans(static_cast<size_t>(k));
   int64_t at_row = 0;
   for (const Span& w : plan.wanted[me])
     for (int64_t c = 0; c < k; ++c)
       if (const Span i = intersect(w, plan.owned[c]); i.length() > 0) {
-        pieces[c].push_back(rows.narrow(0, at_row, i.length()));
-        owned_spans[c].push_back(i);
+        if (c == me) result.narrow(dim, i.begin - mine.begin, i.length()).add_(fetched.narrow(dim, at_row, i.length()));
+        else pieces[c].push_back(rows.narrow(0, at_row, i.length()));
         at_row += i.length();
       }
-  if (!crosses_ranks(plan)) {
-    for (size_t p = 0; p < pieces[me].size(); ++p)
-      result.narrow(0, owned_spans[me][p].begin - mine.begin, owned_spans[me][p].length()).add_(pieces[me][p]);
-  } else {
-    std::vector<int64_t> recv_rows(static_cast<size_t>(k), 0);
-    for (int64_t c = 0; c < k; ++c)
+  if (!crosses_ranks(plan)) return result;
+  std::vector<int64_t> recv_rows(static_cast<size_t>(k), 0);
+  for (int64_t c = 0; c < k; ++c)
+    if (c != me)
       for (const Span& w : plan.wanted[c]) recv_rows[c] += intersect(w, mine).length();
-    const at::Tensor received = all_to_all_rows(pieces, recv_rows, rows, plan, mesh);
-    int64_t offset = 0;
-    for (int64_t c = 0; c < k; ++c)
-      for (const Span& w : plan.wanted[c])
-        if (const Span i = intersect(w, mine); i.length() > 0) {
-          result.narrow(0, i.begin - mine.begin, i.length()).add_(received.narrow(0, offset, i.length()));
-          offset += i.length();
-        }
+  const at::Tensor received = all_to_all_rows(pieces, recv_rows, rows, plan, mesh);
+  int64_t offset = 0;
+  for (int64_t c = 0; c < k; ++c) {
+    if (c == me) continue;
+    for (const Span& w : plan.wanted[c])
+      if (const Span i = intersect(w, mine); i.length() > 0) {
+        result.narrow(dim, i.begin - mine.begin, i.length()).add_(received.narrow(0, offset, i.length()).movedim(0, dim));
+        offset += i.length();
+      }
   }
-  return result.movedim(0, plan.dim).contiguous();
+  return result;
 }
 
 }  // namespace hypershard::runtime

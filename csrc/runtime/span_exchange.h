@@ -44,8 +44,11 @@ Span member_span(const layout::Layout& l, const DeviceMesh& mesh, int64_t axis, 
 SpanPlan owned_spans(const layout::Layout& l, const DeviceMesh& mesh, int64_t dim);
 
 // This rank's wanted spans of the tensor whose local block along plan.dim is `local`,
-// concatenated along plan.dim (every other dim as in `local`).
-at::Tensor fetch_spans(const at::Tensor& local, const SpanPlan& plan, const DeviceMesh& mesh);
+// concatenated along plan.dim (every other dim as in `local`), between `zeros_before` and
+// `zeros_after` zero positions (a convolution's padding). This rank's own pieces are not sent
+// (views of `local`); a single piece comes back uncopied, so it may alias `local`.
+at::Tensor fetch_spans(const at::Tensor& local, const SpanPlan& plan, const DeviceMesh& mesh, int64_t zeros_before = 0,
+                       int64_t zeros_after = 0);
 
 // The reverse of fetch_spans, for gradients: `fetched` holds values for this rank's wanted spans
 // (concatenated along plan.dim, as fetch_spans returned them); every element goes back to the

@@ -135,6 +135,16 @@ def cases():
                 add(f"topk_{k}_{'largest' if largest else 'smallest'}_{shape[1]}_{tag}",
                     lambda x, k=k, largest=largest: torch.topk(x, k, 1, largest=largest), shape, place, mesh,
                     lambda x, k=k: x.to_local().shape[0] * k * (4 + 8) * (chunks(x, 1) - 1), keep=False)
+    # ties (torch's own order among equal values: the dim is gathered then) and sorted=False
+    for mesh, place, tag in layouts[:3]:
+        # the candidates (k <= 6 values and int64 indices per row and chunk) plus the dim gathered
+        gathered = lambda x: x.numel() * x.element_size() + x.shape[0] * 6 * 12 * chunks(x, 1)  # noqa: E731
+        add(f"topk_ties_{tag}", lambda x: torch.topk(x, 3, 1), (5, 11), place, mesh, gathered, init=ties,
+            check_grad=False, keep=False)
+        add(f"topk_masked_rows_{tag}", lambda x: torch.topk(x.masked_fill(x > 0.5, float("-inf")), 6, 1), (5, 11),
+            place, mesh, gathered, check_grad=False, keep=False)
+        add(f"topk_unsorted_values_{tag}", lambda x: torch.topk(x, 3, 1, sorted=False)[0].sort(1)[0], (5, 11),
+            place, mesh, gathered, keep=False)
     # slices of the sharded dim (steps, negative bounds, a short slice leaving chunks empty) and
     # their backward (slice_backward by the reverse exchange): at most the rank's block leaves it
     for mesh, place, tag in layouts[:3]:

@@ -115,7 +115,7 @@ def _ops():
             hs.distribute_tensor(torch.tensor([[1, 20]]), current_mesh(), [hs.Replicate()]), w),
         "one_hot_class_out_of_range": lambda i: F.one_hot(i, 3),
         # unsupported operators
-        "missing_operator": lambda x: torch.bucketize(x, torch.tensor([-1.0, 0.0, 1.0])),
+        "missing_operator": lambda x: torch.isin(x, torch.tensor([-1.0, 0.0, 1.0])),
         "different_meshes": lambda x: x + hs.distribute_tensor(
             torch.ones(4, 6), hs.DeviceMesh.from_torch(
                 torch.distributed.device_mesh.init_device_mesh("cpu", (2,), mesh_dim_names=("other",))),
@@ -195,7 +195,7 @@ EXPECTED = {
     "narrow_out_of_range": ("", "start (4) + length (5) exceeds dimension size (6)"),
     "embedding_index_out_of_range": ("W", "IndexError: index out of range in self"),
     "one_hot_class_out_of_range": ("I", "Class values must be smaller than num_classes"),
-    "missing_operator": ("", "Missing operator aten::bucketize.Tensor"),
+    "missing_operator": ("", "Missing operator aten::isin.Tensor_Tensor"),
     "different_meshes": ("", "operands live on different meshes"),
 }
 
