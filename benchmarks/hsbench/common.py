@@ -84,12 +84,12 @@ def full_value(x):
     return x
 
 
-def same_values(a, b) -> bool:
+def same_values(a, b, atol: float = 1e-5) -> bool:
     import torch
 
     if isinstance(a, list):
-        return all(same_values(x, y) for x, y in zip(a, b))
-    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+        return all(same_values(x, y, atol) for x, y in zip(a, b))
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=atol)
 
 
 def rank0_per_world(section: str, worker: Callable, worlds, args, log: Callable, extra: dict,

@@ -49,6 +49,9 @@ def op_classes():
         "avg_pool2d": ([("tensor", (8, 2, 4, 4), 0)], lambda x: F.avg_pool2d(x, 2)),
         "grouped_mm_colwise": ([("tensor", (8, 8), None), ("tensor", (4, 8, 16), 2), ("offs", (2, 4, 6, 8), None)],
                                lambda x, w, offs: torch._grouped_mm(x, w, offs=offs)),
+        # exchanges instead of gathers along the SHARDED dim (plain: the op on the local shard)
+        "cumsum_sharded": ([("tensor", (8, 8), 0)], lambda a: torch.cumsum(a, dim=0)),
+        "roll_sharded": ([("tensor", (8, 8), 0)], lambda a: torch.roll(a, 1, 0)),
     }
 
 
@@ -74,6 +77,10 @@ OP_NOTES = {
     "avg_pool2d": "F.avg_pool2d(x, 2), [8, 2, 4, 4]; Shard: Shard(0) (batch)",
     "grouped_mm_colwise": "torch._grouped_mm(x, w, offs), x [8, 8] Replicate, w [4, 8, 16] (4 experts), offs "
                           "[2, 4, 6, 8]; Shard: w Shard(2) (colwise)",
+    "cumsum_sharded": "torch.cumsum(a, dim=0), [8, 8]; Shard: Shard(0) (along the sharded dim: one all-gather of "
+                      "each rank's last row)",
+    "roll_sharded": "torch.roll(a, 1, 0), [8, 8]; Shard: Shard(0) (along the sharded dim: one all-to-all of the "
+                    "row crossing each boundary)",
 }
 
 
@@ -81,6 +88,9 @@ OP_NOTES = {
 # Shard(0) input) through a path CollectiveBytes does not count, so its calls there are timed on
 # every rank (a rank-0-alone sample would wait forever on the other ranks' part of the collective).
 NEW_FAMILIES = ("tril", "gather", "index_select_owned", "cumsum", "rfft", "avg_pool2d", "grouped_mm_colwise")
+# The exchange rules along a sharded dim (a scan's all-gather of last rows, roll's all-to-all):
+# torch DTensor gathers the dim, and its calls are timed on every rank as for NEW_FAMILIES.
+EXCHANGE_ROWS = ("cumsum_sharded", "roll_sharded")
 
 
 IMPL_NAMES = {"plain": "plain", "hypershard": "hypershard", "hypershard_boxed": "hypershard (fast path off)",
@@ -166,8 +176,8 @@ def dispatch_worker(rank: int, world: int, args: dict) -> dict:
             # An op without collectives is timed on rank 0 alone while the other ranks wait in a
             # barrier (ranks sharing few cores would otherwise preempt each other mid-sample); an
             # op with collectives runs on every rank, the same number of calls everywhere.
-            solo = {impl: collectives[impl] == 0 and not (impl == "torch_dtensor" and name in NEW_FAMILIES
-                                                         and world > 1)
+            solo = {impl: collectives[impl] == 0 and not (impl == "torch_dtensor" and world > 1
+                                                         and name in NEW_FAMILIES + EXCHANGE_ROWS)
                     for impl in fns}
             counts, samples = time_interleaved(fns, solo, rank, args["sample_s"], args["repeats"], setting=path_of)
             if rank != 0:
@@ -232,6 +242,9 @@ def run_dispatch(args: argparse.Namespace, log: Callable) -> dict:
                           # the same over the issue-13 families alone
                           "geomean_ratio_vs_plain_new_families": geomean([r["ratio_vs_plain"] for n, r in ops.items()
                                                                           if n in NEW_FAMILIES]),
+                          # and over the exchange rules along the sharded dim
+                          "geomean_ratio_vs_plain_exchange": geomean([r["ratio_vs_plain"] for n, r in ops.items()
+                                                                      if n in EXCHANGE_ROWS]),
                           "geomean_speedup_vs_torch_dtensor_best": geomean([r["speedup_vs_torch_dtensor_best"]
                                                                              for r in ops.values()])}
                       for v, ops in variants.items()}
