@@ -78,7 +78,8 @@ from .spec import (
     sweep_cases,
     uniform,
 )
-from .worker import compare_tensors, counting, current_mesh, current_rank, in_distributed_run, replicated
+from .worker import (compare_tensors, counting, current_mesh, current_rank, in_distributed_run, replicated,
+                     traffic_checked)
 
 __all__ = [
     "Adapter",
@@ -97,6 +98,7 @@ __all__ = [
     "constant",
     "counting",
     "current_mesh",
+    "traffic_checked",
     "current_rank",
     "default_tolerance",
     "get_adapter",

@@ -26,7 +26,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,23 @@ def replicated(t: Any) -> Any:
 def current_mesh() -> Any:
     """The case's device mesh during the distributed half of a case, else None."""
     return _STATE["mesh"] if _STATE["run"] == "distributed" else None
+
+
+def traffic_checked(fn: Callable, check: Callable) -> Callable:
+    """A case's dist_fn that also checks what a call sends: ``fn`` runs once (its plans cached),
+    then again with hypershard's traffic counters reset; ``check(inputs, out, sent_bytes)`` returns
+    a list of problem texts, raised as one AssertionError naming this rank."""
+
+    def run(*inputs):
+        import hypershard as hs  # lazily, as replicated() does
+        fn(*inputs)
+        hs._C.reset_traffic()
+        out = fn(*inputs)
+        problems = check(inputs, out, hs._C.traffic()["bytes_sent"])
+        if problems:
+            raise AssertionError(f"rank {current_mesh().rank}: " + "; ".join(problems))
+        return out
+    return run
 
 
 def current_rank() -> Optional[int]:

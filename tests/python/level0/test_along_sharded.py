@@ -12,7 +12,7 @@ A planted fault (each rank's local scan, no exchange) is caught."""
 import hypershard as hs
 import torch
 
-from hypershard.testing import Case, Input, assert_all_passed, current_mesh, run_cases
+from hypershard.testing import Case, Input, assert_all_passed, run_cases, traffic_checked
 from hypershard.testing.spec import randint
 
 M2 = ((2,), ("dp",))
@@ -33,26 +33,19 @@ def with_nan(shape, dtype, generator):
 
 
 def checked(fn, max_bytes, keep=True):
-    """The distributed call: once for the plan cache, then again with the traffic counted: the
-    first output keeps the input's placements (the dim was not gathered; `keep`) and this rank
-    sent at most `max_bytes(x)` bytes (x: the first input)."""
+    """The distributed call, checked on its second run: the first output keeps the input's
+    placements (the dim was not gathered; `keep`) and this rank sent at most `max_bytes(x)` bytes
+    (x: the first input)."""
 
-    def run(x, *rest):
-        fn(x, *rest)
-        hs._C.reset_traffic()
-        out = fn(x, *rest)
-        sent = hs._C.traffic()["bytes_sent"]
-        first = out[0] if isinstance(out, (tuple, list)) else out
+    def check(inputs, out, sent):
+        x, first = inputs[0], out[0] if isinstance(out, (tuple, list)) else out
         problems = []
         if keep and tuple(first.placements) != tuple(x.placements):
             problems.append(f"placements {first.placements}, expected the input's {x.placements}")
-        limit = max_bytes(x)
-        if sent > limit:
-            problems.append(f"rank {current_mesh().rank} sent {sent} bytes, at most {limit} expected")
-        if problems:
-            raise AssertionError("; ".join(problems))
-        return out
-    return run
+        if sent > max_bytes(x):
+            problems.append(f"sent {sent} bytes, at most {max_bytes(x)} expected")
+        return problems
+    return traffic_checked(fn, check)
 
 
 def chunks(x, dim):

@@ -9,10 +9,9 @@ Partial(sum) over the batch and halo axes. A planted fault (each rank convolving
 with no halo) is caught."""
 
 import hypershard as hs
-import torch
 import torch.nn.functional as F
 
-from hypershard.testing import Case, Input, assert_all_passed, current_mesh, run_cases
+from hypershard.testing import Case, Input, assert_all_passed, run_cases, traffic_checked
 
 M2 = ((2,), ("dp",))
 M4 = ((4,), ("dp",))
@@ -46,29 +45,22 @@ def conv_cases():
 
 
 def halo_checked(fn, dim, reach):
-    """The distributed call, twice: the second keeps the output sharded like the input along the
-    halo dim `dim`, and this rank sends at most `reach` positions' slices plus the shift between
-    the input's and the output's chunk boundaries (a gather would send the whole block to every
-    other member)."""
+    """The distributed call, checked on its second run: the output stays sharded along the halo
+    dim `dim`, and this rank sends at most `reach` positions' slices plus the shift between the
+    input's and the output's chunk boundaries (a gather would send the whole block to every other
+    member)."""
 
-    def run(x, *rest):
-        fn(x, *rest)
-        hs._C.reset_traffic()
-        out = fn(x, *rest)
-        sent = hs._C.traffic()["bytes_sent"]
-        problems = []
-        shard = [p for p in out.placements if isinstance(p, hs.Shard) and p.dim == dim]
-        if len(shard) != 1:
+    def check(inputs, out, sent):
+        x, problems = inputs[0], []
+        if len([p for p in out.placements if isinstance(p, hs.Shard) and p.dim == dim]) != 1:
             problems.append(f"output placements {out.placements}: not sharded along dim {dim}")
         local = x.to_local()
         slice_bytes = local.numel() // max(local.shape[dim], 1) * local.element_size()
         limit = (reach + abs(out.shape[dim] - x.shape[dim])) * slice_bytes
         if sent > limit:
-            problems.append(f"rank {current_mesh().rank} sent {sent} bytes, at most {limit} expected")
-        if problems:
-            raise AssertionError("; ".join(problems))
-        return out
-    return run
+            problems.append(f"sent {sent} bytes, at most {limit} expected")
+        return problems
+    return traffic_checked(fn, check)
 
 
 def halo_cases():
@@ -105,19 +97,16 @@ def halo_cases():
 
 
 def channels_local(fn):
-    """The distributed call, twice: the second keeps the output's channels (dim 1) sharded like
-    the input's and sends nothing (each rank convolves its own groups)."""
+    """The distributed call, checked on its second run: the output's channels (dim 1) stay sharded
+    like the input's and nothing is sent (each rank convolves its own groups)."""
 
-    def run(x, *rest):
-        fn(x, *rest)
-        hs._C.reset_traffic()
-        out = fn(x, *rest)
-        sent = hs._C.traffic()["bytes_sent"]
+    def check(inputs, out, sent):
+        x = inputs[0]
         if list(out.placements) != list(x.placements) or sent:
-            raise AssertionError(f"output placements {out.placements} (input {x.placements}), {sent} bytes sent "
-                                 f"on rank {current_mesh().rank}: expected the input's placements and none")
-        return out
-    return run
+            return [f"output placements {out.placements} (input {x.placements}), {sent} bytes sent: expected the "
+                    f"input's placements and none"]
+        return []
+    return traffic_checked(fn, check)
 
 
 def channel_cases():

@@ -14,10 +14,9 @@ cotangent values per position, in another order than one device (float32 default
 upsampling runs torch's own kernel on whole spatial dims, the same arithmetic as one device."""
 
 import hypershard as hs
-import torch
 import torch.nn.functional as F
 
-from hypershard.testing import Case, Input, assert_all_passed, current_mesh, run_cases
+from hypershard.testing import Case, Input, assert_all_passed, run_cases, traffic_checked
 
 M2 = ((2,), ("dp",))
 M4 = ((4,), ("tp",))
@@ -146,22 +145,16 @@ def moves_at_most_twice_its_block(fn):
     mirror image and the edge it replicates), where gathering the dim over 4 ranks would send
     three times the block."""
 
-    def run(x):
-        fn(x)
-        hs._C.reset_traffic()
-        out = fn(x)
-        sent = hs._C.traffic()["bytes_sent"]
+    def check(inputs, out, sent):
+        x, problems = inputs[0], []
         local = x.to_local()
         limit = 2 * local.numel() * local.element_size()
-        problems = []
         if tuple(out.placements) != tuple(x.placements):
             problems.append(f"placements {out.placements}, expected the input's {x.placements}")
         if sent > limit:
-            problems.append(f"rank {current_mesh().rank} sent {sent} bytes, at most {limit} expected")
-        if problems:
-            raise AssertionError("; ".join(problems))
-        return out
-    return run
+            problems.append(f"sent {sent} bytes, at most {limit} expected")
+        return problems
+    return traffic_checked(fn, check)
 
 
 def test_a_sharded_padded_dim_is_not_gathered():

@@ -2,7 +2,6 @@
 the house error format."""
 
 import pytest
-import torch
 import torch.nn as nn
 
 import hypershard as hs
