@@ -33,6 +33,18 @@
 #include <ATen/ops/_to_copy_ops.h>
 #include <ATen/ops/_unsafe_view_ops.h>
 #include <ATen/ops/add_ops.h>
+#include <ATen/ops/cumsum_ops.h>
+#include <ATen/ops/tril_ops.h>
+#include <ATen/ops/triu_ops.h>
+#include <ATen/ops/gather_ops.h>
+#include <ATen/ops/index_select_ops.h>
+#include <ATen/ops/flip_ops.h>
+#include <ATen/ops/roll_ops.h>
+#include <ATen/ops/_fft_r2c_ops.h>
+#include <ATen/ops/avg_pool2d_ops.h>
+#include <ATen/ops/_grouped_mm_ops.h>
+#include <ATen/ops/convolution_ops.h>
+#include <ATen/ops/constant_pad_nd_ops.h>
 #include <ATen/ops/addcdiv_ops.h>
 #include <ATen/ops/addcmul_ops.h>
 #include <ATen/ops/addmm_ops.h>
@@ -480,6 +492,21 @@ void register_fast_paths() {
   add_fast_kernel<aop::amax>(l);
   add_fast_kernel<aop::_softmax>(l);
   add_fast_kernel<aop::_log_softmax>(l);
+  // the catalogue families' ops that models and the bench call with nothing to move (a scan
+  // along a whole dim, a triangle of a batch-sharded matrix, a batch-parallel convolution);
+  // their exchanges and rewrites go to the boxed flow
+  add_fast_kernel<aop::cumsum>(l);
+  add_fast_kernel<aop::tril>(l);
+  add_fast_kernel<aop::triu>(l);
+  add_fast_kernel<aop::gather>(l);
+  add_fast_kernel<aop::index_select>(l);
+  add_fast_kernel<aop::flip>(l);
+  add_fast_kernel<aop::roll>(l);
+  add_fast_kernel<aop::_fft_r2c>(l);
+  add_fast_kernel<aop::avg_pool2d>(l);
+  add_fast_kernel<aop::_grouped_mm>(l);
+  add_fast_kernel<aop::convolution>(l);
+  add_fast_kernel<aop::constant_pad_nd>(l);
   // list ops (optimizers with foreach=True, clip_grad_norm_, zero_grad)
   add_fast_kernel<aop::_foreach_add__List>(l);
   add_fast_kernel<aop::_foreach_add__Scalar>(l);
