@@ -510,12 +510,10 @@ OpPlan triangle_rule(const OpCall& call) {
   plan.inputs.push_back(intern(self));
   plan.outputs.push_back(plan.inputs[0]);
   if (self.is_sharded_anywhere()) {
-    const LayoutPtr layout = plan.inputs[0];
-    plan.localize = [layout](const OpCall& c, c10::IValue* args) {
-      const auto offset = layout->global_offset_at(c.mesh->position());
-      const int64_t n = layout->ndim(), index = c.arg_index("diagonal");
-      args[index] = c10::IValue(args[index].toInt() + offset[n - 2] - offset[n - 1]);
-    };
+    const auto offset = self.global_offset_at(call.mesh->position());
+    const int64_t n = self.ndim();
+    plan.shifted_int_arg = call.arg_index("diagonal");
+    plan.int_shift = offset[n - 2] - offset[n - 1];
   }
   return plan;
 }
@@ -549,7 +547,8 @@ void register_along_dims(Registry& r) {
                          "aten::index_fill_.int_Scalar", "aten::index_fill_.int_Tensor", "aten::index_reduce",
                          "aten::index_reduce_"})
     r.add(op, &owned_indexing_rule, KeyScalars::kAll);
-  // The diagonal is read per call by the localize step: it does not change the plan.
+  // The diagonal is shifted per rank by a constant of the plan (OpPlan::shifted_int_arg): its value
+// does not change the plan.
   for (const char* op : {"aten::tril", "aten::tril_", "aten::triu", "aten::triu_"})
     r.add(op, &triangle_rule, KeyScalars::kNone);
   add<Along::kAll>(r, {"aten::msort", "aten::median", "aten::nanmedian", "aten::_linalg_check_errors"});

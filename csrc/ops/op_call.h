@@ -88,6 +88,11 @@ struct OpPlan {
   // An int-list argument (a view's `size`) that the framework rewrites to the first output's
   // local shape on this rank where that output is split; -1: none.
   int64_t local_shape_arg = -1;
+  // An int argument whose GLOBAL value this rank shifts by a constant of its own (tril's diagonal:
+  // its block's row minus column offset); -1: none. Set at plan time: plans are per process, so
+  // per rank. Unlike `localize`, the typed fast path applies it too.
+  int64_t shifted_int_arg = -1;
+  int64_t int_shift = 0;
   // Non-empty when this plan redistributes an input beyond what strict mode allows: set by the
   // dispatch when the rule refused the caller's layouts and this plan is for redistributed ones
   // (default mode's implicit redistribution), or by a rule that accepts a layout only by cutting

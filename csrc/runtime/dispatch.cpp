@@ -684,6 +684,7 @@ void detail::dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet
     }
   }
   if (plan->localize) plan->localize(call, args);
+  if (plan->shifted_int_arg >= 0) args[plan->shifted_int_arg] = c10::IValue(args[plan->shifted_int_arg].toInt() + plan->int_shift);
   if (auto shape = detail::planned_local_shape(*plan, *call.mesh)) args[plan->local_shape_arg] = c10::IValue(*shape);
 
   std::vector<std::pair<std::vector<int64_t>, int64_t>> geometry;
@@ -831,7 +832,7 @@ InferredPlan infer_plan(const c10::OperatorHandle& op, torch::jit::Stack& stack)
   if (!info.rule) missing_operator(call);
   layout_plain_tensors(call);
   auto plan = info.rule->rule(call);
-  const bool localizes = plan.localize || plan.local_shape_arg >= 0;
+  const bool localizes = plan.localize || plan.local_shape_arg >= 0 || plan.shifted_int_arg >= 0;
   return {std::move(plan.inputs), std::move(plan.outputs), localizes, static_cast<bool>(plan.expand),
           std::move(plan.refused)};
 }

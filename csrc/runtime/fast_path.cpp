@@ -227,6 +227,8 @@ T&& local_of(T&& v) {
 struct LocalShape {
   int64_t arg = -1;
   std::vector<int64_t> sizes;
+  int64_t shifted = -1;  // OpPlan::shifted_int_arg
+  int64_t shift = 0;
 };
 template <typename T>
 decltype(auto) local_arg(int64_t index, const LocalShape& shape, T&& v) {
@@ -235,6 +237,8 @@ decltype(auto) local_arg(int64_t index, const LocalShape& shape, T&& v) {
     return index == shape.arg ? c10::fromIntArrayRefUnchecked(shape.sizes) : c10::SymIntArrayRef(v);
   } else if constexpr (std::is_same_v<Plain, c10::IntArrayRef>) {
     return index == shape.arg ? c10::IntArrayRef(shape.sizes) : c10::IntArrayRef(v);
+  } else if constexpr (std::is_same_v<Plain, int64_t>) {
+    return index == shape.shifted ? v + shape.shift : v;
   } else {
     return local_of(std::forward<T>(v));
   }
@@ -258,8 +262,11 @@ enum class Returns : int8_t { kOne, kWrittenSelf, kNothing, kList };
 // argument rewrite but a view's size list, no expand implementation, a written first argument
 // keeping its layout.
 bool is_trivial(const ops::OpPlan& plan, const FastArgs& args, const OpInfo& info, Returns returns,
-                c10::ArrayRef<bool> int_list_args) {
+                c10::ArrayRef<bool> int_list_args, c10::ArrayRef<bool> int_args) {
   if (plan.localize || plan.expand || !plan.refused.empty() || plan.inputs.size() != args.tensors.size()) return false;
+  if (plan.shifted_int_arg >= 0 &&
+      (plan.shifted_int_arg >= static_cast<int64_t>(int_args.size()) || !int_args[plan.shifted_int_arg]))
+    return false;
   if (plan.local_shape_arg >= 0 &&
       (plan.local_shape_arg >= static_cast<int64_t>(int_list_args.size()) || !int_list_args[plan.local_shape_arg]))
     return false;
@@ -287,7 +294,7 @@ bool is_trivial(const ops::OpPlan& plan, const FastArgs& args, const OpInfo& inf
 // this call goes through the fallback, which counts it and caches its plan.
 template <typename BoxArgs>
 const Slot* find_slot(OpInfo& info, const c10::OperatorHandle& op, FastArgs& args, Returns returns,
-                      c10::ArrayRef<bool> int_list_args, BoxArgs&& box_args) {
+                      c10::ArrayRef<bool> int_list_args, c10::ArrayRef<bool> int_args, BoxArgs&& box_args) {
   args.key.push_back(torch::autograd::get_current_graph_task_id() >= 0);
   const uint64_t hash = detail::hash_key(args.key);
   // 4-way sets: a direct-mapped table let two keys of one step evict each other on every call
@@ -312,7 +319,7 @@ const Slot* find_slot(OpInfo& info, const c10::OperatorHandle& op, FastArgs& arg
   slot.info = &info;
   slot.hash = hash;
   slot.key = args.key;
-  slot.trivial = is_trivial(*plan, args, info, returns, int_list_args);
+  slot.trivial = is_trivial(*plan, args, info, returns, int_list_args, int_args);
   slot.plan = std::move(plan);
   return nullptr;
 }
@@ -331,6 +338,7 @@ struct FastKernel<Op, Ret(Args...)> {
   static_assert(kReturns != Returns::kOne || std::is_same_v<Ret, at::Tensor>, "fast path: an unsupported return type");
   static constexpr std::array<bool, sizeof...(Args)> kIntListArgs = {
       (std::is_same_v<std::decay_t<Args>, c10::SymIntArrayRef> || std::is_same_v<std::decay_t<Args>, c10::IntArrayRef>)...};
+  static constexpr std::array<bool, sizeof...(Args)> kIntArgs = {std::is_same_v<std::decay_t<Args>, int64_t>...};
 
   static const c10::OperatorHandle& handle() {
     static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(Op::name, Op::overload_name);
@@ -355,7 +363,7 @@ struct FastKernel<Op, Ret(Args...)> {
     fast.key_scalars = info.rule->key == ops::KeyScalars::kAll;
     (read(fast, args), ...);
     if (!fast.ok || !fast.mesh) return boxed(keys, std::forward<Args>(args)...);
-    const Slot* slot = find_slot(info, handle(), fast, kReturns, kIntListArgs,
+    const Slot* slot = find_slot(info, handle(), fast, kReturns, kIntListArgs, kIntArgs,
                                  [&] { return c10::impl::boxArgs<Args...>(args...); });
     if (!slot || !slot->trivial) return boxed(keys, std::forward<Args>(args)...);
     const ops::OpPlan& plan = *slot->plan;
@@ -388,6 +396,8 @@ struct FastKernel<Op, Ret(Args...)> {
       shape.arg = plan.local_shape_arg;
       shape.sizes = std::move(*sizes);
     }
+    shape.shifted = plan.shifted_int_arg;
+    shape.shift = plan.int_shift;
     // The local call, below autograd (recorded on the wrappers) and autocast (applied to them).
     auto run_local = [&]() -> Ret {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
