@@ -239,6 +239,8 @@ decltype(auto) local_arg(int64_t index, const LocalShape& shape, T&& v) {
     return index == shape.arg ? c10::IntArrayRef(shape.sizes) : c10::IntArrayRef(v);
   } else if constexpr (std::is_same_v<Plain, int64_t>) {
     return index == shape.shifted ? v + shape.shift : v;
+  } else if constexpr (std::is_same_v<Plain, c10::SymInt>) {  // (int arguments are SymInt on newer torch)
+    return index == shape.shifted ? c10::SymInt(v.expect_int() + shape.shift) : c10::SymInt(v);
   } else {
     return local_of(std::forward<T>(v));
   }
@@ -338,7 +340,8 @@ struct FastKernel<Op, Ret(Args...)> {
   static_assert(kReturns != Returns::kOne || std::is_same_v<Ret, at::Tensor>, "fast path: an unsupported return type");
   static constexpr std::array<bool, sizeof...(Args)> kIntListArgs = {
       (std::is_same_v<std::decay_t<Args>, c10::SymIntArrayRef> || std::is_same_v<std::decay_t<Args>, c10::IntArrayRef>)...};
-  static constexpr std::array<bool, sizeof...(Args)> kIntArgs = {std::is_same_v<std::decay_t<Args>, int64_t>...};
+  static constexpr std::array<bool, sizeof...(Args)> kIntArgs = {
+      (std::is_same_v<std::decay_t<Args>, int64_t> || std::is_same_v<std::decay_t<Args>, c10::SymInt>)...};
 
   static const c10::OperatorHandle& handle() {
     static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(Op::name, Op::overload_name);
