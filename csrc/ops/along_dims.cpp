@@ -441,9 +441,9 @@ OpPlan owned_indexing_rule(const OpCall& call) {
   const LayoutPtr layout = plan.inputs[0];
   const bool in_place = !call.schema().returns().empty() && call.schema().returns()[0].alias_info() &&
                         call.schema().returns()[0].alias_info()->isWrite();
-  // Reads and the summing writes need no pad: indices they do not own are clamped to 0 and
-  // their results (reads) or added values (writes) zeroed -- no copy of self. The overwriting
-  // writes use the pad slice (a clamped index would overwrite a real position).
+  // Reads and the summing writes need no pad: indices they do not own are clamped into the block
+  // and their results (reads) or added values (writes) zeroed -- no copy of self. The
+  // overwriting writes use the pad slice (a clamped index would overwrite a real position).
   const bool summing = is_summing_write(name);
   const bool rows_index = name.rfind("aten::index_", 0) == 0;  // a 1-d index along dim
   plan.expand = [layout, dim, read, in_place, summing, rows_index](const OpCall& c, torch::jit::Stack& stack) {
@@ -452,33 +452,38 @@ OpPlan owned_indexing_rule(const OpCall& call) {
     at::Tensor local = args[0].toTensor();
     const int64_t begin = layout->global_offset_at(c.mesh->position())[dim], length = local.size(dim);
     const at::Tensor index = args[2].toTensor();
-    const at::Tensor owned = index.ge(begin).logical_and(index.lt(begin + length));
-    // `owned` shaped to broadcast against a tensor whose dim `dim` runs along a 1-d index
-    auto along_dim = [&](const at::Tensor& like) {
+    // a mask shaped to broadcast against a tensor whose dim `dim` runs along a 1-d index
+    auto along_dim = [&](const at::Tensor& mask, const at::Tensor& like) {
       std::vector<int64_t> shape(static_cast<size_t>(like.dim()), 1);
-      shape[dim] = owned.numel();
-      return owned.view(shape);
+      shape[dim] = mask.numel();
+      return mask.view(shape);
     };
     if ((read || summing) && length > 0) {
-      args[2] = at::where(owned, index - begin, at::zeros({}, index.options()));
+      // local positions, clamped into the block; where clamping moved one, the index is another
+      // rank's (few ops: this runs per call on small tensors too)
+      const at::Tensor local_index = index - begin;
+      const at::Tensor clamped = local_index.clamp(0, length - 1);
+      const at::Tensor foreign = local_index.ne(clamped);
+      args[2] = clamped;
       if (summing) {
         const int64_t source = c.arg_index(rows_index ? "source" : "src");
         at::Tensor values = args[source].toTensor();
         if (rows_index) {
-          values = values.masked_fill(along_dim(values).logical_not(), 0);
+          values = values.masked_fill(along_dim(foreign, values), 0);
         } else {
           for (int64_t d = 0; d < index.dim(); ++d) values = values.narrow(d, 0, index.size(d));
-          values = values.masked_fill(owned.logical_not(), 0);
+          values = values.masked_fill(foreign, 0);
         }
         args[source] = std::move(values);
       }
       c.op->callBoxed(stack);
       if (read) {
         at::Tensor result = stack.back().toTensor();
-        result.masked_fill_((rows_index ? along_dim(result) : owned).logical_not(), 0);
+        result.masked_fill_(rows_index ? along_dim(foreign, result) : foreign, 0);
       }
       return;
     }
+    const at::Tensor owned = index.ge(begin).logical_and(index.lt(begin + length));
     args[2] = at::where(owned, index - begin, at::full({}, length, index.options()));
     auto pad_shape = local.sizes().vec();
     pad_shape[dim] = 1;
