@@ -69,11 +69,6 @@ void fold_scan_totals(Scan scan, const OpCall& call, const LayoutPtr& layout, in
   at::Tensor values = stack[stack.size() - (indexed ? 2 : 1)].toTensor();
   at::Tensor indices = indexed ? stack.back().toTensor() : at::Tensor();
   const int64_t length = values.size(dim);
-  const int64_t chunks = [&] {
-    int64_t n = 1;
-    for (int64_t a : axes) n *= mesh.mesh()->shape()[a];
-    return n;
-  }();
   const int64_t mine = mesh.chunk_index(axes);
   if (indexed) indices.add_(layout->global_offset_at(mesh.position())[dim]);  // local -> GLOBAL
   // Each rank's last slice (zeros for an empty block: skipped below, its length is known).

@@ -29,9 +29,10 @@
 //   diagonal(_backward)               dim1, dim2 whole (GLOBAL offset); the other dims keep theirs
 //   repeat                            dims repeated once keep their sharding; the others are whole
 //   as_strided                        only on a tensor with no sharded dim (a checked backstop)
-//   *_copy (view_copy, expand_copy, diagonal_copy, permute_copy, t_copy, transpose_copy,
-//   unsqueeze_copy, squeeze_copy, select_copy, slice_copy, split(_with_sizes)_copy, unbind_copy,
-//   view_as_real/complex_copy)        the view's rule (view_copy: the gathering form of view)
+//   *_copy (view_copy, expand_copy, diagonal_copy, permute_copy, transpose_copy, unsqueeze_copy,
+//   squeeze_copy, view_as_real/complex_copy)  the view's rule (view_copy: the gathering form of
+//                                     view); the copies of views whose rules read their op's name
+//                                     (t, select, slice, split, unbind, _reshape_alias) have none yet
 // Partial: every op here is linear (it moves or copies elements), so Partial passes through
 // unchanged; cat/stack make the output Partial where any operand is (a whole operand is filled
 // for free; sum and avg on one axis do not mix).
@@ -709,15 +710,12 @@ void register_views(Registry& r) {
   // The *_copy ops (what functionalization emits: the view's values in a new tensor) plan as their
   // view; a copy need not alias, so view_copy may gather where view would raise.
   const std::pair<const char*, Rule> copies[] = {
-      {"aten::view_copy", &view_rule<true>},          {"aten::_reshape_alias_copy", &view_rule<true>},
-      {"aten::expand_copy", &expand_rule},            {"aten::diagonal_copy", &diagonal_rule},
-      {"aten::permute_copy", &permute_rule},          {"aten::t_copy", &transpose_rule},
+      {"aten::view_copy", &view_rule<true>},          {"aten::expand_copy", &expand_rule},
+      {"aten::diagonal_copy", &diagonal_rule},        {"aten::permute_copy", &permute_rule},
       {"aten::transpose_copy.int", &transpose_rule},  {"aten::unsqueeze_copy", &unsqueeze_rule},
       {"aten::squeeze_copy", &squeeze_rule},          {"aten::squeeze_copy.dim", &squeeze_rule},
-      {"aten::squeeze_copy.dims", &squeeze_rule},     {"aten::select_copy.int", &along_dim_rule},
-      {"aten::slice_copy.Tensor", &along_dim_rule},   {"aten::split_copy.Tensor", &along_dim_rule},
-      {"aten::split_with_sizes_copy", &along_dim_rule}, {"aten::unbind_copy.int", &along_dim_rule},
-      {"aten::view_as_real_copy", &view_as_real_rule}, {"aten::view_as_complex_copy", &view_as_complex_rule},
+      {"aten::squeeze_copy.dims", &squeeze_rule},     {"aten::view_as_real_copy", &view_as_real_rule},
+      {"aten::view_as_complex_copy", &view_as_complex_rule},
   };
   for (const auto& [op, rule] : copies) r.add(op, rule);
   r.add("aten::_reshape_alias", &view_rule<false>);

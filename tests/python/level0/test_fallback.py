@@ -63,11 +63,9 @@ def fallback_cases():
     for mesh, place in ((M2, S0), (M4, S1), (M22, ["S(0)", "S(1)"]), (M2, P)):
         tag = f"{'x'.join(map(str, mesh[0]))}_{''.join(place).replace('(', '').replace(')', '')}"
         add(f"hardswish_{tag}", F.hardswish, [Input((5, 6), placements=place)], mesh)
-        add(f"reflection_pad_{tag}", lambda x: F.pad(x.unsqueeze(0), (2, 1), mode="reflect").squeeze(0),
-            [Input((5, 7), placements=place)], mesh)
+        add(f"glu_{tag}", lambda x: F.glu(x, dim=-1), [Input((5, 8), placements=place)], mesh)
         add(f"logsigmoid_{tag}", F.logsigmoid, [Input((6, 5), placements=place)], mesh)
-        add(f"upsample_{tag}", lambda x: F.interpolate(x.unsqueeze(0), scale_factor=2, mode="nearest").squeeze(0),
-            [Input((7, 4), placements=place)], mesh)
+        add(f"dist_{tag}", lambda x: torch.dist(x, torch.ones_like(x), p=3), [Input((7, 4), placements=place)], mesh)
     # several outputs, integer outputs, data-dependent sizes
     add("histogram_counts_and_edges", lambda x: torch.histogram(x, bins=4),
         [Input((6, 5), placements=S0, requires_grad=False)], M2)
@@ -75,12 +73,13 @@ def fallback_cases():
         [Input((7, 4), placements=S1, requires_grad=False)], M4)
     add("unique_consecutive", lambda x: torch.unique_consecutive(torch.round(x), return_counts=True),
         [Input((6, 5), placements=S0, requires_grad=False)], M2)
-    add("bincount", lambda x: torch.bincount(x), [Input((9,), torch.int64, placements=S0)], M2)
+    add("isin", lambda x: torch.isin(x, torch.tensor([0, 3])),
+        [Input((9,), torch.int64, init=randint(-5, 5), placements=S0)], M2)
     # an op with a rule that does not cover these arguments: a boolean mask index (data-dependent size)
     # a mask over a trailing dim (x[:, m]): not covered (masks over the leading dims are, masked.cpp)
     add("mask_index_not_covered", lambda x: x[:, x[0] > 0] * 2, [Input((6, 5), placements=S0)], M2)
-    add("take_int64", lambda x: torch.take(x, torch.tensor([0, 3, 8, 3])),
-        [Input((9,), torch.int64, init=randint(-5, 5), placements=S0)], M4)
+    add("block_diag_int64", lambda x: torch.block_diag(x, x * 2),
+        [Input((3, 3), torch.int64, init=randint(-5, 5), placements=S0)], M4)
     # fallback output feeding rule ops, and gradients through both
     add("logsigmoid_then_matmul", lambda x, w: F.logsigmoid(x) @ w,
         [Input((6, 6), placements=S0), Input((6, 4), placements=["S(1)"])], M2)
