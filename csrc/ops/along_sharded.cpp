@@ -191,27 +191,27 @@ OpPlan move_rule(const OpCall& call) {
   plan.inputs.push_back(make_layout(in, in.global_shape(), dims, partial));
   plan.outputs.push_back(plan.inputs[0]);
   if (exchanged.empty()) return plan;
-  const LayoutPtr layout = plan.inputs[0];
-  plan.expand = [layout, moved, exchanged, is_roll, dims_index](const OpCall& c, torch::jit::Stack& stack) {
+  // What each exchanged dim fetches, and what the local call still moves (a flip still reverses
+  // a fetched block; a roll's fetched block is already in place): made with the plan, whose key
+  // holds the shifts and dims.
+  const std::vector<int64_t> shifts = is_roll ? int_list(call.arg(1)) : std::vector<int64_t>{};
+  std::vector<SpanPlan> fetches;
+  std::vector<int64_t> rest_dims, rest_shifts;
+  for (size_t i = 0; i < moved.size(); ++i) {
+    const bool exchange = std::find(exchanged.begin(), exchanged.end(), static_cast<int64_t>(i)) != exchanged.end();
+    if (exchange)
+      fetches.push_back(move_plan(*plan.inputs[0], *call.mesh, moved[i],
+                                  is_roll ? std::optional<int64_t>(shifts[i]) : std::nullopt));
+    if (!exchange || !is_roll) {
+      rest_dims.push_back(moved[i]);
+      if (is_roll) rest_shifts.push_back(shifts[i]);
+    }
+  }
+  plan.expand = [fetches, rest_dims, rest_shifts, is_roll, dims_index](const OpCall& c, torch::jit::Stack& stack) {
     const size_t num = c.schema().arguments().size();
     c10::IValue* args = stack.data() + (stack.size() - num);
     at::Tensor local = args[0].toTensor();
-    std::vector<int64_t> shifts;
-    if (is_roll && args[1].isIntList()) shifts = args[1].toIntVector();
-    else if (is_roll)
-      for (const auto& s : args[1].toSymIntVector()) shifts.push_back(s.expect_int());
-    std::vector<int64_t> rest_dims, rest_shifts;  // what the local call still moves
-    for (size_t i = 0; i < moved.size(); ++i) {
-      const bool exchange = std::find(exchanged.begin(), exchanged.end(), static_cast<int64_t>(i)) != exchanged.end();
-      if (exchange) {
-        const std::optional<int64_t> shift = is_roll ? std::optional<int64_t>(shifts[i]) : std::nullopt;
-        local = runtime::fetch_spans(local, move_plan(*layout, *c.mesh, moved[i], shift), *c.mesh);
-      }
-      if (!exchange || !is_roll) {  // a flip still reverses the fetched block locally
-        rest_dims.push_back(moved[i]);
-        if (is_roll) rest_shifts.push_back(shifts[i]);
-      }
-    }
+    for (const SpanPlan& fetch : fetches) local = runtime::fetch_spans(local, fetch, *c.mesh);
     if (rest_dims.empty()) {  // a roll whose every dim was exchanged
       if (local.is_alias_of(args[0].toTensor())) local = local.clone();  // a roll by whole turns
       torch::jit::drop(stack, num);

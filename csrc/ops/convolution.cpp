@@ -99,34 +99,38 @@ ConvSplit conv_split(const Layout& input, bool transposed, int64_t groups) {
   return s;
 }
 
+// Item i of an int list argument that may hold one value for every spatial dim.
 int64_t list_item(const c10::IValue& list, size_t i) {
-  const auto& v = list.isIntList() ? list.toIntVector() : [&] {
-    std::vector<int64_t> out;
-    for (const auto& s : list.toSymIntVector()) out.push_back(s.expect_int());
-    return out;
-  }();
+  const auto v = int_list(list);
   return v.size() == 1 ? v[0] : v.at(i);
 }
 
 // What each member of the halo axis reads: the GLOBAL input span its output chunk needs (clipped
-// to the tensor), and how many zero positions of the padding go before and after it.
+// to the tensor), and how many zero positions of the padding go before and after it. Made with the
+// plan: it depends on the layouts and the scalar arguments only (both in the plan's key).
 struct HaloPlan {
   SpanPlan spans;
   int64_t zeros_before = 0, zeros_after = 0;  // this rank's
   int64_t output_length = 0;                  // this rank's output chunk
   int64_t input_length = 0;                   // this rank's input block
+  c10::IValue padding;                        // the padding argument with the halo dim's entry 0
 };
 
 // `first_list`: the index of the stride argument (padding and dilation follow it): 3 in
-// convolution, 4 in convolution_backward.
-HaloPlan plan_halo(const OpCall& c, const Layout& input, const Layout& output, int64_t dim, const c10::IValue* args,
-                   int64_t first_list, int64_t kernel) {
-  const runtime::DeviceMesh& mesh = *c.mesh;
+// convolution, 4 in convolution_backward; `weight`: the weight's index in call.tensors.
+HaloPlan plan_halo(const OpCall& call, const Layout& input, const Layout& output, int64_t dim, int64_t first_list,
+                   int64_t weight) {
+  const runtime::DeviceMesh& mesh = *call.mesh;
   const int64_t axis = input.dim_axes()[dim].front(), n = input.global_shape()[dim];
-  const size_t spatial = static_cast<size_t>(dim - 2);
+  const int64_t kernel = call.layout(weight).global_shape()[dim];
+  const size_t spatial = static_cast<size_t>(dim - 2), spatial_dims = static_cast<size_t>(input.ndim() - 2);
+  const c10::IValue* args = call.args;
   const int64_t stride = list_item(args[first_list], spatial), pad = list_item(args[first_list + 1], spatial),
                 dilation = list_item(args[first_list + 2], spatial);
   HaloPlan h;
+  std::vector<int64_t> padding;  // the fetched range carries the halo dim's padding
+  for (size_t i = 0; i < spatial_dims; ++i) padding.push_back(i == spatial ? 0 : list_item(args[first_list + 1], i));
+  h.padding = c10::IValue(padding);
   h.spans.dim = dim;
   h.spans.axis = axis;
   const int64_t me = mesh.coordinate(axis);
@@ -155,18 +159,11 @@ HaloPlan plan_halo(const OpCall& c, const Layout& input, const Layout& output, i
   return h;
 }
 
-// The padding list with the halo dim's entry 0 (the fetched range carries its padding).
-c10::IValue without_padding(const c10::IValue& padding, size_t spatial, size_t spatial_dims) {
-  std::vector<int64_t> out;
-  for (size_t i = 0; i < spatial_dims; ++i) out.push_back(i == spatial ? 0 : list_item(padding, i));
-  return c10::IValue(out);
-}
-
 // convolution(input, weight, bias?, stride, padding, dilation, transposed, output_padding, groups)
 OpPlan convolution_rule(const OpCall& call) {
   const Layout& input = call.layout(0);
   refuse_sum_partial(call, 0, "Replicate or Shard (a convolution adds its bias once; redistribute the Partial input first)");
-  const ConvSplit split = conv_split(input, call.arg(6).toBool(), call.arg(8).toInt());
+  const ConvSplit split = conv_split(input, call.arg(6).toBool(), int_arg(call.arg(8)));
   const auto halo = split.halo;
   OpPlan plan;
   plan.inputs.push_back(activation_layout(input, input.global_shape(), split));
@@ -177,17 +174,15 @@ OpPlan convolution_rule(const OpCall& call) {
   plan.outputs.push_back(activation_layout(input, meta_output_shapes(call).at(0), split));
   if (split.group_parts > 1) {
     const int64_t parts = split.group_parts;
-    plan.localize = [parts](const OpCall&, c10::IValue* args) { args[8] = c10::IValue(args[8].toInt() / parts); };
+    plan.localize = [parts](const OpCall&, c10::IValue* args) { args[8] = c10::IValue(int_arg(args[8]) / parts); };
   }
   if (!halo) return plan;
-  const LayoutPtr in_layout = plan.inputs[0], out_layout = plan.outputs[0];
-  const int64_t dim = *halo;
-  plan.expand = [in_layout, out_layout, dim](const OpCall& c, torch::jit::Stack& stack) {
+  const LayoutPtr out_layout = plan.outputs[0];
+  const HaloPlan h = plan_halo(call, *plan.inputs[0], *out_layout, *halo, 3, call.tensor_index(1));
+  plan.expand = [h, out_layout](const OpCall& c, torch::jit::Stack& stack) {
     const size_t num = c.schema().arguments().size();
     c10::IValue* args = stack.data() + (stack.size() - num);
     const at::Tensor local = args[0].toTensor();
-    const int64_t kernel = args[1].toTensor().size(dim);
-    const HaloPlan h = plan_halo(c, *in_layout, *out_layout, dim, args, 3, kernel);
     const at::Tensor padded = runtime::fetch_spans(local, h.spans, *c.mesh, h.zeros_before, h.zeros_after);
     if (h.output_length == 0) {  // an empty output chunk: nothing to convolve
       auto shape = out_layout->local_shape_at(c.mesh->position());
@@ -196,7 +191,7 @@ OpPlan convolution_rule(const OpCall& call) {
       return;
     }
     args[0] = padded;
-    args[4] = without_padding(args[4], static_cast<size_t>(dim - 2), static_cast<size_t>(local.dim() - 2));
+    args[4] = h.padding;
     c.op->callBoxed(stack);
   };
   return plan;
@@ -207,7 +202,7 @@ OpPlan convolution_rule(const OpCall& call) {
 OpPlan convolution_backward_rule(const OpCall& call) {
   const int64_t go = call.tensor_index(0, -1), in = call.tensor_index(1, -1);
   const Layout& input = call.layout(in);
-  const ConvSplit split = conv_split(input, call.arg(7).toBool(), call.arg(9).toInt());
+  const ConvSplit split = conv_split(input, call.arg(7).toBool(), int_arg(call.arg(9)));
   const auto halo = split.halo;
   OpPlan plan;
   for (size_t t = 0; t < call.tensors.size(); ++t) {
@@ -227,7 +222,7 @@ OpPlan convolution_backward_rule(const OpCall& call) {
   if (split.group_parts > 1) {
     const int64_t parts = split.group_parts;
     plan.localize = [parts](const OpCall&, c10::IValue* args) {
-      args[9] = c10::IValue(args[9].toInt() / parts);
+      args[9] = c10::IValue(int_arg(args[9]) / parts);
       if (!args[3].isNone()) {  // bias_sizes: this rank's out-channels
         std::vector<int64_t> sizes{list_item(args[3], 0) / parts};
         args[3] = c10::IValue(sizes);
@@ -235,14 +230,13 @@ OpPlan convolution_backward_rule(const OpCall& call) {
     };
   }
   if (!halo || go < 0 || in < 0) return plan;
-  const LayoutPtr in_layout = plan.inputs[in], out_layout = plan.inputs[go];
   const int64_t dim = *halo;
-  plan.expand = [in_layout, out_layout, dim](const OpCall& c, torch::jit::Stack& stack) {
+  const HaloPlan h = plan_halo(call, *plan.inputs[in], *plan.inputs[go], dim, 4, call.tensor_index(2));
+  plan.expand = [h, dim](const OpCall& c, torch::jit::Stack& stack) {
     const size_t num = c.schema().arguments().size();
     c10::IValue* args = stack.data() + (stack.size() - num);
     const at::Tensor local = args[1].toTensor(), weight = args[2].toTensor();
     const auto mask = args[10].toBoolList();
-    const HaloPlan h = plan_halo(c, *in_layout, *out_layout, dim, args, 4, weight.size(dim));
     const at::Tensor padded = runtime::fetch_spans(local, h.spans, *c.mesh, h.zeros_before, h.zeros_after);
     at::Tensor grad_input, grad_weight, grad_bias;
     if (h.output_length == 0) {  // no output positions here: zero contributions
@@ -252,7 +246,7 @@ OpPlan convolution_backward_rule(const OpCall& call) {
       torch::jit::drop(stack, num);
     } else {
       args[1] = padded;
-      args[5] = without_padding(args[5], static_cast<size_t>(dim - 2), static_cast<size_t>(local.dim() - 2));
+      args[5] = h.padding;
       c.op->callBoxed(stack);
       grad_bias = stack.back().toTensor();
       stack.pop_back();

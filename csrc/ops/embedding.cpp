@@ -126,7 +126,6 @@ OpPlan embedding_rule(const OpCall& call) {
 
 // ------------------------------------------------------------------ embedding_dense_backward
 
-int64_t int_arg(const c10::IValue& v) { return v.isInt() ? v.toInt() : v.toSymInt().expect_int(); }
 
 // The factors both embedding backwards share: grad [indices..., H], indices [...] -> [V, H].
 // Frequencies (scale_grad_by_freq) count every occurrence of an index: they need all indices.

@@ -75,7 +75,6 @@ using Stack = torch::jit::Stack;
 constexpr int64_t kNone = 0, kMean = 1, kSum = 2;  // at::Reduction
 
 
-int64_t int_arg(const c10::IValue& v) { return v.isInt() ? v.toInt() : v.toSymInt().expect_int(); }
 
 std::string partial_name(const Layout& l) { return std::string("Partial(") + layout::reduce_op_name(*l.partial_op()) + ")"; }
 

@@ -59,12 +59,6 @@ std::string leading_labels(int64_t n) {
   return labels;
 }
 
-std::vector<int64_t> int_list(const c10::IValue& v) {
-  if (v.isIntList()) return v.toIntVector();
-  std::vector<int64_t> out;
-  for (const auto& s : v.toSymIntVector()) out.push_back(s.expect_int());
-  return out;
-}
 
 OpPlan from_factors(const OpCall& call, const FactorSpec& spec) {
   const auto f = plan_factors(call, spec);

@@ -163,6 +163,10 @@ void reject_partial(const OpCall& call, int64_t t, const std::string& why);
 // `dim` in [-ndim, ndim) made non-negative (a 0-d tensor takes -1 and 0); out of range is the
 // house error, raised on every rank alike before anything runs.
 int64_t wrap_dim(const OpCall& call, int64_t dim, int64_t ndim);
+// A concrete int / SymInt argument as int64_t, and an int[] / SymInt[] argument as a vector
+// (the boxed stack carries either form, depending on the schema and the torch version).
+int64_t int_arg(const c10::IValue& v);
+std::vector<int64_t> int_list(const c10::IValue& v);
 
 // Each returned tensor's GLOBAL shape: the op run on meta tensors of its tensor arguments' global
 // shapes and dtypes, the other arguments as given (single tensor arguments only); an undefined

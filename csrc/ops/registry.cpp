@@ -87,6 +87,15 @@ void fail_call(const OpCall& call, const std::string& problem) {
   layout::fail(call.name(), problem + " (inputs: " + call.describe_inputs() + ")");
 }
 
+int64_t int_arg(const c10::IValue& v) { return v.isInt() ? v.toInt() : v.toSymInt().expect_int(); }
+
+std::vector<int64_t> int_list(const c10::IValue& v) {
+  if (v.isIntList()) return v.toIntVector();
+  std::vector<int64_t> out;
+  for (const auto& s : v.toSymIntVector()) out.push_back(s.expect_int());
+  return out;
+}
+
 int64_t wrap_dim(const OpCall& call, int64_t dim, int64_t ndim) {
   const int64_t n = std::max<int64_t>(ndim, 1);
   if (dim < -n || dim >= n) fail_call(call, layout::str_cat("dim ", dim, " is out of range for a ", ndim, "-d tensor"));

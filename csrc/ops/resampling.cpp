@@ -117,7 +117,7 @@ struct PaddedDim {
 // The padded dims (the last padding.size() / 2, the last dim first in `padding`) of a tensor whose
 // unpadded shape is `in_shape`.
 std::vector<PaddedDim> padded_dims(const OpCall& call, const std::vector<int64_t>& in_shape) {
-  const auto padding = call.arg(call.arg_index("padding")).toSymIntVector();
+  const auto padding = int_list(call.arg(call.arg_index("padding")));
   const int64_t n = static_cast<int64_t>(in_shape.size()), k = static_cast<int64_t>(padding.size()) / 2;
   // torch's kernels take a batch of channels (k + 2 dims) or the channels alone (k + 1)
   if (n != k + 1 && n != k + 2)
@@ -125,7 +125,7 @@ std::vector<PaddedDim> padded_dims(const OpCall& call, const std::vector<int64_t
   std::vector<PaddedDim> out;
   for (int64_t j = 0; j < k; ++j) {
     const int64_t d = n - 1 - j;
-    out.push_back({d, padding[2 * j].expect_int(), in_shape[d]});
+    out.push_back({d, padding[2 * j], in_shape[d]});
   }
   return out;
 }

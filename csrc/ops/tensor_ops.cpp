@@ -49,13 +49,7 @@ OpPlan like_rule(const OpCall& call) {
   return plan;
 }
 
-std::vector<int64_t> size_arg(const OpCall& call, const char* name) {
-  const auto& v = call.arg(call.arg_index(name));
-  if (v.isIntList()) return v.toIntVector();
-  std::vector<int64_t> out;
-  for (const auto& s : v.toSymIntVector()) out.push_back(s.expect_int());
-  return out;
-}
+std::vector<int64_t> size_arg(const OpCall& call, const char* name) { return int_list(call.arg(call.arg_index(name))); }
 
 // Rewrites the `size` argument (and `stride`, when present) to this rank's local shape.
 void localize_size(const OpCall& call, c10::IValue* args, const LayoutPtr& out) {

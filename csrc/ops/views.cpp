@@ -50,14 +50,6 @@
 namespace hypershard::ops {
 namespace {
 
-std::vector<int64_t> int_list(const c10::IValue& v) {
-  if (v.isIntList()) return v.toIntVector();
-  std::vector<int64_t> out;
-  for (const auto& s : v.toSymIntVector()) out.push_back(s.expect_int());
-  return out;
-}
-
-int64_t int_arg(const c10::IValue& v) { return v.isInt() ? v.toInt() : v.toSymInt().expect_int(); }
 
 // The input with `dims` made whole (their axes removed), other dims and Partial unchanged.
 LayoutPtr whole_dims(const Layout& l, const std::vector<int64_t>& dims) {
@@ -379,14 +371,15 @@ OpPlan exchanged_slice_plan(const OpCall& call, int64_t dim, SliceBounds b) {
   shape[dim] = b.length;
   OpPlan plan = single(call, call.tensors[0].layout, make_layout(in, shape, in.dim_axes(), in.partial()));
   plan.copies = true;
-  const LayoutPtr input = plan.inputs[0], output = plan.outputs[0];
-  plan.expand = [input, output, dim, b](const OpCall& c, torch::jit::Stack& stack) {
-    runtime::SpanPlan spans = runtime::owned_spans(*input, *c.mesh, dim);
-    for (size_t m = 0; m < spans.owned.size(); ++m) {
-      const runtime::Span out = runtime::member_span(*output, *c.mesh, spans.axis, static_cast<int64_t>(m), dim);
-      if (out.length() == 0) spans.wanted.emplace_back();
-      else spans.wanted.push_back({{b.start + b.step * out.begin, b.start + b.step * (out.end - 1) + 1}});
-    }
+  // the spans are made with the plan (the bounds are in its key)
+  runtime::SpanPlan spans = runtime::owned_spans(*plan.inputs[0], *call.mesh, dim);
+  const Layout& output = *plan.outputs[0];
+  for (size_t m = 0; m < spans.owned.size(); ++m) {
+    const runtime::Span out = runtime::member_span(output, *call.mesh, spans.axis, static_cast<int64_t>(m), dim);
+    if (out.length() == 0) spans.wanted.emplace_back();
+    else spans.wanted.push_back({{b.start + b.step * out.begin, b.start + b.step * (out.end - 1) + 1}});
+  }
+  plan.expand = [spans, dim, b](const OpCall& c, torch::jit::Stack& stack) {
     const size_t num = c.schema().arguments().size();
     const at::Tensor fetched = runtime::fetch_spans(stack[stack.size() - num].toTensor(), spans, *c.mesh);
     torch::jit::drop(stack, num);
@@ -403,26 +396,26 @@ OpPlan exchanged_slice_backward_plan(const OpCall& call, const std::vector<int64
   const Layout& grad = call.layout(0);
   const SliceBounds b = slice_bounds(call.arg(3), call.arg(4), int_arg(call.arg(5)), sizes[dim]);
   OpPlan plan = single(call, call.tensors[0].layout, make_layout(grad, sizes, grad.dim_axes(), grad.partial()));
-  const LayoutPtr input = plan.inputs[0], output = plan.outputs[0];
-  plan.expand = [input, output, dim, b](const OpCall& c, torch::jit::Stack& stack) {
-    runtime::SpanPlan spans = runtime::owned_spans(*input, *c.mesh, dim);
-    runtime::Span mine;  // the gradient positions this rank's chunk holds
-    for (size_t m = 0; m < spans.owned.size(); ++m) {
-      const runtime::Span out = runtime::member_span(*output, *c.mesh, spans.axis, static_cast<int64_t>(m), dim);
-      const int64_t from = out.begin - b.start;
-      const runtime::Span j{from <= 0 ? 0 : (from + b.step - 1) / b.step,
-                            std::min(b.length, out.end - b.start <= 0 ? 0 : (out.end - 1 - b.start) / b.step + 1)};
-      spans.wanted.push_back(j.length() > 0 ? std::vector<runtime::Span>{j} : std::vector<runtime::Span>{});
-      if (static_cast<int64_t>(m) == c.mesh->coordinate(spans.axis)) mine = j;
-    }
+  // the spans are made with the plan (the bounds are in its key)
+  const LayoutPtr output = plan.outputs[0];
+  runtime::SpanPlan spans = runtime::owned_spans(*plan.inputs[0], *call.mesh, dim);
+  runtime::Span mine;  // the gradient positions this rank's chunk holds
+  for (size_t m = 0; m < spans.owned.size(); ++m) {
+    const runtime::Span out = runtime::member_span(*output, *call.mesh, spans.axis, static_cast<int64_t>(m), dim);
+    const int64_t from = out.begin - b.start;
+    const runtime::Span j{from <= 0 ? 0 : (from + b.step - 1) / b.step,
+                          std::min(b.length, out.end - b.start <= 0 ? 0 : (out.end - 1 - b.start) / b.step + 1)};
+    spans.wanted.push_back(j.length() > 0 ? std::vector<runtime::Span>{j} : std::vector<runtime::Span>{});
+    if (static_cast<int64_t>(m) == call.mesh->coordinate(spans.axis)) mine = j;
+  }
+  const auto local_shape = output->local_shape_at(call.mesh->position());
+  const int64_t first = b.start + b.step * mine.begin - output->global_offset_at(call.mesh->position())[dim];
+  plan.expand = [spans, mine, local_shape, first, dim, b](const OpCall& c, torch::jit::Stack& stack) {
     const size_t num = c.schema().arguments().size();
     const at::Tensor local_grad = stack[stack.size() - num].toTensor();
     const at::Tensor fetched = runtime::fetch_spans(local_grad, spans, *c.mesh);
-    at::Tensor result = at::zeros(output->local_shape_at(c.mesh->position()), local_grad.options());
-    if (mine.length() > 0) {
-      const int64_t first = b.start + b.step * mine.begin - output->global_offset_at(c.mesh->position())[dim];
-      result.slice(dim, first, first + b.step * (mine.length() - 1) + 1, b.step).copy_(fetched);
-    }
+    at::Tensor result = at::zeros(local_shape, local_grad.options());
+    if (mine.length() > 0) result.slice(dim, first, first + b.step * (mine.length() - 1) + 1, b.step).copy_(fetched);
     torch::jit::drop(stack, num);
     stack.emplace_back(std::move(result));
   };
