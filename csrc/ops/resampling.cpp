@@ -140,19 +140,13 @@ struct PadExchange {
 
 PadExchange pad_exchange(Pad mode, const PaddedDim& pd, const Layout& in, const Layout& out,
                          const runtime::DeviceMesh& mesh) {
-  const int64_t axis = in.dim_axes()[pd.dim].front();
   PadExchange ex;
-  ex.plan.dim = pd.dim;
-  ex.plan.axis = axis;
-  const int64_t members = mesh.mesh()->shape()[axis];
-  const int64_t me = mesh.chunk_index({axis});
-  for (int64_t c = 0; c < members; ++c) {
-    const int64_t pos = mesh.member_position(axis, c);
-    const int64_t in_begin = in.global_offset_at(pos)[pd.dim];
-    ex.plan.owned.push_back({in_begin, in_begin + in.local_shape_at(pos)[pd.dim]});
-    const int64_t out_begin = out.global_offset_at(pos)[pd.dim], out_length = out.local_shape_at(pos)[pd.dim];
+  ex.plan = runtime::owned_spans(in, mesh, pd.dim);
+  const int64_t axis = ex.plan.axis, me = mesh.coordinate(axis);
+  for (int64_t c = 0; c < static_cast<int64_t>(ex.plan.owned.size()); ++c) {
+    const Span block = runtime::member_span(out, mesh, axis, c, pd.dim);
     std::vector<int64_t> sources;
-    for (int64_t p = out_begin; p < out_begin + out_length; ++p)
+    for (int64_t p = block.begin; p < block.end; ++p)
       sources.push_back(pad_source(mode, p, pd.left, pd.in_length));
     std::vector<int64_t> distinct = sources;
     std::sort(distinct.begin(), distinct.end());
@@ -231,41 +225,57 @@ OpPlan pad_rule(const OpCall& call) {
     return plan;
   }
 
-  plan.expand = [in, out](const OpCall& c, torch::jit::Stack& stack) {
+  // Each padded dim's work, made with the plan (the padding is in its key): an exchanged dim's
+  // spans and this block's places in them, a whole dim's GLOBAL sources.
+  struct PadStep {
+    PaddedDim pd;
+    bool exchange = false;
+    PadExchange ex;
+    int64_t fetched_length = 0;    // exchange: this rank's wanted positions
+    std::vector<int64_t> sources;  // whole: each output position's source
+  };
+  std::vector<PadStep> steps;
+  for (const PaddedDim& pd : pads) {
+    PadStep step{pd};
+    step.exchange = dim_parts(*in, pd.dim) > 1;
+    if (step.exchange) {
+      step.ex = pad_exchange(M, pd, *in, *out, *call.mesh);
+      for (const Span& w : step.ex.plan.wanted[call.mesh->coordinate(step.ex.plan.axis)]) step.fetched_length += w.length();
+    } else {
+      step.sources = whole_sources(M, pd, out->global_shape()[pd.dim]);
+    }
+    steps.push_back(std::move(step));
+  }
+  plan.expand = [steps, in](const OpCall& c, torch::jit::Stack& stack) {
     const size_t num = c.schema().arguments().size();
     c10::IValue* args = stack.data() + (stack.size() - num);
     at::Tensor local = args[0].toTensor();
-    const auto pads = padded_dims(c, in->global_shape());
     const runtime::DeviceMesh& mesh = *c.mesh;
-    const auto in_local = in->local_shape_at(mesh.position());
     if (!kBackward) {
       // Each padded dim in turn: pick the block's sources (fetched first where the dim is sharded).
-      for (const PaddedDim& pd : pads) {
-        if (!in->dim_axes()[pd.dim].empty()) {
-          const PadExchange ex = pad_exchange(M, pd, *in, *out, mesh);
-          const at::Tensor fetched = runtime::fetch_spans(local, ex.plan, mesh);
-          local = fetched.index_select(pd.dim, index_tensor(ex.index, fetched));
+      for (const PadStep& step : steps) {
+        const int64_t d = step.pd.dim;
+        if (step.exchange) {
+          const at::Tensor fetched = runtime::fetch_spans(local, step.ex.plan, mesh);
+          local = fetched.index_select(d, index_tensor(step.ex.index, fetched));
         } else {
-          local = local.index_select(pd.dim, index_tensor(whole_sources(M, pd, out->global_shape()[pd.dim]), local));
+          local = local.index_select(d, index_tensor(step.sources, local));
         }
       }
     } else {
       // The adjoint, dim by dim: the gradient of every output position is added to its source;
       // for a sharded dim on the fetched positions, then summed at their owners.
-      for (auto it = pads.rbegin(); it != pads.rend(); ++it) {
-        const PaddedDim& pd = *it;
+      const auto in_local = in->local_shape_at(mesh.position());
+      for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+        const int64_t d = it->pd.dim;
         auto shape = local.sizes().vec();
-        if (!in->dim_axes()[pd.dim].empty()) {
-          const PadExchange ex = pad_exchange(M, pd, *in, *out, mesh);
-          int64_t fetched_length = 0;
-          for (const Span& s : ex.plan.wanted[mesh.chunk_index({ex.plan.axis})]) fetched_length += s.length();
-          shape[pd.dim] = fetched_length;
-          const at::Tensor summed = at::zeros(shape, local.options()).index_add_(pd.dim, index_tensor(ex.index, local), local);
-          local = runtime::return_spans_summed(summed, in_local[pd.dim], ex.plan, mesh);
+        if (it->exchange) {
+          shape[d] = it->fetched_length;
+          const at::Tensor summed = at::zeros(shape, local.options()).index_add_(d, index_tensor(it->ex.index, local), local);
+          local = runtime::return_spans_summed(summed, in_local[d], it->ex.plan, mesh);
         } else {
-          shape[pd.dim] = pd.in_length;
-          const auto sources = whole_sources(M, pd, out->global_shape()[pd.dim]);
-          local = at::zeros(shape, local.options()).index_add_(pd.dim, index_tensor(sources, local), local);
+          shape[d] = it->pd.in_length;
+          local = at::zeros(shape, local.options()).index_add_(d, index_tensor(it->sources, local), local);
         }
       }
     }
