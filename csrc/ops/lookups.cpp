@@ -14,13 +14,14 @@
 // Output: the query's layout. Partial: a search maps each value through a step function, which is
 // not linear, so a sum/avg Partial query is an error (default mode reduces it first); take only
 // selects elements of the table (linear in self): a sum Partial table passes through to the
-// output on the mesh axes that do not shard the index (reduced first on those that do). Integer indices are never Partial.
+// output on the mesh axes that do not shard the index (reduced first on those that do). Integer
+// indices are never Partial.
 #include "ops/families.h"
 
 namespace hypershard::ops {
 namespace {
 
-// The query's layout for the output, Partial dropped.
+// The output's layout: the query's sharding, with `partial` (none for a search).
 LayoutPtr query_output(const Layout& query, const std::vector<int64_t>& shape, layout::PartialOps partial = {}) {
   return make_layout(query, shape, query.dim_axes(), std::move(partial));
 }
