@@ -79,11 +79,9 @@ def block_bytes(x):
 def cases():
     out = []
 
-    def add(name, fn, shape, placements, mesh, limit, dtype=torch.float32, init=None, check_grad=True, rtol=None,
-            keep=True):
+    def add(name, fn, shape, placements, mesh, limit, dtype=torch.float32, init=None, check_grad=True, keep=True):
         out.append(Case(name, fn, [Input(shape, dtype, placements=placements, init=init)], mesh,
-                        dist_fn=checked(fn, limit, keep), check_grad=check_grad and dtype.is_floating_point,
-                        rtol=rtol))
+                        dist_fn=checked(fn, limit, keep), check_grad=check_grad and dtype.is_floating_point))
 
     layouts = ((M2, ["S(1)"], "2"), (M4, ["S(1)"], "4"), (M22, ["S(0)", "S(1)"], "2x2"),
                (M22, ["S(1)", "S(1)"], "2x2_two_axes"), (M222, ["S(0)", "S(1)", "S(1)"], "2x2x2"))
