@@ -385,6 +385,65 @@ bool is_summing_write(const std::string& name) {
          name == "aten::scatter_add_";
 }
 
+// A GLOBAL index along a dim this rank holds positions [begin, begin + length) of, as local
+// positions clamped into the block, with `foreign` marking (true) the indices another rank owns;
+// `foreign` is undefined when this rank owns every index (then a block starting at 0 passes the
+// index itself: no new tensor). A contiguous CPU index is read in one loop, which also raises
+// torch's out-of-range error for an index outside [0, global) (clamping would turn it into a
+// silent zero); any other runs as tensor ops (reading it would synchronise a device).
+struct OwnedIndex {
+  at::Tensor local;
+  at::Tensor foreign;
+  bool all_foreign = false;
+};
+
+template <typename T>
+OwnedIndex localize_cpu_index(const OpCall& call, const at::Tensor& index, int64_t dim, int64_t begin,
+                              int64_t length, int64_t global) {
+  const T* in = index.const_data_ptr<T>();
+  const int64_t n = index.numel();
+  int64_t owned_count = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t v = static_cast<int64_t>(in[i]);
+    HS_CHECK(v >= 0 && v < global, call.schema().name(), "index ", v, " is out of bounds for dimension ", dim,
+             " with size ", global);
+    owned_count += v >= begin && v < begin + length;
+  }
+  OwnedIndex out;
+  if (owned_count == n && begin == 0) {
+    out.local = index;
+    return out;
+  }
+  out.local = at::empty_like(index, at::MemoryFormat::Contiguous);
+  T* local = out.local.mutable_data_ptr<T>();
+  if (owned_count == n) {
+    for (int64_t i = 0; i < n; ++i) local[i] = static_cast<T>(in[i] - begin);
+    return out;
+  }
+  out.all_foreign = owned_count == 0;
+  out.foreign = at::empty(index.sizes(), index.options().dtype(at::kBool));
+  bool* foreign = out.foreign.mutable_data_ptr<bool>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t v = static_cast<int64_t>(in[i]) - begin;
+    foreign[i] = v < 0 || v >= length;
+    local[i] = static_cast<T>(std::clamp<int64_t>(v, 0, length - 1));
+  }
+  return out;
+}
+
+OwnedIndex localize_index(const OpCall& call, const at::Tensor& index, int64_t dim, int64_t begin, int64_t length,
+                          int64_t global) {
+  if (index.is_cpu() && index.is_contiguous()) {
+    if (index.scalar_type() == at::kLong) return localize_cpu_index<int64_t>(call, index, dim, begin, length, global);
+    if (index.scalar_type() == at::kInt) return localize_cpu_index<int32_t>(call, index, dim, begin, length, global);
+  }
+  OwnedIndex out;
+  const at::Tensor local_index = index - begin;
+  out.local = local_index.clamp(0, length - 1);
+  out.foreign = local_index.ne(out.local);
+  return out;
+}
+
 OpPlan owned_indexing_rule(const OpCall& call) {
   const Layout& self = call.layout(0);
   const int64_t n = self.ndim();
@@ -446,7 +505,8 @@ OpPlan owned_indexing_rule(const OpCall& call) {
   // overwriting writes use the pad slice (a clamped index would overwrite a real position).
   const bool summing = is_summing_write(name);
   const bool rows_index = name.rfind("aten::index_", 0) == 0;  // a 1-d index along dim
-  plan.expand = [layout, dim, read, in_place, summing, rows_index](const OpCall& c, torch::jit::Stack& stack) {
+  const int64_t global = self.global_shape()[dim];
+  plan.expand = [layout, dim, global, read, in_place, summing, rows_index](const OpCall& c, torch::jit::Stack& stack) {
     const size_t num = c.schema().arguments().size();
     c10::IValue* args = stack.data() + (stack.size() - num);
     at::Tensor local = args[0].toTensor();
@@ -459,27 +519,25 @@ OpPlan owned_indexing_rule(const OpCall& call) {
       return mask.view(shape);
     };
     if ((read || summing) && length > 0) {
-      // local positions, clamped into the block; where clamping moved one, the index is another
-      // rank's (few ops: this runs per call on small tensors too)
-      const at::Tensor local_index = index - begin;
-      const at::Tensor clamped = local_index.clamp(0, length - 1);
-      const at::Tensor foreign = local_index.ne(clamped);
-      args[2] = clamped;
-      if (summing) {
+      // local positions, clamped into the block; `foreign` marks the indices of another rank
+      const OwnedIndex owned = localize_index(c, index, dim, begin, length, global);
+      args[2] = owned.local;
+      if (summing && owned.foreign.defined()) {
         const int64_t source = c.arg_index(rows_index ? "source" : "src");
         at::Tensor values = args[source].toTensor();
         if (rows_index) {
-          values = values.masked_fill(along_dim(foreign, values), 0);
+          values = values.masked_fill(along_dim(owned.foreign, values), 0);
         } else {
           for (int64_t d = 0; d < index.dim(); ++d) values = values.narrow(d, 0, index.size(d));
-          values = values.masked_fill(foreign, 0);
+          values = values.masked_fill(owned.foreign, 0);
         }
         args[source] = std::move(values);
       }
       c.op->callBoxed(stack);
-      if (read) {
+      if (read && owned.foreign.defined()) {
         at::Tensor result = stack.back().toTensor();
-        result.masked_fill_(rows_index ? along_dim(foreign, result) : foreign, 0);
+        if (owned.all_foreign) result.zero_();
+        else result.masked_fill_(rows_index ? along_dim(owned.foreign, result) : owned.foreign, 0);
       }
       return;
     }

@@ -338,8 +338,13 @@ constexpr EinsumSpec kGroupedContraction{"km,mn->ekn", false, "me"};
 constexpr EinsumSpec kGroupedBatch{"bmk,bkn->bmn", false};
 
 std::vector<int64_t> group_ends(const at::Tensor& offs) {
-  const auto values = offs.to(at::kLong).contiguous();
-  return {values.const_data_ptr<int64_t>(), values.const_data_ptr<int64_t>() + values.numel()};
+  const at::Tensor values = offs.is_cpu() && offs.is_contiguous() ? offs : offs.cpu().contiguous();
+  if (values.scalar_type() == at::kInt) {
+    const int32_t* v = values.const_data_ptr<int32_t>();
+    return {v, v + values.numel()};
+  }
+  const at::Tensor longs = values.to(at::kLong);
+  return {longs.const_data_ptr<int64_t>(), longs.const_data_ptr<int64_t>() + longs.numel()};
 }
 
 OpPlan grouped_mm_rule(const OpCall& call) {
@@ -376,21 +381,32 @@ OpPlan grouped_mm_rule(const OpCall& call) {
     c10::ScalarType dtype = x.scalar_type();
     if (const auto i = c.schema().argumentIndexWithName("out_dtype"); i && !args[*i].isNone())
       dtype = args[*i].toScalarType();
+    // Each group's product is written into its block of the result (mm_out: no temporary); only
+    // the rows no local group computes are zeroed.
     at::Tensor out;
     if (rows) {
-      const int64_t first = weight->global_offset_at(c.mesh->position())[0];
-      out = at::zeros({x.size(0), w.size(2)}, x.options().dtype(dtype));
-      for (int64_t g = 0; g < w.size(0); ++g) {
+      const int64_t first = weight->global_offset_at(c.mesh->position())[0], local_groups = w.size(0);
+      const int64_t rows_begin = first == 0 ? 0 : ends.at(first - 1);
+      const int64_t rows_end = local_groups == 0 ? rows_begin : ends.at(first + local_groups - 1);
+      out = at::empty({x.size(0), w.size(2)}, x.options().dtype(dtype));
+      if (rows_begin > 0) out.narrow(0, 0, rows_begin).zero_();
+      if (rows_end < x.size(0)) out.narrow(0, rows_end, x.size(0) - rows_end).zero_();
+      for (int64_t g = 0; g < local_groups; ++g) {
         const int64_t e = first + g;
         const int64_t begin = e == 0 ? 0 : ends.at(e - 1), end = ends.at(e);
-        if (end > begin) out.narrow(0, begin, end - begin).copy_(at::mm(x.narrow(0, begin, end - begin), w[g]));
+        if (end > begin) {
+          at::Tensor block = out.narrow(0, begin, end - begin);
+          at::mm_out(block, x.narrow(0, begin, end - begin), w[g]);
+        }
       }
     } else {
       const int64_t groups = static_cast<int64_t>(ends.size());
-      out = at::zeros({groups, x.size(0), w.size(1)}, x.options().dtype(dtype));
+      out = at::empty({groups, x.size(0), w.size(1)}, x.options().dtype(dtype));
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t begin = g == 0 ? 0 : ends[g - 1], end = ends[g];
-        if (end > begin) out[g].copy_(at::mm(x.narrow(1, begin, end - begin), w.narrow(0, begin, end - begin)));
+        at::Tensor block = out[g];
+        if (end > begin) at::mm_out(block, x.narrow(1, begin, end - begin), w.narrow(0, begin, end - begin));
+        else block.zero_();
       }
     }
     torch::jit::drop(stack, n);

@@ -114,6 +114,10 @@ def _ops():
         "embedding_index_out_of_range": lambda w: F.embedding(
             hs.distribute_tensor(torch.tensor([[1, 20]]), current_mesh(), [hs.Replicate()]), w),
         "one_hot_class_out_of_range": lambda i: F.one_hot(i, 3),
+        # a read by ownership (self sharded along the indexed dim) checks the GLOBAL range: a
+        # clamped index would otherwise read a silent zero
+        "index_select_owned_out_of_range": lambda x: torch.index_select(x, 0, torch.tensor([1, 4])),
+        "gather_owned_out_of_range": lambda x: torch.gather(x, 0, torch.tensor([[0, -1]])),
         # unsupported operators
         "missing_operator": lambda x: torch.isin(x, torch.tensor([-1.0, 0.0, 1.0])),
         "different_meshes": lambda x: x + hs.distribute_tensor(
@@ -195,6 +199,8 @@ EXPECTED = {
     "narrow_out_of_range": ("", "start (4) + length (5) exceeds dimension size (6)"),
     "embedding_index_out_of_range": ("W", "IndexError: index out of range in self"),
     "one_hot_class_out_of_range": ("I", "Class values must be smaller than num_classes"),
+    "index_select_owned_out_of_range": ("", "aten::index_select: index 4 is out of bounds for dimension 0 with size 4"),
+    "gather_owned_out_of_range": ("", "aten::gather: index -1 is out of bounds for dimension 0 with size 4"),
     "missing_operator": ("", "Missing operator aten::isin.Tensor_Tensor"),
     "different_meshes": ("", "operands live on different meshes"),
 }
