@@ -60,17 +60,35 @@ layout::PartialOps kept_partial(const OpCall& call, bool linear, const char* all
 
 // ------------------------------------------------------------------ scans
 
+// What a scan along a sharded dim needs of the layout on this rank, made with the plan: the axes
+// sharding the dim, the GLOBAL offset of this rank's block, and the chunks before it that hold
+// elements (an empty chunk of uneven shards has no total to fold in).
+struct ScanFold {
+  std::vector<int64_t> axes;
+  int64_t offset = 0;
+  std::vector<int64_t> earlier;
+};
+
+ScanFold scan_fold(const Layout& l, const runtime::DeviceMesh& mesh, int64_t dim) {
+  ScanFold fold;
+  fold.axes = l.dim_axes()[dim];
+  fold.offset = l.global_offset_at(mesh.position())[dim];
+  const int64_t mine = mesh.chunk_index(fold.axes);
+  for (int64_t j = 0; j < mine; ++j)
+    if (l.local_shape_at(mesh.chunk_member_position(fold.axes, j))[dim] > 0) fold.earlier.push_back(j);
+  return fold;
+}
+
 // Folds the chunk totals before this rank's into its local scan (the stack holds the op's
 // returns: the values, and for cummax/cummin the local indices).
-void fold_scan_totals(Scan scan, const OpCall& call, const LayoutPtr& layout, int64_t dim, torch::jit::Stack& stack) {
+void fold_scan_totals(Scan scan, const OpCall& call, const ScanFold& fold, int64_t dim, torch::jit::Stack& stack) {
   const runtime::DeviceMesh& mesh = *call.mesh;
-  const auto& axes = layout->dim_axes()[dim];
+  const auto& axes = fold.axes;
   const bool indexed = scan == Scan::kMax || scan == Scan::kMin;
   at::Tensor values = stack[stack.size() - (indexed ? 2 : 1)].toTensor();
   at::Tensor indices = indexed ? stack.back().toTensor() : at::Tensor();
   const int64_t length = values.size(dim);
-  const int64_t mine = mesh.chunk_index(axes);
-  if (indexed) indices.add_(layout->global_offset_at(mesh.position())[dim]);  // local -> GLOBAL
+  if (indexed) indices.add_(fold.offset);  // local -> GLOBAL
   // Each rank's last slice (zeros for an empty block: skipped below, its length is known).
   auto last = [&](const at::Tensor& t) {
     if (length > 0) return t.narrow(dim, length - 1, 1).contiguous();
@@ -87,8 +105,7 @@ void fold_scan_totals(Scan scan, const OpCall& call, const LayoutPtr& layout, in
     return better.logical_or(at::isnan(candidate));
   };
   at::Tensor prefix, prefix_indices;
-  for (int64_t j = 0; j < mine; ++j) {
-    if (layout->local_shape_at(mesh.chunk_member_position(axes, j))[dim] == 0) continue;
+  for (const int64_t j : fold.earlier) {
     const at::Tensor total = totals.narrow(dim, j, 1);
     if (!prefix.defined()) {
       prefix = total;
@@ -138,10 +155,10 @@ OpPlan scan_rule(const OpCall& call) {
   plan.outputs.push_back(plan.inputs[0]);
   if (S == Scan::kMax || S == Scan::kMin) plan.outputs.push_back(make_layout(in, in.global_shape(), dims, {}));
   if (in.ndim() > 0 && dim_parts(*plan.inputs[0], dim) > 1) {
-    const LayoutPtr layout = plan.inputs[0];
-    plan.expand = [layout, dim](const OpCall& c, torch::jit::Stack& stack) {
+    plan.expand = [fold = scan_fold(*plan.inputs[0], *call.mesh, dim), dim](const OpCall& c,
+                                                                            torch::jit::Stack& stack) {
       c.op->callBoxed(stack);
-      fold_scan_totals(S, c, layout, dim, stack);
+      fold_scan_totals(S, c, fold, dim, stack);
     };
   }
   return plan;

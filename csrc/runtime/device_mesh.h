@@ -34,12 +34,6 @@ class DeviceMesh {
   int64_t rank() const { return rank_; }
   int64_t position() const { return position_; }  // row-major position of this rank
   int64_t coordinate(int64_t axis) const { return mesh_->coordinate_on(position_, axis); }
-  // Mesh position of the member with coordinate `c` on `axis` in this rank's group on `axis`.
-  int64_t member_position(int64_t axis, int64_t c) const {
-    auto coord = mesh_->coordinate_at(position_);
-    coord[axis] = c;
-    return mesh_->position_at(coord);
-  }
   // For a dim sharded over `axes` (major -> minor): this rank's chunk index, and the mesh
   // position of the member (this rank's other coordinates) that holds chunk `chunk`.
   int64_t chunk_index(const std::vector<int64_t>& axes) const {
@@ -55,6 +49,9 @@ class DeviceMesh {
     }
     return mesh_->position_at(coord);
   }
+  // The member with coordinate `c` on `axis` in this rank's group on `axis` (a dim sharded over
+  // that axis alone).
+  int64_t member_position(int64_t axis, int64_t c) const { return chunk_member_position({axis}, c); }
   c10::DeviceType device_type() const { return device_type_; }
   c10d::ProcessGroup& group(int64_t axis) const;
   bool has_group(int64_t axis) const { return groups_.at(axis).defined(); }

@@ -26,11 +26,18 @@
 namespace hypershard::runtime {
 namespace {
 
+using detail::arg_tensor;
 using detail::CachedPlan;
+using detail::collect_tensors;
 using detail::dtensor_fallback;
+using detail::g_hits;
+using detail::g_strict;
 using detail::hash_key;
+using detail::infer;
 using detail::install_grad_hook;
 using detail::kMaxPlansPerOp;
+using detail::layout_plain_tensors;
+using detail::missing_operator;
 using detail::op_info;
 using detail::OpInfo;
 using detail::PlanKey;
@@ -39,8 +46,6 @@ using detail::ReturnKind;
 
 
 std::atomic<int64_t> g_calls{0};
-// Strict mode: an op without a rule raises instead of running through replicate_fallback.
-std::atomic<bool> g_strict{false};
 std::atomic<int64_t> g_fallback_calls{0};
 std::atomic<int64_t> g_fallback_bytes{0};
 std::atomic<int64_t> g_implicit_calls{0};
@@ -48,7 +53,6 @@ std::atomic<bool> g_check_replicas{false};
 
 std::shared_mutex g_infos_mutex;
 auto* g_infos = new std::unordered_map<const void*, OpInfo*>();  // never destroyed
-std::atomic<int64_t> g_hits{0};
 std::atomic<int64_t> g_fast_calls{0};
 
 OpInfo* build_op_info(const c10::OperatorHandle& op) {
@@ -107,231 +111,6 @@ OpInfo& detail::op_info(const c10::OperatorHandle& op) {
 }
 
 namespace {
-
-// ------------------------------------------------------------------ preprocess
-
-bool is_tensor_list_type(const c10::TypePtr& type) {
-  if (type->kind() != c10::TypeKind::ListType) return false;
-  auto elem = type->expectRef<c10::ListType>().getElementType();
-  if (elem->kind() == c10::TypeKind::OptionalType) elem = elem->expectRef<c10::OptionalType>().getElementType();
-  return elem->kind() == c10::TypeKind::TensorType;
-}
-
-void add_tensor(ops::OpCall& call, const at::Tensor& t, int64_t arg, int64_t item) {
-  if (!t.defined()) return;
-  ops::TensorArg ta;
-  ta.arg = arg;
-  ta.item = item;
-  ta.dtype = t.scalar_type();
-  if (auto* impl = dtensor_impl(t)) {
-    ta.is_dtensor = true;
-    ta.layout = impl->layout();
-    if (!call.mesh) {
-      call.mesh = impl->device_mesh();
-    } else if (call.mesh != impl->device_mesh() && !call.mesh->same_mesh(*impl->device_mesh())) {
-      layout::fail(call.name(), "operands live on different meshes: " + call.mesh->to_string() + " and " +
-                                    impl->device_mesh()->to_string() + "; allowed: one mesh per op");
-    }
-  }
-  call.tensors.push_back(std::move(ta));
-}
-
-void collect_tensors(ops::OpCall& call) {
-  const auto& args = call.schema().arguments();
-  for (size_t a = 0; a < args.size(); ++a) {
-    const c10::IValue& v = call.args[a];
-    if (v.isTensor()) {
-      add_tensor(call, v.toTensor(), static_cast<int64_t>(a), -1);
-    } else if (v.isTensorList()) {
-      auto list = v.toTensorList();
-      for (size_t i = 0; i < list.size(); ++i) add_tensor(call, list.get(i), static_cast<int64_t>(a), static_cast<int64_t>(i));
-    } else if (v.isList() && is_tensor_list_type(args[a].type())) {
-      auto list = v.toList();
-      for (size_t i = 0; i < list.size(); ++i) {
-        const c10::IValue item = list.get(i);
-        if (item.isTensor()) add_tensor(call, item.toTensor(), static_cast<int64_t>(a), static_cast<int64_t>(i));
-      }
-    }
-  }
-}
-
-// Key of one non-tensor argument (values that can change a plan).
-template <typename Key>
-void append_scalar_key(Key& key, const c10::IValue& v) {
-  if (v.isNone()) {
-    key.push_back(-7);
-  } else if (v.isInt() || v.isBool()) {
-    key.push_back(v.isInt() ? v.toInt() : static_cast<int64_t>(v.toBool()));
-  } else if (v.isDouble()) {
-    const double d = v.toDouble();
-    int64_t bits;
-    std::memcpy(&bits, &d, sizeof(bits));
-    key.push_back(bits);
-  } else if (v.isIntList()) {
-    const auto list = v.toIntList();
-    key.push_back(static_cast<int64_t>(list.size()));
-    for (int64_t x : list) key.push_back(x);
-  } else if (v.isBoolList()) {
-    const auto list = v.toBoolList();
-    key.push_back(static_cast<int64_t>(list.size()));
-    for (bool x : list) key.push_back(x);
-  } else if (v.isString()) {
-    key.push_back(static_cast<int64_t>(std::hash<std::string>()(v.toStringRef())));
-  } else if (v.isDevice()) {
-    key.push_back(static_cast<int64_t>(v.toDevice().type()) * 1000 + v.toDevice().index());
-  } else if (v.isScalar()) {
-    append_scalar_key(key, v.toScalar().isFloatingPoint() ? c10::IValue(v.toScalar().toDouble())
-                                                          : c10::IValue(v.toScalar().toLong()));
-  } else if (v.isTensor() || v.isTensorList() || v.isList()) {
-    // tensors are keyed separately
-  } else {
-    key.push_back(static_cast<int64_t>(v.tagKind().size()) * 7919 + 13);  // by kind only
-  }
-}
-
-void plan_key(const ops::OpCall& call, const ops::RuleEntry& rule, PlanKey& key) {
-  for (const auto& t : call.tensors) {
-    if (t.is_dtensor) {
-      key.push_back(reinterpret_cast<int64_t>(t.layout.get()));
-    } else {
-      const auto& v = call.args[t.arg];
-      const at::Tensor tensor = t.item < 0 ? v.toTensor()
-                                           : (v.isTensorList() ? v.toTensorList().get(t.item) : v.toList().get(t.item).toTensor());
-      key.push_back(-1 - tensor.dim());
-      for (int64_t s : tensor.sizes()) key.push_back(s);
-    }
-    key.push_back((t.arg << 20) + (t.item << 8) + static_cast<int64_t>(t.dtype));
-  }
-  key.push_back(call.in_backward);
-  if (rule.key == ops::KeyScalars::kAll)
-    for (int64_t a = 0; a < call.num_args(); ++a) append_scalar_key(key, call.args[a]);
-}
-
-const at::Tensor& arg_tensor(const c10::IValue* args, const ops::TensorArg& t, at::Tensor& scratch) {
-  const auto& v = args[t.arg];
-  if (t.item < 0) return v.toTensor();
-  scratch = v.isTensorList() ? v.toTensorList().get(t.item) : v.toList().get(t.item).toTensor();
-  return scratch;
-}
-
-[[noreturn]] void missing_operator(const ops::OpCall& call) {
-  TORCH_CHECK(false, "hypershard: Missing operator ", call.name(), ": no distributed rule for this op; inputs: ",
-              call.describe_inputs());
-}
-
-// A plain tensor operand counts as Replicate on the call's mesh, with its own shape.
-void layout_plain_tensors(ops::OpCall& call) {
-  for (auto& t : call.tensors) {
-    if (t.is_dtensor) continue;
-    at::Tensor scratch;
-    const auto& tensor = arg_tensor(call.args, t, scratch);
-    t.layout = intern_layout(layout::Layout::replicate(call.mesh->mesh(), tensor.sizes().vec()));
-  }
-}
-
-// Default mode's torch-parity answer to a rule that refuses the caller's layouts (a Partial input
-// the op cannot keep, a view that would cut a shard, operands sharded unlike each other): the
-// rule is asked again with the DTensor inputs redistributed -- Partial inputs reduced, then also
-// shards gathered over one mesh axis, then two, ... -- and the first plan it accepts is used
-// (the fewest axes gathered; the dispatch redistributes the inputs to the plan's layouts, and a
-// view of a redistributed input refuses writes). A refusal of every candidate (a genuine error,
-// such as mismatched shapes) and strict mode raise the rule's own error.
-ops::OpPlan run_rule(const OpInfo& info, ops::OpCall& call) {
-  try {
-    return info.rule->rule(call);
-  } catch (const ops::NotCovered&) {
-    throw;
-  } catch (const layout::LayoutError& refusal) {
-    if (g_strict.load(std::memory_order_relaxed)) throw;
-    std::vector<LayoutPtr> given;
-    bool any_partial = false;
-    for (const auto& t : call.tensors) {
-      given.push_back(t.layout);
-      any_partial = any_partial || (t.is_dtensor && t.layout->has_partial());
-    }
-    auto restore = [&] {
-      for (size_t i = 0; i < given.size(); ++i) call.tensors[i].layout = given[i];
-    };
-    const int64_t axes = call.mesh->mesh()->ndim();
-    for (int64_t gathered = 0; gathered <= axes; ++gathered) {
-      for (uint32_t mask = 0; mask < (1u << axes); ++mask) {
-        if (__builtin_popcount(mask) != gathered || (gathered == 0 && !any_partial)) continue;
-        bool changed = false;
-        for (size_t i = 0; i < given.size(); ++i) {
-          if (!call.tensors[i].is_dtensor) continue;
-          layout::Layout candidate = *given[i];
-          for (int64_t axis = 0; axis < axes; ++axis)
-            if (candidate.is_partial(axis) || (((mask >> axis) & 1u) && candidate.is_sharded(axis)))
-              candidate = candidate.without_axis(axis);
-          call.tensors[i].layout = intern_layout(std::move(candidate));
-          changed = changed || call.tensors[i].layout != given[i];
-        }
-        if (!changed) continue;
-        try {
-          ops::OpPlan plan = info.rule->rule(call);
-          restore();
-          plan.refused = refusal.what();
-          return plan;
-        } catch (const layout::LayoutError&) {
-        }
-      }
-    }
-    restore();
-    throw;
-  }
-}
-
-// `record`: count the lookup in the dispatch stats and keep a computed plan in the caches; a
-// peek (the fast path filling its own slot) does neither, so the call it then makes through
-// the fallback is counted once, as what it is.
-std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call, bool record = true) {
-  PlanKey key;
-  plan_key(call, *info.rule, key);
-  const uint64_t hash = hash_key(key);
-  auto same = [&](const CachedPlan& c) {
-    return c.key.size() == key.size() && std::equal(key.begin(), key.end(), c.key.begin());
-  };
-  // Per-thread direct-mapped cache in front of the shared one (plans are immutable).
-  struct Slot {
-    const OpInfo* info = nullptr;
-    uint64_t hash = 0;
-    uint64_t generation = 0;
-    CachedPlan entry;
-  };
-  thread_local std::vector<Slot> slots(1024);
-  Slot& slot = slots[(hash ^ reinterpret_cast<uintptr_t>(&info)) & 1023];
-  const uint64_t generation = info.generation.load(std::memory_order_acquire);
-  if (slot.info == &info && slot.hash == hash && slot.generation == generation && same(slot.entry)) {
-    if (record) g_hits.fetch_add(1, std::memory_order_relaxed);
-    return slot.entry.plan;
-  }
-  auto remember = [&](const CachedPlan& c) {
-    if (record) slot = Slot{&info, hash, generation, c};
-  };
-  {
-    std::shared_lock<std::shared_mutex> read(info.mutex);
-    for (auto [it, end] = info.plans.equal_range(hash); it != end; ++it)
-      if (same(it->second)) {
-        if (record) g_hits.fetch_add(1, std::memory_order_relaxed);
-        remember(it->second);
-        return it->second.plan;
-      }
-  }
-  // Miss: plain tensors become Replicate layouts, then the rule runs.
-  layout_plain_tensors(call);
-  auto plan = std::make_shared<ops::OpPlan>(run_rule(info, call));
-  HS_CHECK(plan->inputs.size() == call.tensors.size(), info.name,
-           "internal error: the rule returned ", plan->inputs.size(), " input layouts for ", call.tensors.size(), " tensors");
-  if (!record) return plan;
-  std::unique_lock<std::shared_mutex> write(info.mutex);
-  if (info.plans.size() >= kMaxPlansPerOp) {  // bounded, whatever the workload
-    info.plans.clear();
-    info.generation.fetch_add(1, std::memory_order_release);  // invalidates the per-thread slots
-  }
-  auto it = info.plans.emplace(hash, CachedPlan{std::vector<int64_t>(key.begin(), key.end()), plan});
-  remember(it->second);
-  return plan;
-}
 
 // ------------------------------------------------------------------ view geometry
 

@@ -77,6 +77,26 @@ inline std::optional<std::vector<int64_t>> planned_local_shape(const ops::OpPlan
 // (grad_sync.cpp).
 void install_grad_hook(const at::Tensor& leaf);
 
+// ---- plan inference (plan_inference.cpp)
+
+// Strict mode: an op without a rule, or a rule that refuses the caller's layouts, raises instead
+// of running through the fallback or an implicit redistribution.
+extern std::atomic<bool> g_strict;
+extern std::atomic<int64_t> g_hits;  // plan-cache hits, for dispatch_stats
+
+// Preprocess: the call's tensor operands (lists included) with their layouts and dtypes; raises
+// when two operands live on different meshes.
+void collect_tensors(ops::OpCall& call);
+// Tensor operand `t` among `args` (a list element is copied into `scratch`).
+const at::Tensor& arg_tensor(const c10::IValue* args, const ops::TensorArg& t, at::Tensor& scratch);
+[[noreturn]] void missing_operator(const ops::OpCall& call);
+// A plain tensor operand counts as Replicate on the call's mesh, with its own shape.
+void layout_plain_tensors(ops::OpCall& call);
+// The plan for `call` from the caches, or the rule's on a miss. `record`: count the lookup in the
+// dispatch stats and keep a computed plan in the caches; a peek (the fast path filling its own
+// slot) does neither, so the call it then makes through the fallback is counted once.
+std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call, bool record = true);
+
 // The boxed operator flow, for every call the fast path does not take.
 void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack);
 
