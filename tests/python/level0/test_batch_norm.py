@@ -76,6 +76,12 @@ def batch_norm_cases():
     add("2d_channel_stats_whole_2x2", (5, 6, 3, 2), M22, ["S(0)", "S(1)"], ["R", "S(0)"], ["R", "R"])
     # running stats sharded while the input's channels are not: the input follows them
     add("2d_stats_sharded_batch_2", (4, 6, 3, 2), M2, ["S(0)"], ["R"], ["S(0)"])
+    # plain running stats (nn.BatchNorm's buffers on a model whose input alone is a DTensor)
+    c = 3
+    plain = [Input((5, c, 4), placements=["S(0)"]), Input((c,)), Input((c,)),
+             Input((c,), requires_grad=False, plain=True),
+             Input((c,), requires_grad=False, plain=True, init=uniform(0.5, 2.0))]
+    out.append(Case("bn_plain_stats_batch_4", bn(True), plain, M4, check_inputs=True))
     # everything replicated
     add("2d_replicate_2", (3, 3, 2, 2), M2, ["R"])
     return out
