@@ -62,7 +62,8 @@ LayoutPtr activation_layout(const Layout& l, std::vector<int64_t> shape, const C
   layout::DimAxes dims(shape.size());
   if (!dims.empty()) dims[0] = s.batch;
   if (dims.size() > 1) dims[1] = s.group_axes;
-  if (s.halo) dims[*s.halo] = {s.halo_axis};
+  // (an undefined gradient, output_mask false, reports a 0-d shape)
+  if (s.halo && *s.halo < static_cast<int64_t>(dims.size())) dims[*s.halo] = {s.halo_axis};
   return make_layout(l, std::move(shape), std::move(dims), {});
 }
 
