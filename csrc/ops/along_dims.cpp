@@ -6,7 +6,15 @@
 //                median.dim, nanmedian.dim
 //   reductions   logsumexp, nansum, norm.ScalarOpt_dim,                          dim (None or [] = all)
 //                std_mean/var_mean.correction, aminmax, count_nonzero(.dim_IntList)
-//   windows      unfold (a view: the dimension argument is whole; a new last dim of windows)
+//   windows      unfold(_copy) (the dimension argument is whole; a new last dim of windows),
+//                unfold_backward (that dim and the window dim whole; linear)
+//   gates        glu, glu_backward (the halved dim whole)                        dim
+//   slices       renorm(_) (one norm per slice of dim: dim keeps its sharding,     every dim but dim
+//                the other dims are whole)
+//   hashes       hash_tensor                                                     dim ([] = all)
+//   permutations rot90 (linear)                                                  dims
+//                channel_shuffle (linear)                                        dim 1
+//                pixel_shuffle, pixel_unshuffle (linear)                         the last three
 //   whole        msort, median, nanmedian (no dim argument: every dim), _linalg_check_errors
 //                (every rank checks the whole info tensor, so every rank raises alike)
 //   diagonal     diag_embed (the last dim becomes a diagonal in the output's last two; leading
@@ -42,8 +50,9 @@
 // (Scans, flip and roll keep a sharded dim sharded, topk merges per-rank candidates:
 // along_sharded.cpp.)
 //
-// Partial: the Fourier transforms are linear (they combine elements linearly), so a sum/avg
-// Partial passes through them. Every other op here is not: a sum/avg Partial input is an error (default
+// Partial: the Fourier transforms are linear (they combine elements linearly), and the
+// permutations only move elements, and unfold_backward adds windows, so a sum/avg Partial passes
+// through them. Every other op here is not: a sum/avg Partial input is an error (default
 // mode reduces it first) -- inside a backward pass, where the formula is torch's, it is reduced.
 #include <ATen/ATen.h>
 
@@ -60,6 +69,9 @@ enum class Along : int8_t {
   kAll,      // every dim
   kMatrix,   // the last two dims
   kLastDim,  // the last dim
+  kAllButDim,  // every dim but the "dim" argument (renorm: one norm per slice of dim)
+  kChannel,    // dim 1 (channel_shuffle)
+  kLastThree,  // the last three dims (pixel_shuffle: channels and the two spatial dims)
 };
 
 struct AlongSpec {
@@ -80,6 +92,18 @@ std::vector<int64_t> named_dims(const OpCall& call, AlongSpec spec, int64_t ndim
     if (ndim < 2) fail_call(call, "a matrix op needs at least 2 dims");
     return {ndim - 2, ndim - 1};
   }
+  if (spec.along == Along::kChannel || spec.along == Along::kLastThree) {
+    const int64_t first = spec.along == Along::kChannel ? 1 : ndim - 3;
+    if (first < 0 || ndim < 2) fail_argument(call, 0, layout::str_cat("has ", ndim, " dims"),
+                                             spec.along == Along::kChannel ? "at least 2 dims" : "at least 3 dims");
+    if (spec.along == Along::kChannel) return {1};
+    return {ndim - 3, ndim - 2, ndim - 1};
+  }
+  if (spec.along == Along::kAllButDim) {
+    const int64_t dim = wrap_dim(call, int_arg(call.arg(call.arg_index("dim"))), ndim);
+    all.erase(all.begin() + dim);
+    return all;
+  }
   if (spec.along == Along::kLastDim) {
     // diag_embed puts the diagonal in the output's last two dims by default; other positions
     // would move the batch dims: every dim whole then.
@@ -90,6 +114,7 @@ std::vector<int64_t> named_dims(const OpCall& call, AlongSpec spec, int64_t ndim
   }
   auto index = call.schema().argumentIndexWithName("dim");
   if (!index) index = call.schema().argumentIndexWithName("dimension");  // unfold
+  if (!index) index = call.schema().argumentIndexWithName("dims");       // rot90
   if (!index) return all;
   const c10::IValue& value = call.arg(static_cast<int64_t>(*index));
   if (value.isNone()) return all;
@@ -581,6 +606,28 @@ OpPlan triangle_rule(const OpCall& call) {
   return plan;
 }
 
+// unfold_backward(grad_in, input_sizes, dim, size, step): the windows summed back into the input's
+// shape. The unfolded dim and grad_in's window dim (its last) are whole; the other dims keep their
+// sharding, and input_sizes is this rank's block. Linear (it adds): a sum Partial passes.
+OpPlan unfold_backward_rule(const OpCall& call) {
+  const Layout& grad = call.layout(0);
+  const auto sizes = int_list(call.arg(1));
+  const int64_t n = static_cast<int64_t>(sizes.size());
+  if (grad.ndim() != std::max<int64_t>(n, 1) + (n > 0 ? 1 : 0))
+    fail_argument(call, 0, layout::str_cat("has ", grad.ndim(), " dims"), "the input's dims and a window dim");
+  const int64_t dim = wrap_dim(call, int_arg(call.arg(2)), n);
+  layout::DimAxes dims = grad.dim_axes();
+  if (n > 0) dims[dim].clear();
+  dims.back().clear();
+  layout::PartialOps partial = grad.partial();
+  if (auto op = grad.partial_op(); op && !is_sum_like(*op)) partial.assign(partial.size(), std::nullopt);
+  OpPlan plan;
+  plan.inputs.push_back(make_layout(grad, grad.global_shape(), dims, partial));
+  plan.outputs.push_back(make_layout(grad, sizes, layout::DimAxes(dims.begin(), dims.begin() + n), partial));
+  plan.local_shape_arg = 1;
+  return plan;
+}
+
 template <Along A, bool kLinear = false>
 void add(Registry& r, std::initializer_list<const char*> names) {
   for (const char* name : names) r.add(name, &along_dims_rule<A, kLinear>, KeyScalars::kAll);
@@ -598,7 +645,16 @@ void register_along_dims(Registry& r) {
                           "aten::kthvalue", "aten::mode", "aten::median.dim", "aten::nanmedian.dim",
                           "aten::logsumexp", "aten::nansum", "aten::norm.ScalarOpt_dim",
                           "aten::std_mean.correction", "aten::var_mean.correction", "aten::aminmax",
-                          "aten::count_nonzero", "aten::count_nonzero.dim_IntList", "aten::unfold"});
+                          "aten::count_nonzero", "aten::count_nonzero.dim_IntList", "aten::unfold",
+                          "aten::unfold_copy", "aten::glu", "aten::glu_backward", "aten::hash_tensor"});
+  r.add("aten::unfold_backward", &unfold_backward_rule, KeyScalars::kAll);
+  // renorm: one norm per slice of dim, so dim keeps its sharding and the others are whole
+  add<Along::kAllButDim>(r, {"aten::renorm", "aten::renorm_"});
+  // Permutations of elements (linear: a sum Partial passes): rot90 in its two dims, channel and
+  // pixel shuffles in the channel (and spatial) dims
+  add<Along::kDimArg, true>(r, {"aten::rot90"});
+  add<Along::kChannel, true>(r, {"aten::channel_shuffle"});
+  add<Along::kLastThree, true>(r, {"aten::pixel_shuffle", "aten::pixel_unshuffle"});
   // Indexing along dim: the indices are GLOBAL coordinates of that dim, which is made whole.
   // A self sharded along dim alone is indexed by ownership (owned_indexing_rule).
   for (const char* op : {"aten::gather", "aten::scatter.src", "aten::scatter.value", "aten::scatter.reduce",

@@ -28,6 +28,8 @@ void register_along_dims(Registry& r);   // along_dims.cpp: sorts, dim-wise redu
 void register_along_sharded(Registry& r);
 // along_sharded.cpp: cummaxmin_backward on AutogradPrivateUse2 (its composite writes into a plain tensor).
 void register_along_sharded_kernels();
+// assembly.cpp: select/slice/diagonal_scatter (a base with a view replaced), block_diag, _chunk_cat
+void register_assembly(Registry& r);
 void register_lookups(Registry& r);      // lookups.cpp: searchsorted, bucketize, take (the query keeps its sharding)
 // resampling.cpp: reflect/replicate pads (a sharded padded dim stays sharded: span exchange),
 // upsampling and 3-d area (the spatial dims whole)

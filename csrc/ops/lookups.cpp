@@ -9,13 +9,16 @@
 //   take(self, index)                              query index (its output has index's shape);
 //                                                  table self, whole: the indices are GLOBAL
 //                                                  positions in the flattened self
+//   isin.Tensor_Tensor(elements, test_elements)    query elements; table test_elements, whole
+//   isin.Tensor_Scalar(elements, test_element)     query elements (the table is a number)
+//   isin.Scalar_Tensor(element, test_elements)     the table whole; a Replicate 0-d result
 //   put(_)(self, index, source, accumulate)        take's write and backward: see put_rule
 //
-// Output: the query's layout. Partial: a search maps each value through a step function, which is
-// not linear, so a sum/avg Partial query is an error (default mode reduces it first); take only
-// selects elements of the table (linear in self): a sum Partial table passes through to the
-// output on the mesh axes that do not shard the index (reduced first on those that do). Integer
-// indices are never Partial.
+// Output: the query's layout. Partial: a search (or a membership test) maps each value through a
+// step function, which is not linear, so a sum/avg Partial query is an error (default mode
+// reduces it first); take only selects elements of the table (linear in self): a sum Partial
+// table passes through to the output on the mesh axes that do not shard the index (reduced first
+// on those that do). Integer indices are never Partial.
 #include "ops/families.h"
 
 namespace hypershard::ops {
@@ -75,6 +78,16 @@ OpPlan take_rule(const OpCall& call) {
   return plan;
 }
 
+// isin.Scalar_Tensor(element, test_elements): one bool from a whole table, Replicate.
+OpPlan isin_scalar_rule(const OpCall& call) {
+  refuse_sum_partial(call, 0, "Replicate or Shard (a membership test is not linear; redistribute the Partial input first)");
+  const Layout& table = call.layout(0);
+  OpPlan plan;
+  plan.inputs.push_back(replicate_like(table, table.global_shape()));
+  plan.outputs.push_back(replicate_like(table, {}));
+  return plan;
+}
+
 // put(_)(self, index, source, accumulate): take's write (and its backward, accumulating). With
 // accumulate the write is linear in self and source together: index and source keep their common
 // sharding, each rank adds its source elements at their GLOBAL positions into a whole self that
@@ -103,6 +116,9 @@ OpPlan put_rule(const OpCall& call) {
 }  // namespace
 
 void register_lookups(Registry& r) {
+  r.add("aten::isin.Scalar_Tensor", &isin_scalar_rule, KeyScalars::kAll);
+  r.add("aten::isin.Tensor_Scalar", &bucketize_rule, KeyScalars::kAll);
+  r.add("aten::isin.Tensor_Tensor", &bucketize_rule, KeyScalars::kAll);
   r.add("aten::put", &put_rule, KeyScalars::kAll);
   r.add("aten::put_", &put_rule, KeyScalars::kAll);
   r.add("aten::searchsorted.Tensor", &searchsorted_rule, KeyScalars::kAll);

@@ -169,7 +169,7 @@ int64_t int_arg(const c10::IValue& v);
 std::vector<int64_t> int_list(const c10::IValue& v);
 
 // Each returned tensor's GLOBAL shape: the op run on meta tensors of its tensor arguments' global
-// shapes and dtypes, the other arguments as given (single tensor arguments only); an undefined
+// shapes and dtypes, the other arguments as given (tensors and Tensor[] lists); an undefined
 // return (a masked-out gradient) reports a 0-d shape.
 std::vector<std::vector<int64_t>> meta_output_shapes(const OpCall& call);
 

@@ -7,12 +7,14 @@
 // self's layout and redistribute the other operands to it.
 //
 // Partial algebra (why each row holds):
-//   linear      add/sub/lerp/where(c, a, b)/copy_: every data operand Partial(sum|avg) on the
-//               same axes, since (sum a_i) + (sum b_i) = sum (a_i + b_i); a Replicate operand is
-//               first filled (rank 0 keeps it, the others hold 0), which moves nothing.
+//   linear      add/sub/lerp/where(c, a, b)/copy_/complex(re, im): every data operand
+//               Partial(sum|avg) on the same axes, since (sum a_i) + (sum b_i) = sum (a_i + b_i); a
+//               Replicate operand is first filled (rank 0 keeps it, the others hold 0), which
+//               moves nothing.
 //   bilinear    mul: ONE operand Partial(sum|avg), the others not Partial on those axes; two
 //               sum-Partials would give sum_i a_i * sum_j b_j != sum_i a_i b_i.
-//   numerator   div and the *_backward(grad, x) ops: only the first operand may be Partial.
+//   numerator   div, polar(abs, angle) and the *_backward(grad, x) ops: only the first operand may
+//               be Partial.
 //   scale       mul/div by a Python scalar, clone, negation: sum/avg kept; neg swaps max/min.
 //   monotone    non-decreasing unary ops (exp, relu, sigmoid, clamp, ...) keep max/min Partials:
 //               max_i f(a_i) = f(max_i a_i).
@@ -264,8 +266,13 @@ void register_pointwise(Registry& r) {
   for (const char* op : {"aten::div.Tensor", "aten::div_.Tensor", "aten::div.out", "aten::div.Tensor_mode",
                          "aten::threshold_backward", "aten::gelu_backward", "aten::silu_backward",
                          "aten::sigmoid_backward", "aten::tanh_backward", "aten::softplus_backward",
-                         "aten::native_dropout_backward"})
+                         "aten::native_dropout_backward", "aten::hardswish_backward", "aten::log_sigmoid_backward",
+                         "aten::_prelu_kernel_backward"})
     add<A::kNumerator>(r, op);
+  // polar(abs, angle) = abs * e^(i angle): linear in abs only (the numerator row).
+  add<A::kNumerator>(r, "aten::polar");
+  // complex(real, imag) = real + i imag: linear in both operands together.
+  add<A::kLinear>(r, "aten::complex");
   // Scaled by a Python scalar / identity-like.
   for (const char* op : {"aten::mul.Scalar", "aten::mul_.Scalar", "aten::div.Scalar", "aten::div_.Scalar"})
     add<A::kScale>(r, op);
@@ -297,7 +304,8 @@ void register_pointwise(Registry& r) {
                          "aten::fill_.Tensor", "aten::lerp.Tensor", "aten::lerp_.Tensor", "aten::sgn",
                          "aten::nan_to_num", "aten::remainder.Scalar", "aten::remainder.Tensor",
                          "aten::fmod.Scalar", "aten::floor_divide", "aten::xlogy.Tensor", "aten::erfinv",
-                         "aten::hardtanh_backward", "aten::logit", "aten::frac", "aten::atan2"})
+                         "aten::hardtanh_backward", "aten::logit", "aten::frac", "aten::atan2",
+                         "aten::hardswish", "aten::hardswish_", "aten::log_sigmoid_forward", "aten::_prelu_kernel"})
     add<A::kReject>(r, op);
   add<A::kReject, 1>(r, "aten::masked_fill.Scalar");
   add<A::kReject, 1>(r, "aten::masked_fill.Tensor");

@@ -8,6 +8,10 @@
 //   aten::max.dim, min.dim, argmax, argmin                                (select: value + index)
 //   aten::var.correction, std.correction                                  (moments)
 //   aten::_foreach_norm.Scalar                                            (one norm per element)
+//   aten::trace                      (linear: each block sums its part of the GLOBAL diagonal,
+//                                    Partial(sum); see trace_rule)
+//   aten::equal, allclose            (one bool for the whole tensors, ANDed over the mesh; see
+//                                    compare_whole_rule)
 //   aten::value_selecting_reduction_backward            (a kernel at the autograd key, see below;
 //                                                       also serves sort/topk's backward)
 //
@@ -66,6 +70,7 @@
 #include <map>
 
 #include "ops/families.h"
+#include "ops/pointwise.h"
 #include "runtime/redistribute.h"
 
 namespace hypershard::ops {
@@ -631,6 +636,74 @@ OpPlan bincount_rule(const OpCall& call) {
   return plan;
 }
 
+namespace {
+
+// ------------------------------------------------------------------ trace
+
+// trace(self): the sum of a matrix's GLOBAL diagonal. A rank's block starts at GLOBAL (row r0,
+// column c0), so the global entries (i, i) it holds are its local diagonal of offset r0 - c0; the
+// blocks' sums add up to the trace: Partial(sum) on every axis that shards the matrix, and on
+// those a sum Partial input has (trace is linear). Any other Partial is reduced first.
+OpPlan trace_rule(const OpCall& call) {
+  const Layout& self = call.layout(0);
+  if (self.ndim() != 2) fail_argument(call, 0, layout::str_cat("has ", self.ndim(), " dims"), "a matrix (2 dims)");
+  layout::PartialOps partial(static_cast<size_t>(self.mesh()->ndim()));
+  for (int64_t axis = 0; axis < self.mesh()->ndim(); ++axis) {
+    const auto& op = self.partial()[axis];
+    if (op && *op == ReduceOp::Sum) partial[axis] = op;
+  }
+  OpPlan plan;
+  plan.inputs.push_back(make_layout(self, self.global_shape(), self.dim_axes(), partial));
+  for (int64_t axis = 0; axis < self.mesh()->ndim(); ++axis)
+    if (self.is_sharded(axis)) partial[axis] = ReduceOp::Sum;
+  plan.outputs.push_back(make_layout(self, {}, {}, partial));
+  if (!self.is_sharded_anywhere()) return plan;
+  const auto offset = self.global_offset_at(call.mesh->position());
+  const int64_t shift = offset[0] - offset[1];
+  plan.expand = [shift](const OpCall& c, Stack& stack) {
+    const at::Tensor local = stack.back().toTensor();
+    torch::jit::drop(stack, c.num_args());
+    // the local diagonal's sum in trace's result dtype (integers sum into int64, as trace does)
+    stack.emplace_back(at::sum(local.diagonal(shift)));
+  };
+  return plan;
+}
+
+// ------------------------------------------------------------------ equal / allclose
+
+// equal(self, other), allclose(self, other, rtol, atol, equal_nan): one bool for the whole
+// tensors, the same on every rank. The operands are laid out alike by the pointwise engine
+// (allclose broadcasts; a sum Partial is an error in forward code, the reject row), each rank
+// compares its blocks, and the verdicts are ANDed (a min of 0/1) along every axis that shards
+// them. equal of different GLOBAL shapes is false on every rank, with no collective.
+OpPlan compare_whole_rule(const OpCall& call) {
+  OpPlan plan;
+  if (call.schema().name() == "aten::equal" && call.layout(0).global_shape() != call.layout(1).global_shape()) {
+    for (const auto& t : call.tensors) plan.inputs.push_back(t.layout);
+    plan.expand = [](const OpCall& c, Stack& stack) {
+      torch::jit::drop(stack, c.num_args());
+      stack.emplace_back(false);
+    };
+    return plan;
+  }
+  auto layouts = elementwise_layouts(call, Algebra::kReject, kNoMask, {0, 1});
+  plan.inputs = std::move(layouts.inputs);
+  std::vector<int64_t> axes;
+  for (int64_t axis = 0; axis < call.mesh->mesh()->ndim(); ++axis)
+    if (layouts.output->is_sharded(axis)) axes.push_back(axis);
+  if (axes.empty()) return plan;
+  plan.expand = [axes](const OpCall& c, Stack& stack) {
+    c.op->callBoxed(stack);
+    const bool local = stack.back().toBool();
+    stack.pop_back();
+    const at::Tensor all = all_reduce_extremum(at::full({1}, local ? 1 : 0, at::kLong), c, axes, /*is_max=*/false);
+    stack.emplace_back(all.item<int64_t>() == 1);
+  };
+  return plan;
+}
+
+}  // namespace
+
 void register_reductions(Registry& r) {
   using K = Kind;
   r.add("aten::histc", &histc_rule, KeyScalars::kAll);
@@ -644,8 +717,10 @@ void register_reductions(Registry& r) {
   r.add("aten::any", &collective_rule<K::kAny>, KeyScalars::kAll);
   r.add("aten::any.dim", &collective_rule<K::kAny>, KeyScalars::kAll);
   r.add("aten::any.dims", &collective_rule<K::kAny>, KeyScalars::kAll);
+  r.add("aten::allclose", &compare_whole_rule, KeyScalars::kNone);
   r.add("aten::argmax", &select_rule<true, false>, KeyScalars::kAll);
   r.add("aten::argmin", &select_rule<false, false>, KeyScalars::kAll);
+  r.add("aten::equal", &compare_whole_rule, KeyScalars::kNone);
   r.add("aten::linalg_vector_norm", &collective_rule<K::kNorm>, KeyScalars::kAll);
   r.add("aten::max", &collective_rule<K::kMax>, KeyScalars::kAll);
   r.add("aten::max.dim", &select_rule<true, true>, KeyScalars::kAll);
@@ -659,6 +734,7 @@ void register_reductions(Registry& r) {
   r.add("aten::sum", &linear_rule<K::kSum>, KeyScalars::kAll);
   r.add("aten::sum.IntList_out", &linear_rule<K::kSum>, KeyScalars::kAll);
   r.add("aten::sum.dim_IntList", &linear_rule<K::kSum>, KeyScalars::kAll);
+  r.add("aten::trace", &trace_rule, KeyScalars::kNone);
   r.add("aten::var.correction", &moments_rule<false>, KeyScalars::kAll);
 }
 

@@ -112,10 +112,19 @@ LayoutPtr intern(const Layout& layout) { return layout::intern_layout(layout); }
 
 std::vector<std::vector<int64_t>> meta_output_shapes(const OpCall& call) {
   torch::jit::Stack meta;
-  for (int64_t a = 0; a < call.num_args(); ++a) meta.push_back(call.arg(a));
+  for (int64_t a = 0; a < call.num_args(); ++a) {
+    const c10::IValue& v = call.arg(a);
+    meta.push_back(v.isTensorList() ? c10::IValue(v.toTensorList().copy()) : v);  // its items replaced below
+  }
   for (const auto& t : call.tensors) {
-    if (t.item >= 0) fail_call(call, "internal error: meta_output_shapes takes single tensor arguments only");
-    meta[t.arg] = at::empty(t.layout->global_shape(), at::TensorOptions().dtype(t.dtype).device(c10::kMeta));
+    at::Tensor shadow = at::empty(t.layout->global_shape(), at::TensorOptions().dtype(t.dtype).device(c10::kMeta));
+    if (t.item < 0) {
+      meta[t.arg] = std::move(shadow);
+    } else {
+      if (!meta[t.arg].isTensorList())
+        fail_call(call, "internal error: meta_output_shapes takes tensors and Tensor[] lists only");
+      meta[t.arg].toTensorList().set(t.item, std::move(shadow));
+    }
   }
   call.op->callBoxed(&meta);
   std::vector<std::vector<int64_t>> out;
@@ -195,6 +204,8 @@ void register_all(Registry& r) {
   register_along_sharded(r);
   r.set_family("masked");
   register_masked(r);
+  r.set_family("assembly");
+  register_assembly(r);
   r.set_family("lookups");
   register_lookups(r);
   r.set_family("convolution");

@@ -29,10 +29,12 @@
 //   diagonal(_backward)               dim1, dim2 whole (GLOBAL offset); the other dims keep theirs
 //   repeat                            dims repeated once keep their sharding; the others are whole
 //   as_strided                        only on a tensor with no sharded dim (a checked backstop)
-//   *_copy (view_copy, expand_copy, diagonal_copy, permute_copy, transpose_copy, unsqueeze_copy,
-//   squeeze_copy, view_as_real/complex_copy)  the view's rule (view_copy: the gathering form of
-//                                     view); the copies of views whose rules read their op's name
-//                                     (t, select, slice, split, unbind, _reshape_alias) have none yet
+//   *_copy (view_copy, expand_copy, diagonal_copy, permute_copy, transpose_copy, t_copy,
+//   unsqueeze_copy, squeeze_copy, view_as_real/complex_copy, as_strided_copy)  the view's rule
+//                                     (view_copy: the gathering form of view)
+//   select_copy, slice_copy, narrow_copy, split_copy, split_with_sizes_copy, unbind_copy  the
+//                                     dim whole (GLOBAL start, index), the other dims keep theirs
+//                                     (_reshape_alias_copy has no rule yet)
 // Partial: every op here is linear (it moves or copies elements), so Partial passes through
 // unchanged; cat/stack make the output Partial where any operand is (a whole operand is filled
 // for free; sum and avg on one axis do not mix).
@@ -106,7 +108,7 @@ OpPlan transpose_rule(const OpCall& call) {
   std::vector<int64_t> order(ndim);
   std::iota(order.begin(), order.end(), 0);
   if (ndim >= 2) {
-    const bool is_t = call.schema().name() == "aten::t";
+    const bool is_t = call.schema().name() == "aten::t" || call.schema().name() == "aten::t_copy";
     const int64_t a = is_t ? 0 : wrap_dim(call, int_arg(call.arg(1)), ndim);
     const int64_t b = is_t ? 1 : wrap_dim(call, int_arg(call.arg(2)), ndim);
     std::swap(order[a], order[b]);
@@ -428,9 +430,12 @@ OpPlan along_dim_rule(const OpCall& call) {
   const Layout& in = call.layout(0);
   const auto dim_index = call.schema().argumentIndexWithName("dim");
   const int64_t dim = wrap_dim(call, dim_index ? int_arg(call.arg(*dim_index)) : 0, in.ndim());
-  const std::string name = call.schema().name();
+  std::string name = call.schema().name();
+  // a *_copy op (slice_copy, unbind_copy, ...) plans as its view with the dim whole
+  const bool is_copy = name.size() > 5 && name.compare(name.size() - 5, 5, "_copy") == 0;
+  if (is_copy) name.resize(name.size() - 5);
   const int64_t full_length = in.global_shape()[dim];
-  if (name == "aten::slice") {
+  if (name == "aten::slice" && !is_copy) {
     // A slice covering the whole dim (x[:, :], x[..., :n] with n >= length) stays local and
     // keeps the sharding, so it still aliases its base.
     const auto& start_v = call.arg(2);
@@ -466,6 +471,8 @@ OpPlan along_dim_rule(const OpCall& call) {
     plan.outputs.push_back(make_layout(whole, shape, dims, whole.partial()));
   } else if (name == "aten::slice") {
     plan.outputs.push_back(with_dim(slice_bounds(call.arg(2), call.arg(3), int_arg(call.arg(4)), length).length));
+  } else if (name == "aten::narrow") {
+    plan.outputs.push_back(with_dim(int_arg(call.arg(3))));
   } else if (name == "aten::split" || name == "aten::unsafe_split") {
     const int64_t size = int_arg(call.arg(1));
     const int64_t pieces = size == 0 ? 1 : std::max<int64_t>((length + size - 1) / size, 1);
@@ -709,6 +716,10 @@ void register_views(Registry& r) {
       {"aten::squeeze_copy", &squeeze_rule},          {"aten::squeeze_copy.dim", &squeeze_rule},
       {"aten::squeeze_copy.dims", &squeeze_rule},     {"aten::view_as_real_copy", &view_as_real_rule},
       {"aten::view_as_complex_copy", &view_as_complex_rule},
+      {"aten::t_copy", &transpose_rule},              {"aten::as_strided_copy", &as_strided_rule},
+      {"aten::narrow_copy", &along_dim_rule},         {"aten::select_copy.int", &along_dim_rule},
+      {"aten::slice_copy.Tensor", &along_dim_rule},   {"aten::split_copy.Tensor", &along_dim_rule},
+      {"aten::split_with_sizes_copy", &along_dim_rule}, {"aten::unbind_copy.int", &along_dim_rule},
   };
   for (const auto& [op, rule] : copies) r.add(op, rule);
   r.add("aten::_reshape_alias", &view_rule<false>);

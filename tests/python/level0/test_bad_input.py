@@ -119,7 +119,7 @@ def _ops():
         "index_select_owned_out_of_range": lambda x: torch.index_select(x, 0, torch.tensor([1, 4])),
         "gather_owned_out_of_range": lambda x: torch.gather(x, 0, torch.tensor([[0, -1]])),
         # unsupported operators
-        "missing_operator": lambda x: torch.isin(x, torch.tensor([-1.0, 0.0, 1.0])),
+        "missing_operator": lambda x: torch.geqrf(x),
         "different_meshes": lambda x: x + hs.distribute_tensor(
             torch.ones(4, 6), hs.DeviceMesh.from_torch(
                 torch.distributed.device_mesh.init_device_mesh("cpu", (2,), mesh_dim_names=("other",))),
@@ -201,7 +201,7 @@ EXPECTED = {
     "one_hot_class_out_of_range": ("I", "Class values must be smaller than num_classes"),
     "index_select_owned_out_of_range": ("", "aten::index_select: index 4 is out of bounds for dimension 0 with size 4"),
     "gather_owned_out_of_range": ("", "aten::gather: index -1 is out of bounds for dimension 0 with size 4"),
-    "missing_operator": ("", "Missing operator aten::isin.Tensor_Tensor"),
+    "missing_operator": ("", "Missing operator aten::geqrf"),
     "different_meshes": ("", "operands live on different meshes"),
 }
 

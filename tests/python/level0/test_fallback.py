@@ -62,9 +62,10 @@ def fallback_cases():
 
     for mesh, place in ((M2, S0), (M4, S1), (M22, ["S(0)", "S(1)"]), (M2, P)):
         tag = f"{'x'.join(map(str, mesh[0]))}_{''.join(place).replace('(', '').replace(')', '')}"
-        add(f"hardswish_{tag}", F.hardswish, [Input((5, 6), placements=place)], mesh)
-        add(f"glu_{tag}", lambda x: F.glu(x, dim=-1), [Input((5, 8), placements=place)], mesh)
-        add(f"logsigmoid_{tag}", F.logsigmoid, [Input((6, 5), placements=place)], mesh)
+        add(f"pdist_{tag}", F.pdist, [Input((5, 6), placements=place)], mesh)
+        add(f"cdist_{tag}", lambda x: torch.cdist(x, x * 2, p=1), [Input((5, 8), placements=place)], mesh)
+        add(f"multi_margin_loss_{tag}", lambda x: F.multi_margin_loss(x, torch.arange(6) % 5),
+            [Input((6, 5), placements=place)], mesh)
         add(f"dist_{tag}", lambda x: torch.dist(x, torch.ones_like(x), p=3), [Input((7, 4), placements=place)], mesh)
     # several outputs, integer outputs, data-dependent sizes
     add("histogram_counts_and_edges", lambda x: torch.histogram(x, bins=4),
@@ -73,18 +74,17 @@ def fallback_cases():
         [Input((7, 4), placements=S1, requires_grad=False)], M4)
     add("unique_consecutive", lambda x: torch.unique_consecutive(torch.round(x), return_counts=True),
         [Input((6, 5), placements=S0, requires_grad=False)], M2)
-    add("isin", lambda x: torch.isin(x, torch.tensor([0, 3])),
-        [Input((9,), torch.int64, init=randint(-5, 5), placements=S0)], M2)
+    add("geqrf", torch.geqrf, [Input((6, 5), placements=S0, requires_grad=False)], M2)
     # an op with a rule that does not cover these arguments: a boolean mask index (data-dependent size)
     # a mask over a trailing dim (x[:, m]): not covered (masks over the leading dims are, masked.cpp)
     add("mask_index_not_covered", lambda x: x[:, x[0] > 0] * 2, [Input((6, 5), placements=S0)], M2)
-    add("block_diag_int64", lambda x: torch.block_diag(x, x * 2),
+    add("nonzero_static_int64", lambda x: torch.nonzero_static(x, size=12),
         [Input((3, 3), torch.int64, init=randint(-5, 5), placements=S0)], M4)
     # fallback output feeding rule ops, and gradients through both
-    add("logsigmoid_then_matmul", lambda x, w: F.logsigmoid(x) @ w,
+    add("cdist_then_matmul", lambda x, w: torch.cdist(x, x, p=1) @ w,
         [Input((6, 6), placements=S0), Input((6, 4), placements=["S(1)"])], M2)
     # in-place and out=: the result written back in the argument's own layout
-    add("renorm_inplace_sharded", in_place(lambda y: y.renorm_(2, 0, 1.0)), [Input((6, 5), placements=S0)], M2,
+    add("cumprod_inplace_sharded", in_place(lambda y: y.cumprod_(1)), [Input((6, 5), placements=S0)], M2,
         check_grad=False)
     add("cumsum_inplace_2d_mesh", in_place(lambda y: y.cumsum_(0)), [Input((5, 6), placements=["S(1)", "S(0)"])],
         M22, check_grad=False)
@@ -112,17 +112,17 @@ def _strict_mask_index(x):
 
 def _strict_refuses(x):
     with hs.strict():
-        return F.hardswish(x)
+        return F.pdist(x)
 
 
 def _warns_once_and_counts_bytes(x):
     if not in_distributed_run():
-        return F.logsigmoid(F.logsigmoid(x))
+        return torch.geqrf(torch.geqrf(x)[0])
     before = hs._C.dispatch_stats()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = F.logsigmoid(F.logsigmoid(x))
-    texts = [str(w.message) for w in caught if "log_sigmoid_forward" in str(w.message)]
+        out = torch.geqrf(torch.geqrf(x)[0])
+    texts = [str(w.message) for w in caught if "aten::geqrf" in str(w.message)]
     assert len(texts) == 1 and "has no distributed rule" in texts[0] and "set_strict" in texts[0], texts
     after = hs._C.dispatch_stats()
     assert after["fallback_calls"] - before["fallback_calls"] == 2, (before, after)
@@ -141,6 +141,6 @@ def test_fallback_warns_views_refuse_writes_and_strict_mode_raises():
              [Input((6, 5), placements=["S(0)"])], M2,
              expect_error="Missing operator aten::index.Tensor for these arguments (a boolean mask index"),
         Case("strict_context_raises_missing_operator", _strict_refuses, [Input((6, 5), placements=["S(0)"])], M2,
-             expect_error="Missing operator aten::hardswish"),
+             expect_error="Missing operator aten::_pdist_forward"),
     ]
     assert_all_passed(run_cases(cases, backend=DefaultModeAdapter(), timeout=300))
