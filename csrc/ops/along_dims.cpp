@@ -36,7 +36,8 @@
 //                cholesky_inverse/_solve, ldl_factor_ex/_solve, _solve_ex, _linalg_eigvals,
 //                householder_product (operands batched like the first keep its batch sharding)
 //   pooling      avg_pool2d, _adaptive_avg_pool2d, max_pool2d_with_indices,       the last two
-//                adaptive_max_pool2d and their backward ops (1-d pools reach them) (spatial)
+//                adaptive_max_pool2d and their backward ops (1-d pools reach them) (spatial);
+//                a rank's empty channel block skips the kernel (skip_empty_blocks)
 //   cross        linalg_cross                                                    dim
 //
 // Output layouts come from the outputs' GLOBAL shapes, which the op itself reports on meta
@@ -628,6 +629,16 @@ OpPlan unfold_backward_rule(const OpCall& call) {
   return plan;
 }
 
+// 2-d pools: the along-dims plan; a rank whose channel block is empty (3 channels over 4 ranks),
+// which torch's pooling kernels refuse, makes its empty results without the kernel (the max
+// pools' second result: int64 indices).
+template <bool kLinear>
+OpPlan pool2d_rule(const OpCall& call) {
+  OpPlan plan = along_dims_rule<Along::kMatrix, kLinear>(call);
+  skip_empty_blocks(plan, {c10::ScalarType::Undefined, at::kLong});
+  return plan;
+}
+
 template <Along A, bool kLinear = false>
 void add(Registry& r, std::initializer_list<const char*> names) {
   for (const char* name : names) r.add(name, &along_dims_rule<A, kLinear>, KeyScalars::kAll);
@@ -673,10 +684,12 @@ void register_along_dims(Registry& r) {
   add<Along::kAll>(r, {"aten::msort", "aten::median", "aten::nanmedian", "aten::_linalg_check_errors"});
   // 2-d pooling (the last two dims, spatial, whole; batch and channels keep their sharding); the
   // averages are linear in their input (a sum Partial passes), the max pools are not
-  add<Along::kMatrix, true>(r, {"aten::avg_pool2d", "aten::avg_pool2d_backward", "aten::_adaptive_avg_pool2d",
-                                "aten::_adaptive_avg_pool2d_backward"});
-  add<Along::kMatrix>(r, {"aten::max_pool2d_with_indices", "aten::max_pool2d_with_indices_backward",
-                          "aten::adaptive_max_pool2d", "aten::adaptive_max_pool2d_backward"});
+  for (const char* op : {"aten::avg_pool2d", "aten::avg_pool2d_backward", "aten::_adaptive_avg_pool2d",
+                         "aten::_adaptive_avg_pool2d_backward"})
+    r.add(op, &pool2d_rule<true>, KeyScalars::kAll);
+  for (const char* op : {"aten::max_pool2d_with_indices", "aten::max_pool2d_with_indices_backward",
+                         "aten::adaptive_max_pool2d", "aten::adaptive_max_pool2d_backward"})
+    r.add(op, &pool2d_rule<false>, KeyScalars::kAll);
   add<Along::kDimArg>(r, {"aten::linalg_cross"});
   add<Along::kLastDim>(r, {"aten::diag_embed"});
   add<Along::kMatrix>(r, {"aten::linalg_inv_ex", "aten::linalg_cholesky_ex", "aten::linalg_lu_factor_ex",

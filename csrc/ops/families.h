@@ -34,6 +34,11 @@ void register_lookups(Registry& r);      // lookups.cpp: searchsorted, bucketize
 // resampling.cpp: reflect/replicate pads (a sharded padded dim stays sharded: span exchange),
 // upsampling and 3-d area (the spatial dims whole)
 void register_resampling(Registry& r);
+// spatial.cpp: 3-d and fractional pools, max_unpool, grid sampling, im2col/col2im (batch and
+// channels keep their sharding)
+void register_spatial(Registry& r);
+// pairwise.cpp: cdist, pdist, _trilinear (bilinear)
+void register_pairwise(Registry& r);
 void register_convolution(Registry& r);  // convolution.cpp: convolution and its backward, batch-parallel
 void register_reductions(Registry& r);   // reductions.cpp: sum, mean, amax, max, var, norms, any/all, ...
 // reductions.cpp: max.dim/min.dim backward on AutogradPrivateUse2 (its composite kernel would

@@ -181,6 +181,15 @@ inline int64_t dim_parts(const Layout& l, int64_t dim) {
   return parts;
 }
 
+// torch's pad, pooling, sampling and unfolding kernels refuse an empty non-batch dim, which an
+// uneven shard gives some rank (3 channels over 4 ranks). Where some planned input has an empty
+// block on some rank, the plan gets an expand (unless it has one) that makes the results of a
+// rank holding an empty tensor argument itself: zeros of each output's block -- an empty block,
+// or a zero part of a Partial(sum) (the caller's rule vouches for one of the two), no collective
+// involved. Output o has dtype dtypes[o] (Undefined or absent: the empty argument's) and is
+// undefined where the bool[] argument `mask_arg` (-1: none; a backward's output_mask) is false.
+void skip_empty_blocks(OpPlan& plan, std::vector<c10::ScalarType> dtypes = {}, int64_t mask_arg = -1);
+
 LayoutPtr make_layout(const Layout& like, std::vector<int64_t> shape, layout::DimAxes dims,
                       layout::PartialOps partial = {});
 LayoutPtr replicate_like(const Layout& like, std::vector<int64_t> shape);

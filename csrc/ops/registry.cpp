@@ -141,6 +141,51 @@ LayoutPtr replicate_like(const Layout& like, std::vector<int64_t> shape) {
   return intern(Layout::replicate(like.mesh(), std::move(shape)));
 }
 
+namespace {
+bool some_block_empty(const Layout& l) {
+  if (!l.is_sharded_anywhere()) return false;
+  for (int64_t p = 0; p < l.mesh()->size(); ++p) {
+    const auto local = l.local_shape_at(p);
+    for (int64_t d = 0; d < l.ndim(); ++d)
+      if (local[d] == 0 && l.global_shape()[d] > 0) return true;
+  }
+  return false;
+}
+}  // namespace
+
+void skip_empty_blocks(OpPlan& plan, std::vector<c10::ScalarType> dtypes, int64_t mask_arg) {
+  bool empty = false;
+  for (const LayoutPtr& l : plan.inputs) empty = empty || some_block_empty(*l);
+  if (plan.expand || !empty) return;
+  dtypes.resize(plan.outputs.size(), c10::ScalarType::Undefined);
+  plan.expand = [outputs = plan.outputs, dtypes, mask_arg](const OpCall& c, torch::jit::Stack& stack) {
+    const size_t num = c.schema().arguments().size();
+    const c10::IValue* args = stack.data() + (stack.size() - num);
+    at::Tensor empty;
+    for (size_t i = 0; i < num && !empty.defined(); ++i)
+      if (args[i].isTensor() && args[i].toTensor().defined() && args[i].toTensor().numel() == 0) empty = args[i].toTensor();
+    if (!empty.defined()) {
+      c.op->callBoxed(stack);
+      return;
+    }
+    std::vector<bool> mask(outputs.size(), true);
+    if (mask_arg >= 0) {
+      const auto list = args[mask_arg].toBoolList();
+      for (size_t o = 0; o < outputs.size() && o < list.size(); ++o) mask[o] = list.get(o);
+    }
+    torch::jit::drop(stack, num);
+    for (size_t o = 0; o < outputs.size(); ++o) {
+      if (!mask[o]) {
+        stack.emplace_back(at::Tensor());
+        continue;
+      }
+      auto options = empty.options();
+      if (dtypes[o] != c10::ScalarType::Undefined) options = options.dtype(dtypes[o]);
+      stack.emplace_back(at::zeros(outputs[o]->local_shape_at(c.mesh->position()), options));
+    }
+  };
+}
+
 void Registry::add(const std::string& op_name, Rule rule, KeyScalars key) {
   HS_CHECK(rules_.emplace(op_name, RuleEntry{rule, key, family_}).second, "registry", "two rules for ", op_name);
 }
@@ -214,6 +259,10 @@ void register_all(Registry& r) {
   register_rotary(r);
   r.set_family("resampling");
   register_resampling(r);
+  r.set_family("spatial");
+  register_spatial(r);
+  r.set_family("pairwise");
+  register_pairwise(r);
   r.set_family("pointwise");
   register_tagged_pointwise(r);
 }

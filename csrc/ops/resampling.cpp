@@ -43,12 +43,11 @@
 //
 // An uneven shard can leave a rank an empty block (3 channels over 4 ranks), which torch's
 // kernels refuse; where some rank's block is empty the plan makes that rank's (empty) results
-// itself (skip_empty_blocks), no collective involved.
+// itself (skip_empty_blocks, op_call.h), no collective involved.
 //
 // Not covered: a padded dim sharded over two mesh axes is made whole instead of exchanged; the
 // upsampling ops always gather a sharded spatial dim (a halo exchange would do, but the halo's
-// width depends on the mode and scale); adaptive_max_pool3d / avg_pool3d / max_pool3d (not
-// resampling; no rule yet).
+// width depends on the mode and scale). (The 3-d pools: spatial.cpp.)
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -61,38 +60,6 @@ namespace {
 
 using runtime::Span;
 using runtime::SpanPlan;
-
-// torch's pad, upsampling and pooling kernels refuse an empty non-batch dim, which an uneven
-// shard gives some rank (3 channels over 4 ranks): that rank's block of every result is empty
-// too, so it is made here instead of calling the kernel.
-bool some_block_empty(const Layout& l) {
-  if (!l.is_sharded_anywhere()) return false;
-  for (int64_t p = 0; p < l.mesh()->size(); ++p) {
-    const auto local = l.local_shape_at(p);
-    for (int64_t d = 0; d < l.ndim(); ++d)
-      if (local[d] == 0 && l.global_shape()[d] > 0) return true;
-  }
-  return false;
-}
-
-void skip_empty_blocks(OpPlan& plan) {
-  bool empty = false;
-  for (const LayoutPtr& l : plan.inputs) empty = empty || some_block_empty(*l);
-  if (plan.expand || !empty) return;
-  plan.expand = [outputs = plan.outputs](const OpCall& c, torch::jit::Stack& stack) {
-    const size_t num = c.schema().arguments().size();
-    const c10::IValue* args = stack.data() + (stack.size() - num);
-    at::Tensor empty;
-    for (size_t i = 0; i < num && !empty.defined(); ++i)
-      if (args[i].isTensor() && args[i].toTensor().defined() && args[i].toTensor().numel() == 0) empty = args[i].toTensor();
-    if (!empty.defined()) {
-      c.op->callBoxed(stack);
-      return;
-    }
-    torch::jit::drop(stack, num);
-    for (const LayoutPtr& out : outputs) stack.emplace_back(at::zeros(out->local_shape_at(c.mesh->position()), empty.options()));
-  };
-}
 
 // ------------------------------------------------------------------ pads
 
