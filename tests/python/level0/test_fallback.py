@@ -53,6 +53,19 @@ def out_variant(fn, like_placements):
     return run
 
 
+def _embedding_bag_sum(weight):
+    """Bags of rows of `weight` (the table: no rule for aten::_embedding_bag and its backward)."""
+    return F.embedding_bag(torch.tensor([[0, 2], [1, 4], [3, 3]]), weight, mode="sum")
+
+
+def _multilabel_targets(rows, classes):
+    """Two target classes per row, then -1 (the end of each row's list)."""
+    t = torch.full((rows, classes), -1, dtype=torch.int64)
+    t[:, 0] = torch.arange(rows) % classes
+    t[:, 1] = (torch.arange(rows) + 3) % classes
+    return t
+
+
 def fallback_cases():
     S0, S1, P = ["S(0)"], ["S(1)"], ["P"]
     cases = []
@@ -62,8 +75,9 @@ def fallback_cases():
 
     for mesh, place in ((M2, S0), (M4, S1), (M22, ["S(0)", "S(1)"]), (M2, P)):
         tag = f"{'x'.join(map(str, mesh[0]))}_{''.join(place).replace('(', '').replace(')', '')}"
-        add(f"pdist_{tag}", F.pdist, [Input((5, 6), placements=place)], mesh)
-        add(f"cdist_{tag}", lambda x: torch.cdist(x, x * 2, p=1), [Input((5, 8), placements=place)], mesh)
+        add(f"embedding_bag_{tag}", _embedding_bag_sum, [Input((5, 6), placements=place)], mesh)
+        add(f"multilabel_margin_loss_{tag}", lambda x: F.multilabel_margin_loss(x, _multilabel_targets(5, 8)),
+            [Input((5, 8), placements=place)], mesh)
         add(f"multi_margin_loss_{tag}", lambda x: F.multi_margin_loss(x, torch.arange(6) % 5),
             [Input((6, 5), placements=place)], mesh)
         add(f"dist_{tag}", lambda x: torch.dist(x, torch.ones_like(x), p=3), [Input((7, 4), placements=place)], mesh)
@@ -81,7 +95,7 @@ def fallback_cases():
     add("nonzero_static_int64", lambda x: torch.nonzero_static(x, size=12),
         [Input((3, 3), torch.int64, init=randint(-5, 5), placements=S0)], M4)
     # fallback output feeding rule ops, and gradients through both
-    add("cdist_then_matmul", lambda x, w: torch.cdist(x, x, p=1) @ w,
+    add("embedding_bag_then_matmul", lambda x, w: _embedding_bag_sum(x) @ w,
         [Input((6, 6), placements=S0), Input((6, 4), placements=["S(1)"])], M2)
     # in-place and out=: the result written back in the argument's own layout
     add("cumprod_inplace_sharded", in_place(lambda y: y.cumprod_(1)), [Input((6, 5), placements=S0)], M2,
@@ -112,7 +126,7 @@ def _strict_mask_index(x):
 
 def _strict_refuses(x):
     with hs.strict():
-        return F.pdist(x)
+        return _embedding_bag_sum(x)
 
 
 def _warns_once_and_counts_bytes(x):
@@ -141,6 +155,6 @@ def test_fallback_warns_views_refuse_writes_and_strict_mode_raises():
              [Input((6, 5), placements=["S(0)"])], M2,
              expect_error="Missing operator aten::index.Tensor for these arguments (a boolean mask index"),
         Case("strict_context_raises_missing_operator", _strict_refuses, [Input((6, 5), placements=["S(0)"])], M2,
-             expect_error="Missing operator aten::_pdist_forward"),
+             expect_error="Missing operator aten::_embedding_bag"),
     ]
     assert_all_passed(run_cases(cases, backend=DefaultModeAdapter(), timeout=300))
