@@ -30,27 +30,12 @@
 #include <algorithm>
 
 #include "ops/families.h"
+#include "ops/mesh_axes.h"
 
 namespace hypershard::ops {
 namespace {
 
 constexpr const char* kNoPartial = "Replicate or Shard (redistribute the Partial input first)";
-
-// The first of `candidates` (mesh axes of some dim; nullptr: none) left non-empty after removing
-// `used`, which it then joins.
-std::vector<int64_t> take_axes(std::initializer_list<const std::vector<int64_t>*> candidates,
-                               std::vector<int64_t>& used) {
-  for (const auto* axes : candidates) {
-    if (!axes) continue;
-    std::vector<int64_t> out;
-    for (int64_t a : *axes)
-      if (std::find(used.begin(), used.end(), a) == used.end()) out.push_back(a);
-    if (out.empty()) continue;
-    used.insert(used.end(), out.begin(), out.end());
-    return out;
-  }
-  return {};
-}
 
 void refuse_partials(const OpCall& call) {
   for (size_t t = 0; t < call.tensors.size(); ++t) refuse_sum_partial(call, static_cast<int64_t>(t), kNoPartial);

@@ -43,6 +43,7 @@
 #include <algorithm>
 
 #include "ops/families.h"
+#include "ops/mesh_axes.h"
 
 namespace hypershard::ops {
 namespace {
@@ -123,21 +124,6 @@ OpPlan pool_rule(const OpCall& call) {
 }
 
 // ------------------------------------------------------------------ grid sampling
-
-// The first of `candidates` (mesh axes of some dim) left non-empty after removing `used`, which
-// it then joins.
-std::vector<int64_t> take_axes(std::initializer_list<const std::vector<int64_t>*> candidates,
-                               std::vector<int64_t>& used) {
-  for (const auto* axes : candidates) {
-    std::vector<int64_t> out;
-    for (int64_t a : *axes)
-      if (std::find(used.begin(), used.end(), a) == used.end()) out.push_back(a);
-    if (out.empty()) continue;
-    used.insert(used.end(), out.begin(), out.end());
-    return out;
-  }
-  return {};
-}
 
 // grid_sampler_2d/3d(input, grid, ...) and their backward (grad_output, input, grid, ...,
 // output_mask) -> (grad_input, grad_grid).
