@@ -25,6 +25,7 @@
 
 #include <algorithm>
 
+#include "ops/diagonal.h"
 #include "ops/families.h"
 
 namespace hypershard::ops {
@@ -70,10 +71,8 @@ LayoutPtr src_layout(const OpCall& call, const std::vector<int64_t>& view_shape,
   return make_layout(src, src.global_shape(), std::move(dims), partial);
 }
 
-std::vector<int64_t> without_dims(std::vector<int64_t> shape, int64_t a, int64_t b = -1) {
-  if (b > a) shape.erase(shape.begin() + b);
-  shape.erase(shape.begin() + a);
-  if (b >= 0 && b < a) shape.erase(shape.begin() + b);
+std::vector<int64_t> without_dim(std::vector<int64_t> shape, int64_t dim) {
+  shape.erase(shape.begin() + dim);
   return shape;
 }
 
@@ -94,7 +93,7 @@ OpPlan select_scatter_rule(const OpCall& call) {
   plan.inputs.push_back(make_layout(self, self.global_shape(), self.dim_axes(), partial));
   auto src_dims = self.dim_axes();
   src_dims.erase(src_dims.begin() + dim);
-  plan.inputs.push_back(src_layout(call, without_dims(self.global_shape(), dim), std::move(src_dims), partial));
+  plan.inputs.push_back(src_layout(call, without_dim(self.global_shape(), dim), std::move(src_dims), partial));
   plan.outputs.push_back(plan.inputs[0]);
   if (self.dim_axes()[dim].empty()) return plan;
   // dim sharded: the block holding the GLOBAL index writes, at its local position
@@ -143,15 +142,9 @@ OpPlan diagonal_scatter_rule(const OpCall& call) {
   const int64_t d1 = wrap_dim(call, int_arg(call.arg(3)), n), d2 = wrap_dim(call, int_arg(call.arg(4)), n);
   if (d1 == d2) fail_call(call, "diagonal dimensions cannot be identical");
   const auto& shape = self.global_shape();
-  const int64_t length = offset >= 0 ? std::min(shape[d1], shape[d2] - offset) : std::min(shape[d1] + offset, shape[d2]);
-  auto view_shape = without_dims(shape, d1, d2);
-  view_shape.push_back(std::max<int64_t>(length, 0));
   const auto partial = joint_partial(call);
   auto dims = without(self, {d1, d2});
-  layout::DimAxes src_dims;
-  for (int64_t d = 0; d < n; ++d)
-    if (d != d1 && d != d2) src_dims.push_back(dims[d]);
-  src_dims.emplace_back();  // the diagonal
+  auto [view_shape, src_dims] = diagonal_view(shape, dims, offset, d1, d2);
   OpPlan plan;
   plan.inputs.push_back(make_layout(self, self.global_shape(), dims, partial));
   plan.inputs.push_back(src_layout(call, view_shape, std::move(src_dims), partial));

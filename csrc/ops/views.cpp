@@ -44,6 +44,7 @@
 
 #include <numeric>
 
+#include "ops/diagonal.h"
 #include "ops/families.h"
 #include "runtime/dtensor_impl.h"
 #include "runtime/redistribute.h"
@@ -529,16 +530,7 @@ OpPlan diagonal_rule(const OpCall& call) {
   layout::DimAxes kept = in.dim_axes();
   kept[d1].clear();
   kept[d2].clear();
-  std::vector<int64_t> out_shape;
-  layout::DimAxes out_dims;
-  for (int64_t d = 0; d < n; ++d)
-    if (d != d1 && d != d2) {
-      out_shape.push_back(shape[d]);
-      out_dims.push_back(kept[d]);
-    }
-  const int64_t length = offset >= 0 ? std::min(shape[d1], shape[d2] - offset) : std::min(shape[d1] + offset, shape[d2]);
-  out_shape.push_back(std::max<int64_t>(length, 0));
-  out_dims.emplace_back();
+  auto [out_shape, out_dims] = diagonal_view(shape, kept, offset, d1, d2);
   return single(call, make_layout(in, shape, kept, in.partial()), make_layout(in, out_shape, out_dims, in.partial()));
 }
 
