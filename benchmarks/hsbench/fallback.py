@@ -78,7 +78,7 @@ CHECK_ATOL = {"causal_conv1d_seq_fwd_bwd": 4 * 2.0 ** -24 * BATCH * SEQ}
 
 
 # the rows whose rule exchanges slices along the sharded dim (the rest run on the local shards)
-EXCHANGE_ROWS = ("cumsum_rows", "roll_rows", "flip_rows", "slice_rows", "causal_conv1d_seq",
+EXCHANGE_ROWS = ("cumsum_rows", "sort_rows", "roll_rows", "flip_rows", "slice_rows", "causal_conv1d_seq",
                  "causal_conv1d_seq_fwd_bwd")
 
 # rows whose calls take tens of ms: calls per sample from one timed call (calibrate's 10 or more
@@ -121,6 +121,9 @@ def fallback_ops():
         # exchanges instead of gathers along the sharded dim (plain: the op on the local shard,
         # without the carry, the neighbours' rows or the halo)
         "cumsum_rows": ([("tensor", (ROWS, HIDDEN), 0)], lambda a: torch.cumsum(a, 0), ("aten::cumsum",)),
+        # stable: a non-stable sort of values that repeat (likely among 2048 float32 normals) gathers
+        "sort_rows": ([("tensor", (ROWS, HIDDEN), 0)], lambda a: torch.sort(a, dim=0, stable=True),
+                      ("aten::sort.stable",)),
         "roll_rows": ([("tensor", (ROWS, HIDDEN), 0)], lambda a: torch.roll(a, SHIFT, 0), ("aten::roll",)),
         "flip_rows": ([("tensor", (ROWS, HIDDEN), 0)], lambda a: torch.flip(a, [0]), ("aten::flip",)),
         "slice_rows": ([("tensor", (ROWS, HIDDEN), 0)], lambda a: a[SLICE[0]:SLICE[1]], ("aten::slice.Tensor",)),
@@ -153,6 +156,8 @@ FALLBACK_NOTES = {
                          "Replicate",
     "cumsum_rows": f"torch.cumsum(t, 0), t [{ROWS}, {HIDDEN}] Shard(0) (along the sharded dim: one all-gather "
                    "of each rank's last row)",
+    "sort_rows": f"torch.sort(t, dim=0, stable=True), t [{ROWS}, {HIDDEN}] Shard(0) (along the sharded dim: "
+                 "a sample sort, two all-to-alls of (value, index) pairs; the results keep Shard(0))",
     "roll_rows": f"torch.roll(t, {SHIFT}, 0), t [{ROWS}, {HIDDEN}] Shard(0) (along the sharded dim: one "
                  "all-to-all of the rows crossing a boundary)",
     "flip_rows": f"torch.flip(t, [0]), t [{ROWS}, {HIDDEN}] Shard(0) (along the sharded dim: one all-to-all of "

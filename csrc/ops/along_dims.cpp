@@ -2,8 +2,9 @@
 // other dims is the block of their result. So the named dims are made whole (gathered where
 // sharded) and the op runs on the local shards; every other dim keeps its sharding.
 //
-//   sorts        sort(.stable), argsort(.stable), kthvalue, mode,                dim
-//                median.dim, nanmedian.dim
+//   sorts        kthvalue, mode, median.dim, nanmedian.dim                       dim
+//                (sort, argsort, msort: along_sharded.cpp, which sorts a sharded dim without
+//                gathering it)
 //   reductions   logsumexp, nansum, norm.ScalarOpt_dim,                          dim (None or [] = all)
 //                std_mean/var_mean.correction, aminmax, count_nonzero(.dim_IntList)
 //   windows      unfold(_copy) (the dimension argument is whole; a new last dim of windows),
@@ -15,7 +16,7 @@
 //   permutations rot90 (linear)                                                  dims
 //                channel_shuffle (linear)                                        dim 1
 //                pixel_shuffle, pixel_unshuffle (linear)                         the last three
-//   whole        msort, median, nanmedian (no dim argument: every dim), _linalg_check_errors
+//   whole        median, nanmedian (no dim argument: every dim), _linalg_check_errors
 //                (every rank checks the whole info tensor, so every rank raises alike)
 //   diagonal     diag_embed (the last dim becomes a diagonal in the output's last two; leading
 //                dims are a batch; the diagonal elsewhere: every dim whole)
@@ -652,8 +653,7 @@ void register_along_dims(Registry& r) {
     r.add(op, &index_put_rule, KeyScalars::kAll);
   // Discrete Fourier transforms along their dims (linear: a sum Partial passes)
   add<Along::kDimArg, true>(r, {"aten::_fft_c2c", "aten::_fft_c2r", "aten::_fft_r2c"});
-  add<Along::kDimArg>(r, {"aten::sort", "aten::sort.stable", "aten::argsort", "aten::argsort.stable",
-                          "aten::kthvalue", "aten::mode", "aten::median.dim", "aten::nanmedian.dim",
+  add<Along::kDimArg>(r, {"aten::kthvalue", "aten::mode", "aten::median.dim", "aten::nanmedian.dim",
                           "aten::logsumexp", "aten::nansum", "aten::norm.ScalarOpt_dim",
                           "aten::std_mean.correction", "aten::var_mean.correction", "aten::aminmax",
                           "aten::count_nonzero", "aten::count_nonzero.dim_IntList", "aten::unfold",
@@ -681,7 +681,7 @@ void register_along_dims(Registry& r) {
 // does not change the plan.
   for (const char* op : {"aten::tril", "aten::tril_", "aten::triu", "aten::triu_"})
     r.add(op, &triangle_rule, KeyScalars::kNone);
-  add<Along::kAll>(r, {"aten::msort", "aten::median", "aten::nanmedian", "aten::_linalg_check_errors"});
+  add<Along::kAll>(r, {"aten::median", "aten::nanmedian", "aten::_linalg_check_errors"});
   // 2-d pooling (the last two dims, spatial, whole; batch and channels keep their sharding); the
   // averages are linear in their input (a sum Partial passes), the max pools are not
   for (const char* op : {"aten::avg_pool2d", "aten::avg_pool2d_backward", "aten::_adaptive_avg_pool2d",

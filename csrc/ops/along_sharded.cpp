@@ -9,6 +9,14 @@
 //                                             one all-gather of these candidates, the k best of
 //                                             them: values and indices whole along dim (the dim
 //                                             gathered when candidates tie: torch's tie order)
+//   sort    sort(.stable), argsort(.stable),  a sample sort: each rank sorts its block, k-1 regular
+//           msort                             samples per row split the values into one bucket
+//                                             per rank, ONE all-to-all sends each bucket to its
+//                                             rank, ONE more moves each element to the rank whose
+//                                             block holds its GLOBAL rank (sharded_sort): results
+//                                             keep the input's sharding, nothing is gathered
+//                                             (a non-stable sort with equal values: gathered, see
+//                                             sharded_sort)
 //   moves   flip (dims), roll (shifts, dims)  each rank fetches the GLOBAL range its block reads
 //                                             (the mirrored range; the range `shift` before it,
 //                                             cyclically) in one all-to-all per sharded dim
@@ -30,12 +38,15 @@
 //
 // Partial: cumsum, flip and roll are linear (they add or move elements), so a sum/avg Partial
 // passes through -- the exchanged totals and ranges are Partial alike. cumprod, logcumsumexp,
-// cummax, cummin and topk are not: a sum/avg Partial input is an error (default mode reduces it
+// cummax, cummin, topk and sort are not: a sum/avg Partial input is an error (default mode reduces it
 // first; inside a backward pass it is reduced); a max/min Partial is reduced.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <c10/util/accumulate.h>
+
 #include <algorithm>
+#include <limits>
 
 #include "ops/families.h"
 #include "runtime/redistribute.h"
@@ -321,6 +332,203 @@ OpPlan topk_rule(const OpCall& call) {
   return plan;
 }
 
+// ------------------------------------------------------------------ sort
+
+// Whether x comes at or after s in the sort's order (broadcasting). NaN sorts last ascending and
+// first descending, as torch's kernel puts it; equal values are "at": they land in one bucket.
+at::Tensor at_or_after(const at::Tensor& x, const at::Tensor& s, bool descending) {
+  if (!x.is_floating_point()) return descending ? x.le(s) : x.ge(s);
+  return descending ? at::isnan(s).logical_or(x.le(s)) : at::isnan(x).logical_or(x.ge(s));
+}
+
+// One all-to-all of (value, GLOBAL index) pairs on `axis`, packed as bytes in one message (the
+// indices as int32 when the dim is that short: `wide` false): the first send_counts[0] pairs go
+// to member 0, ...; recv_counts[c] pairs come from member c.
+std::pair<at::Tensor, at::Tensor> exchange_pairs(const at::Tensor& values, const at::Tensor& indices, bool wide,
+                                                 const at::Tensor& send_counts, const at::Tensor& recv_counts,
+                                                 const runtime::DeviceMesh& mesh, int64_t axis) {
+  const int64_t size = values.element_size(), index_size = wide ? 8 : 4;
+  auto bytes = [](const at::Tensor& t, int64_t width) { return t.contiguous().view(at::kByte).view({-1, width}); };
+  auto counts = [](const at::Tensor& t) {
+    const at::Tensor c = t.to(at::kLong).contiguous();
+    return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+  };
+  const at::Tensor sent = at::cat({bytes(values, size), bytes(indices.to(wide ? at::kLong : at::kInt), index_size)}, 1);
+  const at::Tensor got = runtime::all_to_all_rows(sent, counts(send_counts), counts(recv_counts), mesh, axis);
+  // a fresh buffer per field: a narrowed column block may be "contiguous" (one row) at an offset
+  // its dtype cannot be viewed at
+  auto field = [&](int64_t from, int64_t width, at::ScalarType type) {
+    return at::empty({got.size(0), width}, got.options()).copy_(got.narrow(1, from, width)).view(type).view(-1);
+  };
+  return {field(0, size, values.scalar_type()), field(size, index_size, wide ? at::kLong : at::kInt).to(at::kLong)};
+}
+
+// Positions (a permutation) putting `keys` (1-d) in ascending order, equal keys in their order.
+at::Tensor stable_order(const at::Tensor& keys, bool descending = false) {
+  return at::argsort(keys, /*stable=*/true, 0, descending);
+}
+
+// Row numbers 0..rows-1, row r repeated counts[r] times (counts: [rows] int64).
+at::Tensor row_ids(const at::Tensor& counts) {
+  return at::repeat_interleave(at::arange(counts.size(0), counts.options()), counts);
+}
+
+// What a sort along a dim sharded over ONE mesh axis needs of the layout, made with the plan.
+struct SortExchange {
+  SpanPlan spans;        // every member's GLOBAL span of the dim (the output's are the same)
+  LayoutPtr layout;      // the input's, and whole_layout the dim made whole (the tie fallback)
+  LayoutPtr whole_layout;
+};
+
+// sort along the dim, this rank's block of the GLOBAL sort: a sample sort that never gathers the
+// dim. With `rows` the slices along the dim (every other dim as this rank holds it):
+//  1. each rank sorts its block (stable, GLOBAL indices) and all-gathers k-1 regular samples per
+//     row; the samples' k-1 quantiles split every row into k value buckets, the same on every rank
+//     (equal values always share a bucket);
+//  2. one all-gather of each rank's counts per (row, bucket), then ONE all-to-all sends bucket c
+//     of every row to member c, which sorts what arrived stably (the sources arrive in member
+//     order, so equal values stay in GLOBAL index order: a stable sort's order);
+//  3. the buckets' GLOBAL ranks follow from the counts, and ONE more all-to-all moves every element
+//     to the member whose output block holds its rank.
+// Bytes sent per rank: the elements of its block that belong to another rank's bucket (about
+// (k-1)/k of it), each with its index (int32 below 2^31 positions), plus the few that step 3
+// moves to even the buckets out; gathering the dim sends the whole block to each of k-1 ranks and
+// holds the whole dim on every rank. Results equal one device's stable sort exactly. A non-stable sort is
+// torch's own order among equal values: when any two are equal (or two NaNs) -- one all-reduce of
+// the verdict, equal values share a bucket so each rank sees its ties -- the dim is gathered and
+// torch's kernel decides, as on one device (like topk).
+std::pair<at::Tensor, at::Tensor> sharded_sort(const at::Tensor& local, int64_t dim, bool descending, bool stable,
+                                               const SortExchange& ex, const runtime::DeviceMesh& mesh) {
+  const SpanPlan& spans = ex.spans;
+  const int64_t axis = spans.axis, k = static_cast<int64_t>(spans.owned.size()), me = mesh.coordinate(axis);
+  const at::Tensor moved = local.movedim(dim, -1);
+  const int64_t n = moved.size(-1);
+  const int64_t rows = c10::multiply_integers(moved.sizes().begin(), moved.sizes().end() - 1);
+  auto finish = [&](at::Tensor v, at::Tensor i) {
+    return std::make_pair(v.view(moved.sizes()).movedim(-1, dim).contiguous(),
+                          i.view(moved.sizes()).movedim(-1, dim).contiguous());
+  };
+  const auto long_options = local.options().dtype(at::kLong);
+  if (rows == 0) return finish(moved.clone(), at::empty(moved.sizes(), long_options));  // the same on every member
+  auto [values, order] = at::sort(moved.reshape({rows, n}), /*stable=*/true, 1, descending);
+  const bool wide = spans.owned.back().end > std::numeric_limits<int32_t>::max();
+  const at::Tensor global = order + spans.owned[me].begin;
+
+  // 1. splitters: k-1 regular samples of each non-empty block, their k-1 quantiles
+  std::vector<int64_t> sample_at;
+  for (int64_t j = 1; j < k; ++j) sample_at.push_back(n > 0 ? j * n / k : 0);
+  const at::Tensor samples = n > 0 ? values.index_select(1, at::tensor(sample_at, long_options))
+                                   : at::zeros({rows, k - 1}, values.options());
+  const at::Tensor all_samples = runtime::all_gather_along(samples, mesh, axis, 1);
+  std::vector<int64_t> valid;
+  for (int64_t c = 0; c < k; ++c)
+    if (spans.owned[c].length() > 0)
+      for (int64_t j = 0; j < k - 1; ++j) valid.push_back(c * (k - 1) + j);
+  const at::Tensor pooled =
+      std::get<0>(all_samples.index_select(1, at::tensor(valid, long_options)).sort(/*stable=*/true, 1, descending));
+  std::vector<int64_t> split_at;
+  for (int64_t j = 1; j < k; ++j) split_at.push_back(j * pooled.size(1) / k);
+  const at::Tensor splitters = pooled.index_select(1, at::tensor(split_at, long_options));
+  const at::Tensor bucket = at_or_after(values.unsqueeze(2), splitters.unsqueeze(1), descending).sum(2);
+
+  // 2. buckets to their members; counts[s][row][c]: what member s sends member c of each row
+  const at::Tensor counts = at::zeros({rows, k}, long_options).scatter_add_(1, bucket, at::ones_like(bucket));
+  const at::Tensor all_counts = runtime::all_gather_along(counts.unsqueeze(0), mesh, axis, 0);
+  const at::Tensor row_of = at::arange(rows, long_options).unsqueeze(1).expand({rows, n});
+  const at::Tensor send_order = stable_order((bucket * rows + row_of).reshape(-1));
+  auto [got_values, got_global] = exchange_pairs(values.reshape(-1).index_select(0, send_order),
+                                                 global.reshape(-1).index_select(0, send_order), wide, counts.sum(0),
+                                                 all_counts.select(2, me).sum(1), mesh, axis);
+  std::vector<at::Tensor> source_rows;
+  for (int64_t s = 0; s < k; ++s) source_rows.push_back(row_ids(all_counts[s].select(1, me)));
+  at::Tensor got_rows = at::cat(source_rows);
+  // by value (stable: sources in member order, GLOBAL index order within each), then by row
+  at::Tensor by_value = stable_order(got_values, descending);
+  const at::Tensor arranged = by_value.index_select(0, stable_order(got_rows.index_select(0, by_value)));
+  got_values = got_values.index_select(0, arranged);
+  got_global = got_global.index_select(0, arranged);
+  got_rows = got_rows.index_select(0, arranged);
+
+  if (!stable) {
+    // Equal neighbours in one row (two NaNs count as equal): torch's non-stable order is its own.
+    const int64_t m = got_values.size(0);
+    at::Tensor tie = at::zeros({1}, long_options);
+    if (m > 1) {
+      const at::Tensor a = got_values.narrow(0, 1, m - 1), b = got_values.narrow(0, 0, m - 1);
+      at::Tensor equal = a.eq(b);
+      if (a.is_floating_point()) equal = equal.logical_or(at::isnan(a).logical_and(at::isnan(b)));
+      tie.fill_(equal.logical_and(got_rows.narrow(0, 1, m - 1).eq(got_rows.narrow(0, 0, m - 1))).any().item<bool>());
+    }
+    if (runtime::all_reduce_along(tie, mesh, axis, ReduceOp::Max).item<int64_t>() > 0) {
+      const at::Tensor whole = runtime::redistribute_local(local, ex.layout, ex.whole_layout, mesh);
+      auto [v, i] = at::sort(whole, dim, descending);
+      const runtime::Span mine = spans.owned[me];
+      return {v.narrow(dim, mine.begin, mine.length()).contiguous(), i.narrow(dim, mine.begin, mine.length()).contiguous()};
+    }
+  }
+
+  // 3. to the member whose block holds each element's GLOBAL rank. held[row][c]: what member c
+  // holds of each row after step 2, first[row][c] the GLOBAL rank of its first.
+  const at::Tensor held = all_counts.sum(0);
+  const at::Tensor first = held.cumsum(1) - held;
+  const at::Tensor mine_held = held.select(1, me);
+  const at::Tensor row_start = mine_held.cumsum(0) - mine_held;  // in this rank's buffer
+  const at::Tensor rank = at::arange(got_values.size(0), long_options) - row_start.index_select(0, got_rows) +
+                          first.select(1, me).index_select(0, got_rows);
+  std::vector<int64_t> ends;
+  for (const runtime::Span& o : spans.owned) ends.push_back(o.end);
+  const at::Tensor dest = at::searchsorted(at::tensor(ends, long_options), rank, /*out_int32=*/false, /*right=*/true);
+  const at::Tensor dest_order = stable_order(dest * rows + got_rows);
+  // what member c sends this rank of each row: its held ranks within this rank's block
+  const runtime::Span mine = spans.owned[me];
+  const at::Tensor overlap =
+      (at::clamp_max(first + held, mine.end) - at::clamp_min(first, mine.begin)).clamp_min(0);  // [rows, k]
+  auto [final_values, final_global] = exchange_pairs(
+      got_values.index_select(0, dest_order), got_global.index_select(0, dest_order), wide,
+      at::bincount(dest, {}, k), overlap.sum(0), mesh, axis);
+  std::vector<at::Tensor> final_source_rows;
+  for (int64_t s = 0; s < k; ++s) final_source_rows.push_back(row_ids(overlap.select(1, s).contiguous()));
+  const at::Tensor by_row = stable_order(at::cat(final_source_rows));
+  return finish(final_values.index_select(0, by_row), final_global.index_select(0, by_row));
+}
+
+// sort(self, dim, descending), sort.stable(self, *, stable, dim, descending), argsort(.stable),
+// msort(self) (dim 0). Along a dim sharded over one mesh axis: sharded_sort, the results keeping
+// the input's sharding; along a whole dim the local call is the answer; a dim sharded over more
+// axes is made whole. Every other dim keeps its sharding.
+OpPlan sort_rule(const OpCall& call) {
+  const Layout& in = call.layout(0);
+  const std::string name = call.schema().name();
+  kept_partial(call, false, "Replicate or Shard (redistribute the Partial input first)");
+  const bool msort = name == "aten::msort";
+  const int64_t dim = in.ndim() == 0 || msort ? 0 : wrap_dim(call, call.arg(call.arg_index("dim")).toInt(), in.ndim());
+  layout::DimAxes dims = in.dim_axes();
+  const bool exchange = in.ndim() > 0 && dims[dim].size() == 1 && dim_parts(in, dim) > 1 && in.global_shape()[dim] > 0;
+  if (!exchange && in.ndim() > 0) dims[dim].clear();
+  OpPlan plan;
+  plan.inputs.push_back(make_layout(in, in.global_shape(), dims, layout::PartialOps(in.partial().size())));
+  for (size_t o = 0; o < call.schema().returns().size(); ++o)
+    plan.outputs.push_back(make_layout(in, in.global_shape(), dims));
+  if (!exchange) return plan;
+  layout::DimAxes whole = dims;
+  whole[dim].clear();
+  SortExchange ex{runtime::owned_spans(*plan.inputs[0], *call.mesh, dim), plan.inputs[0],
+                  make_layout(in, in.global_shape(), whole)};
+  const bool values_out = name != "aten::argsort", indices_out = !msort;
+  plan.expand = [ex = std::move(ex), dim, values_out, indices_out](const OpCall& c, torch::jit::Stack& stack) {
+    const size_t num = c.schema().arguments().size();
+    const c10::IValue* args = stack.data() + (stack.size() - num);
+    bool descending = false, stable = false;
+    if (const auto d = c.schema().argumentIndexWithName("descending")) descending = args[*d].toBool();
+    if (const auto s = c.schema().argumentIndexWithName("stable"); s && !args[*s].isNone()) stable = args[*s].toBool();
+    auto [values, indices] = sharded_sort(args[0].toTensor(), dim, descending, stable, ex, *c.mesh);
+    torch::jit::drop(stack, num);
+    if (values_out) stack.emplace_back(std::move(values));
+    if (indices_out) stack.emplace_back(std::move(indices));
+  };
+  return plan;
+}
+
 // ------------------------------------------------------------------ cummax/cummin backward
 
 // cummaxmin_backward is composite-implicit: it scatter-adds the gradient into a PLAIN zeros
@@ -349,6 +557,8 @@ void register_along_sharded(Registry& r) {
   r.add("aten::flip", &move_rule, KeyScalars::kAll);
   r.add("aten::topk", &topk_rule, KeyScalars::kAll);
   r.add("aten::roll", &move_rule, KeyScalars::kAll);
+  for (const char* op : {"aten::sort", "aten::sort.stable", "aten::argsort", "aten::argsort.stable", "aten::msort"})
+    r.add(op, &sort_rule, KeyScalars::kAll);
 }
 
 }  // namespace hypershard::ops

@@ -1,5 +1,7 @@
 #include "runtime/span_exchange.h"
 
+#include <c10/util/accumulate.h>
+
 #include <algorithm>
 #include <numeric>
 
@@ -29,30 +31,37 @@ at::Tensor no_rows(const at::Tensor& rows) {
 
 // One all-to-all on the plan's axis: piece lists per member (rows along dim 0), received rows
 // per member. Returns what arrived, member after member.
-at::Tensor all_to_all_rows(const std::vector<std::vector<at::Tensor>>& pieces, const std::vector<int64_t>& recv_rows,
-                           const at::Tensor& like, const SpanPlan& plan, const DeviceMesh& mesh) {
-  const int64_t k = static_cast<int64_t>(pieces.size()), me = mesh.coordinate(plan.axis);
+at::Tensor all_to_all_pieces(const std::vector<std::vector<at::Tensor>>& pieces, const std::vector<int64_t>& recv_rows,
+                             const at::Tensor& like, const SpanPlan& plan, const DeviceMesh& mesh) {
+  const int64_t k = static_cast<int64_t>(pieces.size());
   std::vector<at::Tensor> flat;
   std::vector<int64_t> send_rows(static_cast<size_t>(k), 0);
-  int64_t sent_elements = 0;
   for (int64_t c = 0; c < k; ++c)
     for (const at::Tensor& p : pieces[c]) {
       flat.push_back(p);
       send_rows[c] += p.size(0);
-      if (c != me) sent_elements += p.numel();
     }
-  at::Tensor send = flat.empty() ? no_rows(like) : at::cat(flat, 0).contiguous();
-  auto shape = like.sizes().vec();
-  shape[0] = std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0});
-  at::Tensor received = at::empty(shape, like.options());
-  at::Tensor received_bytes = movable_view(received), send_bytes = movable_view(send);
-  std::vector<int64_t> recv_splits = recv_rows;  // c10d takes the split lists by non-const reference
-  mesh.group(plan.axis).alltoall_base(received_bytes, send_bytes, recv_splits, send_rows)->wait();
-  count_collective(sent_elements * static_cast<int64_t>(like.element_size()));
-  return received;
+  const at::Tensor send = flat.empty() ? no_rows(like) : at::cat(flat, 0);
+  return all_to_all_rows(send, send_rows, recv_rows, mesh, plan.axis);
 }
 
 }  // namespace
+
+at::Tensor all_to_all_rows(const at::Tensor& send, std::vector<int64_t> send_rows, std::vector<int64_t> recv_rows,
+                           const DeviceMesh& mesh, int64_t axis) {
+  const int64_t me = mesh.coordinate(axis);
+  const at::Tensor contiguous = send.contiguous();
+  auto shape = contiguous.sizes().vec();
+  shape[0] = std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0});
+  at::Tensor received = at::empty(shape, contiguous.options());
+  at::Tensor received_bytes = movable_view(received), send_bytes = movable_view(contiguous);
+  const int64_t row_elements = c10::multiply_integers(shape.begin() + 1, shape.end());
+  const int64_t sent_rows = std::accumulate(send_rows.begin(), send_rows.end(), int64_t{0}) - send_rows[me];
+  mesh.group(axis).alltoall_base(received_bytes, send_bytes, recv_rows, send_rows)->wait();
+  count_collective(sent_rows * row_elements * static_cast<int64_t>(contiguous.element_size()));
+  return received;
+}
+
 
 Span member_span(const layout::Layout& l, const DeviceMesh& mesh, int64_t axis, int64_t c, int64_t dim) {
   const int64_t pos = mesh.member_position(axis, c);
@@ -91,7 +100,7 @@ at::Tensor fetch_spans(const at::Tensor& local, const SpanPlan& plan, const Devi
           pieces[c].push_back(rows.narrow(0, i.begin - mine.begin, i.length()));
       for (const Span& w : plan.wanted[me]) recv_rows[c] += intersect(w, plan.owned[c]).length();
     }
-    received = all_to_all_rows(pieces, recv_rows, rows, plan, mesh);
+    received = all_to_all_pieces(pieces, recv_rows, rows, plan, mesh);
     for (int64_t c = 1; c < k; ++c) offset[c] = offset[c - 1] + recv_rows[c - 1];
   }
   // Each wanted span is the members' intersections in member order (= GLOBAL order on one axis).
@@ -138,7 +147,7 @@ at::Tensor return_spans_summed(const at::Tensor& fetched, int64_t local_length, 
   for (int64_t c = 0; c < k; ++c)
     if (c != me)
       for (const Span& w : plan.wanted[c]) recv_rows[c] += intersect(w, mine).length();
-  const at::Tensor received = all_to_all_rows(pieces, recv_rows, rows, plan, mesh);
+  const at::Tensor received = all_to_all_pieces(pieces, recv_rows, rows, plan, mesh);
   int64_t offset = 0;
   for (int64_t c = 0; c < k; ++c) {
     if (c == me) continue;

@@ -57,4 +57,11 @@ at::Tensor fetch_spans(const at::Tensor& local, const SpanPlan& plan, const Devi
 at::Tensor return_spans_summed(const at::Tensor& fetched, int64_t local_length, const SpanPlan& plan,
                                const DeviceMesh& mesh);
 
+// One all-to-all of rows (dim 0) on mesh axis `axis`: the first send_rows[0] rows of `send` go
+// to member 0, the next send_rows[1] to member 1, ...; recv_rows[c] rows come from member c (the
+// caller knows them: the collective exchanges no sizes). Returns what arrived, member after
+// member. Every member of the axis calls it.
+at::Tensor all_to_all_rows(const at::Tensor& send, std::vector<int64_t> send_rows, std::vector<int64_t> recv_rows,
+                           const DeviceMesh& mesh, int64_t axis);
+
 }  // namespace hypershard::runtime

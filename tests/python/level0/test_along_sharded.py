@@ -1,4 +1,4 @@
-"""Level0: scans, flip, roll and slices along a SHARDED dim (csrc/ops/along_sharded.cpp, views.cpp's
+"""Level0: scans, sorts, flip, roll and slices along a SHARDED dim (csrc/ops/along_sharded.cpp, views.cpp's
 exchanged slices) on real meshes
 against one device, strict mode, forward and gradients: the dim stays sharded (the output's
 placements are the input's) and each case's second call moves at most the bytes its exchange
@@ -6,8 +6,9 @@ needs -- a fraction of what gathering the dim would send -- so a rule that gathe
 
 Meshes (2), (4), (2, 2) (the dim over one axis, and over both) and (2, 2, 2); sizes uneven and
 with empty shards (3 positions over 4 ranks); ties and NaN for cummax/cummin (torch picks the
-last index of an equal extreme and propagates NaN); a Partial input through the linear ones.
-A planted fault (each rank's local scan, no exchange) is caught."""
+last index of an equal extreme and propagates NaN) and for sort (stable: GLOBAL index order);
+a Partial input through the linear ones. Planted faults (each rank's local scan or sort, no
+exchange) are caught."""
 
 import hypershard as hs
 import torch
@@ -76,6 +77,15 @@ def block_bytes(x):
     return x.to_local().numel() * x.to_local().element_size()
 
 
+def sort_bytes(x):
+    """A sort along dim 1 sends each element of this rank's block (value and int32 index) at most
+    twice (to its bucket's rank, then to its rank's block), plus k-1 samples and k counts per row
+    to each of the k-1 others and a tie verdict."""
+    local, k = x.to_local(), chunks(x, 1)
+    rows, size = local.shape[0], local.element_size()
+    return 2 * local.numel() * (size + 4) + rows * k * (k - 1) * (size + 8) + 8 * k
+
+
 def cases():
     out = []
 
@@ -136,6 +146,33 @@ def cases():
             place, mesh, gathered, check_grad=False, keep=False)
         add(f"topk_unsorted_values_{tag}", lambda x: torch.topk(x, 3, 1, sorted=False)[0].sort(1)[0], (5, 11),
             place, mesh, gathered, keep=False)
+    # sort along the sharded dim: a sample sort, the results keep the input's sharding (uneven,
+    # empty chunks, 40 positions); equal values in a stable sort keep GLOBAL index order, a
+    # non-stable sort with equal values gathers the dim (torch's own order); NaN last / first
+    for mesh, place, tag in layouts[:3]:
+        for shape in ((5, 11), (4, 3), (3, 40)):
+            t = f"{shape[1]}_{tag}"
+            for desc in (False, True):
+                d = "desc" if desc else "asc"
+                add(f"sort_{d}_{t}", lambda x, desc=desc: torch.sort(x, 1, descending=desc), shape, place, mesh,
+                    sort_bytes)
+                add(f"sort_stable_ties_{d}_{t}", lambda x, desc=desc: torch.sort(x, dim=1, descending=desc, stable=True),
+                    shape, place, mesh, sort_bytes, init=ties, check_grad=False)
+                add(f"sort_stable_nan_{d}_{t}", lambda x, desc=desc: torch.sort(x, dim=1, descending=desc, stable=True),
+                    shape, place, mesh, sort_bytes, init=with_nan, check_grad=False)
+                add(f"sort_ties_{d}_{t}", lambda x, desc=desc: torch.sort(x, 1, descending=desc), shape, place, mesh,
+                    lambda x: sort_bytes(x) + block_bytes(x) * (chunks(x, 1) - 1), init=ties, check_grad=False)
+                add(f"argsort_{d}_{t}", lambda x, desc=desc: torch.argsort(x, 1, descending=desc), shape, place, mesh,
+                    sort_bytes, check_grad=False)
+            add(f"msort_{t}", lambda x: torch.msort(x.t()).t(), shape, place, mesh, sort_bytes)
+            add(f"sort_float64_{t}", lambda x: torch.sort(x, 1), shape, place, mesh, sort_bytes, dtype=torch.float64)
+            add(f"sort_int64_ties_{t}", lambda x: torch.sort(x, dim=1, stable=True), shape, place, mesh, sort_bytes,
+                dtype=torch.int64, init=randint(-3, 3))
+            add(f"sort_bool_{t}", lambda x: torch.sort(x > 0, dim=1, stable=True), shape, place, mesh, sort_bytes,
+                check_grad=False)
+    for mesh, place, tag in layouts[3:]:  # over two axes: the dim is made whole, the result correct
+        add(f"sort_two_axes_{tag}", lambda x: torch.sort(x, 1), (5, 11), place, mesh,
+            lambda x: block_bytes(x) * chunks(x, 1), keep=False)
     # slices of the sharded dim (steps, negative bounds, a short slice leaving chunks empty) and
     # their backward (slice_backward by the reverse exchange): at most the rank's block leaves it
     for mesh, place, tag in layouts[:3]:
@@ -175,6 +212,18 @@ def test_a_write_through_an_exchanged_slice_is_refused():
 def _local_cumsum(x):
     """A planted fault: each rank's local cumsum, no totals exchanged."""
     return hs.DTensor.from_local(torch.cumsum(x.to_local(), 1), x.device_mesh, x.placements, shape=x.shape)
+
+
+def _local_sort(x):
+    """A planted fault: each rank sorts its own block, nothing exchanged."""
+    values = torch.sort(x.to_local(), 1).values
+    return hs.DTensor.from_local(values, x.device_mesh, x.placements, shape=x.shape)
+
+
+def test_a_local_sort_would_be_caught():
+    case = Case("planted_local_sort", lambda x: torch.sort(x, 1).values, [Input((5, 11), placements=["S(1)"])], M4,
+                dist_fn=_local_sort, check_grad=False)
+    assert not run_cases([case], timeout=300).ok, "the planted local sort passed"
 
 
 def test_a_local_scan_would_be_caught():

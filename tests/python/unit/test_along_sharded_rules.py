@@ -96,6 +96,23 @@ def test_topk_merges_candidates_of_a_sharded_dim():
         plan(A.topk.default, m.dtensor([5, 11], [hs.Partial(), "S(1)"]), 3, 1)
 
 
+def test_sort_keeps_a_dim_sharded_over_one_axis():
+    m = PlanningMesh({"dp": 2, "tp": 2})
+    x = m.dtensor([5, 11], ["S(0)", "S(1)"])
+    for op, args, kwargs, outputs in ((A.sort.default, (1,), {}, 2), (A.sort.stable, (), {"stable": True, "dim": 1}, 2)):
+        p = plan(op, x, *args, **kwargs)
+        assert p.input_specs == [["S(0)", "S(1)"]] and p.output_specs == [["S(0)", "S(1)"]] * outputs and p.expands
+    p = plan(A.msort.default, m.dtensor([11, 5], ["S(1)", "S(0)"]))  # along dim 0
+    assert p.input_specs == [["S(1)", "S(0)"]] and p.output_specs == [["S(1)", "S(0)"]] and p.expands
+    # along a whole dim: the local sort; over two axes: the dim made whole
+    p = plan(A.sort.default, m.dtensor([5, 11], ["S(0)", "R"]), 1)
+    assert p.output_specs == [["S(0)", "R"]] * 2 and not p.expands
+    p = plan(A.sort.default, m.dtensor([5, 11], ["S(1)", "S(1)"]), 1)
+    assert p.input_specs == [["R", "R"]] and not p.expands
+    with pytest.raises(hs.LayoutError, match="aten::sort: argument self"):
+        plan(A.sort.default, m.dtensor([5, 11], [hs.Partial(), "S(1)"]), 1)
+
+
 def test_lookups_keep_the_query_sharded():
     m = PlanningMesh({"dp": 2, "tp": 2})
     v = m.dtensor([5, 7], ["S(0)", "S(1)"])
