@@ -35,7 +35,8 @@
 //                _linalg_svd, _linalg_slogdet, _linalg_det, matrix_exp,          matrix); leading
 //                pinv.atol_rtol_tensor, lu_solve, solve_triangular, cholesky,    dims are a batch
 //                cholesky_inverse/_solve, ldl_factor_ex/_solve, _solve_ex, _linalg_eigvals,
-//                householder_product (operands batched like the first keep its batch sharding)
+//                householder_product, triangular_solve, lu_unpack (operands batched like the
+//                first keep its batch sharding)
 //   pooling      avg_pool2d, _adaptive_avg_pool2d, max_pool2d_with_indices,       the last two
 //                adaptive_max_pool2d and their backward ops (1-d pools reach them) (spatial);
 //                a rank's empty channel block skips the kernel (skip_empty_blocks)
@@ -699,8 +700,8 @@ void register_along_dims(Registry& r) {
                           "aten::linalg_lu_solve", "aten::linalg_solve_triangular", "aten::cholesky",
                           "aten::cholesky_inverse", "aten::cholesky_solve",
                           "aten::linalg_ldl_factor_ex", "aten::linalg_ldl_solve", "aten::_linalg_solve_ex",
-                          "aten::_linalg_eigvals",
-                          "aten::linalg_householder_product"});
+                          "aten::_linalg_eigvals", "aten::linalg_householder_product",
+                          "aten::triangular_solve", "aten::lu_unpack"});
 }
 
 }  // namespace hypershard::ops

@@ -1,9 +1,12 @@
 // Random ops: in-place fills, *_like draws, bernoulli and dropout.
 //
-//   aten::bernoulli_.float, bernoulli_.Tensor, normal_, uniform_, exponential_   in-place fills
+//   aten::bernoulli_.float, bernoulli_.Tensor, normal_, uniform_, exponential_,  in-place fills
+//   cauchy_, geometric_, log_normal_, random_(.from, .to)
 //   aten::rand_like, randn_like, randint_like (+ .low_dtype, .generator ...)     fresh draws
 //   aten::bernoulli.p                                                        a fresh draw like self
 //   aten::bernoulli (probabilities in self), bernoulli.Tensor (p)            draws from a tensor of p
+//   aten::multinomial, poisson, normal.Tensor_float (means in self),       (the draw's shape: dims of
+//   normal.Tensor_Tensor (std read whole)                                   self's size keep its sharding)
 //   aten::native_dropout                                                     mask draw + scale
 // F.dropout on CPU is empty_like + bernoulli_.float + div_ + mul (the pointwise family); on
 // accelerators it is native_dropout, whose backward native_dropout_backward is pointwise.
@@ -27,8 +30,9 @@
 // a Partial self gives a Replicate draw on those axes (as empty_like does). native_dropout is
 // linear in its input: a sum/avg Partial input keeps its Partial (the mask is Replicate there).
 //
-// Excluded: randperm (no tensor input), random_ (integer fills: no use in the target models),
-// normal.Tensor_* and poisson/multinomial (no rule yet).
+// Excluded: randperm (no tensor input), normal.float_Tensor (its tensor is not the first
+// argument), rrelu_with_noise (it writes its noise argument), _standard_gamma and binomial (no
+// rule yet).
 #include <ATen/ATen.h>
 
 #include <numeric>
@@ -139,7 +143,14 @@ OpPlan random_rule(const OpCall& call) {
   if (D == Draw::kFromValues) {
     if (auto op = self.partial_op(); op && is_sum_like(*op))
       fail_partial(call, 0, "probabilities that are a sum of parts cannot be drawn from");
-    spec.out = without_partial(self);
+    // the result's dims that have self's size keep self's sharding (multinomial's last dim
+    // becomes num_samples; normal(mean, std) may broadcast to more dims: then it is whole)
+    const auto shape = meta_output_shapes(call).at(0);
+    layout::DimAxes dims(shape.size());
+    if (shape.size() == static_cast<size_t>(self.ndim()))
+      for (size_t d = 0; d < shape.size(); ++d)
+        if (shape[d] == self.global_shape()[d]) dims[d] = self.dim_axes()[d];
+    spec.out = make_layout(self, shape, std::move(dims), {});
     plan.inputs.push_back(probabilities(call, 0));
   } else {
     spec.out = without_partial(self);
@@ -196,9 +207,16 @@ void register_random(Registry& r) {
   r.add("aten::bernoulli.p", &random_rule<D::kLike>, KeyScalars::kNone);
   r.add("aten::bernoulli_.Tensor", &random_rule<D::kFill>, KeyScalars::kNone);
   r.add("aten::bernoulli_.float", &random_rule<D::kFill>, KeyScalars::kNone);
+  r.add("aten::cauchy_", &random_rule<D::kFill>, KeyScalars::kNone);
   r.add("aten::exponential_", &random_rule<D::kFill>, KeyScalars::kNone);
+  r.add("aten::geometric_", &random_rule<D::kFill>, KeyScalars::kNone);
+  r.add("aten::log_normal_", &random_rule<D::kFill>, KeyScalars::kNone);
+  r.add("aten::multinomial", &random_rule<D::kFromValues>, KeyScalars::kAll);  // num_samples: a shape
   r.add("aten::native_dropout", &native_dropout_rule, KeyScalars::kAll);  // train decides the expand
   r.add("aten::normal_", &random_rule<D::kFill>, KeyScalars::kNone);
+  r.add("aten::normal.Tensor_float", &random_rule<D::kFromValues>, KeyScalars::kNone);  // self: the means
+  r.add("aten::normal.Tensor_Tensor", &random_rule<D::kFromValues>, KeyScalars::kNone);  // std read whole
+  r.add("aten::poisson", &random_rule<D::kFromValues>, KeyScalars::kNone);  // self: the rates
   r.add("aten::rand_like", &random_rule<D::kLike>, KeyScalars::kNone);
   r.add("aten::rand_like.generator", &random_rule<D::kLike>, KeyScalars::kNone);
   r.add("aten::randint_like", &random_rule<D::kLike>, KeyScalars::kNone);
@@ -208,6 +226,9 @@ void register_random(Registry& r) {
   r.add("aten::randint_like.low_generator_dtype", &random_rule<D::kLike>, KeyScalars::kNone);
   r.add("aten::randn_like", &random_rule<D::kLike>, KeyScalars::kNone);
   r.add("aten::randn_like.generator", &random_rule<D::kLike>, KeyScalars::kNone);
+  r.add("aten::random_", &random_rule<D::kFill>, KeyScalars::kNone);
+  r.add("aten::random_.from", &random_rule<D::kFill>, KeyScalars::kNone);
+  r.add("aten::random_.to", &random_rule<D::kFill>, KeyScalars::kNone);
   r.add("aten::uniform_", &random_rule<D::kFill>, KeyScalars::kNone);
 }
 

@@ -251,6 +251,10 @@ def along_cases():
             mesh, init=spd)
         add(f"linalg_solve_{tag}", lambda a: torch.linalg.solve(a, a[..., :1]), (5, 3, 3), batch, mesh, init=spd)
         add(f"eigvals_{tag}", lambda a: torch.linalg.eigvals(a).real, (5, 3, 3), batch, mesh, init=spd, check_grad=False)
+        add(f"triangular_solve_{tag}", lambda a: torch.triangular_solve(a[..., :2], torch.linalg.cholesky(a),
+                                                                         upper=False)[0], (5, 3, 3), batch, mesh, init=spd)
+        add(f"lu_unpack_{tag}", lambda a: torch.cat(torch.lu_unpack(*torch.linalg.lu_factor(a)), -1), (5, 3, 3), batch,
+            mesh, init=spd)
         add(f"cross_{tag}", lambda a: torch.linalg.cross(a, a.flip(0) * 2, dim=2), (5, 4, 3), batch, mesh)
     # Partial through the linear ones
     for name, fn in (("cumsum", lambda x: torch.cumsum(x, 0)), ("flip", lambda x: torch.flip(x, [1])),

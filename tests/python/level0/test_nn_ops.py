@@ -1,7 +1,8 @@
 """Level 0: the nn families -- embedding (csrc/ops/embedding.cpp), normalization
 (normalization.cpp: layer norm, group norm, softmax, and RMSNorm written out), attention
 (attention.cpp: scaled dot-product attention, HF's sdpa and eager paths) and random ops
-(random.cpp: dropout, bernoulli, normal_, uniform_, *_like draws) -- on real multi-process gloo
+(random.cpp: dropout, bernoulli, normal_, uniform_, the other fills, *_like draws, draws from
+parameter tensors: normal(mean, std), poisson, multinomial) -- on real multi-process gloo
 meshes (2,), (4,) and (2, 2), through hypershard.testing.
 
 Every case compares the forward AND the input gradients with one device. Random cases seed
@@ -448,6 +449,14 @@ normal_fill = seeded(lambda x: x + torch.empty_like(x).normal_(0.5, 2.0))
 normal_transposed = seeded(lambda x: x + torch.empty_like(x.t()).normal_().t())
 uniform_fill = seeded(lambda x: x * torch.empty_like(x).uniform_(-1, 1))
 exponential_fill = seeded(lambda x: x * torch.empty_like(x).exponential_())
+other_fills = seeded(lambda x: x * torch.empty_like(x).cauchy_() + torch.empty_like(x).log_normal_()
+                     + torch.empty_like(x).geometric_(0.3) + torch.empty_like(x).random_(0, 5))
+# draws from a tensor of parameters (means, rates, probabilities); multinomial's last dim becomes
+# num_samples, normal(mean, std) reads std whole
+parameter_draws = seeded(lambda x: torch.normal(x, 0.5) + torch.normal(x, x.detach().abs() + 0.1)
+                         + torch.poisson(x.detach().abs()))
+multinomial = seeded(lambda x: x[:, :1] + torch.multinomial(torch.softmax(x.detach(), -1), 3)
+                     + torch.multinomial(torch.softmax(x.detach(), -1), 8, replacement=True).sum(-1, keepdim=True))
 like_draws = seeded(lambda x: torch.rand_like(x) + 2 * torch.randn_like(x) + torch.randint_like(x, 10)
                     + torch.randint_like(x, 3, 7))
 native_dropout = seeded(lambda x: torch.native_dropout(x, 0.3, True))
@@ -469,7 +478,8 @@ def random_cases():
     fns = [("dropout", dropout), ("dropout_twice", dropout_twice), ("bernoulli_fill", bernoulli_fill),
            ("bernoulli_tensor_fill", bernoulli_tensor_fill), ("bernoulli_probs", bernoulli_probs),
            ("bernoulli_p", bernoulli_p), ("normal_fill", normal_fill), ("uniform_fill", uniform_fill),
-           ("exponential_fill", exponential_fill), ("native_dropout", native_dropout),
+           ("exponential_fill", exponential_fill), ("other_fills", other_fills),
+           ("parameter_draws", parameter_draws), ("multinomial", multinomial), ("native_dropout", native_dropout),
            ("with_generator", with_generator)]
     # (4, 6): 24 elements, 12 per shard on 2 ranks, 6 on 4: normal_ takes its vectorised path for
     # the global draw (>= 16) and would take the serial one on a shard.

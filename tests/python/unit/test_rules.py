@@ -138,6 +138,13 @@ ROWS = {
         ("dropout_sharded", "tp4", aten.native_dropout.default, (T([8, 6], S(0)), 0.1, True), {},
          None, [S(0), S(0)], True),
         ("bernoulli_sharded", "tp4", aten.bernoulli_.float, (T([8, 6], S(0)), 0.5), {}, None, [S(0)], True),
+        ("cauchy_sharded", "tp4", aten.cauchy_.default, (T([8, 6], S(0)),), {}, None, [S(0)], True),
+        # the probabilities are read whole; the rows keep their sharding, the categories become samples
+        ("multinomial_rows_sharded", "tp4", aten.multinomial.default, (T([8, 6], S(0)), 3), {}, [R1], [S(0)], True),
+        ("multinomial_categories_sharded", "tp4", aten.multinomial.default, (T([8, 6], S(1)), 3), {}, [R1], [R1],
+         False),
+        ("normal_mean_std", "tp4", aten.normal.Tensor_Tensor, (T([8, 6], S(0)), T([8, 6], S(0))), {}, [R1, R1],
+         [S(0)], True),
         ("zeros_like", "tp4", aten.zeros_like.default, (T([8, 6], S(0)),), {}, None, [S(0)], False),
         ("new_zeros_global_size", "tp4", aten.new_zeros.default, (T([8, 6], S(0)), [3, 5]), {}, None, [R1], False),
         ("foreach_add_", "tp4", aten._foreach_add_.List,
