@@ -1,5 +1,7 @@
 // Elementwise losses: a pointwise term of (self, target[, weight, pos_weight]) reduced by
-// `reduction` (none / sum / mean), and their backward ops.
+// `reduction` (none / sum / mean), and their backward ops; and the per-sample losses
+// (multi_margin_loss, multilabel_margin_loss: one loss per row of classes, see
+// per_sample_loss_rule), reduced alike over the GLOBAL sample count.
 //
 //   aten::mse_loss, smooth_l1_loss, huber_loss, soft_margin_loss, binary_cross_entropy,
 //   binary_cross_entropy_with_logits                      forward
@@ -81,9 +83,10 @@ void sum_then_scale(int64_t reduction_arg, int64_t reduction, double count, cons
   const int64_t base = static_cast<int64_t>(stack.size()) - call.num_args();
   stack[base + reduction_arg] = c10::IValue(kSum);
   call.op->callBoxed(stack);
-  if (reduction == kMean) {
-    auto out = stack.back().toTensor();
-    stack.back() = c10::IValue(count > 0 ? out.mul(1.0 / count) : out.div(count));  // 0/0 = nan, as torch
+  if (reduction == kMean) {  // the first result (multilabel_margin_loss_forward has a second)
+    c10::IValue& first = stack[stack.size() - call.schema().returns().size()];
+    const at::Tensor out = first.toTensor();
+    first = c10::IValue(count > 0 ? out.mul(1.0 / count) : out.div(count));  // 0/0 = nan, as torch
   }
 }
 
@@ -138,6 +141,76 @@ OpPlan elementwise_loss_rule(const OpCall& call) {
   return plan;
 }
 
+// ------------------------------------------------------------------ per-sample losses
+
+// multi_margin_loss(self [N, C], target [N], p, margin, weight [C], reduction) and
+// multilabel_margin_loss_forward(self [N, C], target [N, C], reduction) -> (loss, is_target [N, C]),
+// with their backward ops: a loss per sample (row), computed from that row alone (its C classes
+// whole), then reduced over the N samples. So the batch dim keeps self's sharding, the class dim
+// and weight are whole, and
+//   none  the per-sample losses (and gradients) keep the batch sharding;
+//   sum   Partial(sum) over the batch axes;
+//   mean  each rank's sum over 1/N of the GLOBAL sample count: Partial(sum) too; backward: the
+//         local gradient of the sum times 1/N.
+// A rank whose batch block is empty skips torch's kernel (which leaves a sum over no rows
+// uninitialised): its part is 0.
+// A single sample (self [C]) has nothing to shard: everything whole.
+template <bool kBackward>
+OpPlan per_sample_loss_rule(const OpCall& call) {
+  const int64_t self_t = call.tensor_named({"self"}), target_t = call.tensor_named({"target"});
+  const int64_t weight_t = call.tensor_named({"weight"}), is_target_t = call.tensor_named({"is_target"});
+  for (int64_t t : {self_t, target_t, weight_t, is_target_t}) reject_partial(call, t, "the loss term is not linear in it");
+  const Layout& self = call.layout(self_t);
+  const std::vector<int64_t> batch = self.ndim() == 2 ? self.dim_axes()[0] : std::vector<int64_t>{};
+  const int64_t reduction_arg = call.arg_index("reduction");
+  const int64_t reduction = call.arg(reduction_arg).toInt();
+  // a tensor whose first dim (if it has one, of self's batch size) follows the batch
+  auto batched = [&](const Layout& l) {
+    layout::DimAxes dims(static_cast<size_t>(l.ndim()));
+    if (!batch.empty() && l.ndim() > 0 && l.global_shape()[0] == self.global_shape()[0]) dims[0] = batch;
+    return make_layout(l, l.global_shape(), std::move(dims), {});
+  };
+  OpPlan plan;
+  plan.inputs.resize(call.tensors.size());
+  for (size_t t = 0; t < call.tensors.size(); ++t) {
+    const Layout& l = call.layout(static_cast<int64_t>(t));
+    plan.inputs[t] = static_cast<int64_t>(t) == weight_t ? replicate_like(l, l.global_shape()) : batched(l);
+  }
+  if (kBackward && reduction != kNone) {
+    const Layout& grad = call.layout(call.tensor_named({"grad_output"}));
+    plan.inputs[call.tensor_named({"grad_output"})] = replicate_like(grad, grad.global_shape());
+  }
+  // (the backward ops have no meta kernel: their one result is self's gradient)
+  const auto shapes = kBackward ? std::vector<std::vector<int64_t>>{self.global_shape()} : meta_output_shapes(call);
+  layout::PartialOps summed(static_cast<size_t>(self.mesh()->ndim()));
+  for (int64_t a : batch) summed[a] = ReduceOp::Sum;
+  for (size_t o = 0; o < shapes.size(); ++o) {
+    const bool loss = !kBackward && o == 0 && reduction != kNone;  // a scalar: Partial(sum)
+    layout::DimAxes dims(shapes[o].size());
+    if (!loss && !batch.empty() && !shapes[o].empty()) dims[0] = batch;
+    plan.outputs.push_back(make_layout(self, shapes[o], std::move(dims), loss ? summed : layout::PartialOps{}));
+  }
+  if (reduction != kNone && !batch.empty()) {
+    const double count = static_cast<double>(self.global_shape()[0]);
+    const int64_t self_arg = call.tensors[self_t].arg;
+    plan.expand = [reduction_arg, reduction, count, self_arg](const OpCall& c, torch::jit::Stack& s) {
+      const size_t num = c.schema().arguments().size();
+      const at::Tensor local = s[s.size() - num + self_arg].toTensor();
+      if (local.size(0) > 0) return sum_then_scale(reduction_arg, reduction, count, c, s);
+      // A rank without rows: torch's kernels leave a sum over no rows uninitialised; its part of
+      // the loss is 0, its gradient and is_target blocks are empty.
+      torch::jit::drop(s, num);
+      if (kBackward) {
+        s.emplace_back(at::zeros_like(local));
+      } else {
+        s.emplace_back(at::zeros({}, local.options()));
+        if (c.schema().returns().size() > 1) s.emplace_back(at::zeros_like(local));
+      }
+    };
+  }
+  return plan;
+}
+
 }  // namespace
 
 void register_elementwise_loss(Registry& r) {
@@ -147,6 +220,10 @@ void register_elementwise_loss(Registry& r) {
   for (const char* op : {"aten::mse_loss_backward", "aten::smooth_l1_loss_backward", "aten::huber_loss_backward",
                          "aten::soft_margin_loss_backward", "aten::binary_cross_entropy_backward"})
     r.add(op, &elementwise_loss_rule<true>, KeyScalars::kAll);
+  for (const char* op : {"aten::multi_margin_loss", "aten::multilabel_margin_loss_forward"})
+    r.add(op, &per_sample_loss_rule<false>, KeyScalars::kAll);
+  for (const char* op : {"aten::multi_margin_loss_backward", "aten::multilabel_margin_loss_backward"})
+    r.add(op, &per_sample_loss_rule<true>, KeyScalars::kAll);
 }
 
 }  // namespace hypershard::ops

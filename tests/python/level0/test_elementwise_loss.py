@@ -1,6 +1,6 @@
 """Level 0: the elementwise losses (csrc/ops/elementwise_loss.cpp) -- mse, smooth_l1, huber,
 soft_margin, binary_cross_entropy (with a weight), binary_cross_entropy_with_logits (with weight
-and pos_weight) -- and their gradients, on real multi-process meshes against one process, in
+and pos_weight), and the per-sample multi_margin / multilabel_margin losses -- and their gradients, on real multi-process meshes against one process, in
 strict mode (the harness), every reduction.
 
 The point is the mean: a sharded loss must divide by the GLOBAL element count. Shapes are uneven
@@ -84,8 +84,47 @@ def cases():
     return out
 
 
+def multilabel_targets(shape, dtype, generator):
+    """Two target classes per row, then -1 (the end of each row's list)."""
+    rows, classes = shape
+    t = torch.full(shape, -1, dtype=torch.int64)
+    t[:, 0] = torch.randint(0, classes, (rows,), generator=generator)
+    t[:, 1] = (t[:, 0] + 1 + torch.randint(0, classes - 1, (rows,), generator=generator)) % classes
+    return t
+
+
+def class_targets(classes):
+    return lambda shape, dtype, generator: torch.randint(0, classes, shape, generator=generator)
+
+
+def per_sample_cases():
+    """multi_margin_loss and multilabel_margin_loss: a loss per row of classes, reduced over the
+    GLOBAL row count (5 rows over 2 and 4 ranks, 3 over 4: an empty shard); rows sharded, the class
+    dim sharded (made whole), a class weight whole."""
+    out = []
+    layouts = ((M2, ["S(0)"]), (M4, ["S(0)"]), (M4, ["S(1)"]), (M22, ["S(0)", "S(1)"]))
+    for mesh, sp in layouts:
+        rows_only = [p if p == "S(0)" else "R" for p in sp]  # the [N] target: the rows' sharding
+        for rows in (5, 3):
+            tag = f"{rows}_{''.join(sp)}_{mesh[0]}"
+            for r in REDUCTIONS:
+                out.append(Case(f"multi_margin_{r}_{tag}", lambda x, y, r=r: F.multi_margin_loss(x, y, reduction=r),
+                                [Input((rows, 6), placements=sp),
+                                 Input((rows,), torch.int64, placements=rows_only, init=class_targets(6))], mesh))
+                out.append(Case(f"multi_margin_p2_weight_{r}_{tag}",
+                                lambda x, y, w, r=r: F.multi_margin_loss(x, y, p=2, margin=0.7, weight=w, reduction=r),
+                                [Input((rows, 6), placements=sp),
+                                 Input((rows,), torch.int64, placements=rows_only, init=class_targets(6)),
+                                 Input((6,), init=uniform(0.5, 1.5), requires_grad=False)], mesh))
+                out.append(Case(f"multilabel_margin_{r}_{tag}",
+                                lambda x, y, r=r: F.multilabel_margin_loss(x, y, reduction=r),
+                                [Input((rows, 6), placements=sp),
+                                 Input((rows, 6), torch.int64, placements=sp, init=multilabel_targets)], mesh))
+    return out
+
+
 def test_elementwise_losses_match_one_device():
-    assert_all_passed(run_cases(cases(), backend="hypershard", timeout=600))
+    assert_all_passed(run_cases(cases() + per_sample_cases(), backend="hypershard", timeout=600))
 
 
 def _local_mean_is_wrong(x, y):

@@ -58,14 +58,6 @@ def _embedding_bag_sum(weight):
     return F.embedding_bag(torch.tensor([[0, 2], [1, 4], [3, 3]]), weight, mode="sum")
 
 
-def _multilabel_targets(rows, classes):
-    """Two target classes per row, then -1 (the end of each row's list)."""
-    t = torch.full((rows, classes), -1, dtype=torch.int64)
-    t[:, 0] = torch.arange(rows) % classes
-    t[:, 1] = (torch.arange(rows) + 3) % classes
-    return t
-
-
 def fallback_cases():
     S0, S1, P = ["S(0)"], ["S(1)"], ["P"]
     cases = []
@@ -76,9 +68,9 @@ def fallback_cases():
     for mesh, place in ((M2, S0), (M4, S1), (M22, ["S(0)", "S(1)"]), (M2, P)):
         tag = f"{'x'.join(map(str, mesh[0]))}_{''.join(place).replace('(', '').replace(')', '')}"
         add(f"embedding_bag_{tag}", _embedding_bag_sum, [Input((5, 6), placements=place)], mesh)
-        add(f"multilabel_margin_loss_{tag}", lambda x: F.multilabel_margin_loss(x, _multilabel_targets(5, 8)),
-            [Input((5, 8), placements=place)], mesh)
-        add(f"multi_margin_loss_{tag}", lambda x: F.multi_margin_loss(x, torch.arange(6) % 5),
+        add(f"lstsq_{tag}", lambda x: torch.linalg.lstsq(x, torch.linspace(-1, 1, 16).view(8, 2)).solution,
+            [Input((8, 5), placements=place)], mesh)
+        add(f"segment_reduce_{tag}", lambda x: torch.segment_reduce(x, "sum", lengths=torch.tensor([2, 3, 1])),
             [Input((6, 5), placements=place)], mesh)
         add(f"dist_{tag}", lambda x: torch.dist(x, torch.ones_like(x), p=3), [Input((7, 4), placements=place)], mesh)
     # several outputs, integer outputs, data-dependent sizes

@@ -131,6 +131,13 @@ ROWS = {
          (T([8, 6], S(0)), T([8], S(0), i64), None, 1, -100), {}, None, [R1, R1], True),
         ("nll_none_stays_sharded", "tp4", aten.nll_loss_forward.default,
          (T([8, 6], S(0)), T([8], S(0), i64), None, 0, -100), {}, None, [S(0), R1], False),
+        # per-sample losses: rows keep their sharding, classes whole; mean over the GLOBAL row count
+        ("multi_margin_mean_rows", "tp4", aten.multi_margin_loss.default,
+         (T([8, 6], S(0)), T([8], S(0), i64), 1, 1.0, None, 1), {}, [S(0), S(0)], [P1], True),
+        ("multi_margin_none_classes_whole", "tp4", aten.multi_margin_loss.default,
+         (T([8, 6], S(1)), T([8], R1, i64), 1, 1.0, None, 0), {}, [R1, R1], [R1], False),
+        ("multilabel_margin_sum_rows", "tp4", aten.multilabel_margin_loss_forward.default,
+         (T([8, 6], S(0)), T([8, 6], S(0), i64), 2), {}, [S(0), S(0)], [P1, S(0)], True),
         ("nll_vocab_parallel", "tp4", aten.nll_loss_forward.default,
          (T([8, 6], S(1)), T([8], R1, i64), None, 1, -100), {}, None, [R1, R1], True),
     ],
