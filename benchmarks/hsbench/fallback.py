@@ -122,7 +122,7 @@ def fallback_ops():
         # without the carry, the neighbours' rows or the halo)
         "cumsum_rows": ([("tensor", (ROWS, HIDDEN), 0)], lambda a: torch.cumsum(a, 0), ("aten::cumsum",)),
         # stable: a non-stable sort of values that repeat (likely among 2048 float32 normals) gathers
-        "sort_rows": ([("tensor", (ROWS, HIDDEN), 0)], lambda a: torch.sort(a, dim=0, stable=True),
+        "sort_rows": ([("tensor", (ROWS, HIDDEN), 0)], lambda a: list(torch.sort(a, dim=0, stable=True)),
                       ("aten::sort.stable",)),
         "roll_rows": ([("tensor", (ROWS, HIDDEN), 0)], lambda a: torch.roll(a, SHIFT, 0), ("aten::roll",)),
         "flip_rows": ([("tensor", (ROWS, HIDDEN), 0)], lambda a: torch.flip(a, [0]), ("aten::flip",)),

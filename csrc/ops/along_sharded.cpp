@@ -11,8 +11,8 @@
 //                                             gathered when candidates tie: torch's tie order)
 //   sort    sort(.stable), argsort(.stable),  a sample sort: each rank sorts its block, k-1 regular
 //           msort                             samples per row split the values into one bucket
-//                                             per rank, ONE all-to-all sends each bucket to its
-//                                             rank, ONE more moves each element to the rank whose
+//                                             per rank, one exchange sends each bucket to its
+//                                             rank, one more moves each element to the rank whose
 //                                             block holds its GLOBAL rank (sharded_sort): results
 //                                             keep the input's sharding, nothing is gathered
 //                                             (a non-stable sort with equal values: gathered, see
@@ -341,36 +341,45 @@ at::Tensor at_or_after(const at::Tensor& x, const at::Tensor& s, bool descending
   return descending ? at::isnan(s).logical_or(x.le(s)) : at::isnan(x).logical_or(x.ge(s));
 }
 
-// One all-to-all of (value, GLOBAL index) pairs on `axis`, packed as bytes in one message (the
-// indices as int32 when the dim is that short: `wide` false): the first send_counts[0] pairs go
-// to member 0, ...; recv_counts[c] pairs come from member c.
+// (value, GLOBAL index) pairs to their members on `axis`: the first send_counts[0] pairs go to
+// member 0, ...; recv_counts[c] pairs come from member c. Two all-to-alls (values, then the
+// indices as int32 when the dim is that short: `wide` false): packing both into one message of
+// bytes costs more in strided copies than the second collective's latency.
 std::pair<at::Tensor, at::Tensor> exchange_pairs(const at::Tensor& values, const at::Tensor& indices, bool wide,
                                                  const at::Tensor& send_counts, const at::Tensor& recv_counts,
                                                  const runtime::DeviceMesh& mesh, int64_t axis) {
-  const int64_t size = values.element_size(), index_size = wide ? 8 : 4;
-  auto bytes = [](const at::Tensor& t, int64_t width) { return t.contiguous().view(at::kByte).view({-1, width}); };
   auto counts = [](const at::Tensor& t) {
     const at::Tensor c = t.to(at::kLong).contiguous();
     return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
   };
-  const at::Tensor sent = at::cat({bytes(values, size), bytes(indices.to(wide ? at::kLong : at::kInt), index_size)}, 1);
-  const at::Tensor got = runtime::all_to_all_rows(sent, counts(send_counts), counts(recv_counts), mesh, axis);
-  // a fresh buffer per field: a narrowed column block may be "contiguous" (one row) at an offset
-  // its dtype cannot be viewed at
-  auto field = [&](int64_t from, int64_t width, at::ScalarType type) {
-    return at::empty({got.size(0), width}, got.options()).copy_(got.narrow(1, from, width)).view(type).view(-1);
-  };
-  return {field(0, size, values.scalar_type()), field(size, index_size, wide ? at::kLong : at::kInt).to(at::kLong)};
+  const auto sent = counts(send_counts), received = counts(recv_counts);
+  return {runtime::all_to_all_rows(values, sent, received, mesh, axis),
+          runtime::all_to_all_rows(wide ? indices : indices.to(at::kInt), sent, received, mesh, axis).to(at::kLong)};
 }
 
-// Positions (a permutation) putting `keys` (1-d) in ascending order, equal keys in their order.
-at::Tensor stable_order(const at::Tensor& keys, bool descending = false) {
-  return at::argsort(keys, /*stable=*/true, 0, descending);
+// Elements laid out in blocks (a, b), a-major (block (a, b) holds counts[a][b] elements), moved
+// into b-major order: `flat` reordered so that block (b, a) follows (b, a-1). No sort: each
+// block moves as a whole, by its start in the new order minus its start in the old.
+at::Tensor transposed_blocks(const at::Tensor& flat, const at::Tensor& counts) {
+  const at::Tensor c = counts.contiguous().view(-1);
+  const at::Tensor old_start = (c.cumsum(0) - c).view(counts.sizes());
+  const at::Tensor ct = counts.t().contiguous().view(-1);
+  const at::Tensor new_start = (ct.cumsum(0) - ct).view({counts.size(1), counts.size(0)}).t();
+  const at::Tensor to = at::arange(flat.size(0), c.options()) +
+                        at::repeat_interleave((new_start - old_start).contiguous().view(-1), c);
+  return at::empty_like(flat).index_copy_(0, to, flat);
 }
 
-// Row numbers 0..rows-1, row r repeated counts[r] times (counts: [rows] int64).
-at::Tensor row_ids(const at::Tensor& counts) {
-  return at::repeat_interleave(at::arange(counts.size(0), counts.options()), counts);
+// A value that sorts after every other in the sort's order, equal ones included when it comes
+// last among equals (NaN ascending, -inf descending, the dtype's extremes for integers).
+c10::Scalar sorts_last(at::ScalarType type, bool descending) {
+  if (type == at::kBool) return c10::Scalar(!descending);
+  if (c10::isFloatingType(type))
+    return descending ? c10::Scalar(-std::numeric_limits<double>::infinity())
+                      : c10::Scalar(std::numeric_limits<double>::quiet_NaN());
+  return AT_DISPATCH_INTEGRAL_TYPES(type, "sorts_last", [&] {
+    return c10::Scalar(descending ? std::numeric_limits<scalar_t>::lowest() : std::numeric_limits<scalar_t>::max());
+  });
 }
 
 // What a sort along a dim sharded over ONE mesh axis needs of the layout, made with the plan.
@@ -385,11 +394,16 @@ struct SortExchange {
 //  1. each rank sorts its block (stable, GLOBAL indices) and all-gathers k-1 regular samples per
 //     row; the samples' k-1 quantiles split every row into k value buckets, the same on every rank
 //     (equal values always share a bucket);
-//  2. one all-gather of each rank's counts per (row, bucket), then ONE all-to-all sends bucket c
-//     of every row to member c, which sorts what arrived stably (the sources arrive in member
-//     order, so equal values stay in GLOBAL index order: a stable sort's order);
-//  3. the buckets' GLOBAL ranks follow from the counts, and ONE more all-to-all moves every element
+//  2. one all-gather of each rank's counts per (row, bucket), then one exchange (an all-to-all of
+//     the values, one of the indices) sends bucket c of every row to member c, which sorts what
+//     arrived stably (the sources arrive in member order, so equal values stay in GLOBAL index
+//     order: a stable sort's order);
+//  3. the buckets' GLOBAL ranks follow from the counts, and one more exchange moves every element
 //     to the member whose output block holds its rank.
+// Every regrouping between these steps moves whole runs (transposed_blocks): the only sorts are
+// the local one and the merge. Time: two sorts of a block where gathering sorts the whole dim
+// once -- on 2 to 4 CPU ranks about as slow as gathering or slower (make bench, sort_rows); what
+// it saves is memory (no rank holds the dim) and bytes from 4 ranks on.
 // Bytes sent per rank: the elements of its block that belong to another rank's bucket (about
 // (k-1)/k of it), each with its index (int32 below 2^31 positions), plus the few that step 3
 // moves to even the buckets out; gathering the dim sends the whole block to each of k-1 ranks and
@@ -404,7 +418,7 @@ std::pair<at::Tensor, at::Tensor> sharded_sort(const at::Tensor& local, int64_t 
   const at::Tensor moved = local.movedim(dim, -1);
   const int64_t n = moved.size(-1);
   const int64_t rows = c10::multiply_integers(moved.sizes().begin(), moved.sizes().end() - 1);
-  auto finish = [&](at::Tensor v, at::Tensor i) {
+  auto finish = [&](const at::Tensor& v, const at::Tensor& i) {
     return std::make_pair(v.view(moved.sizes()).movedim(-1, dim).contiguous(),
                           i.view(moved.sizes()).movedim(-1, dim).contiguous());
   };
@@ -431,33 +445,40 @@ std::pair<at::Tensor, at::Tensor> sharded_sort(const at::Tensor& local, int64_t 
   const at::Tensor splitters = pooled.index_select(1, at::tensor(split_at, long_options));
   const at::Tensor bucket = at_or_after(values.unsqueeze(2), splitters.unsqueeze(1), descending).sum(2);
 
-  // 2. buckets to their members; counts[s][row][c]: what member s sends member c of each row
+  // 2. buckets to their members (a sorted row's buckets are runs: [row][bucket] blocks, moved
+  // bucket-major); counts[s][row][c]: what member s sends member c of each row
   const at::Tensor counts = at::zeros({rows, k}, long_options).scatter_add_(1, bucket, at::ones_like(bucket));
   const at::Tensor all_counts = runtime::all_gather_along(counts.unsqueeze(0), mesh, axis, 0);
-  const at::Tensor row_of = at::arange(rows, long_options).unsqueeze(1).expand({rows, n});
-  const at::Tensor send_order = stable_order((bucket * rows + row_of).reshape(-1));
-  auto [got_values, got_global] = exchange_pairs(values.reshape(-1).index_select(0, send_order),
-                                                 global.reshape(-1).index_select(0, send_order), wide, counts.sum(0),
-                                                 all_counts.select(2, me).sum(1), mesh, axis);
-  std::vector<at::Tensor> source_rows;
-  for (int64_t s = 0; s < k; ++s) source_rows.push_back(row_ids(all_counts[s].select(1, me)));
-  at::Tensor got_rows = at::cat(source_rows);
-  // by value (stable: sources in member order, GLOBAL index order within each), then by row
-  at::Tensor by_value = stable_order(got_values, descending);
-  const at::Tensor arranged = by_value.index_select(0, stable_order(got_rows.index_select(0, by_value)));
-  got_values = got_values.index_select(0, arranged);
-  got_global = got_global.index_select(0, arranged);
-  got_rows = got_rows.index_select(0, arranged);
+  auto [got_values, got_global] = exchange_pairs(
+      transposed_blocks(values.reshape(-1), counts), transposed_blocks(global.reshape(-1), counts), wide,
+      counts.sum(0), all_counts.select(2, me).sum(1), mesh, axis);
+  // what arrived, [source][row] blocks, row-major, each row padded to the longest with a value
+  // that sorts last; one stable sort per row merges the sources' runs (they arrive in member
+  // order, so equal values stay in GLOBAL index order: a stable sort's order)
+  const at::Tensor from = all_counts.select(2, me);  // [source, row]
+  const at::Tensor held_here = from.sum(0);          // per row
+  got_values = transposed_blocks(got_values, from);
+  got_global = transposed_blocks(got_global, from);
+  const int64_t longest = held_here.numel() > 0 ? held_here.max().item<int64_t>() : 0;
+  const at::Tensor row_start = held_here.cumsum(0) - held_here;
+  const at::Tensor padded_at = at::arange(got_values.size(0), long_options) +
+                               at::repeat_interleave(at::arange(rows, long_options) * longest - row_start, held_here);
+  at::Tensor padded = at::full({rows * longest}, sorts_last(values.scalar_type(), descending), values.options());
+  padded.index_copy_(0, padded_at, got_values);
+  at::Tensor padded_global = at::zeros({rows * longest}, long_options).index_copy_(0, padded_at, got_global);
+  auto [merged, merge_order] = at::sort(padded.view({rows, longest}), /*stable=*/true, 1, descending);
+  got_values = merged.view(-1).index_select(0, padded_at);
+  got_global = padded_global.view({rows, longest}).gather(1, merge_order).view(-1).index_select(0, padded_at);
 
   if (!stable) {
     // Equal neighbours in one row (two NaNs count as equal): torch's non-stable order is its own.
-    const int64_t m = got_values.size(0);
     at::Tensor tie = at::zeros({1}, long_options);
-    if (m > 1) {
-      const at::Tensor a = got_values.narrow(0, 1, m - 1), b = got_values.narrow(0, 0, m - 1);
+    if (longest > 1) {
+      const at::Tensor a = merged.narrow(1, 1, longest - 1), b = merged.narrow(1, 0, longest - 1);
       at::Tensor equal = a.eq(b);
       if (a.is_floating_point()) equal = equal.logical_or(at::isnan(a).logical_and(at::isnan(b)));
-      tie.fill_(equal.logical_and(got_rows.narrow(0, 1, m - 1).eq(got_rows.narrow(0, 0, m - 1))).any().item<bool>());
+      const at::Tensor real = at::arange(1, longest, long_options).unsqueeze(0) < held_here.unsqueeze(1);  // not padding
+      tie.fill_(equal.logical_and(real).any().item<bool>());
     }
     if (runtime::all_reduce_along(tie, mesh, axis, ReduceOp::Max).item<int64_t>() > 0) {
       const at::Tensor whole = runtime::redistribute_local(local, ex.layout, ex.whole_layout, mesh);
@@ -468,28 +489,24 @@ std::pair<at::Tensor, at::Tensor> sharded_sort(const at::Tensor& local, int64_t 
   }
 
   // 3. to the member whose block holds each element's GLOBAL rank. held[row][c]: what member c
-  // holds of each row after step 2, first[row][c] the GLOBAL rank of its first.
+  // holds of each row after step 2, first[row][c] the GLOBAL rank of its first; a row's ranks
+  // here are consecutive, so what goes to member c is a run: [row][c] blocks again.
   const at::Tensor held = all_counts.sum(0);
   const at::Tensor first = held.cumsum(1) - held;
-  const at::Tensor mine_held = held.select(1, me);
-  const at::Tensor row_start = mine_held.cumsum(0) - mine_held;  // in this rank's buffer
-  const at::Tensor rank = at::arange(got_values.size(0), long_options) - row_start.index_select(0, got_rows) +
-                          first.select(1, me).index_select(0, got_rows);
-  std::vector<int64_t> ends;
-  for (const runtime::Span& o : spans.owned) ends.push_back(o.end);
-  const at::Tensor dest = at::searchsorted(at::tensor(ends, long_options), rank, /*out_int32=*/false, /*right=*/true);
-  const at::Tensor dest_order = stable_order(dest * rows + got_rows);
-  // what member c sends this rank of each row: its held ranks within this rank's block
-  const runtime::Span mine = spans.owned[me];
-  const at::Tensor overlap =
-      (at::clamp_max(first + held, mine.end) - at::clamp_min(first, mine.begin)).clamp_min(0);  // [rows, k]
-  auto [final_values, final_global] = exchange_pairs(
-      got_values.index_select(0, dest_order), got_global.index_select(0, dest_order), wide,
-      at::bincount(dest, {}, k), overlap.sum(0), mesh, axis);
-  std::vector<at::Tensor> final_source_rows;
-  for (int64_t s = 0; s < k; ++s) final_source_rows.push_back(row_ids(overlap.select(1, s).contiguous()));
-  const at::Tensor by_row = stable_order(at::cat(final_source_rows));
-  return finish(final_values.index_select(0, by_row), final_global.index_select(0, by_row));
+  auto overlap_with = [&](const at::Tensor& begin, const at::Tensor& end, int64_t c) {  // [rows]
+    const runtime::Span o = spans.owned[c];
+    return (at::clamp_max(end, o.end) - at::clamp_min(begin, o.begin)).clamp_min(0);
+  };
+  std::vector<at::Tensor> to_member, from_member;
+  const at::Tensor my_first = first.select(1, me), my_end = my_first + held.select(1, me);
+  for (int64_t c = 0; c < k; ++c) to_member.push_back(overlap_with(my_first, my_end, c));
+  for (int64_t s = 0; s < k; ++s) from_member.push_back(overlap_with(first.select(1, s), first.select(1, s) + held.select(1, s), me));
+  const at::Tensor sends = at::stack(to_member, 1);    // [row, member]
+  const at::Tensor arrives = at::stack(from_member);   // [source, row]
+  auto [final_values, final_global] =
+      exchange_pairs(transposed_blocks(got_values, sends), transposed_blocks(got_global, sends), wide, sends.sum(0),
+                     arrives.sum(1), mesh, axis);
+  return finish(transposed_blocks(final_values, arrives), transposed_blocks(final_global, arrives));
 }
 
 // sort(self, dim, descending), sort.stable(self, *, stable, dim, descending), argsort(.stable),
