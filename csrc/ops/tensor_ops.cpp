@@ -17,6 +17,8 @@
 //   _is_all_true, _is_any_true,      likewise gathered, a Replicate result shaped by the computation
 //   masked_scatter_backward,         (a bool scalar, the backward's sizes, the repeated indices)
 //   repeat_interleave.Tensor
+//   linspace/logspace with tensor     the 0-d bounds read whole (a Partial reduced), the result
+//   bounds (Tensor_Tensor, ...)       Replicate: every rank computes the same `steps` values
 //   one_hot                          a kernel of its own at the autograd key (its composite kernel
 //                                    would scatter DTensor data into a plain zeros tensor): the
 //                                    index keeps its sharding, the new class dim is whole;
@@ -119,6 +121,15 @@ OpPlan gathered_data_shaped_rule(const OpCall& call) {
   return plan;
 }
 
+// linspace/logspace(start, end, steps, ...) with tensor bounds: the bounds whole, a Replicate
+// result of `steps` values.
+OpPlan spaced_values_rule(const OpCall& call) {
+  OpPlan plan;
+  for (const auto& t : call.tensors) plan.inputs.push_back(replicate_like(*t.layout, t.layout->global_shape()));
+  plan.outputs.push_back(replicate_like(call.layout(0), {call.arg(call.arg_index("steps")).toInt()}));
+  return plan;
+}
+
 }  // namespace
 
 void register_one_hot_kernel() {
@@ -146,6 +157,9 @@ void register_tensor_ops(Registry& r) {
   r.add("aten::masked_scatter_backward", &gathered_data_shaped_rule, KeyScalars::kNone);
   r.add("aten::repeat_interleave.Tensor", &gathered_data_shaped_rule, KeyScalars::kNone);
   r.add("aten::nonzero", &gathered_data_shaped_rule, KeyScalars::kNone);
+  for (const char* op : {"aten::linspace.Tensor_Tensor", "aten::linspace.Tensor_Scalar", "aten::linspace.Scalar_Tensor",
+                         "aten::logspace.Tensor_Tensor", "aten::logspace.Tensor_Scalar", "aten::logspace.Scalar_Tensor"})
+    r.add(op, &spaced_values_rule, KeyScalars::kAll);  // steps: the result's shape
 }
 
 }  // namespace hypershard::ops

@@ -1,6 +1,7 @@
 """Level0: ops whose result size depends on the data (nonzero and what decomposes to it --
 argwhere, the one-argument where --, masked_select and its backward masked_scatter_,
-_is_all_true, repeat_interleave's counts, masked_scatter and its backward) on real
+_is_all_true, repeat_interleave's counts, masked_scatter and its backward; linspace/logspace with
+tensor bounds, whose size is `steps` but whose bounds are data) on real
 meshes in strict mode, against one device: the inputs are gathered, the result is Replicate with
 GLOBAL coordinates, its shape taken from the computed result (the same on every rank)."""
 
@@ -29,6 +30,11 @@ def cases():
             Case(f"repeat_interleave_counts_{tag}", lambda x: torch.repeat_interleave((x > 0).sum(1)), [flags()], mesh),
             Case(f"masked_scatter_grad_{tag}", lambda x, y: x.masked_scatter(x > 0, y * 3),
                  [flags(grad=True), Input((35,))], mesh),
+            # bounds that are tensors (a sum and a max of the input: a Partial and a Replicate
+            # 0-d on a sharded input): read whole, `steps` values on every rank
+            Case(f"linspace_tensor_bounds_{tag}", lambda x: torch.linspace(x.sum(), x.amax(), 6) + x.mean(),
+                 [flags(grad=True)], mesh, check_grad=False),
+            Case(f"logspace_tensor_start_{tag}", lambda x: torch.logspace(x.mean(), 2.0, 5, base=2.0), [flags()], mesh),
         ]
     return out
 

@@ -153,6 +153,8 @@ ROWS = {
         ("normal_mean_std", "tp4", aten.normal.Tensor_Tensor, (T([8, 6], S(0)), T([8, 6], S(0))), {}, [R1, R1],
          [S(0)], True),
         ("zeros_like", "tp4", aten.zeros_like.default, (T([8, 6], S(0)),), {}, None, [S(0)], False),
+        ("linspace_partial_bounds", "tp4", aten.linspace.Tensor_Tensor, (T([], P1), T([], R1), 5), {}, [R1, R1], [R1],
+         False),
         ("new_zeros_global_size", "tp4", aten.new_zeros.default, (T([8, 6], S(0)), [3, 5]), {}, None, [R1], False),
         ("foreach_add_", "tp4", aten._foreach_add_.List,
          ([T([8, 6], S(0)), T([4], R1)], [T([8, 6], S(0)), T([4], R1)]), {}, None, [], False),
