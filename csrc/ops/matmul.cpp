@@ -330,7 +330,8 @@ OpPlan mm_out_rule(const OpCall& call) {
 //   2d x 2d + offs  "km,mn->ekn"   the weight gradient: the contracted m in groups (whole); k, n
 //                                  free; e (a result-only dim) whole: every group computed
 //   3d x 3d         "bmk,bkn->bmn" the batched product (bmm's rule)
-// offs and the groups' data-dependent sizes are read on every rank alike (offs is whole). The
+// offs and the groups' data-dependent sizes are read on every rank alike (offs is whole; an
+// integer Partial(sum) offs is reduced first). The
 // local product is a loop of mm over the local groups: torch's CPU kernel asks 16-byte aligned
 // strides, which a shard of an aligned weight need not have.
 constexpr EinsumSpec kGroupedRows{"mk,ekn->mn", false, "m"};
@@ -363,7 +364,12 @@ OpPlan grouped_mm_rule(const OpCall& call) {
     if (o.ndim() != 1 || (groups >= 0 && o.global_shape()[0] != groups))
       fail_argument(call, offs, "shape " + layout::shape_string(o.global_shape()),
                     "a 1-d offs with one entry per group");
-    if (o.partial_op()) fail_argument(call, offs, "is Partial", "offs Replicate (whole cumulative counts)");
+    // Integer counts summed over ranks (histc of a sharded list of expert ids, then cumsum: HF's
+    // MoE after a sort that kept the tokens sharded) are reduced first, as every integer
+    // sum-Partial is: data-dependent control, not an activation missing its reduction.
+    if (const auto op = o.partial_op();
+        op && !(is_sum_like(*op) && c10::isIntegralType(call.tensors[offs].dtype, /*includeBool=*/false)))
+      fail_argument(call, offs, "is Partial", "offs Replicate (whole cumulative counts)");
   }
   LabelSizes groups;
   if (spec == &kGroupedContraction) groups.emplace_back('e', call.layout(offs).global_shape()[0]);

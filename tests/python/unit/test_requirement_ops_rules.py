@@ -347,6 +347,10 @@ ROWS = [
     ("grouped_mm_offs_gathered", ("_grouped_mm",), aten._grouped_mm.default,
      (T([11, 8], R), T([4, 8, 12], S(None, 2))), {"offs": T([4], S(0, None), i32)}, [R, S(None, 2), R], [S(None, 1)],
      True),
+    # integer counts summed over dp (histc of expert ids a sort left sharded, then cumsum): reduced
+    ("grouped_mm_offs_partial_counts_reduced", ("_grouped_mm",), aten._grouped_mm.default,
+     (T([11, 8], S(0, None)), T([4, 8, 12], S(None, 2))), {"offs": T([4], P, i32)}, [R, S(None, 2), R],
+     [S(None, 1)], True),
     ("grouped_mm_partial_tokens", ("_grouped_mm",), aten._grouped_mm.default,
      (T([11, 8], P), T([4, 8, 12], S(None, 2))), {"offs": T([4], R, i32)}, None, [["P", "S(1)"]], True),
     ("fallback_expert_and_colwise", ("grouped_mm_fallback",), GMM_FALLBACK,
@@ -396,11 +400,12 @@ ERRORS = [
      "aten::cat", None, "dim 2 is out of range for a 2-d tensor"),
     ("tril_of_a_vector", ("tril", "triu"), aten.tril.default, (T([8], S(0, None)),), {},
      "aten::tril", "self (#0)", "has fewer than 2 dims"),
-    ("grouped_mm_partial_offs", ("_grouped_mm",), aten._grouped_mm.default,
-     (T([11, 8], R), T([4, 8, 12], S(None, 2))), {"offs": T([4], P, i32)},
+    # offs summed over ranks is reduced first (integer counts); a max of offsets means nothing
+    ("grouped_mm_partial_max_offs", ("_grouped_mm",), aten._grouped_mm.default,
+     (T([11, 8], R), T([4, 8, 12], S(None, 2))), {"offs": T([4], PMAX, i32)},
      "aten::_grouped_mm", "offs (#2)", "allowed: offs Replicate (whole cumulative counts)"),
-    ("fallback_partial_offs", ("grouped_mm_fallback",), GMM_FALLBACK,
-     (T([11, 8], R), T([4, 8, 12], S(None, 2)), T([4], P, i32)), {},
+    ("fallback_partial_max_offs", ("grouped_mm_fallback",), GMM_FALLBACK,
+     (T([11, 8], R), T([4, 8, 12], S(None, 2)), T([4], PMAX, i32)), {},
      "transformers::grouped_mm_fallback", "offs (#2)", "allowed: offs Replicate (whole cumulative counts)"),
     ("rms_norm_of_partial", ("npu_rms_norm",), hsops.rms_norm.default, (T([4, 3, 8], P), T([8], R), 1e-6), {},
      "hypershard::rms_norm", "x (#0)", "Partial(sum) input is not supported by this op (it is not linear in it)"),
@@ -437,7 +442,7 @@ ERRORS = [
 # names without an error row: their rules keep or reduce a Partial input (a row above shows it)
 # and have no other refusal a model could reach
 ACCEPT_PARTIAL = {"cpu", "to", "type_as", "new_zeros", "tolist", "where_1arg"}
-ROW_COUNT, ERROR_COUNT = 51, 26
+ROW_COUNT, ERROR_COUNT = 52, 26
 
 
 @pytest.mark.parametrize("name,tags,op,args,kwargs,inputs,outputs,expands", [pytest.param(*r, id=r[0]) for r in ROWS])
