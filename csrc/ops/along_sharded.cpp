@@ -16,7 +16,7 @@
 //                                             block holds its GLOBAL rank (sharded_sort): results
 //                                             keep the input's sharding, nothing is gathered
 //                                             (a non-stable sort with equal values: gathered, see
-//                                             sharded_sort)
+//                                             sharded_sort; of integers or bools: planned whole)
 //   moves   flip (dims), roll (shifts, dims)  each rank fetches the GLOBAL range its block reads
 //                                             (the mirrored range; the range `shift` before it,
 //                                             cyclically) in one all-to-all per sharded dim
@@ -512,7 +512,8 @@ std::pair<at::Tensor, at::Tensor> sharded_sort(const at::Tensor& local, int64_t 
 // sort(self, dim, descending), sort.stable(self, *, stable, dim, descending), argsort(.stable),
 // msort(self) (dim 0). Along a dim sharded over one mesh axis: sharded_sort, the results keeping
 // the input's sharding; along a whole dim the local call is the answer; a dim sharded over more
-// axes is made whole. Every other dim keeps its sharding.
+// axes, or a non-stable sort of integers or bools, is made whole. Every other dim keeps its
+// sharding.
 OpPlan sort_rule(const OpCall& call) {
   const Layout& in = call.layout(0);
   const std::string name = call.schema().name();
@@ -520,7 +521,15 @@ OpPlan sort_rule(const OpCall& call) {
   const bool msort = name == "aten::msort";
   const int64_t dim = in.ndim() == 0 || msort ? 0 : wrap_dim(call, call.arg(call.arg_index("dim")).toInt(), in.ndim());
   layout::DimAxes dims = in.dim_axes();
-  const bool exchange = in.ndim() > 0 && dims[dim].size() == 1 && dim_parts(in, dim) > 1 && in.global_shape()[dim] > 0;
+  // A non-stable sort of integers or bools (expert ids, labels) nearly always meets equal keys,
+  // whose order is then torch's kernel's own: the dim is made whole up front, as one device
+  // sorts it, instead of an exchange that would end in gathering it anyway.
+  bool stable = false;
+  if (const auto s = call.schema().argumentIndexWithName("stable"); s && !call.arg(*s).isNone())
+    stable = call.arg(*s).toBool();
+  const bool repeats = !stable && !c10::isFloatingType(call.tensors[0].dtype);
+  const bool exchange = in.ndim() > 0 && dims[dim].size() == 1 && dim_parts(in, dim) > 1 &&
+                        in.global_shape()[dim] > 0 && !repeats;
   if (!exchange && in.ndim() > 0) dims[dim].clear();
   OpPlan plan;
   plan.inputs.push_back(make_layout(in, in.global_shape(), dims, layout::PartialOps(in.partial().size())));

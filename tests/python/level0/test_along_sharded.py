@@ -170,6 +170,9 @@ def cases():
                 dtype=torch.int64, init=randint(-3, 3))
             add(f"sort_bool_{t}", lambda x: torch.sort(x > 0, dim=1, stable=True), shape, place, mesh, sort_bytes,
                 check_grad=False)
+    # a non-stable sort of integers (MoE's expert ids): the dim is made whole up front
+    add("sort_int64_nonstable_whole_4", lambda x: torch.sort(x, 1), (5, 11), ["S(1)"], M4,
+        lambda x: block_bytes(x) * chunks(x, 1), dtype=torch.int64, init=randint(-3, 3), keep=False)
     for mesh, place, tag in layouts[3:]:  # over two axes: the dim is made whole, the result correct
         add(f"sort_two_axes_{tag}", lambda x: torch.sort(x, 1), (5, 11), place, mesh,
             lambda x: block_bytes(x) * chunks(x, 1), keep=False)

@@ -109,6 +109,12 @@ def test_sort_keeps_a_dim_sharded_over_one_axis():
     assert p.output_specs == [["S(0)", "R"]] * 2 and not p.expands
     p = plan(A.sort.default, m.dtensor([5, 11], ["S(1)", "S(1)"]), 1)
     assert p.input_specs == [["R", "R"]] and not p.expands
+    # a non-stable sort of integers (MoE expert ids): planned whole; a stable one exchanges
+    ids = m.dtensor([5, 11], ["S(0)", "S(1)"], dtype=torch.int64)
+    p = plan(A.sort.default, ids, 1)
+    assert p.input_specs == [["S(0)", "R"]] and not p.expands
+    p = plan(A.sort.stable, ids, stable=True, dim=1)
+    assert p.input_specs == [["S(0)", "S(1)"]] and p.expands
     with pytest.raises(hs.LayoutError, match="aten::sort: argument self"):
         plan(A.sort.default, m.dtensor([5, 11], [hs.Partial(), "S(1)"]), 1)
 
