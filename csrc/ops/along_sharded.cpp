@@ -477,14 +477,16 @@ std::pair<at::Tensor, at::Tensor> sharded_sort(const at::Tensor& local, int64_t 
       const at::Tensor a = merged.narrow(1, 1, longest - 1), b = merged.narrow(1, 0, longest - 1);
       at::Tensor equal = a.eq(b);
       if (a.is_floating_point()) equal = equal.logical_or(at::isnan(a).logical_and(at::isnan(b)));
-      const at::Tensor real = at::arange(1, longest, long_options).unsqueeze(0) < held_here.unsqueeze(1);  // not padding
+      // (position j of a row holds data, not padding, below the row's count)
+      const at::Tensor real = at::arange(1, longest, long_options).unsqueeze(0) < held_here.unsqueeze(1);
       tie.fill_(equal.logical_and(real).any().item<bool>());
     }
     if (runtime::all_reduce_along(tie, mesh, axis, ReduceOp::Max).item<int64_t>() > 0) {
       const at::Tensor whole = runtime::redistribute_local(local, ex.layout, ex.whole_layout, mesh);
       auto [v, i] = at::sort(whole, dim, descending);
       const runtime::Span mine = spans.owned[me];
-      return {v.narrow(dim, mine.begin, mine.length()).contiguous(), i.narrow(dim, mine.begin, mine.length()).contiguous()};
+      auto block = [&](const at::Tensor& t) { return t.narrow(dim, mine.begin, mine.length()).contiguous(); };
+      return {block(v), block(i)};
     }
   }
 
@@ -493,14 +495,17 @@ std::pair<at::Tensor, at::Tensor> sharded_sort(const at::Tensor& local, int64_t 
   // here are consecutive, so what goes to member c is a run: [row][c] blocks again.
   const at::Tensor held = all_counts.sum(0);
   const at::Tensor first = held.cumsum(1) - held;
-  auto overlap_with = [&](const at::Tensor& begin, const at::Tensor& end, int64_t c) {  // [rows]
+  // per row: how many of the ranks member s holds lie in member c's output block
+  auto overlap = [&](int64_t s, int64_t c) {
+    const at::Tensor begin = first.select(1, s), end = begin + held.select(1, s);
     const runtime::Span o = spans.owned[c];
     return (at::clamp_max(end, o.end) - at::clamp_min(begin, o.begin)).clamp_min(0);
   };
   std::vector<at::Tensor> to_member, from_member;
-  const at::Tensor my_first = first.select(1, me), my_end = my_first + held.select(1, me);
-  for (int64_t c = 0; c < k; ++c) to_member.push_back(overlap_with(my_first, my_end, c));
-  for (int64_t s = 0; s < k; ++s) from_member.push_back(overlap_with(first.select(1, s), first.select(1, s) + held.select(1, s), me));
+  for (int64_t c = 0; c < k; ++c) {
+    to_member.push_back(overlap(me, c));
+    from_member.push_back(overlap(c, me));
+  }
   const at::Tensor sends = at::stack(to_member, 1);    // [row, member]
   const at::Tensor arrives = at::stack(from_member);   // [source, row]
   auto [final_values, final_global] =
@@ -524,9 +529,10 @@ OpPlan sort_rule(const OpCall& call) {
   // A non-stable sort of integers or bools (expert ids, labels) nearly always meets equal keys,
   // whose order is then torch's kernel's own: the dim is made whole up front, as one device
   // sorts it, instead of an exchange that would end in gathering it anyway.
-  bool stable = false;
+  bool stable = false, descending = false;  // both in the plan's key (KeyScalars::kAll)
   if (const auto s = call.schema().argumentIndexWithName("stable"); s && !call.arg(*s).isNone())
     stable = call.arg(*s).toBool();
+  if (const auto d = call.schema().argumentIndexWithName("descending")) descending = call.arg(*d).toBool();
   const bool repeats = !stable && !c10::isFloatingType(call.tensors[0].dtype);
   const bool exchange = in.ndim() > 0 && dims[dim].size() == 1 && dim_parts(in, dim) > 1 &&
                         in.global_shape()[dim] > 0 && !repeats;
@@ -541,13 +547,10 @@ OpPlan sort_rule(const OpCall& call) {
   SortExchange ex{runtime::owned_spans(*plan.inputs[0], *call.mesh, dim), plan.inputs[0],
                   make_layout(in, in.global_shape(), whole)};
   const bool values_out = name != "aten::argsort", indices_out = !msort;
-  plan.expand = [ex = std::move(ex), dim, values_out, indices_out](const OpCall& c, torch::jit::Stack& stack) {
+  plan.expand = [ex = std::move(ex), dim, descending, stable, values_out, indices_out](const OpCall& c,
+                                                                                        torch::jit::Stack& stack) {
     const size_t num = c.schema().arguments().size();
-    const c10::IValue* args = stack.data() + (stack.size() - num);
-    bool descending = false, stable = false;
-    if (const auto d = c.schema().argumentIndexWithName("descending")) descending = args[*d].toBool();
-    if (const auto s = c.schema().argumentIndexWithName("stable"); s && !args[*s].isNone()) stable = args[*s].toBool();
-    auto [values, indices] = sharded_sort(args[0].toTensor(), dim, descending, stable, ex, *c.mesh);
+    auto [values, indices] = sharded_sort(stack[stack.size() - num].toTensor(), dim, descending, stable, ex, *c.mesh);
     torch::jit::drop(stack, num);
     if (values_out) stack.emplace_back(std::move(values));
     if (indices_out) stack.emplace_back(std::move(indices));

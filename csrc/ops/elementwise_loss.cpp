@@ -159,7 +159,9 @@ template <bool kBackward>
 OpPlan per_sample_loss_rule(const OpCall& call) {
   const int64_t self_t = call.tensor_named({"self"}), target_t = call.tensor_named({"target"});
   const int64_t weight_t = call.tensor_named({"weight"}), is_target_t = call.tensor_named({"is_target"});
-  for (int64_t t : {self_t, target_t, weight_t, is_target_t}) reject_partial(call, t, "the loss term is not linear in it");
+  const int64_t grad_t = kBackward ? call.tensor_named({"grad_output"}) : -1;
+  for (int64_t t : {self_t, target_t, weight_t, is_target_t})
+    reject_partial(call, t, "the loss term is not linear in it");
   const Layout& self = call.layout(self_t);
   const std::vector<int64_t> batch = self.ndim() == 2 ? self.dim_axes()[0] : std::vector<int64_t>{};
   const int64_t reduction_arg = call.arg_index("reduction");
@@ -176,10 +178,8 @@ OpPlan per_sample_loss_rule(const OpCall& call) {
     const Layout& l = call.layout(static_cast<int64_t>(t));
     plan.inputs[t] = static_cast<int64_t>(t) == weight_t ? replicate_like(l, l.global_shape()) : batched(l);
   }
-  if (kBackward && reduction != kNone) {
-    const Layout& grad = call.layout(call.tensor_named({"grad_output"}));
-    plan.inputs[call.tensor_named({"grad_output"})] = replicate_like(grad, grad.global_shape());
-  }
+  if (kBackward && reduction != kNone)  // a scalar's gradient: whole
+    plan.inputs[grad_t] = replicate_like(call.layout(grad_t), call.layout(grad_t).global_shape());
   // (the backward ops have no meta kernel: their one result is self's gradient)
   const auto shapes = kBackward ? std::vector<std::vector<int64_t>>{self.global_shape()} : meta_output_shapes(call);
   layout::PartialOps summed(static_cast<size_t>(self.mesh()->ndim()));

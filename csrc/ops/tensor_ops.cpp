@@ -157,8 +157,9 @@ void register_tensor_ops(Registry& r) {
   r.add("aten::masked_scatter_backward", &gathered_data_shaped_rule, KeyScalars::kNone);
   r.add("aten::repeat_interleave.Tensor", &gathered_data_shaped_rule, KeyScalars::kNone);
   r.add("aten::nonzero", &gathered_data_shaped_rule, KeyScalars::kNone);
-  for (const char* op : {"aten::linspace.Tensor_Tensor", "aten::linspace.Tensor_Scalar", "aten::linspace.Scalar_Tensor",
-                         "aten::logspace.Tensor_Tensor", "aten::logspace.Tensor_Scalar", "aten::logspace.Scalar_Tensor"})
+  for (const char* op : {"aten::linspace.Tensor_Tensor", "aten::linspace.Tensor_Scalar",
+                         "aten::linspace.Scalar_Tensor", "aten::logspace.Tensor_Tensor",
+                         "aten::logspace.Tensor_Scalar", "aten::logspace.Scalar_Tensor"})
     r.add(op, &spaced_values_rule, KeyScalars::kAll);  // steps: the result's shape
 }
 
