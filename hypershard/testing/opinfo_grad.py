@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from .opinfo_sweep import ATOL, RTOL, _compare, _describe, _distribute_tensor, _gather, _map_tensors
+from .opinfo_common import ATOL, RTOL, compare, describe, distribute_tensor, gather, map_tensors
 
 # The weights are random so that a gradient routed to the wrong element cannot cancel out.
 WEIGHT_SEED = 1000
@@ -56,7 +56,7 @@ def _grad_inputs(sample, convert) -> tuple[list, dict, list]:
             made[id(t)] = copy
         return made[id(t)]
 
-    return (_map_tensors([sample.input, *sample.args], fresh), _map_tensors(dict(sample.kwargs), fresh),
+    return (map_tensors([sample.input, *sample.args], fresh), map_tensors(dict(sample.kwargs), fresh),
             leaves)
 
 
@@ -95,7 +95,7 @@ def _grad_mismatch(got: list, expected: list, dtensor_leaves: list) -> str:
             return f"input #{index} {tuple(leaf.shape)}: gradient is None {where}, not on the other{zero}"
         if grad is not None:
             try:
-                _compare(grad, reference)
+                compare(grad, reference)
             except AssertionError as exc:
                 # assert_close's lines after the first say how many elements differ, and by how much
                 lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
@@ -172,7 +172,7 @@ def run_grad_op(op, mesh, samples: int) -> tuple[str, str]:
         torch.manual_seed(sample_seed)
         phase = "forward"
         try:
-            args, kwargs, dtensor_leaves = _grad_inputs(sample, lambda t: _distribute_tensor(t, mesh, "sharded"))
+            args, kwargs, dtensor_leaves = _grad_inputs(sample, lambda t: distribute_tensor(t, mesh, "sharded"))
             got_outputs = _flat_tensors(process(op(*args, **kwargs)))
             if len(got_outputs) != len(outputs):
                 return "wrong", f"{len(got_outputs)} tensor outputs on DTensors, {len(outputs)} on one device"
@@ -187,9 +187,9 @@ def run_grad_op(op, mesh, samples: int) -> tuple[str, str]:
             phase = "backward"
             loss.backward()
             phase = "gathering the gradients"
-            got = [None if leaf.grad is None else _gather(leaf.grad) for leaf in dtensor_leaves]
+            got = [None if leaf.grad is None else gather(leaf.grad) for leaf in dtensor_leaves]
         except Exception as exc:  # noqa: BLE001 -- the sweep records what raised
-            return "error", f"{phase}: {_describe(exc)}"
+            return "error", f"{phase}: {describe(exc)}"
         mismatch = _grad_mismatch(got, expected, dtensor_leaves)
         if mismatch:
             torch.manual_seed(sample_seed)

@@ -21,24 +21,10 @@ import json
 import sys
 import time
 import warnings
-from typing import Any
 
-VARIANTS = ("replicate", "sharded")  # forward: the op's outputs compared
-GRAD_VARIANT = "grad"  # backward: input gradients compared, inputs sharded (ops that support autograd)
-# forward on a 2-D (2, world/2) mesh ("dp", "tp"): the largest dim over dp, the next largest
-# (or, when no other dim has 2 elements, the same one, nested) over tp -- needs an even world >= 4
-MESH_2D_VARIANT = "sharded_2d"
-ALL_VARIANTS = (*VARIANTS, GRAD_VARIANT, MESH_2D_VARIANT)
-# Ops whose outputs are uninitialized memory: only shape and dtype can be compared (torch's own
-# DTensor sweep skips them for the same reason).
-UNINITIALIZED = frozenset({"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty",
-                           "new_empty_strided"})
-# assert_close's float32 defaults, which torch's own DTensor sweep uses. A fallback result is the
-# same kernel on the same gathered values (bitwise equal); a rule result differs only where a
-# reduction is split over shards (a reordered sum of at most a few dozen sample values). Checked:
-# the same pass/fail for every pair with ATen's scalar kernels and MKL's SSE4.2 path.
-RTOL, ATOL = 1.3e-6, 1e-5
-
+from .opinfo_common import (ALL_VARIANTS, GRAD_VARIANT, MESH_2D_VARIANT, UNINITIALIZED, VARIANTS, compare, describe,
+                            distribute, fresh_copy, gather, op_key)
+from .opinfo_grad import run_grad_op
 
 PASSING_HEADER = """\
 # (op|variant) pairs of PyTorch's OpInfo catalogue that hypershard computes correctly in {mode}
@@ -47,96 +33,14 @@ PASSING_HEADER = """\
 """
 
 
-def _op_key(op) -> str:
-    return op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
-
-
 def _catalogue(names: set | None) -> list:
     import torch
     from torch.testing._internal.common_methods_invocations import op_db
 
     ops = [op for op in op_db if torch.float32 in op.supported_dtypes("cpu")]
     if names:
-        ops = [op for op in ops if _op_key(op) in names or op.name in names]
+        ops = [op for op in ops if op_key(op) in names or op.name in names]
     return ops
-
-
-def _map_tensors(value: Any, convert) -> Any:
-    """`value` with convert(t) in place of every tensor t in its lists, tuples and dicts (the
-    shapes an OpInfo sample's arguments take)."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return convert(value)
-    if isinstance(value, (list, tuple)):
-        converted = [_map_tensors(v, convert) for v in value]
-        return type(value)(converted) if isinstance(value, tuple) else converted
-    if isinstance(value, dict):
-        return {k: _map_tensors(v, convert) for k, v in value.items()}
-    return value
-
-
-def _distribute_tensor(tensor, mesh, variant: str):
-    import torch
-
-    import hypershard as hs
-
-    if tensor.layout != torch.strided:  # sparse ones stay plain
-        return tensor
-    placements = [hs.Replicate()] * mesh.ndim
-    if variant in ("sharded", MESH_2D_VARIANT) and tensor.dim() > 0 and tensor.numel() > 0:
-        by_size = sorted(range(tensor.dim()), key=lambda d: -tensor.shape[d])  # stable: ties keep dim order
-        placements[0] = hs.Shard(by_size[0])
-        if variant == MESH_2D_VARIANT:
-            second = by_size[1] if len(by_size) > 1 and tensor.shape[by_size[1]] >= 2 else by_size[0]
-            placements[1] = hs.Shard(second)
-    return hs.distribute_tensor(tensor, mesh, placements)
-
-
-def _distribute(value: Any, mesh, variant: str):
-    return _map_tensors(value, lambda t: _distribute_tensor(t, mesh, variant))
-
-
-def _copy(value: Any):
-    import torch
-
-    return _map_tensors(value, lambda t: t.detach().clone() if t.layout == torch.strided else t)
-
-
-def _gather(value: Any):
-    import torch
-
-    import hypershard as hs
-
-    if isinstance(value, torch.Tensor):
-        return value.full_tensor() if hs._C.is_dtensor(value) else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_gather(v) for v in value) if isinstance(value, tuple) else [_gather(v) for v in value]
-    return value
-
-
-def _compare(got: Any, expected: Any, values: bool = True) -> None:
-    import torch
-
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(got, torch.Tensor), f"got {type(got).__name__}, expected a tensor"
-        if not values:
-            assert (got.shape, got.dtype) == (expected.shape, expected.dtype), (
-                f"{tuple(got.shape)} {got.dtype} vs {tuple(expected.shape)} {expected.dtype}")
-            return
-        torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, equal_nan=True, check_stride=False)
-    elif isinstance(expected, (list, tuple)):
-        assert isinstance(got, (list, tuple)) and len(got) == len(expected), "output structure differs"
-        for g, e in zip(got, expected):
-            _compare(g, e, values)
-    elif isinstance(expected, float) and isinstance(got, float):
-        torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, equal_nan=True)
-    else:
-        assert got == expected, f"{got!r} != {expected!r}"
-
-
-def _describe(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
 
 
 def _run_op(op, mesh, variant: str, samples: int) -> tuple[str, str]:
@@ -154,21 +58,21 @@ def _run_op(op, mesh, variant: str, samples: int) -> tuple[str, str]:
         torch.manual_seed(count)
         # Both runs see the same fresh contiguous copies (a sample may be a view into a larger
         # storage, which a DTensor's local never is).
-        plain_args, plain_kwargs = _copy([sample.input, *sample.args]), _copy(dict(sample.kwargs))
+        plain_args, plain_kwargs = fresh_copy([sample.input, *sample.args]), fresh_copy(dict(sample.kwargs))
         try:
-            expected = op(*_copy(plain_args), **_copy(plain_kwargs))
+            expected = op(*fresh_copy(plain_args), **fresh_copy(plain_kwargs))
         except Exception:  # noqa: BLE001 -- a sample torch itself rejects on one device
             count -= 1
             continue
         torch.manual_seed(count)
         try:
-            args = _distribute(plain_args, mesh, variant)
-            kwargs = _distribute(plain_kwargs, mesh, variant)
-            got = _gather(op(*args, **kwargs))
+            args = distribute(plain_args, mesh, variant)
+            kwargs = distribute(plain_kwargs, mesh, variant)
+            got = gather(op(*args, **kwargs))
         except Exception as exc:  # noqa: BLE001 -- the sweep records what raised
-            return "error", _describe(exc)
+            return "error", describe(exc)
         try:
-            _compare(got, expected, values=op.name not in UNINITIALIZED)
+            compare(got, expected, values=op.name not in UNINITIALIZED)
         except AssertionError as exc:
             return "wrong", str(exc).strip().splitlines()[0][:300]
     return ("passed", "") if count else ("skipped", "no float32 CPU sample")
@@ -177,8 +81,6 @@ def _run_op(op, mesh, variant: str, samples: int) -> tuple[str, str]:
 def sweep_rank(rank: int, world: int, names: list | None, samples: int, strict: bool, verbose: bool = False,
                variants: tuple = VARIANTS) -> dict:
     import hypershard as hs
-
-    from .opinfo_grad import run_grad_op  # here: opinfo_grad imports this module's helpers
 
     warnings.simplefilter("ignore")
     hs.set_strict(strict)
@@ -194,11 +96,11 @@ def sweep_rank(rank: int, world: int, names: list | None, samples: int, strict: 
             if variant == GRAD_VARIANT and not op.supports_autograd:
                 continue
             if verbose and rank == 0:
-                print(f"opinfo_sweep: {_op_key(op)} {variant}", file=sys.stderr, flush=True)
+                print(f"opinfo_sweep: {op_key(op)} {variant}", file=sys.stderr, flush=True)
             if variant == GRAD_VARIANT:
-                results[f"{_op_key(op)}|{variant}"] = run_grad_op(op, mesh, samples)
+                results[f"{op_key(op)}|{variant}"] = run_grad_op(op, mesh, samples)
             else:
-                results[f"{_op_key(op)}|{variant}"] = _run_op(op, mesh_2d if variant == MESH_2D_VARIANT else mesh,
+                results[f"{op_key(op)}|{variant}"] = _run_op(op, mesh_2d if variant == MESH_2D_VARIANT else mesh,
                                                               variant, samples)
     return results
 
