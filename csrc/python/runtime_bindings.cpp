@@ -4,8 +4,14 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/python.h>
 
+#include <string>
+#include <tuple>
+#include <vector>
+
 #include "layout/error.h"
 #include "layout/intern.h"
+#include "ops/families.h"
+#include "ops/op_call.h"
 #include "runtime/dispatch.h"
 #include "runtime/dispatch_internal.h"
 #include "runtime/dtensor_impl.h"
@@ -111,6 +117,27 @@ void bind_runtime(py::module_& m) {
   m.def("rule_names", &runtime::rule_names);
   m.def("rule_families", &runtime::rule_families,
         "[(op name, family)] for every rule: the csrc/ops/<family>.cpp file that registers it");
+  m.def(
+      "rule_registrations",
+      [] {
+        // The pointwise tables alone, registered again into a scratch registry: the family's
+        // other ops are those register_tagged_pointwise added for torch's `pointwise` tag.
+        ops::Registry tables;
+        ops::register_pointwise(tables);
+        const ops::Registry& registry = ops::registry();
+        std::vector<std::tuple<std::string, std::string, std::string, bool>> out;
+        for (const auto& name : registry.names()) {
+          const ops::RuleEntry& entry = *registry.find(name);
+          const std::string family = entry.family;
+          out.emplace_back(name, family, entry.key == ops::KeyScalars::kAll ? "all" : "none",
+                           family == "pointwise" && tables.find(name) == nullptr);
+        }
+        return out;
+      },
+      "[(op name, family, key scalars, from tag)] for every rule, sorted by name: the csrc/ops/<family>.cpp "
+      "file that registers it, which non-tensor arguments join its plan-cache key (\"all\" or \"none\"), and "
+      "whether register_tagged_pointwise added it for torch's `pointwise` tag rather than a family table "
+      "(docs/operators.md is generated from it).");
   m.def("set_rule_enabled", &runtime::set_rule_enabled, py::arg("op"), py::arg("enabled"),
         "Benchmarks and tests only: while disabled, calls of op (\"aten::add.Tensor\") ignore its rule, as if it had "
         "none (the fallback serves them; strict mode raises Missing operator).");
