@@ -33,10 +33,20 @@ Plan styles (HuggingFace names):
 
 ``colwise``/``rowwise`` on an ``nn.Embedding`` shard its weight on dim 1 / dim 0 (transformers' rule).
 
-Tensor parallelism wider than the KV heads (``num_key_value_heads`` not divisible by tp, e.g. 2 KV
-heads on tp=4): the ``k_proj``/``v_proj`` colwise entries become ``replicate`` -- every rank keeps
-every KV head, as Megatron replicates them, and the attention rule cuts the repeated heads its
-query heads need locally. A ``num_attention_heads`` that tp does not divide is refused up front.
+Attention heads on tp are laid out before anything is distributed (``_attention_layout``), so that a
+plan ``parallelize`` accepts also runs in strict mode:
+
+- KV heads that tp divides: the plan as written (q/k/v colwise, o rowwise);
+- tp a multiple of the KV heads (e.g. 2 KV heads on tp=4): the ``k_proj``/``v_proj`` colwise entries
+  become ``replicate`` -- every rank keeps every KV head, as Megatron replicates them, and the
+  attention rule reads the one KV head its rank's query heads share;
+- otherwise (e.g. 3 KV heads on tp=2: rank 0's query heads 0-2 read KV heads 0 and 1, rank 1's 3-5
+  read 1 and 2) the KV heads can be neither split nor read from one group per rank, so every entry
+  of that attention module becomes ``replicate``: each tp rank runs every head (a warning says so),
+  the rest of the model keeps its plan.
+
+A ``num_attention_heads`` that tp does not divide, or that is not a multiple of
+``num_key_value_heads``, is refused up front with the reason.
 
 MoE experts (Qwen3.5-MoE, DeepSeek-V3, ...): ``experts.gate_up_proj`` packed_colwise,
 ``experts.down_proj`` rowwise and ``experts`` moe_tp_experts make the experts' grouped products
@@ -61,14 +71,18 @@ sees the experts' intermediate products (their zeros in other ranks' rows are no
 strict mode trains MoE models on dp x ep meshes; the gradients come back Partial over ep (the
 experts' inputs) and over the token axes (the weights) and the usual reductions sum them. Used
 when the mesh has ``ep`` (``ep_axis``) and the model an EP plan; with both ``tp`` and ``ep`` the EP
-plan's keys win.
+plan's keys win. The experts module itself is never altered during a call: its forward runs on a
+shallow view of it that holds the local weights and counts, so an exception inside leaves nothing
+to restore.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Mapping
-from typing import Optional
+from types import MethodType
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -77,8 +91,11 @@ from . import _C
 from .dtensor import distribute_tensor
 from .placement_types import Replicate, Shard
 
-__all__ = ["parallelize", "tp_plan_of", "ep_plan_of", "STYLES"]
+__all__ = ["parallelize", "tp_plan_of", "ep_plan_of", "STYLES", "Style", "style"]
 
+
+# ------------------------------------------------------------------------------- parameter dims
+# (module, parameter name, parameter) -> the dim a style shards over its axis, or None: Replicate.
 
 def _is_bias(name: str, param: torch.Tensor) -> bool:
     return param.dim() == 1 or name == "bias" or name.endswith("_bias")
@@ -110,23 +127,140 @@ def _experts_dim(module, name, param):
     return None if param.dim() < 2 else 0
 
 
-# style -> the tensor dim its parameters are sharded on over the style's axis (None: Replicate).
-_PARAM_DIM = {
-    "colwise": _out_dim, "colwise_gather_output": _out_dim, "packed_colwise": _out_dim,
-    "rowwise": _in_dim, "rowwise_split_input": _in_dim,
-    "embedding_rowwise": _weight(0), "vocab": _weight(0), "embedding_colwise": _weight(1),
-    "moe_tp_experts": _none, "mla_kv_a_proj": _none, "replicated_with_grad_allreduce": _none,
-    "sequence_parallel": _none, "gather": _none, "local": _none, "local_colwise": _none,
-    "local_rowwise": _none, "local_packed_rowwise": _none, "isolated": _none, "replicate": _none,
-    "grouped_gemm": _experts_dim, "ep_router": _none,
-}
-# Styles whose module output is made Replicate on the axis (Partial reduced, shards gathered).
-_OUTPUT_REPLICATE = {"colwise_gather_output", "rowwise", "rowwise_split_input", "embedding_rowwise",
-                     "vocab", "embedding_colwise", "moe_tp_experts", "mla_kv_a_proj"}
-# Styles whose module tensor inputs are made Replicate on the axis.
-_INPUT_REPLICATE = {"moe_tp_experts"}
-STYLES = tuple(sorted(_PARAM_DIM))
+# ---------------------------------------------------------------------------------- style hooks
 
+def _replicate_tensor_on(t, axis: int):
+    if isinstance(t, torch.Tensor) and _C.is_dtensor(t):
+        layout = _C.layout_of(t)
+        if layout.is_partial(axis) or layout.is_sharded(axis):
+            dims = [[a for a in axes if a != axis] for axes in layout.dim_axes]
+            partial = [None if a == axis else op for a, op in enumerate(layout.partial)]
+            return _C.redistribute(t, _C.Layout.create(layout.mesh, layout.global_shape, dims, partial))
+    return t
+
+
+def _replicate_on(axis: int):
+    def hook(module, inputs, output):
+        if isinstance(output, tuple):
+            return tuple(_replicate_tensor_on(t, axis) for t in output)
+        return _replicate_tensor_on(output, axis)
+    return hook
+
+
+def _replicate_inputs_on(axis: int):
+    def hook(module, args, kwargs):
+        return (tuple(_replicate_tensor_on(a, axis) for a in args),
+                {k: _replicate_tensor_on(v, axis) for k, v in kwargs.items()})
+    return hook
+
+
+# ----------------------------------------------------------------------------------------- styles
+
+class Style:
+    """One plan style, everything it means in one place: the dim of each parameter it shards over
+    its mesh axis (`param_dim`; None: Replicate), the hooks it puts on its module (`install`) and
+    what it checks before anything is distributed (`check_module`, `check_param`, which raise a
+    ValueError naming the module and the style).
+
+    `replicate_inputs` / `replicate_output`: the module's tensor inputs / its output are made
+    Replicate on the axis (shards gathered, Partial(sum) reduced)."""
+
+    def __init__(self, name: str, param_dim: Callable = _none, *, replicate_inputs: bool = False,
+                 replicate_output: bool = False):
+        self.name = name
+        self._param_dim = param_dim
+        self.replicate_inputs = replicate_inputs
+        self.replicate_output = replicate_output
+
+    def __repr__(self) -> str:
+        return f"<plan style {self.name!r}>"
+
+    def param_dim(self, module: nn.Module, name: str, param: torch.Tensor) -> Optional[int]:
+        dim = self._param_dim(module, name, param)
+        return dim if dim is not None and 0 <= dim < param.dim() else None
+
+    def check_module(self, model: nn.Module, name: str, module: nn.Module) -> None:
+        """Raises when the style cannot be honoured on `module` (`model`: for its config)."""
+
+    def check_param(self, name: str, param: torch.Tensor, dim: Optional[int], axis_size: int) -> None:
+        """Raises when `param` cannot be sharded on `dim` over `axis_size` ranks as the style needs."""
+
+    def install(self, module: nn.Module, mesh, axis: int, ep_axis: Optional[int]) -> None:
+        """Puts the style's hooks on `module`, which the plan places on mesh axis `axis`."""
+        if self.replicate_inputs:
+            module.register_forward_pre_hook(_replicate_inputs_on(axis), with_kwargs=True)
+        if self.replicate_output:
+            module.register_forward_hook(_replicate_on(axis))
+
+    def fail(self, name: str, why: str):
+        raise ValueError(f"hypershard: parallelize: module {name!r}: plan style {self.name!r} {why}")
+
+
+class _PackedColwise(Style):
+    def check_param(self, name, param, dim, axis_size):
+        if dim is not None and param.shape[dim] % 2:
+            self.fail(name, f"needs an even packed dim ([gate; up] halves); got size {param.shape[dim]} in dim {dim}")
+
+
+class _GroupedGemm(Style):
+    def check_param(self, name, param, dim, axis_size):
+        if dim is not None and param.shape[dim] % axis_size:
+            self.fail(name, f"cannot shard {param.shape[dim]} experts evenly over the {axis_size} "
+                            f"expert-parallel ranks")
+
+
+class _MlaKvAProj(Style):
+    def check_module(self, model, name, module):
+        rope = getattr(_text_config(model), "qk_rope_head_dim", None)
+        weight = getattr(module, "weight", None)
+        if rope is None:
+            self.fail(name, "needs the model config's qk_rope_head_dim (the MLA projection's rope part); "
+                            "the config has none")
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] <= rope:
+            self.fail(name, f"needs a linear projection whose output [kv_lora_rank + qk_rope_head_dim] "
+                            f"is wider than qk_rope_head_dim={rope}; got weight "
+                            f"{None if weight is None else list(weight.shape)}")
+
+
+class _MoeTpExperts(Style):
+    """Inputs Replicate on the axis and the Partial(sum) output reduced; on the ep axis the experts
+    module also runs this rank's experts on local tensors (see `_local_experts`) first."""
+
+    def install(self, module, mesh, axis, ep_axis):
+        super().install(module, mesh, axis, ep_axis)
+        if axis == ep_axis and hasattr(module, "num_experts"):
+            pre, post = _local_experts(mesh, axis)
+            module.register_forward_pre_hook(pre, with_kwargs=True)
+            module.register_forward_hook(post, with_kwargs=True, prepend=True)  # before the reduction
+            module.forward = MethodType(_experts_forward, module)
+
+
+_STYLES: dict = {s.name: s for s in (
+    Style("colwise", _out_dim),
+    Style("colwise_gather_output", _out_dim, replicate_output=True),
+    _PackedColwise("packed_colwise", _out_dim),
+    Style("rowwise", _in_dim, replicate_output=True),
+    Style("rowwise_split_input", _in_dim, replicate_output=True),
+    Style("embedding_rowwise", _weight(0), replicate_output=True),
+    Style("vocab", _weight(0), replicate_output=True),
+    Style("embedding_colwise", _weight(1), replicate_output=True),
+    _MoeTpExperts("moe_tp_experts", replicate_inputs=True, replicate_output=True),
+    _MlaKvAProj("mla_kv_a_proj", replicate_output=True),
+    Style("replicated_with_grad_allreduce"),  # Replicate: grads summed in the gradient buckets
+    Style("sequence_parallel"), Style("gather"), Style("local"), Style("local_colwise"),
+    Style("local_rowwise"), Style("local_packed_rowwise"), Style("isolated"), Style("replicate"),
+    _GroupedGemm("grouped_gemm", _experts_dim),
+    Style("ep_router"),  # the routing stays global
+)}
+STYLES = tuple(sorted(_STYLES))
+
+
+def style(name: str) -> Style:
+    """The Style object of a plan style name (KeyError for an unknown one)."""
+    return _STYLES[name]
+
+
+# ------------------------------------------------------------------------------------------ plans
 
 def tp_plan_of(model: nn.Module) -> dict:
     """The model's own tensor-parallel plan (module pattern -> style), fully qualified."""
@@ -162,31 +296,6 @@ def _placements(mesh, axis: Optional[int], dim: Optional[int]) -> list:
     return out
 
 
-def _replicate_tensor_on(t, axis: int):
-    if isinstance(t, torch.Tensor) and _C.is_dtensor(t):
-        layout = _C.layout_of(t)
-        if layout.is_partial(axis) or layout.is_sharded(axis):
-            dims = [[a for a in axes if a != axis] for axes in layout.dim_axes]
-            partial = [None if a == axis else op for a, op in enumerate(layout.partial)]
-            return _C.redistribute(t, _C.Layout.create(layout.mesh, layout.global_shape, dims, partial))
-    return t
-
-
-def _replicate_on(axis: int):
-    def hook(module, inputs, output):
-        if isinstance(output, tuple):
-            return tuple(_replicate_tensor_on(t, axis) for t in output)
-        return _replicate_tensor_on(output, axis)
-    return hook
-
-
-def _replicate_inputs_on(axis: int):
-    def hook(module, args, kwargs):
-        return (tuple(_replicate_tensor_on(a, axis) for a in args),
-                {k: _replicate_tensor_on(v, axis) for k, v in kwargs.items()})
-    return hook
-
-
 # ---------------------------------------------------------------------------------- local experts
 
 def _with_partial(layout, axes) -> "_C.Layout":
@@ -215,6 +324,38 @@ def _local(t, axes):
     return _LocalPartialGrad.apply(t, tuple(axes)) if t.requires_grad else _C.local_of(t)
 
 
+# The keyword by which the local-experts pre-hook hands its call to the module's forward and to
+# the post-hook (torch passes the pre-hook's kwargs to both); the forward takes it off.
+_LOCAL_EXPERTS_CALL = "_hypershard_local_experts"
+
+
+class _LocalExpertsCall:
+    """One expert-parallel call of an experts module: this rank's local weights, its expert count,
+    and the mesh and layout of the hidden states (the output's, made Partial(sum) over ep)."""
+
+    def __init__(self, parameters: dict, num_experts: int, mesh, layout):
+        self.parameters, self.num_experts, self.mesh, self.layout = parameters, num_experts, mesh, layout
+
+    def view_of(self, module: nn.Module) -> nn.Module:
+        """A shallow copy of `module` that sees this rank's experts as transformers' EP sets them
+        up (local weights, ``num_experts`` local, ``_is_expert_parallel``). The module itself is
+        never touched, so an exception in its forward leaves nothing to restore."""
+        view = object.__new__(type(module))
+        view.__dict__.update(module.__dict__)
+        view.__dict__.pop("forward", None)  # the class's forward, not the dispatching one below
+        view.__dict__["_parameters"] = {**module._parameters, **self.parameters}
+        view.__dict__["num_experts"] = self.num_experts
+        view.__dict__["_is_expert_parallel"] = True  # transformers' implementations then skip the sentinel rows
+        return view
+
+
+def _experts_forward(self, *args, **kwargs):
+    """An experts module's forward under expert parallelism: the class's forward, on the view the
+    pre-hook's call describes (or on the module itself for a call the pre-hook left alone)."""
+    call = kwargs.pop(_LOCAL_EXPERTS_CALL, None)
+    return type(self).forward(self if call is None else call.view_of(self), *args, **kwargs)
+
+
 def _local_experts(mesh, ep_axis: int):
     """Expert parallelism on local tensors, as transformers runs it: the experts module gets this
     rank's experts (its shard of the [experts, ...] weights), every token of its data-parallel
@@ -224,10 +365,10 @@ def _local_experts(mesh, ep_axis: int):
     moe_tp_experts style then reduces. Nothing inside the module is a DTensor, so no per-op rule
     sees the experts' [tokens, 2 x intermediate] products (whose zeros in other ranks' rows no
     Layout can say); gradients come back Partial over ep (inputs) and over the token axes
-    (weights), and the usual reductions sum them."""
+    (weights), and the usual reductions sum them. The hooks keep no state: the pre-hook's
+    `_LocalExpertsCall` travels with the call's kwargs."""
     ep_size = mesh.shape[ep_axis]
     ep_rank = mesh.get_local_rank(ep_axis)
-    saved: dict = {}
 
     def pre(module, args, kwargs):
         names = ("hidden_states", "top_k_index", "top_k_weights")
@@ -235,35 +376,25 @@ def _local_experts(mesh, ep_axis: int):
         if len(values) != 3 or not all(_C.is_dtensor(v) for v in values):
             return None  # not a call this hook understands (plain tensors): transformers' own path
         hidden, index, weights = values
-        num_experts = module.num_experts
-        local_count = num_experts // ep_size
+        local_count = module.num_experts // ep_size
         token_axes = sorted({a for axes in _C.layout_of(hidden).dim_axes for a in axes})
-        saved[id(module)] = (num_experts, getattr(module, "_is_expert_parallel", None), _C.layout_of(hidden),
-                             dict(module._parameters))
-        for name, param in list(module._parameters.items()):
+        parameters = {}
+        for name, param in module._parameters.items():
             if param is not None and _C.is_dtensor(param):
                 _C.install_grad_hook(param)  # it reaches no op itself: its Partial gradient needs the hook
-                module._parameters[name] = _local(param, token_axes)
-        module.num_experts = local_count
-        module._is_expert_parallel = True  # transformers' implementations then mask the sentinel rows
+                parameters[name] = _local(param, token_axes)
+        call = _LocalExpertsCall(parameters, local_count, _C.device_mesh_of(hidden), _C.layout_of(hidden))
         index = _C.local_of(index)
         mine = torch.div(index, local_count, rounding_mode="floor") == ep_rank
         index = torch.where(mine, index - ep_rank * local_count, torch.full_like(index, local_count))
         weights = _local(weights, [ep_axis]).masked_fill(~mine, 0.0)
-        return (_local(hidden, [ep_axis]), index, weights), {}
+        return (_local(hidden, [ep_axis]), index, weights), {_LOCAL_EXPERTS_CALL: call}
 
     def post(module, args, kwargs, output):
-        if id(module) not in saved:
+        call = kwargs.get(_LOCAL_EXPERTS_CALL)
+        if call is None:
             return output
-        num_experts, expert_parallel, layout, params = saved.pop(id(module))
-        module.num_experts = num_experts
-        if expert_parallel is None:
-            del module._is_expert_parallel
-        else:
-            module._is_expert_parallel = expert_parallel
-        module._parameters.update(params)
-        return _C.from_local(output, _C.device_mesh_of(next(p for p in params.values() if p is not None)),
-                             _with_partial(layout, [ep_axis]))
+        return _C.from_local(output, call.mesh, _with_partial(call.layout, [ep_axis]))
 
     return pre, post
 
@@ -289,55 +420,78 @@ def _shard_inputs(mesh, dp_axis: Optional[int]):
     return hook
 
 
+# ------------------------------------------------------------------------------ attention heads
+
 def _text_config(model: nn.Module):
     config = getattr(model, "config", None)
     return config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
 
 
-def _kv_heads_replicated(model: nn.Module, tp_size: int) -> bool:
-    """Whether the key/value projections must stay whole on the tp axis: fewer KV heads than tp
-    ranks (or a count tp does not divide) cannot be split into whole heads, so each rank keeps
-    every KV head (Megatron replicates them the same way; the attention rule then cuts the
-    repeated heads each rank's query heads need, locally). Query heads that tp does not divide
-    are refused here, naming the config field, rather than deep inside a forward."""
+# How a tp plan's attention is laid out (see _attention_layout).
+HEADS_SHARDED, KV_REPLICATED, ATTENTION_REPLICATED = "heads_sharded", "kv_replicated", "attention_replicated"
+
+
+def _attention_layout(model: nn.Module, tp_size: int) -> str:
+    """How the attention of `model`'s tp plan is laid out on `tp_size` ranks, decided before any
+    forward so that strict mode runs what parallelize accepts. Query head i reads KV head
+    i // group (group = query heads / KV heads); tp gives each rank a block of query heads.
+
+    - HEADS_SHARDED: tp divides the KV heads, every rank holds whole KV groups (the plan as written);
+    - KV_REPLICATED: tp is a multiple of the KV heads, so every rank's query heads lie in one group;
+      k_proj / v_proj stay whole and the attention rule reads that group's KV head locally;
+    - ATTENTION_REPLICATED: any other KV count (3 KV heads on tp=2: rank 0's query heads 0-2 read KV
+      heads 0 and 1, rank 1's 3-5 read 1 and 2 -- neither a block of KV heads per rank nor one group
+      per rank, so no layout with sharded query heads runs); the attention runs whole on every tp rank.
+
+    Refused (ValueError naming the config fields): query heads that tp does not divide, and query
+    heads that are not a multiple of the KV heads."""
     text = _text_config(model)
     heads = getattr(text, "num_attention_heads", None)
     kv = getattr(text, "num_key_value_heads", None)
-    if tp_size <= 1 or heads is None:
-        return False
+    if tp_size <= 1 or not heads:
+        return HEADS_SHARDED
     if heads % tp_size:
         raise ValueError(f"hypershard: parallelize: config.num_attention_heads={heads} is not divisible by the "
                          f"tensor-parallel size {tp_size}; allowed: a tp size that divides it")
-    return kv is not None and kv % tp_size != 0
+    if kv is None:
+        return HEADS_SHARDED
+    if kv <= 0 or heads % kv:
+        raise ValueError(f"hypershard: parallelize: config.num_attention_heads={heads} is not a multiple of "
+                         f"config.num_key_value_heads={kv}: the query heads cannot be grouped over the key/value "
+                         f"heads, so no tensor-parallel layout of the attention exists; allowed: "
+                         f"num_key_value_heads dividing num_attention_heads")
+    if kv % tp_size == 0:
+        return HEADS_SHARDED
+    group, local_heads = heads // kv, heads // tp_size
+    return KV_REPLICATED if group % local_heads == 0 else ATTENTION_REPLICATED
 
 
-def _fail(name: str, style: str, why: str):
-    raise ValueError(f"hypershard: parallelize: module {name!r}: plan style {style!r} {why}")
+def _attention_modules(plan: Mapping[str, str]) -> tuple:
+    """The plan's attention module patterns (those with q_proj / k_proj / v_proj entries), each with a trailing dot."""
+    return tuple(sorted({pattern.rsplit(".", 1)[0] + "." for pattern in plan
+                         if pattern.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj")}))
 
 
-def _check(model: nn.Module, name: str, module: nn.Module, style: str) -> None:
-    """Raises (before any forward) when `style` cannot be honoured on `module`."""
-    if style == "mla_kv_a_proj":
-        text = _text_config(model)
-        rope = getattr(text, "qk_rope_head_dim", None)
-        weight = getattr(module, "weight", None)
-        if rope is None:
-            _fail(name, style, "needs the model config's qk_rope_head_dim (the MLA projection's rope part); "
-                               "the config has none")
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] <= rope:
-            _fail(name, style, f"needs a linear projection whose output [kv_lora_rank + qk_rope_head_dim] "
-                               f"is wider than qk_rope_head_dim={rope}; got weight "
-                               f"{None if weight is None else list(weight.shape)}")
+def _lay_out_attention(plan: dict, model: nn.Module, tp_size: int) -> dict:
+    """`plan` with its attention entries rewritten for `_attention_layout` (others as they are)."""
+    layout = _attention_layout(model, tp_size)
+    if layout == KV_REPLICATED:
+        return {pattern: "replicate" if pattern.rsplit(".", 1)[-1] in ("k_proj", "v_proj")
+                and str(name).startswith("colwise") else name for pattern, name in plan.items()}
+    modules = _attention_modules(plan)
+    if layout == HEADS_SHARDED or not modules:
+        return plan
+    text = _text_config(model)
+    warnings.warn(f"hypershard: parallelize: {text.num_key_value_heads} key/value heads (grouped under "
+                  f"{text.num_attention_heads} query heads) cannot be laid out with the query heads sharded over "
+                  f"tp={tp_size} (tp neither divides them nor is a multiple of them): the attention modules "
+                  f"{list(modules)} are replicated on tp (every rank runs every head)", stacklevel=3)
+    # Unknown styles stay, for the check that names them.
+    return {pattern: "replicate" if pattern.startswith(modules) and name in _STYLES else name
+            for pattern, name in plan.items()}
 
 
-def _check_param(full_name: str, style: str, param: torch.Tensor, dim: Optional[int], axis_size: int) -> None:
-    if style == "packed_colwise" and dim is not None and param.shape[dim] % 2:
-        _fail(full_name, style, f"needs an even packed dim ([gate; up] halves); got size {param.shape[dim]} "
-                                f"in dim {dim}")
-    if style == "grouped_gemm" and dim is not None and param.shape[dim] % axis_size:
-        _fail(full_name, style, f"cannot shard {param.shape[dim]} experts evenly over the {axis_size} "
-                                f"expert-parallel ranks")
-
+# ------------------------------------------------------------------------------------ parallelize
 
 def parallelize(model: nn.Module, mesh, plan: Optional[Mapping[str, str]] = None, *,
                 tp_axis: str = "tp", dp_axis: str = "dp", ep_axis: str = "ep",
@@ -358,32 +512,31 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Mapping[str, str]] = None
     ep = names.index(ep_axis) if ep_axis in names else None
     tp_plan = (tp_plan_of(model) if plan is None else dict(plan)) if tp is not None else {}
     ep_plan = (ep_plan_of(model) if ep_plan is None else dict(ep_plan)) if ep is not None else {}
-    if tp is not None and tp_plan and _kv_heads_replicated(model, mesh.shape[tp]):
-        tp_plan = {pattern: ("replicate" if pattern.rsplit(".", 1)[-1] in ("k_proj", "v_proj")
-                             and style.startswith("colwise") else style)
-                   for pattern, style in tp_plan.items()}
-    # pattern -> (style, mesh axis); the EP plan's keys first (they win where both name a module).
-    entries = {pattern: (style, ep) for pattern, style in ep_plan.items()}
-    for pattern, style in tp_plan.items():
-        entries.setdefault(pattern, (style, tp))
-    for pattern, (style, _) in entries.items():
-        if style not in _PARAM_DIM:
+    if tp is not None and tp_plan:
+        tp_plan = _lay_out_attention(tp_plan, model, mesh.shape[tp])
+    # pattern -> (Style, mesh axis); the EP plan's keys first (they win where both name a module).
+    named = {pattern: (name, ep) for pattern, name in ep_plan.items()}
+    for pattern, name in tp_plan.items():
+        named.setdefault(pattern, (name, tp))
+    for pattern, (name, _) in named.items():
+        if name not in _STYLES:
             matched = [n for n, _ in model.named_modules() if fnmatch.fnmatchcase(n, pattern)]
             matched += [n for n, _ in model.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
             where = repr(matched[0]) if matched else f"pattern {pattern!r}"
-            raise ValueError(f"hypershard: parallelize: module {where}: unknown plan style {style!r}; "
+            raise ValueError(f"hypershard: parallelize: module {where}: unknown plan style {name!r}; "
                              f"allowed: {list(STYLES)}")
+    entries = {pattern: (_STYLES[name], axis) for pattern, (name, axis) in named.items()}
 
     # Decide every layout (and check it) before distributing anything.
     decided = []  # (module, param_name, param, placements); a shared (tied) parameter once
     seen: dict = {}
-    hooks = []    # (module, style, axis)
+    hooks = []    # (module, Style, axis)
     for module_name, module in model.named_modules():
         module_entry = _style_for(module_name, entries)
         if module_entry is not None:
-            style, axis = module_entry
-            _check(model, module_name, module, style)
-            hooks.append((module, style, axis))
+            module_style, axis = module_entry
+            module_style.check_module(model, module_name, module)
+            hooks.append((module, module_style, axis))
         for param_name, param in module._parameters.items():
             if param is None or _C.is_dtensor(param):
                 continue
@@ -395,11 +548,9 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Mapping[str, str]] = None
             entry = _style_for(full_name, entries) or module_entry
             dim = axis = None
             if entry is not None:
-                style, axis = entry
-                dim = _PARAM_DIM[style](module, param_name, param)
-                if dim is not None and not 0 <= dim < param.dim():
-                    dim = None
-                _check_param(full_name, style, param, dim, mesh.shape[axis])
+                param_style, axis = entry
+                dim = param_style.param_dim(module, param_name, param)
+                param_style.check_param(full_name, param, dim, mesh.shape[axis])
             decided.append((module, param_name, param, _placements(mesh, axis, dim)))
 
     distributed: dict = {}
@@ -408,15 +559,8 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Mapping[str, str]] = None
             dt = distribute_tensor(param.detach(), mesh, placements)
             distributed[id(param)] = nn.Parameter(dt, requires_grad=param.requires_grad)
         module._parameters[param_name] = distributed[id(param)]
-    for module, style, axis in hooks:
-        if style in _INPUT_REPLICATE:
-            module.register_forward_pre_hook(_replicate_inputs_on(axis), with_kwargs=True)
-        if style in _OUTPUT_REPLICATE:
-            module.register_forward_hook(_replicate_on(axis))
-        if style == "moe_tp_experts" and axis is not None and axis == ep and hasattr(module, "num_experts"):
-            pre, post = _local_experts(mesh, axis)
-            module.register_forward_pre_hook(pre, with_kwargs=True)
-            module.register_forward_hook(post, with_kwargs=True, prepend=True)  # before the reduction
+    for module, module_style, axis in hooks:
+        module_style.install(module, mesh, axis, ep)
     if shard_inputs:
         model.register_forward_pre_hook(_shard_inputs(mesh, dp), with_kwargs=True)
     return model
