@@ -3,9 +3,9 @@ input gathered to Replicate, the op computed on the global values, outputs Repli
 its distributed rule (the op computed on the local shards). The ops here all have rules;
 hypershard._C.set_rule_enabled(op, False) makes hypershard ignore one, as if the op had none.
 Timed side by side with the rule and with plain eager on the local shard, on the dispatch
-section's tiny sharded inputs, then on realistic sizes: the issue-13 families, and the rules that
-exchange slices along a sharded dim (scans, roll, flip, slice, a causal conv1d's halo) instead of
-gathering it."""
+section's tiny sharded inputs, then on realistic sizes: reads and writes by ownership, triangular
+and expert-sharded grouped products, and the rules that exchange slices along a sharded dim
+(scans, roll, flip, slice, a causal conv1d's halo) instead of gathering it."""
 
 from __future__ import annotations
 

@@ -66,9 +66,9 @@ def markdown(results: dict) -> str:
                          f"| {_f(g['geomean_overhead_ratio'], '{:.1f}x')} "
                          f"| {_f(g['geomean_ratio_vs_plain_best'], '{:.2f}x')} "
                          f"| {_f(g['geomean_speedup_vs_torch_dtensor_best'], '{:.2f}x')} |")
-        fam = {v: g.get("geomean_ratio_vs_plain_new_families") for v, g in d.get("summary", {}).items()}
+        fam = {v: g.get("geomean_ratio_vs_plain_family_sample") for v, g in d.get("summary", {}).items()}
         if any(fam.values()):
-            lines += ["", "Over the issue-13 families alone (tril, gather, index_select_owned, cumsum, rfft, "
+            lines += ["", "Over the family sample alone (tril, gather, index_select_owned, cumsum, rfft, "
                           "avg_pool2d, grouped_mm_colwise), ratio vs plain: "
                       + ", ".join(f"{v.replace('rank_', ' rank, ')} {_f(x, '{:.2f}x')}" for v, x in fam.items()) + "."]
         ex = {v: g.get("geomean_ratio_vs_plain_exchange") for v, g in d.get("summary", {}).items()}
@@ -259,7 +259,7 @@ def _fallback_lines(f) -> list:
     for vkey, g in f.get("summary", {}).items():
         for rows, p in (("others", ""), ("exchange", "exchange_")):
             if rows == "exchange" and g.get("exchange_fallback_vs_rule") is None:
-                continue  # a results.json from before the exchange rows
+                continue  # a results.json without exchange rows stays readable
             lines.append(f"| {_variant_text(vkey)} | {rows} | {_f(g[p + 'rule_vs_plain'], '{:.2f}x')} "
                          f"| {_times(g[p + 'fallback_vs_rule'])} | {_f(g[p + 'rule_vs_plain_best'], '{:.2f}x')} "
                          f"| {_times(g[p + 'fallback_vs_rule_best'])} "
