@@ -26,8 +26,9 @@ def parse_overrides(items: list) -> dict:
     return out
 
 
-# `--all`: every target model on every 4-rank mesh of the models issue (the MoE models on dp x ep
-# too), one launch; the reports go to docs/coverage/ (make coverage-docs), a test keeps them current.
+# `--all`: every target model on every 4-rank mesh of ALL_MESHES (dp x ep for the MoE models
+# alone: only they have experts to shard), one launch; the reports go to docs/coverage/ (make
+# coverage-docs), a test keeps them current.
 TARGETS = ("qwen3", "qwen3_5_text", "qwen3_5_moe_text", "deepseek_v32", "qwen3_vl_moe")
 MOE_TARGETS = ("qwen3_5_moe_text", "deepseek_v32", "qwen3_vl_moe")
 ALL_MESHES = ("tp=4", "dp=2,tp=2", "dp=2,ep=2")

@@ -57,11 +57,11 @@ void register_embedding(Registry& r);    // embedding.cpp: embedding (vocab-para
 void register_embedding_kernels();
 void register_normalization(Registry& r);  // normalization.cpp: layer/group norm, softmax
 void register_attention(Registry& r);    // attention.cpp: scaled dot-product attention (CPU kernel)
-void register_random(Registry& r);
+void register_random(Registry& r);       // random.cpp: random fills, *_like draws, dropout
 // rotary.cpp: hypershard::rotary_position_embedding (and its backward) and torch_npu's rotary ops.
 void register_rotary(Registry& r);
 // composites.cpp: max_pool1d, tensor_split(tensor), ctc_loss(tensor lengths) on AutogradPrivateUse2
 // (their composite kernels read argument data, which a DTensor does not have).
-void register_composite_kernels();       // random.cpp: random fills, *_like draws, dropout
+void register_composite_kernels();
 
 }  // namespace hypershard::ops

@@ -1,5 +1,5 @@
-"""Level0: the requirement's operator list (../shared/design/OPERATORS.md, first table; project
-issue 14) as ONE matrix: every name on every mesh (2,), (4,), (2, 2) and (2, 2, 2), inputs
+"""Level0: the requirement's operator list (../shared/design/OPERATORS.md, first table) as ONE
+matrix: every name on every mesh (2,), (4,), (2, 2) and (2, 2, 2), inputs
 sharded on a batch/leading dim with even and uneven sizes, strict mode (the harness default),
 forward values and the gradients of every floating input against one device (float32: the
 harness default rtol 1e-5, atol 1e-6; bfloat16: see BF16_NOTE).
@@ -56,17 +56,16 @@ rotary_mul, cross_entropy; gather and conv1d, whose refusal docs/operators.md do
 The planning-level inference and error texts of the same ops: tests/python/unit/
 test_requirement_ops_rules.py.
 
-Cases per mesh (test_case_counts checks them): (2,) 109, (4,) 98, (2, 2) 109, (2, 2, 2) 98 --
-414 cases: 392 compared with one device, 98 per mesh (34 forms x even and uneven batch = 68;
-3 vocab-parallel / causal-LM cross entropy; 2 tril/triu with the last two dims sharded; 8
-grouped matmul layouts; 9 bfloat16; 8 accepted Partial inputs), and 22 expected errors (11
-Partial refusals on each of (2,) and (2, 2), the refusals being the same rule code on every
-mesh). Launches: one per world
-size (2, 4 and 8 ranks; (4,) and (2, 2) share the 4-rank launch).
+Every mesh runs every form with an even and an uneven batch, the vocab-parallel and causal-LM
+cross entropy, tril/triu with the last two dims sharded, the grouped matmul layouts, the bfloat16
+forms and the accepted Partial inputs, each compared with one device. The Partial refusals run on
+(2,) and (2, 2) only: a refusal is the same rule code on every mesh. test_case_counts pins the
+number of cases per mesh, so a case generator that silently yields fewer cases fails. Launches:
+one per world size (2, 4 and 8 ranks; (4,) and (2, 2) share the 4-rank launch).
 
 In-place forms (clamp_, scatter_ and index_add_ along an unsharded dim) also assert that self
-keeps its placements (in_place).  Not here, because hypershard does not do what the requirement
-asks (see the issue 14 report):
+keeps its placements (in_place).  Not here, because hypershard's plan differs from what the
+requirement asks (these cases would pin the difference, not the requirement):
 - index_add_ / index_add with a Partial(sum) self and source ("Partial(sum) self+source stays
   Partial", OPERATORS.md) raise "aten::index_add_: argument self (#0) ... Partial(sum) input is
   not supported by this op";

@@ -1,5 +1,5 @@
-"""UT: the requirement's operator list (../shared/design/OPERATORS.md, first table; project issue 14),
-without processes: which ATen / custom op overloads each name reaches, that each of them has a
+"""UT: the requirement's operator list (../shared/design/OPERATORS.md, first table), without
+processes: which ATen / custom op overloads each name reaches, that each of them has a
 hypershard rule, and what those rules plan on a {"dp": 2, "tp": 2} mesh -- one accepted layout per
 op and the error paths (Partial inputs included), in the house format
 "hypershard: <op>: argument <name> (#i) ...; allowed: ...".
@@ -18,9 +18,9 @@ op and the error paths (Partial inputs included), in the house format
   mode), and REACHES names only overloads the trace shows, except NOT_TRACED (reached only on the
   DTensor path: hypershard's autograd-key kernels, a device move, torch_npu's names, other
   argument forms).
-- ROWS (accepted layouts, 51 rows: what each input is planned as, the outputs, whether the op
-  runs its own collectives) and ERRORS (error paths, 26 rows: 22 Partial inputs -- two of them
-  offs --, a sharded rotary head dim, two out-of-range dims, a vector for tril), each tagged with
+- ROWS (accepted layouts: what each input is planned as, the outputs, whether the op runs its
+  own collectives) and ERRORS (error paths: Partial inputs -- offs among them --, a sharded
+  rotary head dim, out-of-range dims, a vector for tril), each tagged with
   the requirement names it serves; test_every_name_has_rows: every name has an accepted row and an
   error row, or (cpu, to, type_as, new_zeros, tolist, one-argument where) a row showing its rule
   keeps or reduces a Partial input -- those have no refusal to pin.
@@ -33,13 +33,13 @@ vocab-parallel plans; log_softmax along a sharded dim; a float cast keeping a Pa
 integer cast refusing it. The fused ops' full tables: tests/python/unit/test_rms_norm_rules.py,
 test_rotary_rules.py.
 
-Not pinned (hypershard's plan differs from OPERATORS.md; see the issue 14 report): index_add(_)
-with a Partial(sum) self and source (the requirement: stays Partial; the rule refuses it), and
-index_add_ / scatter_ along the SHARDED dim, whose plan leaves self Replicate on that axis (the
-requirement: in-place ops keep their placements).
+Not pinned (hypershard's plan differs from OPERATORS.md, so a row would pin the difference):
+index_add(_) with a Partial(sum) self and source (the requirement: stays Partial; the rule
+refuses it), and index_add_ / scatter_ along the SHARDED dim, whose plan leaves self Replicate
+on that axis (the requirement: in-place ops keep their placements).
 
-Tests: 30 names (rules) + 2 (autograd kernels, tolist) + 30 traced forms + 51 rows + 26 errors + 2
-one_hot kernel checks + 1 coverage check = 142; about 7 s.
+One test per name, traced form, row and error (parametrized, so a failure names its case); no
+processes, a few seconds.
 """
 
 from __future__ import annotations
