@@ -4,7 +4,8 @@ checkpoint folder bookkeeping of hypershard.checkpoint.
 - __create_chunk_list__ / __create_write_items__ give this rank's chunk in GLOBAL offsets for
   every rank of even, uneven, empty and two-axis shardings (the chunks of all ranks tile the
   tensor); Replicate chunks are the whole tensor (DCP deduplicates them); Partial is refused.
-- Plain tensors do not have the protocol (hasattr False), so DCP treats them as before.
+- Plain tensors do not have the protocol (hasattr False), so DCP treats them as it does without
+  hypershard.
 - latest() returns the newest folder with a COMPLETE marker and ignores unfinished ones.
 """
 
