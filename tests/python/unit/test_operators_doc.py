@@ -75,3 +75,19 @@ def test_document_without_sources(generated):
     text = od.document(rows, sources=False)
     assert "(`csrc/ops/matmul.cpp` is not in this checkout: the family's comment is left out.)" in text
     assert "```text" not in text
+
+
+def test_the_registry_exports_what_the_document_reads():
+    """The pointwise split comes from hypershard._C.rule_registrations(), not from pointwise.cpp's
+    text: every rule once, with its family, key mode and whether torch's pointwise tag added it."""
+    from hypershard import _C
+
+    registrations = od.registrations()
+    assert [(r.op, r.family) for r in registrations] == sorted(_C.rule_families())
+    assert {r.key_scalars for r in registrations} == {"all", "none"}
+    by_op = {r.op: r for r in registrations}
+    assert not by_op["aten::add.Tensor"].from_tag  # in pointwise.cpp's linear table
+    assert by_op["aten::acos"].from_tag            # torch tags it pointwise; no table names it
+    assert by_op["aten::sum.dim_IntList"].key_scalars == "all"  # its dims change the plan
+    tagged = od.tagged_pointwise()
+    assert tagged and all(by_op[op].family == "pointwise" for op in tagged)
