@@ -69,6 +69,7 @@ from .dtensor import (  # noqa: E402
 )
 from .parallel import parallelize  # noqa: E402
 from .fully_shard import FullyShardedModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
+from .loading import from_pretrained  # noqa: E402
 from . import ops  # noqa: E402
 from . import checkpoint  # noqa: E402  (also gives DTensors DCP's save/load protocol)
 
@@ -108,6 +109,7 @@ __all__ = [
     "chunk_span",
     "from_alias",
     "from_placements",
+    "from_pretrained",
     "from_tensor_map",
     "fully_shard",
     "layout",

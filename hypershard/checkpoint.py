@@ -353,6 +353,15 @@ def _checkpoint_format(model: torch.nn.Module, tensors: dict) -> dict:
     return {name: tensor.contiguous() for name, tensor in revert_weight_conversion(model, tensors).items()}
 
 
+def load_hf(directory, model: torch.nn.Module):
+    """Loads a HuggingFace folder (export_hf's, or any save_pretrained one) into `model` in place:
+    each rank reads only its shards' bytes (hypershard.loading.load_into; per-expert MoE keys
+    into packed experts). To build a model from such a folder, use hs.from_pretrained."""
+    from .loading import load_into
+
+    return load_into(model, directory)
+
+
 def export_hf(model: torch.nn.Module, directory, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
     """Writes `model` as a HuggingFace ``save_pretrained`` folder (safetensors, plus the index
     when there are several files, config.json and generation_config.json when the model has
