@@ -222,6 +222,18 @@ void bind_runtime(py::module_& m) {
       py::arg("name"), py::arg("overload"),
       "What the rule of op name.overload plans for these arguments (DTensors on any mesh, even "
       "one without process groups), without running it: {inputs, outputs, localizes, expands, refused}.");
+  m.def(
+      "plan_key",
+      [](const std::string& name, const std::string& overload, const py::args& args, const py::kwargs& kwargs) {
+        const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+        auto stack = torch::jit::createStackForSchema(op.schema(), args, kwargs, std::nullopt);
+        return runtime::plan_key_words(op, stack);
+      },
+      py::arg("name"), py::arg("overload"),
+      "The words of the plan-cache key that op name.overload gets for these arguments (DTensors on any mesh): "
+      "two calls share a cached plan exactly when these are equal.");
+  m.def("set_key_check", &runtime::set_key_check, py::arg("on"),
+        "Tests: every fast-path call also computes the boxed flow's plan key and raises unless the two are equal.");
   m.def("op_counts", [] {
     py::list out;
     for (const auto& c : runtime::op_counts()) out.append(py::make_tuple(c.name, c.calls, c.has_rule));

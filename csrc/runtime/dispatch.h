@@ -45,6 +45,9 @@ struct InferredPlan {
   std::string refused;                     // non-empty: what strict mode raises for this plan
 };
 InferredPlan infer_plan(const c10::OperatorHandle& op, torch::jit::Stack& stack);
+// The words of the plan-cache key (runtime/plan_key.h) the op's arguments on `stack` get: tests
+// check that different calls never share one.
+std::vector<int64_t> plan_key_words(const c10::OperatorHandle& op, torch::jit::Stack& stack);
 
 // Every op hypershard has a rule for, "aten::add.Tensor" style.
 std::vector<std::string> rule_names();

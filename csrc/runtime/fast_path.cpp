@@ -98,22 +98,25 @@
 #include "runtime/dispatch.h"
 #include "runtime/dispatch_internal.h"
 #include "runtime/fast_path.h"
+#include "runtime/thread_cache.h"
 
 namespace hypershard::runtime {
 namespace {
 
 using detail::OpInfo;
-using detail::PlanKey;
 using detail::ReturnKind;
 
 std::atomic<bool> g_enabled{true};
+std::atomic<bool> g_key_check{false};
 
 // ------------------------------------------------------------------ reading typed arguments
 
-// One call's typed arguments: the tensor operands in schema order and the plan key (their
-// layouts and dtypes; the non-tensor arguments too when the rule keys on them). Operands are
-// DTensors on one mesh, or wrapped numbers (the 0-d tensors Python scalars become in `x * 2`,
-// the same on every rank, Replicate for the rules); any other plain tensor is the fallback's.
+// One call's typed arguments: the tensor operands in schema order and the plan key, written
+// with the boxed flow's encoding (plan_key.h) word for word, from the typed values: tensors
+// always, non-tensor arguments when the rule reads them. Operands are DTensors on one mesh, or
+// wrapped numbers (the 0-d tensors Python scalars become in `x * 2`, the same on every rank,
+// Replicate for the rules); any other plain tensor, and any argument kind not read here, is the
+// fallback's.
 struct FastArgs {
   c10::SmallVector<const at::Tensor*, 4> tensors;
   PlanKey key;
@@ -122,80 +125,101 @@ struct FastArgs {
   bool ok = true;  // false: the boxed fallback takes the call
 
   void tensor(const at::Tensor& t) {
-    if (!t.defined()) return;
+    if (!t.defined()) {
+      key.undefined_tensor();
+      return;
+    }
     auto* impl = dtensor_impl(t);
     if (!impl) {
       if (!t.unsafeGetTensorImpl()->is_wrapped_number()) ok = false;
       tensors.push_back(&t);
-      key.push_back(-1);  // (the fallback's key for a 0-d plain tensor)
-      key.push_back(static_cast<int64_t>(t.scalar_type()));
+      key.plain_tensor(t.scalar_type(), t.sizes());
       return;
     }
     if (!mesh) mesh = &impl->device_mesh();
     else if (impl->device_mesh() != *mesh) ok = false;  // two mesh objects: the fallback checks them
     tensors.push_back(&t);
-    key.push_back(reinterpret_cast<int64_t>(impl->layout().get()));
-    key.push_back(static_cast<int64_t>(t.scalar_type()));
-  }
-  void scalar(int64_t v) {
-    if (key_scalars) key.push_back(v);
+    key.dtensor(impl->layout().get(), t.scalar_type());
   }
 };
 
+// Each reader writes one argument's chunk of the key (scalars only when the rule reads them).
 void read(FastArgs& a, const at::Tensor& t) { a.tensor(t); }
 void read(FastArgs& a, const std::optional<at::Tensor>& t) {
-  if (t && t->defined()) a.tensor(*t);
-  else a.scalar(-7);
-}
-void read(FastArgs& a, int64_t v) { a.scalar(v); }
-void read(FastArgs& a, bool v) { a.scalar(v); }
-void read(FastArgs& a, double v) {
-  int64_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  a.scalar(bits);
-}
-void read(FastArgs& a, const c10::Scalar& s) {
-  if (s.isComplex()) a.ok = false;
-  else if (s.isFloatingPoint()) read(a, s.toDouble());
-  else a.scalar(s.toLong());
-}
-void read(FastArgs& a, const c10::SymInt& v) {
-  if (v.is_heap_allocated()) a.ok = false;  // symbolic
-  else a.scalar(v.as_int_unchecked());
-}
-void read(FastArgs& a, c10::IntArrayRef v) {
-  a.scalar(static_cast<int64_t>(v.size()));
-  for (int64_t x : v) a.scalar(x);
-}
-void read(FastArgs& a, c10::SymIntArrayRef v) {
-  a.scalar(static_cast<int64_t>(v.size()));
-  for (const auto& x : v) read(a, x);
+  if (t) a.tensor(*t);
+  else a.key.none();
 }
 void read(FastArgs& a, at::TensorList list) {
-  a.key.push_back(-1000 - static_cast<int64_t>(list.size()));  // two lists split differently differ
+  a.key.list(list.size());
   for (const at::Tensor& t : list) {
     if (!t.defined()) a.ok = false;  // (an undefined list element: the fallback's case)
     else a.tensor(t);
   }
 }
-void read(FastArgs& a, at::ArrayRef<c10::Scalar> list) {
-  a.scalar(static_cast<int64_t>(list.size()));
-  for (const auto& x : list) read(a, x);
+// Non-tensor values. `ok` turns false for a value this path does not run (a complex Scalar, a
+// symbolic int): the boxed fallback takes the call.
+void read_value(PlanKey& key, bool&, int64_t v) { key.integer(v); }
+void read_value(PlanKey& key, bool&, bool v) { key.boolean(v); }
+void read_value(PlanKey& key, bool&, double v) { key.real(v); }
+void read_value(PlanKey& key, bool& ok, const c10::Scalar& s) {
+  // As the boxed stack holds a Scalar: a double, an int or a bool IValue.
+  if (s.isComplex()) ok = false;
+  else if (s.isFloatingPoint()) key.real(s.toDouble());
+  else if (s.isBoolean()) key.boolean(s.toBool());
+  else key.integer(s.toLong());
 }
-void read(FastArgs& a, at::OptionalIntArrayRef v) {
-  if (v) read(a, *v);
-  else a.scalar(-7);
+void read_value(PlanKey& key, bool& ok, const c10::SymInt& v) {
+  if (v.is_heap_allocated()) ok = false;
+  else key.integer(v.as_int_unchecked());
+}
+void read_value(PlanKey& key, bool&, c10::IntArrayRef v) {
+  key.list(v.size());
+  for (int64_t x : v) key.integer(x);
+}
+void read_value(PlanKey& key, bool& ok, c10::SymIntArrayRef v) {
+  key.list(v.size());
+  for (const auto& x : v) read_value(key, ok, x);
+}
+void read_value(PlanKey& key, bool& ok, at::ArrayRef<c10::Scalar> list) {
+  key.list(list.size());
+  for (const auto& x : list) read_value(key, ok, x);
+}
+void read_value(PlanKey& key, bool& ok, at::OptionalIntArrayRef v) {
+  if (v) read_value(key, ok, *v);
+  else key.none();
+}
+void read_value(PlanKey& key, bool&, c10::Device d) { key.device(d); }
+template <typename T, typename = std::enable_if_t<std::is_enum_v<T>>>
+void read_value(PlanKey& key, bool&, T v) {
+  key.integer(static_cast<int64_t>(v));  // dtypes, layouts, memory formats: ints on the boxed stack
 }
 template <typename T>
-void read(FastArgs& a, const std::optional<T>& v) {
-  if (!v) a.scalar(-7);
-  else if constexpr (std::is_enum_v<T>) a.scalar(static_cast<int64_t>(*v) + 1000);
-  else if constexpr (std::is_same_v<T, c10::Device>) a.scalar(static_cast<int64_t>(v->type()) * 1000 + v->index());
-  else read(a, *v);
+void read_value(PlanKey& key, bool& ok, const std::optional<T>& v) {
+  if (!v) key.none();
+  else read_value(key, ok, *v);
 }
+
+// The kinds read_value keys; any other argument kind sends the call to the fallback.
 template <typename T>
-void read(FastArgs& a, const T&) {
-  a.ok = false;  // an argument kind this path does not key: the fallback takes the call
+struct Keyable
+    : std::bool_constant<std::is_enum_v<T> || std::is_same_v<T, int64_t> || std::is_same_v<T, bool> ||
+                         std::is_same_v<T, double> || std::is_same_v<T, c10::Scalar> || std::is_same_v<T, c10::SymInt> ||
+                         std::is_same_v<T, c10::IntArrayRef> || std::is_same_v<T, c10::SymIntArrayRef> ||
+                         std::is_same_v<T, at::ArrayRef<c10::Scalar>> || std::is_same_v<T, at::OptionalIntArrayRef> ||
+                         std::is_same_v<T, c10::Device>> {};
+template <typename T>
+struct Keyable<std::optional<T>> : Keyable<T> {};
+
+template <typename T>
+void read(FastArgs& a, const T& v) {
+  if constexpr (!Keyable<std::decay_t<T>>::value) {
+    a.ok = false;
+  } else if (a.key_scalars) {
+    read_value(a.key, a.ok, v);
+  } else {
+    PlanKey unread;  // the rule reads no scalar: only whether this path can run the value counts
+    read_value(unread, a.ok, v);
+  }
 }
 
 // The local of a DTensor operand; every other argument passes through.
@@ -250,7 +274,6 @@ decltype(auto) local_arg(int64_t index, const LocalShape& shape, T&& v) {
 
 struct Slot {
   const OpInfo* info = nullptr;
-  uint64_t hash = 0;
   PlanKey key;
   std::shared_ptr<const ops::OpPlan> plan;
   bool trivial = false;  // the fast path can run this plan
@@ -297,29 +320,27 @@ bool is_trivial(const ops::OpPlan& plan, const FastArgs& args, const OpInfo& inf
 template <typename BoxArgs>
 const Slot* find_slot(OpInfo& info, const c10::OperatorHandle& op, FastArgs& args, Returns returns,
                       c10::ArrayRef<bool> int_list_args, c10::ArrayRef<bool> int_args, BoxArgs&& box_args) {
-  args.key.push_back(torch::autograd::get_current_graph_task_id() >= 0);
-  const uint64_t hash = detail::hash_key(args.key);
-  // 4-way sets: a direct-mapped table let two keys of one step evict each other on every call
-  // (and on some ranks only, as the hash mixes addresses).
-  struct Set {
-    std::array<Slot, 4> ways;
-    uint8_t next = 0;  // round-robin replacement
-  };
-  thread_local std::vector<Set> sets(64);
-  Set& set = sets[(hash ^ (reinterpret_cast<uintptr_t>(&info) >> 4)) & 63];
-  for (Slot& slot : set.ways)
-    if (slot.info == &info && slot.hash == hash && slot.key == args.key) return &slot;
-  Slot& slot = set.ways[set.next];
-  set.next = (set.next + 1) % set.ways.size();
+  args.key.in_backward(torch::autograd::get_current_graph_task_id() >= 0);
+  const uint64_t hash = args.key.hash() ^ (reinterpret_cast<uintptr_t>(&info) >> 4);
+  thread_local ThreadCache<Slot, 64, 4> slots;
+  const Slot* hit = slots.find(hash, [&](const Slot& s) { return s.info == &info && s.key == args.key; });
+  if (hit && !g_key_check.load(std::memory_order_relaxed)) return hit;
   torch::jit::Stack stack = box_args();
+  if (g_key_check.load(std::memory_order_relaxed)) {
+    PlanKey boxed;
+    detail::key_of_stack(op, info, stack, boxed);
+    HS_CHECK(boxed == args.key, info.name, "internal error: the fast path's plan key (", args.key.words().size(),
+             " words) differs from the boxed flow's (", boxed.words().size(), " words) for the same call");
+    if (hit) return hit;
+  }
   std::shared_ptr<const ops::OpPlan> plan;
   try {
     plan = detail::peek_plan(op, info, stack);
   } catch (const ops::NotCovered&) {
     return nullptr;  // the fallback's call, through the boxed path
   }
+  Slot& slot = slots.claim(hash);
   slot.info = &info;
-  slot.hash = hash;
   slot.key = args.key;
   slot.trivial = is_trivial(*plan, args, info, returns, int_list_args, int_args);
   slot.plan = std::move(plan);
@@ -403,9 +424,7 @@ struct FastKernel<Op, Ret(Args...)> {
     shape.shift = plan.int_shift;
     // The local call, below autograd (recorded on the wrappers) and autocast (applied to them).
     auto run_local = [&]() -> Ret {
-      at::AutoDispatchBelowADInplaceOrView below_autograd;
-      c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-      if (info.is_view) c10::AutogradState::get_tls_state().set_view_replay_enabled(true);
+      detail::LocalExecutionGuard local(info.is_view);
       return call_local(std::index_sequence_for<Args...>(), shape, args...);
     };
     if constexpr (kReturns == Returns::kNothing) {
@@ -417,15 +436,15 @@ struct FastKernel<Op, Ret(Args...)> {
       std::vector<at::Tensor> locals = run_local();
       HS_CHECK(locals.size() == plan.outputs.size(), info.name, "internal error: ", locals.size(),
                " returned tensors for ", plan.outputs.size(), " planned layouts");
-      for (size_t i = 0; i < locals.size(); ++i) locals[i] = make_dtensor(std::move(locals[i]), plan.outputs[i], mesh);
+      for (size_t i = 0; i < locals.size(); ++i) locals[i] = detail::wrap_local(std::move(locals[i]), plan.outputs[i], mesh, nullptr);
       return locals;
     } else {
       at::Tensor local = run_local();
-      if (!info.is_view) return make_dtensor(std::move(local), plan.outputs[0], mesh);
+      if (!info.is_view) return detail::wrap_local(std::move(local), plan.outputs[0], mesh, nullptr);
       Geometry geometry;
       if (rule_geometry) geometry = Geometry{rule_geometry->first, rule_geometry->second};
-      else geometry = Geometry{local.strides(), local.storage_offset()};  // the local's impl outlives the call
-      return make_dtensor(std::move(local), plan.outputs[0], mesh, &geometry);
+      const detail::OutputView view{/*local_geometry=*/!rule_geometry, rule_geometry ? &geometry : nullptr, {}};
+      return detail::wrap_local(std::move(local), plan.outputs[0], mesh, &view);
     }
   }
 };
@@ -544,6 +563,7 @@ void register_fast_paths() {
 std::vector<std::string> fast_path_ops() { return *g_fast_ops; }
 
 void set_fast_path(bool on) { g_enabled.store(on); }
+void set_key_check(bool on) { g_key_check.store(on); }
 bool fast_path_enabled() { return g_enabled.load(); }
 
 }  // namespace hypershard::runtime

@@ -16,5 +16,8 @@ std::vector<std::string> fast_path_ops();
 // benchmark measures what the fast path saves).
 void set_fast_path(bool on);
 bool fast_path_enabled();
+// Tests: every fast-path call also boxes its arguments and checks that the boxed flow's plan key
+// (plan_key.h) is the fast path's, word for word (an internal error otherwise).
+void set_key_check(bool on);
 
 }  // namespace hypershard::runtime

@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstring>
 #include <mutex>
 #include <shared_mutex>
 
@@ -17,6 +16,7 @@
 #include "runtime/dispatch_internal.h"
 #include "runtime/dtensor_impl.h"
 #include "runtime/redistribute.h"
+#include "runtime/thread_cache.h"
 
 namespace hypershard::runtime {
 namespace detail {
@@ -25,13 +25,6 @@ std::atomic<bool> g_strict{false};
 std::atomic<int64_t> g_hits{0};
 
 namespace {
-
-bool is_tensor_list_type(const c10::TypePtr& type) {
-  if (type->kind() != c10::TypeKind::ListType) return false;
-  auto elem = type->expectRef<c10::ListType>().getElementType();
-  if (elem->kind() == c10::TypeKind::OptionalType) elem = elem->expectRef<c10::OptionalType>().getElementType();
-  return elem->kind() == c10::TypeKind::TensorType;
-}
 
 void add_tensor(ops::OpCall& call, const at::Tensor& t, int64_t arg, int64_t item) {
   if (!t.defined()) return;
@@ -50,58 +43,6 @@ void add_tensor(ops::OpCall& call, const at::Tensor& t, int64_t arg, int64_t ite
     }
   }
   call.tensors.push_back(std::move(ta));
-}
-
-// Key of one non-tensor argument (values that can change a plan).
-template <typename Key>
-void append_scalar_key(Key& key, const c10::IValue& v) {
-  if (v.isNone()) {
-    key.push_back(-7);
-  } else if (v.isInt() || v.isBool()) {
-    key.push_back(v.isInt() ? v.toInt() : static_cast<int64_t>(v.toBool()));
-  } else if (v.isDouble()) {
-    const double d = v.toDouble();
-    int64_t bits;
-    std::memcpy(&bits, &d, sizeof(bits));
-    key.push_back(bits);
-  } else if (v.isIntList()) {
-    const auto list = v.toIntList();
-    key.push_back(static_cast<int64_t>(list.size()));
-    for (int64_t x : list) key.push_back(x);
-  } else if (v.isBoolList()) {
-    const auto list = v.toBoolList();
-    key.push_back(static_cast<int64_t>(list.size()));
-    for (bool x : list) key.push_back(x);
-  } else if (v.isString()) {
-    key.push_back(static_cast<int64_t>(std::hash<std::string>()(v.toStringRef())));
-  } else if (v.isDevice()) {
-    key.push_back(static_cast<int64_t>(v.toDevice().type()) * 1000 + v.toDevice().index());
-  } else if (v.isScalar()) {
-    append_scalar_key(key, v.toScalar().isFloatingPoint() ? c10::IValue(v.toScalar().toDouble())
-                                                          : c10::IValue(v.toScalar().toLong()));
-  } else if (v.isTensor() || v.isTensorList() || v.isList()) {
-    // tensors are keyed separately
-  } else {
-    key.push_back(static_cast<int64_t>(v.tagKind().size()) * 7919 + 13);  // by kind only
-  }
-}
-
-void plan_key(const ops::OpCall& call, const ops::RuleEntry& rule, PlanKey& key) {
-  for (const auto& t : call.tensors) {
-    if (t.is_dtensor) {
-      key.push_back(reinterpret_cast<int64_t>(t.layout.get()));
-    } else {
-      const auto& v = call.args[t.arg];
-      const at::Tensor tensor = t.item < 0 ? v.toTensor()
-                                           : (v.isTensorList() ? v.toTensorList().get(t.item) : v.toList().get(t.item).toTensor());
-      key.push_back(-1 - tensor.dim());
-      for (int64_t s : tensor.sizes()) key.push_back(s);
-    }
-    key.push_back((t.arg << 20) + (t.item << 8) + static_cast<int64_t>(t.dtype));
-  }
-  key.push_back(call.in_backward);
-  if (rule.key == ops::KeyScalars::kAll)
-    for (int64_t a = 0; a < call.num_args(); ++a) append_scalar_key(key, call.args[a]);
 }
 
 // Default mode's torch-parity answer to a rule that refuses the caller's layouts (a Partial input
@@ -158,6 +99,16 @@ ops::OpPlan run_rule(const OpInfo& info, ops::OpCall& call) {
 
 }  // namespace
 
+bool is_tensor_typed(const c10::TypePtr& declared) {
+  c10::TypePtr type = declared;
+  if (type->kind() == c10::TypeKind::OptionalType) type = type->expectRef<c10::OptionalType>().getElementType();
+  if (type->kind() == c10::TypeKind::ListType) {
+    type = type->expectRef<c10::ListType>().getElementType();
+    if (type->kind() == c10::TypeKind::OptionalType) type = type->expectRef<c10::OptionalType>().getElementType();
+  }
+  return type->kind() == c10::TypeKind::TensorType;
+}
+
 void collect_tensors(ops::OpCall& call) {
   const auto& args = call.schema().arguments();
   for (size_t a = 0; a < args.size(); ++a) {
@@ -167,7 +118,7 @@ void collect_tensors(ops::OpCall& call) {
     } else if (v.isTensorList()) {
       auto list = v.toTensorList();
       for (size_t i = 0; i < list.size(); ++i) add_tensor(call, list.get(i), static_cast<int64_t>(a), static_cast<int64_t>(i));
-    } else if (v.isList() && is_tensor_list_type(args[a].type())) {
+    } else if (v.isList() && is_tensor_typed(args[a].type())) {
       auto list = v.toList();
       for (size_t i = 0; i < list.size(); ++i) {
         const c10::IValue item = list.get(i);
@@ -198,34 +149,38 @@ void layout_plain_tensors(ops::OpCall& call) {
   }
 }
 
+void plan_key(const OpInfo& info, const ops::OpCall& call, PlanKey& key) {
+  const bool key_scalars = info.rule->key == ops::KeyScalars::kAll;
+  for (int64_t a = 0; a < call.num_args(); ++a) key.argument(call.args[a], info.tensor_args[a], key_scalars);
+  key.in_backward(call.in_backward);
+}
+
 std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call, bool record) {
   PlanKey key;
-  plan_key(call, *info.rule, key);
-  const uint64_t hash = hash_key(key);
-  auto same = [&](const CachedPlan& c) {
-    return c.key.size() == key.size() && std::equal(key.begin(), key.end(), c.key.begin());
-  };
-  // Per-thread direct-mapped cache in front of the shared one (plans are immutable).
-  struct Slot {
+  plan_key(info, call, key);
+  const uint64_t hash = key.hash() ^ reinterpret_cast<uintptr_t>(&info);
+  // The per-thread cache in front of the shared one (plans are immutable); an entry remembers
+  // the op's cache generation, so clearing the op's plans invalidates it.
+  struct Entry {
     const OpInfo* info = nullptr;
-    uint64_t hash = 0;
     uint64_t generation = 0;
-    CachedPlan entry;
+    CachedPlan cached;
   };
-  thread_local std::vector<Slot> slots(1024);
-  Slot& slot = slots[(hash ^ reinterpret_cast<uintptr_t>(&info)) & 1023];
+  thread_local ThreadCache<Entry, 256, 4> recent;
   const uint64_t generation = info.generation.load(std::memory_order_acquire);
-  if (slot.info == &info && slot.hash == hash && slot.generation == generation && same(slot.entry)) {
+  if (const Entry* hit = recent.find(hash, [&](const Entry& e) {
+        return e.info == &info && e.generation == generation && e.cached.same(key);
+      })) {
     if (record) g_hits.fetch_add(1, std::memory_order_relaxed);
-    return slot.entry.plan;
+    return hit->cached.plan;
   }
   auto remember = [&](const CachedPlan& c) {
-    if (record) slot = Slot{&info, hash, generation, c};
+    if (record) recent.claim(hash) = Entry{&info, generation, c};
   };
   {
     std::shared_lock<std::shared_mutex> read(info.mutex);
-    for (auto [it, end] = info.plans.equal_range(hash); it != end; ++it)
-      if (same(it->second)) {
+    for (auto [it, end] = info.plans.equal_range(key.hash()); it != end; ++it)
+      if (it->second.same(key)) {
         if (record) g_hits.fetch_add(1, std::memory_order_relaxed);
         remember(it->second);
         return it->second.plan;
@@ -242,7 +197,8 @@ std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call, bool r
     info.plans.clear();
     info.generation.fetch_add(1, std::memory_order_release);  // invalidates the per-thread slots
   }
-  auto it = info.plans.emplace(hash, CachedPlan{std::vector<int64_t>(key.begin(), key.end()), plan});
+  const auto& words = key.words();
+  auto it = info.plans.emplace(key.hash(), CachedPlan{std::vector<int64_t>(words.begin(), words.end()), plan});
   remember(it->second);
   return plan;
 }
