@@ -1,6 +1,7 @@
-"""The SFT training loop that every rank runs: tokenizer, data, model (a local HF directory or a tiny
-config), parallelize() on the mesh, AdamW + clip_grad_norm_ + warmup/cosine LambdaLR, gradient
-accumulation over micro-batches, checkpoints (hypershard.checkpoint), losses.json and loss_curve.png."""
+"""The SFT training loop that every rank runs: tokenizer, data, model (a local HF directory read
+shard by shard with hs.from_pretrained, or a tiny config built whole and parallelize()d on the mesh),
+AdamW + clip_grad_norm_ + warmup/cosine LambdaLR, gradient accumulation over micro-batches, checkpoints
+(hypershard.checkpoint), losses.json and loss_curve.png."""
 
 from __future__ import annotations
 
@@ -154,30 +155,46 @@ def accumulate(model, batches: list, n_items: int, crash: bool = False) -> float
 def _fully_shard(model, mesh) -> None:
     """hs.fully_shard on every decoder layer and the root (docs/fully_shard.md): parameters,
     gradients and AdamW states 1/dp per rank; the checkpoints save and reshard the shards."""
-    import hypershard as hs
+    from hypershard.loading import fully_shard_layers
 
-    if "dp" not in mesh.mesh_dim_names:
+    fully_shard_layers(model, mesh)
+
+
+def distributed_model(args, mesh, vocab: int):
+    """The model on `mesh`: --model DIR is read by hs.from_pretrained straight into each rank's
+    shards (docs/loading.md; float32, the TP/EP plans, --fully-shard applied on the meta model, tensors
+    the folder lacks initialised as one device would from --seed); a tiny type is built whole,
+    then parallelized (and fully sharded)."""
+    from hypershard.parallel import parallelize
+
+    fully = getattr(args, "fully_shard", False)
+    if fully and "dp" not in mesh.mesh_dim_names:
         fail("--fully-shard needs a dp axis in --mesh", "a mesh such as dp=2,tp=2")
-    layers = next((m for name, m in model.named_modules() if name.endswith("layers")
-                   and isinstance(m, torch.nn.ModuleList)), None)
-    for layer in layers if layers is not None else []:
-        hs.fully_shard(layer, mesh)
-    hs.fully_shard(model, mesh)
+    if Path(args.model).is_dir():
+        from hypershard.loading import from_pretrained
+
+        model = from_pretrained(args.model, mesh, fully_shard=fully, dtype=torch.float32, seed=args.seed)
+        size = model.get_input_embeddings().weight.shape[0]
+        if size < vocab:
+            fail(f"model {args.model!r} has {size} embeddings, fewer than the tokenizer's {vocab} tokens",
+                 "a tokenizer whose vocabulary the model covers")
+        return model.train()
+    model = parallelize(build_model(args.model, vocab, args.seed, args.cutoff_len), mesh)
+    if fully:
+        _fully_shard(model, mesh)
+    return model
 
 
 def run_rank(rank: int, world: int, args) -> dict:
     """One rank's training; rank 0 writes the outputs. Returns the step records and the time."""
     import hypershard as hs
-    from hypershard.parallel import parallelize
 
     torch.manual_seed(args.seed)
     mesh = hs.init_device_mesh("cpu", *args.mesh)
     tokenizer, examples = prepare_data(args)
     check_batch_sizes(args.batch_size, args.micro_batch_size, dp_size(args.mesh), len(examples))
     per_epoch, total, warmup = schedule(args, len(examples))
-    model = parallelize(build_model(args.model, len(tokenizer), args.seed, args.cutoff_len), mesh)
-    if getattr(args, "fully_shard", False):
-        _fully_shard(model, mesh)
+    model = distributed_model(args, mesh, len(tokenizer))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, total, warmup, args.min_lr_ratio))
