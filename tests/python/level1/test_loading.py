@@ -75,12 +75,12 @@ def folders(tmp_path_factory):
     return out
 
 
-def _reference(folder, seed=None):
+def _reference(folder, seed=None, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
     if seed is not None:
         torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32,
+    return AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=dtype,
                                                 attn_implementation="sdpa").eval()
 
 
@@ -146,6 +146,18 @@ def loads_like_one_device(folder, **options):
                 model(input_ids=ids, labels=ids).loss.backward()
                 assert all(p.grad is not None for p in model.parameters())
         return logits
+    return run
+
+
+def in_bfloat16(folder):
+    """dtype=bfloat16: the float32 files are converted while copied, as transformers converts them."""
+    def run(_dummy):
+        import hypershard as hs
+
+        model = hs.from_pretrained(folder, current_mesh(), dtype=torch.bfloat16, fully_shard=True)
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+        _check_equal(model, _reference(folder, dtype=torch.bfloat16))
+        return torch.zeros(1)
     return run
 
 
@@ -234,6 +246,7 @@ def cases(f):
         _case("qwen3_dp4_fully_shard", DP4, _logits(f["qwen3"]), loads_like_one_device(f["qwen3"], fully_shard=True)),
         _case("qwen3_5_moe_dp2_tp2_fully_shard", DP2_TP2, _logits(f["moe"]),
               loads_like_one_device(f["moe"], fully_shard=True)),
+        _case("qwen3_5_moe_dp2_tp2_bfloat16", DP2_TP2, lambda _dummy: torch.zeros(1), in_bfloat16(f["moe"])),
         _case("qwen3_dp2_tp2_missing_weights_seeded", DP2_TP2, _seeded_logits(f["missing"]),
               missing_weight_seeded(f["missing"], MISSING)),
         _case("qwen3_5_moe_dp2_ep2_missing_weights_seeded", DP2_EP2, _seeded_logits(f["moe_missing"]),
