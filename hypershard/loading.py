@@ -376,15 +376,17 @@ def _materialize(model: nn.Module, mesh, sources: dict, reader: Reader, dp_axis:
                 report.local_bytes += local.numel() * local.element_size()
                 replaced[id(param)] = (_new_param(param, local), param)
             module._parameters[attr] = replaced[id(param)][0]
-    buffers: dict = {}   # id(meta buffer) -> its real tensor (None until computed)
+    buffers: dict = {}   # id(meta buffer) -> its real tensor, to compute
+    filled: dict = {}    # id(meta buffer) -> its real tensor, read from the files (whole: buffers are never sharded)
     for module_name, module in model.named_modules():
         for attr, buffer in module._buffers.items():
-            if buffer is None or id(buffer) in buffers:
+            if buffer is None or id(buffer) in buffers or id(buffer) in filled:
                 continue
             name = f"{module_name}.{attr}" if module_name else attr
             real = torch.empty(buffer.shape, dtype=buffer.dtype)
             if attr not in module._non_persistent_buffers_set and sources.get(name):
                 _fill(reader, real, (0,) * real.dim(), sources[name])
+                filled[id(buffer)] = real
                 report.loaded.append(name)
             else:
                 buffers[id(buffer)] = real
@@ -408,8 +410,8 @@ def _materialize(model: nn.Module, mesh, sources: dict, reader: Reader, dp_axis:
                         module._parameters[attr] = replaced[id(param)][0]
     for module in model.modules():
         for attr, buffer in module._buffers.items():
-            if buffer is not None and id(buffer) in buffers:
-                module._buffers[attr] = buffers[id(buffer)]
+            if buffer is not None and (id(buffer) in buffers or id(buffer) in filled):
+                module._buffers[attr] = buffers.get(id(buffer), filled.get(id(buffer)))
             elif buffer is not None and buffer.is_meta:
                 raise AssertionError(f"buffer {attr} of {type(module).__name__} left on meta")
     _rebuild_fully_shard_groups(model, {old: new for old, (new, _) in replaced.items()}, mesh, dp_axis)
