@@ -293,8 +293,15 @@ FIXED_OVERHEAD = 8 << 20
 
 _WRITER = textwrap.dedent("""
     import sys, torch
+    from safetensors.torch import load_file, save_file
     from hypershard.models import tiny_config, tiny_model
-    tiny_model(tiny_config("qwen3", **{config}), seed=1).save_pretrained(sys.argv[1])
+    model = tiny_model(tiny_config("qwen3", **{config}), seed=1)
+    model.save_pretrained(sys.argv[1])
+    model.save_pretrained(sys.argv[2])  # then without one MLP weight (3.1 MB), initialised at load
+    path = sys.argv[2] + "/model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.2.mlp.up_proj.weight"]
+    save_file(tensors, path, metadata={{"format": "pt"}})
 """)
 
 
@@ -302,7 +309,7 @@ def _kib(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
 
 
-def measured_load(folder, out_dir, **options):
+def measured_load(folder, out_dir, tag="", **options):
     def run(_dummy):
         import ctypes
 
@@ -322,8 +329,9 @@ def measured_load(folder, out_dir, **options):
         total = sum(p.numel() * p.element_size() for p in model.parameters())
         bound = report.local_bytes + report.largest_slice + report.largest_init_staging + FIXED_OVERHEAD
         record = {"rank": dist.get_rank(), "peak_rss_increase": peak, "local_bytes": report.local_bytes,
-                  "model_bytes": total, "largest_slice": report.largest_slice, "bound": bound}
-        with open(f"{out_dir}/rss_{options.get('fully_shard', False)}_{dist.get_rank()}.json", "w") as f:
+                  "model_bytes": total, "largest_slice": report.largest_slice,
+                  "init_staging": report.largest_init_staging, "bound": bound}
+        with open(f"{out_dir}/rss_{options.get('fully_shard', False)}{tag}_{dist.get_rank()}.json", "w") as f:
             json.dump(record, f)
         assert peak <= bound, record
         return torch.zeros(1)
@@ -333,11 +341,15 @@ def measured_load(folder, out_dir, **options):
 def test_peak_rss_within_the_bound(tmp_path):
     folder = tmp_path / "big"
     # Written by another process: this one (the ranks' parent) never holds the model.
-    subprocess.run([sys.executable, "-c", _WRITER.format(config=BIG), str(folder)], check=True, timeout=300)
+    missing = tmp_path / "big_missing"
+    subprocess.run([sys.executable, "-c", _WRITER.format(config=BIG), str(folder), str(missing)], check=True,
+                   timeout=300)
     zeros = lambda _dummy: torch.zeros(1)  # noqa: E731
     result = run_cases([
         _case("rss_dp4_fully_shard", DP4, zeros, measured_load(folder, tmp_path, fully_shard=True)),
         _case("rss_tp4", TP4, zeros, measured_load(folder, tmp_path)),
+        _case("rss_dp4_fully_shard_missing_weight", DP4, zeros,
+              measured_load(missing, tmp_path, fully_shard=True, seed=1, tag="missing")),
     ], backend="hypershard", timeout=600)
     for path in sorted(tmp_path.glob("rss_*.json")):
         print(path.name, json.loads(path.read_text()))
