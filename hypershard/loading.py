@@ -27,14 +27,16 @@
    ``_init_weights``; the tensors that were loaded are zero-memory stand-ins (flagged initialised,
    so the init functions skip them -- but still CPU tensors of their shape, so an init that draws
    from a loaded tensor's device draws as on one device), and a missing one is generated WHOLE in a
-   staging buffer, one tensor at a time, because reproducing one device's random stream needs every
-   draw in order; each rank keeps its box of it and frees the rest. With ``seed``, the generator is
+   staging buffer, because reproducing one device's random stream needs every draw in order; the
+   buffer lives from its module's visit to the end of its parent's (which may write it too), then
+   each rank keeps its box of it and frees the rest. With ``seed``, the generator is
    seeded first: the values equal ``torch.manual_seed(seed); AutoModel...from_pretrained(folder)``.
    Non-persistent buffers (rotary ``inv_freq``) are computed the same way, never loaded.
 
 No collective runs anywhere in the load. Peak memory per rank: its shards (model bytes / ranks for
 a fully sharded model) + one reading slice (``staging_bytes``, default 16 MiB of mapped file) + the
-largest missing tensor's staging buffer + a fixed overhead (docs/loading.md has the measurement).
+missing tensors' staging buffers of one module's children (usually one tensor) + a fixed overhead
+(docs/loading.md has the measurement).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class LoadReport:
     unused_keys: list = dataclasses.field(default_factory=list)   # checkpoint tensors no parameter took
     bytes_read: int = 0            # file bytes this rank read (its boxes; whole rows of column blocks)
     largest_slice: int = 0         # the largest file span one reading slice touched
-    largest_init_staging: int = 0  # bytes of the largest whole tensor generated for initialisation
+    largest_init_staging: int = 0  # peak bytes of whole tensors held at once for initialisation
     local_bytes: int = 0           # bytes of this rank's parameter shards
 
 
@@ -301,6 +303,7 @@ def _initialize(model: nn.Module, pending: dict, buffers: dict, report: LoadRepo
 
     custom = model.is_custom_code() if hasattr(model, "is_custom_code") else False
     staging: dict = {}  # id(param) -> the whole tensor being initialised
+    live = [0]          # bytes of the staging buffers held now
 
     def finish(owner: nn.Module) -> None:
         for param in owner._parameters.values():
@@ -308,7 +311,7 @@ def _initialize(model: nn.Module, pending: dict, buffers: dict, report: LoadRepo
                 local, offset = pending.pop(id(param))
                 whole = staging.pop(id(param))
                 local.copy_(whole[tuple(slice(o, o + n) for o, n in zip(offset, local.shape))])
-                report.largest_init_staging = max(report.largest_init_staging, whole.numel() * whole.element_size())
+                live[0] -= whole.numel() * whole.element_size()
 
     def swap(module: nn.Module) -> list:
         saved = []
@@ -322,6 +325,8 @@ def _initialize(model: nn.Module, pending: dict, buffers: dict, report: LoadRepo
                         # The whole tensor, generated in this staging buffer: one device's random
                         # stream draws it whole, in this order; this rank keeps only its box of it.
                         staging[id(param)] = torch.empty(param.shape, dtype=param.dtype)
+                        live[0] += staging[id(param)].numel() * staging[id(param)].element_size()
+                        report.largest_init_staging = max(report.largest_init_staging, live[0])
                     sub._parameters[attr] = staging[id(param)]
                 else:
                     sub._parameters[attr] = _stand_in(param)
