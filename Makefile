@@ -87,8 +87,11 @@ system-packages:
 $(PY):
 	$(PYTHON3) -m venv $(VENV)
 
-$(REQUIREMENTS_STAMP): requirements.txt | $(PY)
+# requirements-llamafactory.txt: LlamaFactory alone, --no-deps (it pins an older transformers;
+# its dependencies are pinned in requirements.txt -- docs/llamafactory.md).
+$(REQUIREMENTS_STAMP): requirements.txt requirements-llamafactory.txt | $(PY)
 	$(PY) -m pip install -r requirements.txt
+	$(PY) -m pip install --no-deps -r requirements-llamafactory.txt
 	touch $@
 
 # --no-build-isolation: build against the torch in .venv (never let pip resolve torch itself).

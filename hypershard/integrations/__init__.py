@@ -1,0 +1,1 @@
+"""Integrations of hypershard into other training frameworks (see docs/llamafactory.md)."""

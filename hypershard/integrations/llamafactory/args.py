@@ -1,0 +1,182 @@
+"""HyperParallelArguments: the JSON file that LlamaFactory's ``hyper_parallel_args`` names, read and
+checked before anything is distributed.
+
+LlamaFactory only passes the file's path (``finetuning_args.hyper_parallel_args``); everything
+about the mesh lives here. Checks that need the world size or the model (tp_size dividing the world,
+tp_size against the attention heads, ep_size against the experts) run in `check_world` /
+`check_model`, on every rank, so every rank stops with the same one-line message instead of one
+rank failing inside a collective while the others wait for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+__all__ = ["HyperParallelArguments", "HyperParallelConfigError"]
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+class HyperParallelConfigError(ValueError):
+    """A hyper_parallel_args file that cannot be honoured; the message names the key and what is allowed."""
+
+
+@dataclasses.dataclass
+class HyperParallelArguments:
+    """The strategy of one run. The mesh is (dp, ep, tp), row-major over the torchrun ranks, with
+    dp = world / (tp_size x ep_size) unless dp_size says it (then it must match).
+
+    - ``tp_size``: tensor parallelism with the model's HF ``base_model_tp_plan`` (or ``tp_plan``);
+    - ``ep_size``: expert parallelism with the model's ``base_model_ep_plan`` (or ``ep_plan``);
+    - ``fully_shard``: hs.fully_shard on every decoder layer and the root (parameters, gradients and
+      optimizer states 1/dp per rank), with ``reshard_after_forward`` and the mixed-precision
+      policy ``param_dtype`` / ``reduce_dtype`` (names of torch dtypes, e.g. "bfloat16");
+    - ``strict``: run every op through a distributed rule (hs.strict), no gather fallback.
+    """
+
+    tp_size: int = 1
+    ep_size: int = 1
+    dp_size: Optional[int] = None
+    fully_shard: bool = False
+    reshard_after_forward: bool = True
+    param_dtype: Optional[str] = None
+    reduce_dtype: Optional[str] = None
+    tp_plan: Union[str, dict] = "auto"
+    ep_plan: Union[str, dict] = "auto"
+    strict: bool = False
+    source: Optional[str] = dataclasses.field(default=None, compare=False)  # the file, for messages
+
+    # ----------------------------------------------------------------------------- construction
+
+    @classmethod
+    def keys(cls) -> list:
+        return [f.name for f in dataclasses.fields(cls) if f.name != "source"]
+
+    @classmethod
+    def from_dict(cls, values: dict, source: Optional[str] = None) -> "HyperParallelArguments":
+        where = f"hyper_parallel_args {source}" if source else "hyper_parallel_args"
+        if not isinstance(values, dict):
+            raise HyperParallelConfigError(f"hypershard: llamafactory: {where}: expected a JSON object, got "
+                                           f"{type(values).__name__}; allowed keys: {cls.keys()}")
+        unknown = sorted(set(values) - set(cls.keys()))
+        if unknown:
+            raise HyperParallelConfigError(f"hypershard: llamafactory: {where}: unknown key(s) {unknown}; "
+                                           f"allowed: {cls.keys()}")
+        args = cls(**values, source=source)
+        args._check_types(where)
+        return args
+
+    @classmethod
+    def from_file(cls, path) -> "HyperParallelArguments":
+        path = Path(path)
+        if not path.is_file():
+            raise HyperParallelConfigError(f"hypershard: llamafactory: hyper_parallel_args {str(path)!r} is not a "
+                                           f"file; allowed: the path of a JSON file")
+        try:
+            values = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise HyperParallelConfigError(f"hypershard: llamafactory: hyper_parallel_args {path}: not valid JSON "
+                                           f"({error})") from None
+        return cls.from_dict(values, source=str(path))
+
+    @classmethod
+    def from_finetuning_args(cls, finetuning_args) -> "HyperParallelArguments":
+        """What LlamaFactory's workflow calls: its ``hyper_parallel_args`` is the JSON file's path
+        (no file: every default, i.e. plain data parallelism over all ranks)."""
+        path = getattr(finetuning_args, "hyper_parallel_args", None)
+        return cls.from_file(path) if path else cls()
+
+    # --------------------------------------------------------------------------------- checking
+
+    def _fail(self, why: str):
+        where = f"hyper_parallel_args {self.source}" if self.source else "hyper_parallel_args"
+        raise HyperParallelConfigError(f"hypershard: llamafactory: {where}: {why}")
+
+    def _check_types(self, where: str) -> None:
+        for key in ("tp_size", "ep_size"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                self._fail(f"{key}={value!r}; allowed: an integer >= 1")
+        if self.dp_size is not None and (isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int)
+                                         or self.dp_size < 1):
+            self._fail(f"dp_size={self.dp_size!r}; allowed: an integer >= 1, or null (the world / (tp x ep))")
+        for key in ("fully_shard", "reshard_after_forward", "strict"):
+            if not isinstance(getattr(self, key), bool):
+                self._fail(f"{key}={getattr(self, key)!r}; allowed: true or false")
+        for key in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, key)
+            if value is not None and value not in _DTYPES:
+                self._fail(f"{key}={value!r}; allowed: null or one of {sorted(_DTYPES)}")
+        if (self.param_dtype or self.reduce_dtype) and not self.fully_shard:
+            self._fail("param_dtype / reduce_dtype are fully_shard's mixed-precision policy; allowed: them with "
+                       "\"fully_shard\": true (for bf16 without it, set bf16: true in the training YAML)")
+        for key in ("tp_plan", "ep_plan"):
+            value = getattr(self, key)
+            if not (value == "auto" or (isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                                         for k, v in value.items()))):
+                self._fail(f"{key}={value!r}; allowed: \"auto\" (the model's HF plan) or an object "
+                           f"{{module pattern: plan style}}")
+
+    def mesh_spec(self, world: int) -> tuple:
+        """(shape, names) of the mesh on `world` ranks: dp always (size 1 allowed), ep and tp when > 1."""
+        self.check_world(world)
+        dp = world // (self.tp_size * self.ep_size)
+        shape, names = [dp], ["dp"]
+        for size, name in ((self.ep_size, "ep"), (self.tp_size, "tp")):
+            if size > 1:
+                shape.append(size)
+                names.append(name)
+        return tuple(shape), tuple(names)
+
+    def check_world(self, world: int) -> None:
+        if world % self.tp_size:
+            self._fail(f"tp_size={self.tp_size} does not divide the {world} ranks of this run; allowed: a tp_size "
+                       f"that divides the world size (torchrun --nproc-per-node)")
+        if world % (self.tp_size * self.ep_size):
+            self._fail(f"tp_size x ep_size = {self.tp_size} x {self.ep_size} does not divide the {world} ranks of "
+                       f"this run; allowed: sizes whose product divides the world size")
+        dp = world // (self.tp_size * self.ep_size)
+        if self.dp_size is not None and self.dp_size != dp:
+            self._fail(f"dp_size={self.dp_size} but {world} ranks / (tp_size {self.tp_size} x ep_size "
+                       f"{self.ep_size}) = {dp}; allowed: {dp} or null")
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """What the model's shape must allow: heads over tp, experts over ep, a plan to apply."""
+        config = getattr(model, "config", None)
+        text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+        heads = getattr(text, "num_attention_heads", None)
+        kv = getattr(text, "num_key_value_heads", None) or heads
+        if self.tp_size > 1:
+            if heads and self.tp_size > heads:
+                self._fail(f"tp_size={self.tp_size} is larger than the model's {heads} attention heads; allowed: "
+                           f"a tp_size that divides num_attention_heads={heads}")
+            if heads and heads % self.tp_size:
+                self._fail(f"tp_size={self.tp_size} does not divide the model's num_attention_heads={heads}; "
+                           f"allowed: a divisor of {heads}")
+            if kv and kv < self.tp_size and self.tp_size % kv:
+                self._fail(f"tp_size={self.tp_size} is neither a divisor nor a multiple of the model's "
+                           f"num_key_value_heads={kv}; allowed: one of them")
+        if self.ep_size > 1:
+            experts = next((getattr(text, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                            if isinstance(getattr(text, k, None), int)), None)
+            if experts is None:
+                self._fail(f"ep_size={self.ep_size} but the model has no experts (no num_experts in its config); "
+                           f"allowed: ep_size 1 for a dense model")
+            if experts % self.ep_size:
+                self._fail(f"ep_size={self.ep_size} does not divide the model's {experts} experts; allowed: a divisor "
+                           f"of {experts}")
+
+    # ------------------------------------------------------------------------------------ use
+
+    def dtype(self, key: str) -> Optional[torch.dtype]:
+        value = getattr(self, key)
+        return None if value is None else _DTYPES[value]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.keys()}

@@ -1,0 +1,271 @@
+"""HyperParallelTrainer: LlamaFactory's own SFT trainer (and so HF's Trainer loop) with hypershard
+as the distributed backend.
+
+Everything LlamaFactory and HF do stays theirs: the dataset, template and collator, the sampler
+and its order, gradient accumulation, loss normalisation (num_items_in_batch), clipping, the
+optimizer and the LR schedule, logging and callbacks. What changes is only where a multi-process
+HF run would do data parallelism itself:
+
+- the model is distributed in place by ``hs.parallelize`` (the HF tp / ep plans) and optionally
+  ``hs.fully_shard``; its forward pre-hook shards every input on the batch dim over ``dp``;
+- so every rank must feed the SAME global micro-batch: the dataloader is prepared as for ONE
+  process (accelerate's own sampler, seeded the same on every rank) with per_device_train_batch_size
+  x dp sequences -- exactly what a single-process run with that batch size reads;
+- the accelerator never wraps the model in DDP (hypershard's gradient reductions already sum over
+  dp) and its ``gather`` does not concatenate identical copies from every rank;
+- token counts are not summed over processes (``average_tokens_across_devices`` off): every rank
+  already counts the whole global batch;
+- checkpoints are written shard-wise (hypershard.checkpoint / DCP) inside HF's ``checkpoint-N``
+  folders, next to HF's trainer_state.json, scheduler.pt and per-rank RNG files, and load onto
+  any mesh; ``save_model()`` writes a HuggingFace folder (checkpoint.export_hf) that
+  ``from_pretrained`` loads on one device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .args import HyperParallelArguments
+
+try:  # the trainer LlamaFactory's own sft stage uses
+    from llamafactory.train.sft.trainer import CustomSeq2SeqTrainer
+except ImportError as error:  # pragma: no cover - only without LlamaFactory
+    raise ImportError("hypershard: llamafactory: LlamaFactory is not installed (make setup installs "
+                      "requirements-llamafactory.txt)") from error
+
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from accelerate.data_loader import prepare_data_loader
+from transformers import TrainerCallback
+
+__all__ = ["HyperParallelTrainer", "HyperParallelArguments"]
+
+SCHEDULER_NAME = "scheduler.pt"
+# Fault injection for tests: rank CRASH_RANK_ENV (default 1) exits with os._exit(1) as step
+# CRASH_ENV begins, i.e. after the checkpoints of the steps before it were written.
+CRASH_ENV = "HYPERSHARD_LLAMAFACTORY_CRASH_AT_STEP"
+CRASH_RANK_ENV = "HYPERSHARD_LLAMAFACTORY_CRASH_RANK"
+SHARDS_DIR = "hypershard"  # checkpoint-N/hypershard/step_NNNNNNNN: the DCP shards of model + optimizer
+
+
+def _rank_world() -> tuple:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _plain(t):
+    """A hypershard DTensor -> its global value as a plain tensor (scalars: losses, norms)."""
+    from hypershard import _C
+
+    if isinstance(t, torch.Tensor) and _C.is_dtensor(t):
+        return t.full_tensor()
+    return t
+
+
+class _HypershardAccelerator(Accelerator):
+    """HF's accelerator, less its own data parallelism (see the module docstring). Installed on the
+    trainer's accelerator by changing its class, so that every setting HF gave it stays."""
+
+    _hs_preparing_model = False
+
+    @property
+    def multi_device(self):
+        return False if self._hs_preparing_model else super().multi_device
+
+    @property
+    def distributed_type(self):
+        # While preparing the model, accelerate sees one process: it would otherwise wrap it in DDP,
+        # while hypershard already reduces the dp gradients; autocast (bf16) still applies.
+        return DistributedType.NO if self._hs_preparing_model else super().distributed_type
+
+    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        self._hs_preparing_model = True
+        try:
+            return super().prepare_model(model, device_placement=False, evaluation_mode=evaluation_mode)
+        finally:
+            self._hs_preparing_model = False
+
+    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        # As accelerate prepares it for ONE process: every rank reads the whole global batch, in the
+        # same order (the seedable sampler draws from the same seed on every rank).
+        if getattr(data_loader, "_is_accelerate_prepared", False):
+            return data_loader
+        prepared = prepare_data_loader(
+            data_loader, self.device, num_processes=1, process_index=0, split_batches=self.split_batches,
+            put_on_device=self.device_placement if device_placement is None else device_placement,
+            rng_types=self.rng_types.copy(), dispatch_batches=self.dispatch_batches, even_batches=self.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch, use_seedable_sampler=self.use_seedable_sampler,
+            data_seed=self.dataloader_config.data_seed, non_blocking=self.non_blocking,
+            use_stateful_dataloader=self.use_stateful_dataloader)
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def gather(self, tensor):
+        # Every rank holds the same global values (losses, token counts, eval outputs): a gather
+        # would count them world times.
+        return tensor
+
+    def gather_for_metrics(self, input_data, use_gather_object=False):
+        return input_data
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        return _plain(super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type))
+
+
+class _CrashAtStep(TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            os._exit(1)
+
+
+class HyperParallelTrainer(CustomSeq2SeqTrainer):
+    """The trainer LlamaFactory's hyper_parallel workflow builds (the ``use_hyper_parallel``
+    contract): keyword arguments as CustomSeq2SeqTrainer's plus ``hp_args``."""
+
+    def __init__(self, hp_args: Optional[HyperParallelArguments] = None, model=None, args=None,
+                 finetuning_args=None, processor=None, **kwargs: Any) -> None:
+        import hypershard as hs
+
+        hp_args = hp_args if hp_args is not None else HyperParallelArguments()
+        rank, world = _rank_world()
+        if finetuning_args is not None and getattr(finetuning_args, "finetuning_type", "full") != "full":
+            hp_args._fail(f"finetuning_type={finetuning_args.finetuning_type!r}: hypershard trains full "
+                          f"fine-tuning only; allowed: finetuning_type: full")
+        shape, names = hp_args.mesh_spec(world)
+        hp_args.check_model(model)
+        self.hp_args = hp_args
+        self.mesh = hs.init_device_mesh("cpu", shape, names)
+        self.dp_size = shape[0]
+        self._distribute(model)
+        # Every rank counts the whole global batch's tokens: summing them over the processes (and
+        # multiplying the loss back by the process count) would count them world times.
+        args.average_tokens_across_devices = False
+        super().__init__(model=model, args=args, finetuning_args=finetuning_args, processor=processor, **kwargs)
+        # A "device" in HF's batch size is one data-parallel rank: the global micro-batch, which
+        # every rank reads whole and the model's input hook splits over dp.
+        self._train_batch_size = args.per_device_train_batch_size * self.dp_size
+        crash = os.environ.get(CRASH_ENV)
+        if crash and rank == int(os.environ.get(CRASH_RANK_ENV, min(1, world - 1))):
+            self.add_callback(_CrashAtStep(int(crash)))
+
+    # --------------------------------------------------------------------------- distribution
+
+    def _distribute(self, model) -> None:
+        from hypershard.fully_shard import MixedPrecisionPolicy
+        from hypershard.loading import fully_shard_layers
+        from hypershard.parallel import parallelize
+
+        hp = self.hp_args
+        plan = None if hp.tp_plan == "auto" else dict(hp.tp_plan)
+        ep_plan = None if hp.ep_plan == "auto" else dict(hp.ep_plan)
+        try:
+            parallelize(model, self.mesh, plan, ep_plan=ep_plan)
+        except ValueError as error:
+            hp._fail(str(error))
+        if hp.fully_shard:
+            policy = None
+            if hp.param_dtype or hp.reduce_dtype:
+                policy = MixedPrecisionPolicy(param_dtype=hp.dtype("param_dtype"), reduce_dtype=hp.dtype("reduce_dtype"))
+            layers = fully_shard_layers  # decoder blocks, then the root
+            if not hp.reshard_after_forward:
+                from hypershard.fully_shard import fully_shard
+
+                def layers(model, mesh, mp_policy=None):
+                    blocks = next((m for n, m in model.named_modules() if n.endswith("layers")
+                                   and isinstance(m, torch.nn.ModuleList)), [])
+                    for block in blocks:
+                        fully_shard(block, mesh, reshard_after_forward=False, mp_policy=mp_policy)
+                    return fully_shard(model, mesh, reshard_after_forward=False, mp_policy=mp_policy)
+            layers(model, self.mesh, mp_policy=policy)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        self.accelerator.__class__ = _HypershardAccelerator
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        return model  # no DataParallel / DDP: hypershard is the data parallelism
+
+    # ------------------------------------------------------------------------------- training
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        with _strict() if self.hp_args.strict else contextlib.nullcontext():
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        return _plain(loss).detach()
+
+    # ---------------------------------------------------------------------------- checkpoints
+
+    def _inner_optimizer(self):
+        opt = self.optimizer
+        return getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer wraps torch's
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """Inside a checkpoint (``_internal_call``): the model's shards only with save_only_model
+        (otherwise they are written with the optimizer's, below). Called by the user / the workflow:
+        a HuggingFace folder from the shards (collective), plus the tokenizer and training args."""
+        from hypershard import checkpoint
+
+        output_dir = output_dir or self.args.output_dir
+        if _internal_call:
+            if self.args.save_only_model:
+                checkpoint.save(os.path.join(output_dir, SHARDS_DIR), self.model, None, step=self.state.global_step)
+            return
+        checkpoint.export_hf(self.model, output_dir)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        dist.barrier() if dist.is_initialized() else None
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        from hypershard import checkpoint
+
+        checkpoint.save(os.path.join(output_dir, SHARDS_DIR), self.model, self._inner_optimizer(),
+                        step=self.state.global_step)
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _shards(self, checkpoint_dir: str) -> str:
+        path = os.path.join(checkpoint_dir, SHARDS_DIR)
+        if not os.path.isdir(path):
+            self.hp_args._fail(f"resume_from_checkpoint {checkpoint_dir!r} holds no hypershard shards ({SHARDS_DIR}/); "
+                               f"allowed: a checkpoint-N folder written by a use_hyper_parallel run")
+        return path
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        from hypershard import checkpoint
+
+        checkpoint.load(self._shards(resume_from_checkpoint), model if model is not None else self.model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint_dir: Optional[str]) -> None:
+        from hypershard import checkpoint
+
+        if checkpoint_dir is None:
+            return
+        shards = self._shards(checkpoint_dir)
+        if not self.args.save_only_model:
+            checkpoint.load(shards, self.model, self._inner_optimizer())
+        scheduler = os.path.join(checkpoint_dir, SCHEDULER_NAME)
+        if os.path.isfile(scheduler) and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        from hypershard import checkpoint
+
+        best = self.state.best_model_checkpoint
+        if best:
+            checkpoint.load(self._shards(best), self.model)
+
+
+def _strict():
+    import hypershard as hs
+
+    return hs.strict()

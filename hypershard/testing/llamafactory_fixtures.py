@@ -1,0 +1,111 @@
+"""Offline fixtures for LlamaFactory runs through hypershard (tests/python/level1/test_llamafactory.py,
+docs/llamafactory.md): tiny model folders (config + safetensors + a byte-level BPE tokenizer with
+Qwen's special tokens), a LlamaFactory dataset folder (dataset_info.json, alpaca and sharegpt
+demo-format files) and the YAML / JSON of a run. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+from .sft_fixtures import alpaca_records, sharegpt_records
+
+__all__ = ["write_tokenizer", "write_model", "write_dataset_dir", "write_run", "read_losses"]
+
+# Qwen's: <|im_end|> ends a turn (LlamaFactory's qwen3 template makes it the eos), <|endoftext|> pads.
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+
+def write_tokenizer(directory, texts: list, vocab_size: int = 320) -> Path:
+    """A byte-level BPE (any text encodes: the qwen3 template adds <think> blocks) trained on `texts`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                      additional_special_tokens=["<|im_start|>", "<think>", "</think>"])
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    wrapped.save_pretrained(directory)
+    return directory
+
+
+def _texts() -> list:
+    texts = [json.dumps(r) for r in alpaca_records()] + [json.dumps(r) for r in sharegpt_records()]
+    return texts + ["You are helpful", "Answer briefly", "user assistant system", "<think>\n\n</think>\n\n"]
+
+
+def write_model(directory, model_type: str = "qwen3", seed: int = 0, **overrides) -> Path:
+    """A tiny `model_type` (hypershard.models.TINY_CONFIGS) saved with save_pretrained (safetensors),
+    its vocabulary the tokenizer's rounded up to a multiple of 8, with the tokenizer beside it."""
+    from hypershard.models import tiny_config, tiny_model
+
+    directory = Path(directory)
+    write_tokenizer(directory, _texts())
+    from transformers import AutoTokenizer
+
+    vocab = 8 * math.ceil(len(AutoTokenizer.from_pretrained(str(directory))) / 8)
+    values = {"vocab_size": vocab}
+    values.update(overrides)
+    if model_type == "qwen3_vl_moe":
+        raise NotImplementedError("see write_vl_model")
+    config = tiny_config(model_type, **values)
+    model = tiny_model(config, seed=seed)
+    model.config.use_cache = False
+    model.save_pretrained(directory)
+    return directory
+
+
+def write_dataset_dir(directory, n_alpaca: int = 16, n_sharegpt: int = 12) -> Path:
+    """LlamaFactory's dataset folder: dataset_info.json naming `alpaca_demo` (alpaca format) and
+    `sharegpt_demo` (sharegpt format, from/value tags) -- the layouts of its demo datasets."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "alpaca_demo.json").write_text(json.dumps(alpaca_records(n_alpaca), indent=1))
+    (directory / "sharegpt_demo.json").write_text(json.dumps(sharegpt_records(n_sharegpt), indent=1))
+    info = {"alpaca_demo": {"file_name": "alpaca_demo.json"},
+            "sharegpt_demo": {"file_name": "sharegpt_demo.json", "formatting": "sharegpt"}}
+    (directory / "dataset_info.json").write_text(json.dumps(info, indent=1))
+    return directory
+
+
+def write_run(directory, model_dir, dataset_dir, output_dir, *, hp: Optional[dict] = None, **overrides) -> Path:
+    """A LlamaFactory training YAML (and, with `hp`, its hyper_parallel_args JSON) in `directory`."""
+    import yaml
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = dict(model_name_or_path=str(model_dir), trust_remote_code=False, stage="sft", do_train=True,
+                  finetuning_type="full", dataset="alpaca_demo,sharegpt_demo", dataset_dir=str(dataset_dir),
+                  template="qwen3", cutoff_len=64, overwrite_cache=True, preprocessing_num_workers=None,
+                  output_dir=str(output_dir), logging_steps=1, save_strategy="no", plot_loss=False,
+                  per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-3,
+                  lr_scheduler_type="cosine", warmup_steps=1, max_grad_norm=1.0, max_steps=4, use_cpu=True,
+                  report_to="none", seed=42, dataloader_num_workers=0, bf16=False, disable_tqdm=True)
+    config.update(overrides)
+    if hp is not None:
+        hp_path = directory / "hyper_parallel.json"
+        hp_path.write_text(json.dumps(hp, indent=1))
+        config.update(use_hyper_parallel=True, hyper_parallel_args=str(hp_path))
+    path = directory / "train.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def read_losses(output_dir) -> dict:
+    """{step: loss} from HF's trainer_state.json (log_history) of a finished run, or from the
+    newest checkpoint's when the run was cut short."""
+    output_dir = Path(output_dir)
+    state = output_dir / "trainer_state.json"
+    if not state.is_file():
+        checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+        state = checkpoints[-1] / "trainer_state.json"
+    history = json.loads(state.read_text())["log_history"]
+    return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
