@@ -69,6 +69,7 @@ from .dtensor import (  # noqa: E402
 )
 from .parallel import parallelize  # noqa: E402
 from .fully_shard import FullyShardedModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
+from .mixed_precision import mixed_precision  # noqa: E402
 from .loading import from_pretrained  # noqa: E402
 from . import ops  # noqa: E402
 from . import checkpoint  # noqa: E402  (also gives DTensors DCP's save/load protocol)
@@ -116,6 +117,7 @@ __all__ = [
     "layout_of",
     "make_layout",
     "mesh",
+    "mixed_precision",
     "numel",
     "ops",
     "parse_alias",

@@ -125,11 +125,17 @@ class _Group:
         self.params = params            # the sharded nn.Parameters
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
-        self.mp = mp
         self.requires_sync = True
-        self.cgroup = _C.FullyShardGroup(params, layouts, axis, mp.param_dtype if mp else None,
-                                         (mp.reduce_dtype or mp.param_dtype) if mp else None)
+        self.layouts, self.axis = layouts, axis
+        self.set_mp(mp)
         self.context = _Context(self)
+
+    def set_mp(self, mp: Optional[MixedPrecisionPolicy]) -> None:
+        """The group's policy (hs.mixed_precision gives one to a group made without): the C++ half
+        allocates its buffers in param_dtype / reduce_dtype, so it is made again (between steps)."""
+        self.mp = mp
+        self.cgroup = _C.FullyShardGroup(self.params, self.layouts, self.axis, mp.param_dtype if mp else None,
+                                         (mp.reduce_dtype or mp.param_dtype) if mp else None)
 
     def put(self, tensors: list) -> None:
         for owners, tensor in zip(self.entries, tensors):

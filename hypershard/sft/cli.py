@@ -53,6 +53,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fully-shard", action="store_true",
                    help="hs.fully_shard every decoder layer and the root over dp (parameters, gradients and "
                         "optimizer states 1/dp per rank)")
+    p.add_argument("--mixed-precision", default="auto", choices=("auto", "bf16", "none"),
+                   help="bf16: compute in bf16 with fp32 master weights, optimizer state and gradient sums; "
+                        "auto (default): bf16 when --model is a checkpoint saved in bf16")
     p.add_argument("--export-hf", action="store_true", help="at the end, export the model to OUTPUT/hf (safetensors)")
     p.add_argument("--stop-after", type=int, default=0,
                    help="end after step K, with a checkpoint there (simulates an interrupted run)")

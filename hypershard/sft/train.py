@@ -178,11 +178,39 @@ def distributed_model(args, mesh, vocab: int):
         if size < vocab:
             fail(f"model {args.model!r} has {size} embeddings, fewer than the tokenizer's {vocab} tokens",
                  "a tokenizer whose vocabulary the model covers")
-        return model.train()
+        return _with_precision(model.train(), args)
     model = parallelize(build_model(args.model, vocab, args.seed, args.cutoff_len), mesh)
     if fully:
         _fully_shard(model, mesh)
-    return model
+    return _with_precision(model, args)
+
+
+def checkpoint_dtype(model: str) -> Optional[str]:
+    """The dtype a HuggingFace folder's config.json declares ("bfloat16", ...), None without one."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    for where in (config, config.get("text_config") or {}):
+        value = where.get("dtype") or where.get("torch_dtype")
+        if value:
+            return str(value).replace("torch.", "")
+    return None
+
+
+def precision_of(args) -> str:
+    """--mixed-precision: bf16 or none; auto is bf16 for a checkpoint saved in bf16 (it was trained and
+    will be served in bf16: the standard recipe, fp32 masters, docs/mixed_precision.md), else none."""
+    choice = getattr(args, "mixed_precision", "none")
+    if choice == "auto":
+        return "bf16" if checkpoint_dtype(args.model) == "bfloat16" else "none"
+    return choice
+
+
+def _with_precision(model, args):
+    import hypershard as hs
+
+    return hs.mixed_precision(model) if precision_of(args) == "bf16" else model
 
 
 def run_rank(rank: int, world: int, args) -> dict:
