@@ -156,6 +156,32 @@ def _relaunch(argv: list) -> int:
     return subprocess.call(command, env=env)
 
 
+TIMEOUT_ENV = "HYPERSHARD_LLAMAFACTORY_TIMEOUT"
+
+
+def _watchdog() -> None:
+    """With HYPERSHARD_LLAMAFACTORY_TIMEOUT=S, a rank still running after S seconds prints which
+    rank it is and every thread's stack, then exits (a stuck collective names its rank instead of
+    hanging the run)."""
+    seconds = os.environ.get(TIMEOUT_ENV)
+    if not seconds:
+        return
+    import faulthandler
+    import threading
+
+    rank = os.environ.get("RANK", "0")
+
+    def expire():
+        print(f"hypershard: llamafactory: rank {rank} of {os.environ.get('WORLD_SIZE', '1')} still running after "
+              f"{seconds} s ({TIMEOUT_ENV}); its stacks follow", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(124)
+
+    timer = threading.Timer(float(seconds), expire)
+    timer.daemon = True
+    timer.start()
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -165,6 +191,7 @@ def main(argv=None) -> int:
                                                          or int(os.environ.get("NPROC_PER_NODE", "1")) > 1):
         return _relaunch(argv)
     os.environ.pop("FORCE_TORCHRUN", None)  # LlamaFactory's launcher must not start torchrun itself
+    _watchdog()
     prepare()
     sys.argv = ["llamafactory-cli", *argv]
     if argv[0] == "train":

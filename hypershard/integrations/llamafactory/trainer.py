@@ -215,6 +215,11 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
 
         output_dir = output_dir or self.args.output_dir
         if _internal_call:
+            if self.args.should_save:  # what a checkpoint-N folder holds besides the weights
+                os.makedirs(output_dir, exist_ok=True)
+                self.model.config.save_pretrained(output_dir)
+                if self.processing_class is not None:
+                    self.processing_class.save_pretrained(output_dir)
             if self.args.save_only_model:
                 checkpoint.save(os.path.join(output_dir, SHARDS_DIR), self.model, None, step=self.state.global_step)
             return
