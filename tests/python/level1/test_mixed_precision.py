@@ -14,8 +14,10 @@ The reference is the same model with hs.mixed_precision on one process. Every ca
 the module computes in bf16 (a Linear's weight inside its forward), that the parameters, their
 .grad and AdamW's exp_avg / exp_avg_sq are fp32, and compares losses, first-step gradients and
 final parameters within the bf16 tolerances argued below (`check_mixed`). Three planted faults
-must break those checks: a bf16 copy made once and never refreshed after the optimizer steps, a
-model trained in bf16 without fp32 masters, and gradients summed in bf16.
+must break those checks: a bf16 copy made once and never refreshed after the optimizer steps and a
+model trained in bf16 without fp32 masters; gradients summed in bf16 are caught by an exact sum
+(`gradient_sums_in_fp32`). Last, the SFT CLI trains a checkpoint saved in bf16 in this recipe by
+default.
 """
 
 from __future__ import annotations
@@ -308,3 +310,36 @@ def cases():
 
 def test_bf16_mixed_precision_trains_like_one_device():
     assert_all_passed(run_cases(cases(), backend="hypershard", timeout=900))
+
+
+def test_sft_trains_a_bf16_checkpoint_in_mixed_precision_by_default(tmp_path):
+    """python -m hypershard.sft on a checkpoint saved in bf16 (config.json dtype bfloat16): the default
+    (--mixed-precision auto) gives losses that differ from the fp32 run's (--mixed-precision none), so
+    the bf16 recipe ran, by no more than bf16 rounding (LOSS_ATOL); which choice auto makes for which
+    config is unit-tested in tests/python/unit/test_mixed_precision_policy.py."""
+    import math
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from hypershard.models import tiny_config, tiny_model
+    from hypershard.testing.sft_fixtures import write_fixtures
+
+    fixtures = write_fixtures(tmp_path / "data")
+    vocab = len(AutoTokenizer.from_pretrained(str(fixtures["tokenizer"])))
+    tiny_model(tiny_config("qwen3", vocab_size=8 * math.ceil(vocab / 8))).to(torch.bfloat16).save_pretrained(
+        tmp_path / "bf16")
+
+    def losses(*extra):
+        out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
+        done = subprocess.run([sys.executable, "-m", "hypershard.sft", "--model", str(tmp_path / "bf16"),
+                               "--tokenizer", str(fixtures["tokenizer"]), "--data", str(fixtures["alpaca"]),
+                               "--output", str(out), "--mesh", "dp=2", "--batch-size", "4", "--max-steps", "2",
+                               "--lr", "1e-3", "--save-steps", "0", "--strict", "--timeout", "300", *extra],
+                              capture_output=True, text=True, timeout=400)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return [r["loss"] for r in json.loads((out / "losses.json").read_text())["steps"]]
+
+    auto, fp32 = losses(), losses("--mixed-precision", "none")
+    assert auto != fp32 and max(abs(a - b) for a, b in zip(auto, fp32)) <= LOSS_ATOL, (auto, fp32)
