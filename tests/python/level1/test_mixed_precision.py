@@ -13,8 +13,8 @@ Tiny HuggingFace models (hypershard.models.TINY_CONFIGS), 3 AdamW steps with cli
 The reference is the same model with hs.mixed_precision on one process. Every case checks that
 the module computes in bf16 (a Linear's weight inside its forward), that the parameters, their
 .grad and AdamW's exp_avg / exp_avg_sq are fp32, and compares losses, first-step gradients and
-final parameters within the bf16 tolerances argued below (`check_mixed`). Three planted faults
-must break those checks: a bf16 copy made once and never refreshed after the optimizer steps and a
+final parameters within the bf16 tolerances argued below (`check_mixed`). Two planted faults must
+break those checks: a bf16 copy made once and never refreshed after the optimizer steps, and a
 model trained in bf16 without fp32 masters; gradients summed in bf16 are caught by an exact sum
 (`gradient_sums_in_fp32`). Last, the SFT CLI trains a checkpoint saved in bf16 in this recipe by
 default.
