@@ -35,8 +35,10 @@ class HyperParallelArguments:
     - ``tp_size``: tensor parallelism with the model's HF ``base_model_tp_plan`` (or ``tp_plan``);
     - ``ep_size``: expert parallelism with the model's ``base_model_ep_plan`` (or ``ep_plan``);
     - ``fully_shard``: hs.fully_shard on every decoder layer and the root (parameters, gradients and
-      optimizer states 1/dp per rank), with ``reshard_after_forward`` and the mixed-precision
-      policy ``param_dtype`` / ``reduce_dtype`` (names of torch dtypes, e.g. "bfloat16");
+      optimizer states 1/dp per rank), with ``reshard_after_forward``;
+    - ``param_dtype`` / ``reduce_dtype``: hs.mixed_precision's policy on any mesh (names of torch
+      dtypes, e.g. "bfloat16"): compute in param_dtype from the model's own (master) weights,
+      gradients summed in reduce_dtype;
     - ``strict``: run every op through a distributed rule (hs.strict), no gather fallback.
     """
 
@@ -113,9 +115,6 @@ class HyperParallelArguments:
             value = getattr(self, key)
             if value is not None and value not in _DTYPES:
                 self._fail(f"{key}={value!r}; allowed: null or one of {sorted(_DTYPES)}")
-        if (self.param_dtype or self.reduce_dtype) and not self.fully_shard:
-            self._fail("param_dtype / reduce_dtype are fully_shard's mixed-precision policy; allowed: them with "
-                       "\"fully_shard\": true (for bf16 without it, set bf16: true in the training YAML)")
         for key in ("tp_plan", "ep_plan"):
             value = getattr(self, key)
             if not (value == "auto" or (isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str)

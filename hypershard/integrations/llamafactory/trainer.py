@@ -160,8 +160,6 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
     # --------------------------------------------------------------------------- distribution
 
     def _distribute(self, model) -> None:
-        from hypershard.fully_shard import MixedPrecisionPolicy
-        from hypershard.loading import fully_shard_layers
         from hypershard.parallel import parallelize
 
         hp = self.hp_args
@@ -172,20 +170,20 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
         except ValueError as error:
             hp._fail(str(error))
         if hp.fully_shard:
-            policy = None
-            if hp.param_dtype or hp.reduce_dtype:
-                policy = MixedPrecisionPolicy(param_dtype=hp.dtype("param_dtype"), reduce_dtype=hp.dtype("reduce_dtype"))
-            layers = fully_shard_layers  # decoder blocks, then the root
-            if not hp.reshard_after_forward:
-                from hypershard.fully_shard import fully_shard
+            from hypershard.fully_shard import fully_shard
 
-                def layers(model, mesh, mp_policy=None):
-                    blocks = next((m for n, m in model.named_modules() if n.endswith("layers")
-                                   and isinstance(m, torch.nn.ModuleList)), [])
-                    for block in blocks:
-                        fully_shard(block, mesh, reshard_after_forward=False, mp_policy=mp_policy)
-                    return fully_shard(model, mesh, reshard_after_forward=False, mp_policy=mp_policy)
-            layers(model, self.mesh, mp_policy=policy)
+            blocks = next((m for n, m in model.named_modules() if n.endswith("layers")
+                           and isinstance(m, torch.nn.ModuleList)), [])
+            for block in blocks:  # one group per decoder layer, then the root (as fully_shard_layers)
+                fully_shard(block, self.mesh, reshard_after_forward=hp.reshard_after_forward)
+            fully_shard(model, self.mesh, reshard_after_forward=hp.reshard_after_forward)
+        if hp.param_dtype or hp.reduce_dtype:
+            from hypershard.fully_shard import MixedPrecisionPolicy
+            from hypershard.mixed_precision import mixed_precision
+
+            # fully_shard's groups (no policy of their own) take this one too
+            mixed_precision(model, MixedPrecisionPolicy(param_dtype=hp.dtype("param_dtype"),
+                                                        reduce_dtype=hp.dtype("reduce_dtype")))
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
