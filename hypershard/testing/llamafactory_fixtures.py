@@ -12,7 +12,7 @@ from typing import Optional
 
 from .sft_fixtures import alpaca_records, sharegpt_records
 
-__all__ = ["write_tokenizer", "write_model", "write_dataset_dir", "write_run", "read_losses"]
+__all__ = ["write_tokenizer", "write_model", "write_dataset_dir", "write_run", "read_losses", "read_eval_losses"]
 
 # Qwen's: <|im_end|> ends a turn (LlamaFactory's qwen3 template makes it the eos), <|endoftext|> pads.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
@@ -97,6 +97,12 @@ def write_run(directory, model_dir, dataset_dir, output_dir, *, hp: Optional[dic
     path = directory / "train.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+def read_eval_losses(output_dir) -> dict:
+    """{step: eval_loss} of a finished run (trainer_state.json's log_history)."""
+    history = json.loads((Path(output_dir) / "trainer_state.json").read_text())["log_history"]
+    return {entry["step"]: entry["eval_loss"] for entry in history if "eval_loss" in entry}
 
 
 def read_losses(output_dir) -> dict:

@@ -185,6 +185,15 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
             mixed_precision(model, MixedPrecisionPolicy(param_dtype=hp.dtype("param_dtype"),
                                                         reduce_dtype=hp.dtype("reduce_dtype")))
 
+    def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False,
+                        dataloader_key=None):
+        # Evaluation / prediction read per_device_eval_batch_size x dp sequences per batch on every
+        # rank, as training does (its batch size is already _train_batch_size).
+        if not is_training:
+            batch_size = batch_size * self.dp_size
+        return super()._get_dataloader(dataset, description, batch_size, sampler_fn=sampler_fn,
+                                       is_training=is_training, dataloader_key=dataloader_key)
+
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         self.accelerator.__class__ = _HypershardAccelerator

@@ -26,12 +26,15 @@ import pytest
 
 pytest.importorskip("llamafactory")
 
-from hypershard.testing.llamafactory_fixtures import (read_losses, write_dataset_dir, write_model,  # noqa: E402
-                                                       write_run)
+from hypershard.testing.llamafactory_fixtures import (read_eval_losses, read_losses,  # noqa: E402
+                                                       write_dataset_dir, write_model, write_run)
 from hypershard.testing.training import LOSS_RTOL  # noqa: E402
 
 TIMEOUT = 300  # seconds per launch; each rank's watchdog fires first and names itself
 STEPS = 4
+# The Qwen3 runs: a quarter of the data held out and evaluated every 2 steps (eval batch: 4 global
+# sequences, like training's micro-batch), a checkpoint every 2 steps.
+QWEN3 = dict(val_size=0.25, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2)
 
 
 def launch(yaml_path, nproc: int, env=None) -> subprocess.CompletedProcess:
@@ -77,15 +80,17 @@ def run(work, name, model, nproc=1, hp=None, env=None, output=None, **overrides)
 @pytest.fixture(scope="module")
 def qwen3_reference(work):
     """LlamaFactory alone, one process, 4 sequences per micro-batch (= 2 per rank x dp 2 = 1 x dp 4)."""
-    result, out = run(work, "qwen3_ref", "qwen3", per_device_train_batch_size=4)
+    result, out = run(work, "qwen3_ref", "qwen3", per_device_train_batch_size=4, per_device_eval_batch_size=4,
+                      **QWEN3)
     ok(result, "LlamaFactory's single-process run")
-    return read_losses(out)
+    return out
 
 
 @pytest.fixture(scope="module")
 def qwen3_dp2_tp2(work):
     """Uninterrupted dp2 x tp2 run, a checkpoint every 2 steps."""
-    result, out = run(work, "qwen3_dp2_tp2", "qwen3", nproc=4, hp={"tp_size": 2}, save_strategy="steps", save_steps=2)
+    result, out = run(work, "qwen3_dp2_tp2", "qwen3", nproc=4, hp={"tp_size": 2}, per_device_eval_batch_size=2,
+                      **QWEN3)
     ok(result, "dp2 x tp2 run")
     return out
 
@@ -93,7 +98,10 @@ def qwen3_dp2_tp2(work):
 def test_qwen3_dp2_tp2_equals_llamafactory_and_exports_hf(work, qwen3_reference, qwen3_dp2_tp2):
     losses = read_losses(qwen3_dp2_tp2)
     assert sorted(losses) == list(range(1, STEPS + 1))
-    assert_close(losses, qwen3_reference, range(1, STEPS + 1), "dp2 x tp2 vs LlamaFactory single process")
+    assert_close(losses, read_losses(qwen3_reference), range(1, STEPS + 1), "dp2 x tp2 vs LlamaFactory single process")
+    evals = read_eval_losses(qwen3_dp2_tp2)
+    assert sorted(evals) == [2, 4]
+    assert_close(evals, read_eval_losses(qwen3_reference), [2, 4], "dp2 x tp2 eval_loss vs LlamaFactory")
     # save_steps checkpoints are shard-wise (DCP), next to HF's own state files
     ckpt = qwen3_dp2_tp2 / "checkpoint-2"
     assert (ckpt / "hypershard" / "step_00000002" / "COMPLETE").is_file()
@@ -120,17 +128,17 @@ def test_qwen3_killed_fully_shard_dp4_resumes_on_same_and_other_mesh(work, qwen3
     # 1. fully_shard on dp4 (1 sequence per rank), rank 1 killed as step 3 begins (after checkpoint-2)
     killed = work["root"] / "out_killed"
     result, _ = run(work, "fs_dp4", "qwen3", nproc=4, hp={"fully_shard": True, "reshard_after_forward": True},
-                    per_device_train_batch_size=1, save_strategy="steps", save_steps=2, output=killed,
+                    per_device_train_batch_size=1, per_device_eval_batch_size=1, output=killed, **QWEN3,
                     env={"HYPERSHARD_LLAMAFACTORY_CRASH_AT_STEP": "3"})
     assert result.returncode != 0, "the killed run must fail"
     assert "local_rank: 1" in result.stderr or "rank1" in result.stderr, result.stderr[-3000:]
     assert not (killed / "checkpoint-4").exists()
     before = read_losses(killed)  # the checkpoint's log history
     assert sorted(before) == [1, 2]
-    assert_close(before, qwen3_reference, [1, 2], "fully_shard dp4 vs LlamaFactory single process")
+    assert_close(before, read_losses(qwen3_reference), [1, 2], "fully_shard dp4 vs LlamaFactory single process")
     # 2. the killed fully_shard dp4 run resumed onto dp2 x tp2 (LlamaFactory picks checkpoint-2 itself)
-    result, _ = run(work, "resume_other_mesh", "qwen3", nproc=4, hp={"tp_size": 2}, save_strategy="steps",
-                    save_steps=2, output=killed)
+    result, _ = run(work, "resume_other_mesh", "qwen3", nproc=4, hp={"tp_size": 2}, per_device_eval_batch_size=2,
+                    output=killed, **QWEN3)
     ok(result, "resume of the fully_shard dp4 checkpoint on dp2 x tp2")
     assert "Resuming training from" in result.stdout + result.stderr
     resumed = read_losses(killed)
@@ -140,10 +148,11 @@ def test_qwen3_killed_fully_shard_dp4_resumes_on_same_and_other_mesh(work, qwen3
     same = work["root"] / "out_same_mesh"
     same.mkdir()
     shutil.copytree(qwen3_dp2_tp2 / "checkpoint-2", same / "checkpoint-2")
-    result, _ = run(work, "resume_same_mesh", "qwen3", nproc=4, hp={"tp_size": 2}, save_strategy="steps",
-                    save_steps=2, output=same)
+    result, _ = run(work, "resume_same_mesh", "qwen3", nproc=4, hp={"tp_size": 2}, per_device_eval_batch_size=2,
+                    output=same, **QWEN3)
     ok(result, "resume on the same mesh")
     assert read_losses(same) == uninterrupted  # bit for bit
+    assert read_eval_losses(same)[4] == read_eval_losses(qwen3_dp2_tp2)[4]
     from safetensors.torch import load_file
 
     a, b = load_file(str(same / "model.safetensors")), load_file(str(qwen3_dp2_tp2 / "model.safetensors"))
