@@ -36,8 +36,9 @@
 #include <optional>
 #include <utility>
 
-#include "ops/factors.h"
 #include "ops/families.h"
+#include "ops/partial.h"
+#include "ops/sharding_search.h"
 
 namespace hypershard::ops {
 namespace {
@@ -81,9 +82,8 @@ Attention bind(const OpCall& call) {
   for (int64_t t : checked) {
     const Layout& l = call.layout(t);
     if (auto op = l.partial_op(); op && is_sum_like(*op))
-      fail_argument(call, t, std::string("Partial(") + layout::reduce_op_name(*op) +
-                                 ") input is not supported by attention (it is not linear in it)",
-                    "Replicate or Shard on batch/heads (redistribute the Partial input first)");
+      fail_argument(call, t, partial_name(*op) + " input is not supported by attention (it is not linear in it)",
+                    redistribute_partial_first({}, "Replicate or Shard on batch/heads"));
     const std::string labels = t == a.mask ? a.mask_labels : "bhLE";
     for (int64_t d = 0; d < l.ndim(); ++d)
       if (!l.dim_axes()[d].empty() && (labels[d] == 'L' || labels[d] == 'E' || labels[d] == kWhole))

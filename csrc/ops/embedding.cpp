@@ -40,8 +40,8 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
-#include "ops/factors.h"
 #include "ops/families.h"
+#include "ops/sharding_search.h"
 #include "runtime/dtensor_impl.h"
 
 namespace hypershard::ops {
