@@ -188,7 +188,7 @@ OpPlan softmax_backward_rule(const OpCall& call) {
     std::vector<int64_t> axes;  // the axes sharding the softmax dim
     SearchScore score;
   };
-  const Layout* sources[] = {&gl, &ol};  // on a tie in cost, grad's sharding
+  const Layout* sources[] = {&gl, &ol};
   auto best = search_candidates(
       2,
       [&](size_t i) -> std::optional<Scored> {
@@ -207,8 +207,7 @@ OpPlan softmax_backward_rule(const OpCall& call) {
         s.plan.outputs.push_back(grad_in);
         if (ol.ndim() > 0) s.axes = dims[dim];
         return s;
-      },
-      Ties::kEarlier);
+      });
   if (!best->axes.empty())
     best->plan.expand = [axes = best->axes](const OpCall& c, Stack& s) { softmax_backward_expand<kLog>(axes, c, s); };
   return std::move(best->plan);
@@ -378,7 +377,7 @@ OpPlan nll_rule(const OpCall& call) {
     Nll nll;
     SearchScore score;
   };
-  // Candidates: self as it is, then self's rows chunked like target (a tie keeps self's).
+  // Candidates: self as it is, then self's rows chunked like target.
   auto best = search_candidates(
       2,
       [&](size_t from_target) -> std::optional<Scored> {
@@ -421,8 +420,7 @@ OpPlan nll_rule(const OpCall& call) {
         for (size_t t = 0; t < call.tensors.size(); ++t) s.score.add_input(call.tensors[t].layout, plan.inputs[t]);
         s.nll = Nll{plan.inputs[a.self], class_dim, reduction, l.class_axes, l.row_axes};
         return s;
-      },
-      Ties::kEarlier);
+      });
   if (!best)
     fail_argument(call, a.grad, partial_name(call.layout(a.grad)) + " on a mesh axis that shards self (every shard "
                   "needs the whole gradient)", "Partial only on mesh axes that shard no dim of self");

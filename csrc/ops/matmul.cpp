@@ -139,12 +139,7 @@ FactorSpec bind(const OpCall& call, const EinsumSpec& spec, const LabelSizes& re
 }
 
 OpPlan einsum_plan(const OpCall& call, const EinsumSpec& spec, const LabelSizes& result_only = {}) {
-  const FactorSpec f = bind(call, spec, result_only);
-  const FactorPlan best = plan_factors(call, f);
-  OpPlan plan;
-  plan.inputs = inputs_in_call_order(call, f, best);
-  plan.outputs = best.outputs;
-  return plan;
+  return plan_from_factors(call, bind(call, spec, result_only));
 }
 
 template <const EinsumSpec& Spec>

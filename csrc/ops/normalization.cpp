@@ -55,10 +55,10 @@
 // without running stats, an empty input when training) are decided from the layouts, on every
 // rank before any collective.
 //
-// Sharding (factors.h): the leading dims (layer norm), the batch dim (group norm) and every dim
-// but `dim` (softmax) keep their sharding; the normalized dims, channels and spatial dims (group
-// norm) and the softmax dim must be whole (an input sharded there is gathered first). weight and
-// bias are whole. The weight and bias gradients sum over the leading dims: Partial(sum) on the
+// Sharding (sharding_search.h): the leading dims (layer norm), the batch dim (group norm) and every
+// dim but `dim` (softmax) keep their sharding; the normalized dims, channels and spatial dims
+// (group norm) and the softmax dim must be whole (an input sharded there is gathered first). weight
+// and bias are whole. The weight and bias gradients sum over the leading dims: Partial(sum) on the
 // axes that shard them.
 //
 // Partial algebra: the forward ops are not linear in their input: a sum/avg-Partial input (or
@@ -98,15 +98,6 @@ std::string leading_labels(int64_t n) {
   std::string labels;
   for (int64_t d = 0; d < n; ++d) labels += static_cast<char>('a' + d);
   return labels;
-}
-
-
-OpPlan from_factors(const OpCall& call, const FactorSpec& spec) {
-  const auto f = plan_factors(call, spec);
-  OpPlan plan;
-  plan.inputs = inputs_in_call_order(call, spec, f);
-  plan.outputs = f.outputs;
-  return plan;
 }
 
 // ------------------------------------------------------------------ layer norm
@@ -155,7 +146,7 @@ OpPlan native_layer_norm_rule(const OpCall& call) {
   spec.outputs = {d.input, d.stats, d.stats};
   spec.out_shapes = {call.layout(input).global_shape(), d.stats_shape, d.stats_shape};
   spec.whole = std::string{kNormalized};
-  return from_factors(call, spec);
+  return plan_from_factors(call, spec);
 }
 
 OpPlan native_layer_norm_backward_rule(const OpCall& call) {
@@ -171,7 +162,7 @@ OpPlan native_layer_norm_backward_rule(const OpCall& call) {
   spec.outputs = {d.input, d.params, d.params};
   spec.out_shapes = {call.layout(input).global_shape(), d.normalized, d.normalized};
   spec.whole = std::string{kNormalized};
-  return from_factors(call, spec);
+  return plan_from_factors(call, spec);
 }
 
 // ------------------------------------------------------------------ rms norm (fused)
@@ -205,7 +196,7 @@ OpPlan rms_norm_rule(const OpCall& call) {
   spec.outputs = {d.input, d.stats};
   spec.out_shapes = {call.layout(input).global_shape(), d.stats_shape};
   spec.whole = std::string{kNormalized};
-  return from_factors(call, spec);
+  return plan_from_factors(call, spec);
 }
 
 OpPlan rms_norm_backward_rule(const OpCall& call) {
@@ -223,7 +214,7 @@ OpPlan rms_norm_backward_rule(const OpCall& call) {
   spec.outputs = {d.input, d.params};
   spec.out_shapes = {call.layout(input).global_shape(), d.normalized};
   spec.whole = std::string{kNormalized};
-  return from_factors(call, spec);
+  return plan_from_factors(call, spec);
 }
 
 // ------------------------------------------------------------------ group norm (batch only)
@@ -254,7 +245,7 @@ OpPlan native_group_norm_rule(const OpCall& call) {
   spec.outputs = {spec.operands[0].labels, "ag", "ag"};
   spec.out_shapes = {in.global_shape(), {in.global_shape()[0], groups}, {in.global_shape()[0], groups}};
   spec.whole = "Cg";
-  auto plan = from_factors(call, spec);
+  auto plan = plan_from_factors(call, spec);
   plan.localize = localize_batch(plan.inputs[input]);
   return plan;
 }
@@ -273,7 +264,7 @@ OpPlan native_group_norm_backward_rule(const OpCall& call) {
   spec.outputs = {labels, "C", "C"};
   spec.out_shapes = {in.global_shape(), {channels}, {channels}};
   spec.whole = "Cg";
-  auto plan = from_factors(call, spec);
+  auto plan = plan_from_factors(call, spec);
   plan.localize = localize_batch(plan.inputs[input]);
   return plan;
 }
@@ -643,7 +634,7 @@ OpPlan safe_softmax_rule(const OpCall& call) {
   spec.outputs = {labels};
   spec.out_shapes = {call.layout(0).global_shape()};
   spec.whole = std::string{kSoftmaxDim};
-  return from_factors(call, spec);
+  return plan_from_factors(call, spec);
 }
 
 }  // namespace

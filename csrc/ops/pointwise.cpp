@@ -3,7 +3,8 @@
 //
 // Sharding: every output dim takes the mesh axes of the inputs that are not broadcast along it;
 // a broadcast input dim is never sharded. When the inputs disagree, each input's sharding is a
-// candidate for the output and the cheapest one (fewest elements moved) wins; in-place ops keep
+// candidate for the output and the cheapest one (fewest elements moved; ties: fewer inputs
+// redistributed, then fewer Partial output axes, sharding_search.h) wins; in-place ops keep
 // self's layout and redistribute the other operands to it.
 //
 // Partial algebra (why each row holds):
@@ -219,7 +220,7 @@ ElementwiseLayouts elementwise_layouts(const OpCall& call, Algebra algebra, int6
   }
   if (candidates.empty()) fail_call(call, "internal error: no operand to take the output layout from");
 
-  // The candidates in operand order: on a tie in cost the earlier operand's sharding wins.
+  // Each operand's sharding as the output's, scored by the one search (sharding_search.h).
   const Layout& any = call.layout(candidates[0].source);
   auto best = search_candidates(
       candidates.size(),
@@ -253,8 +254,7 @@ ElementwiseLayouts elementwise_layouts(const OpCall& call, Algebra algebra, int6
         plan->score.partial_axes = static_cast<int64_t>(c.partial ? c.partial_axes.size() : 0);
         plan->layouts.output = make_layout(any, out_shape, c.dims, std::move(out_partial));
         return plan;
-      },
-      Ties::kEarlier);
+      });
   return std::move(best->layouts);
 }
 

@@ -9,9 +9,8 @@ void SearchScore::add_input(const LayoutPtr& current, const LayoutPtr& required)
   changed += required != current;
 }
 
-bool better(const SearchScore& a, const SearchScore& b, Ties ties) {
+bool better(const SearchScore& a, const SearchScore& b) {
   if (a.cost != b.cost) return a.cost < b.cost;
-  if (ties == Ties::kEarlier) return false;
   if (a.changed != b.changed) return a.changed < b.changed;
   return a.partial_axes < b.partial_axes;
 }
@@ -140,22 +139,24 @@ FactorPlan plan_factors(const OpCall& call, const FactorSpec& spec) {
     sizes[a] = options[a].size();
   }
   std::vector<Role> roles(mesh_ndim);
-  auto best = search_combinations(
-      sizes,
-      [&](const std::vector<size_t>& pick) {
-        for (int64_t a = 0; a < mesh_ndim; ++a) roles[a] = options[a][pick[a]];
-        return evaluate(call, spec, roles);
-      },
-      Ties::kFewerChanges);
+  auto best = search_combinations(sizes, [&](const std::vector<size_t>& pick) {
+    for (int64_t a = 0; a < mesh_ndim; ++a) roles[a] = options[a][pick[a]];
+    return evaluate(call, spec, roles);
+  });
   if (!best) fail_call(call, "internal error: no layout for the factors");  // all-Replicate always fits
   return std::move(*best);
 }
 
-std::vector<LayoutPtr> inputs_in_call_order(const OpCall& call, const FactorSpec& spec, const FactorPlan& plan) {
-  std::vector<LayoutPtr> inputs;
-  for (const auto& t : call.tensors) inputs.push_back(t.layout);
-  for (size_t i = 0; i < spec.operands.size(); ++i) inputs[spec.operands[i].tensor] = plan.inputs[i];
-  return inputs;
+OpPlan to_op_plan(const OpCall& call, const FactorSpec& spec, const FactorPlan& plan) {
+  OpPlan out;
+  for (const auto& t : call.tensors) out.inputs.push_back(t.layout);
+  for (size_t i = 0; i < spec.operands.size(); ++i) out.inputs[spec.operands[i].tensor] = plan.inputs[i];
+  out.outputs = plan.outputs;
+  return out;
+}
+
+OpPlan plan_from_factors(const OpCall& call, const FactorSpec& spec) {
+  return to_op_plan(call, spec, plan_factors(call, spec));
 }
 
 }  // namespace hypershard::ops

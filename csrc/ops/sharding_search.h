@@ -7,12 +7,13 @@
 // target's). The caller's evaluate turns a combination into a scored plan, or nullopt where the
 // options cannot coexist. Every slot's first option is what the inputs suggest, so the first
 // combination is taken at once when it redistributes nothing; otherwise every combination is
-// scored and the best wins by `better`:
-//   cost     elements moved by the input redistributions (cached_plan), fewer first;
-//   ties     kFewerChanges: fewer inputs redistributed, then fewer Partial result axes (a
-//            Partial result is a reduction someone pays later), then the earlier combination.
-//            kEarlier: the earlier combination, for callers whose candidate order is their
-//            preference (pointwise: the first operand's sharding; loss: grad's, self's).
+// scored and the best wins by `better`, the one tie-break of every rule:
+//   1. fewer elements moved by the input redistributions (cached_plan);
+//   2. fewer inputs redistributed;
+//   3. fewer Partial result axes (a Partial result is a reduction someone pays later);
+//   4. the earlier combination (the inputs' own suggestions come first).
+// So a plan does not depend on the order of equally cheap candidates: add(Partial, Shard) and
+// add(Shard, Partial) both give the Shard result.
 //
 // plan_factors states a rule as dimension factors (Shardy style): every tensor dim gets a
 // one-char label; operands that carry the same label are sharded alike (same mesh axes, same
@@ -54,10 +55,8 @@ struct SearchScore {
   void add_input(const LayoutPtr& current, const LayoutPtr& required);
 };
 
-enum class Ties : int8_t { kFewerChanges, kEarlier };
-
 // Is `a` strictly better than `b` (the header comment's rule)? Equal scores keep the earlier.
-bool better(const SearchScore& a, const SearchScore& b, Ties ties);
+bool better(const SearchScore& a, const SearchScore& b);
 
 // ------------------------------------------------------------------ the search loop
 
@@ -65,7 +64,7 @@ bool better(const SearchScore& a, const SearchScore& b, Ties ties);
 // empty), as the header comment says. evaluate(pick), pick[s] the option of slot s, returns a
 // std::optional of a plan with a `SearchScore score`; the best plan, nullopt when none fits.
 template <class Evaluate>
-auto search_combinations(const std::vector<size_t>& sizes, Evaluate&& evaluate, Ties ties) {
+auto search_combinations(const std::vector<size_t>& sizes, Evaluate&& evaluate) {
   std::vector<size_t> pick(sizes.size(), 0);
   auto best = evaluate(pick);
   if (best && best->score.changed == 0) return best;
@@ -78,14 +77,14 @@ auto search_combinations(const std::vector<size_t>& sizes, Evaluate&& evaluate, 
     return false;
   };
   while (advance())
-    if (auto c = evaluate(pick); c && (!best || better(c->score, best->score, ties))) best = std::move(c);
+    if (auto c = evaluate(pick); c && (!best || better(c->score, best->score))) best = std::move(c);
   return best;
 }
 
 // The same over one list of `n` > 0 whole candidates: evaluate(i) for the i-th.
 template <class Evaluate>
-auto search_candidates(size_t n, Evaluate&& evaluate, Ties ties) {
-  return search_combinations({n}, [&](const std::vector<size_t>& pick) { return evaluate(pick[0]); }, ties);
+auto search_candidates(size_t n, Evaluate&& evaluate) {
+  return search_combinations({n}, [&](const std::vector<size_t>& pick) { return evaluate(pick[0]); });
 }
 
 // ------------------------------------------------------------------ rules as factors
@@ -117,10 +116,13 @@ struct FactorPlan {
   SearchScore score;
 };
 
-// The cheapest roles of the mesh axes for `spec` (ties: Ties::kFewerChanges).
+// The best roles of the mesh axes for `spec`.
 FactorPlan plan_factors(const OpCall& call, const FactorSpec& spec);
 
-// `plan`'s input layouts in OpCall order (tensors outside the spec keep their layout).
-std::vector<LayoutPtr> inputs_in_call_order(const OpCall& call, const FactorSpec& spec, const FactorPlan& plan);
+// `plan` as a rule's OpPlan: the input layouts in OpCall order (tensors outside the spec keep
+// theirs) and the results' layouts.
+OpPlan to_op_plan(const OpCall& call, const FactorSpec& spec, const FactorPlan& plan);
+// The whole rule of an op stated as factors: to_op_plan of plan_factors.
+OpPlan plan_from_factors(const OpCall& call, const FactorSpec& spec);
 
 }  // namespace hypershard::ops
