@@ -63,6 +63,7 @@
 
 #include "ops/families.h"
 #include "ops/masked.h"
+#include "ops/partial.h"
 
 namespace hypershard::ops {
 namespace {
@@ -188,7 +189,7 @@ OpPlan along_dims_rule(const OpCall& call) {
   layout::PartialOps partial = in.partial();
   const auto op = in.partial_op();
   if (!(kLinear && op && is_sum_like(*op)) &&
-      refuse_sum_partial(call, 0, "Replicate or Shard (redistribute the Partial input first)"))
+      refuse_sum_partial(call, 0, redistribute_partial_first()))
     partial.assign(partial.size(), std::nullopt);  // reduced first: exact
   layout::DimAxes kept = in.dim_axes();
   for (int64_t d : named) kept[d].clear();

@@ -49,6 +49,7 @@
 #include <limits>
 
 #include "ops/families.h"
+#include "ops/partial.h"
 #include "runtime/redistribute.h"
 #include "runtime/span_exchange.h"
 
@@ -60,12 +61,13 @@ using runtime::SpanPlan;
 
 enum class Scan : int8_t { kSum, kProd, kLogSumExp, kMax, kMin };
 
-// The input's layout with the Partial a non-linear op cannot take dropped (reduced first).
-layout::PartialOps kept_partial(const OpCall& call, bool linear, const char* allowed) {
+// The input's layout with the Partial a non-linear op cannot take dropped (reduced first); a
+// sum/avg Partial into a non-linear op is refused in forward code.
+layout::PartialOps kept_partial(const OpCall& call, bool linear) {
   const Layout& in = call.layout(0);
   const auto op = in.partial_op();
   if (linear && op && is_sum_like(*op)) return in.partial();
-  if (refuse_sum_partial(call, 0, allowed)) return layout::PartialOps(in.partial().size());
+  if (refuse_sum_partial(call, 0, redistribute_partial_first())) return layout::PartialOps(in.partial().size());
   return in.partial();
 }
 
@@ -156,7 +158,7 @@ OpPlan scan_rule(const OpCall& call) {
   const Layout& in = call.layout(0);
   const bool linear = S == Scan::kSum;
   const layout::PartialOps partial =
-      kept_partial(call, linear, "Replicate or Shard (redistribute the Partial input first)");
+      kept_partial(call, linear);
   const int64_t dim = in.ndim() == 0 ? 0 : wrap_dim(call, call.arg(1).toInt(), in.ndim());
   layout::DimAxes dims = in.dim_axes();
   // complex logcumsumexp: no complex logaddexp to fold with; the dim is made whole
@@ -202,7 +204,7 @@ SpanPlan move_plan(const Layout& l, const runtime::DeviceMesh& mesh, int64_t dim
 OpPlan move_rule(const OpCall& call) {
   const Layout& in = call.layout(0);
   const bool is_roll = call.schema().name() == "aten::roll";
-  const layout::PartialOps partial = kept_partial(call, true, "");
+  const layout::PartialOps partial = kept_partial(call, true);
   const int64_t dims_index = call.arg_index("dims");
   std::vector<int64_t> moved;
   for (int64_t d : call.arg(dims_index).toIntList()) moved.push_back(wrap_dim(call, d, std::max<int64_t>(in.ndim(), 1)));
@@ -275,7 +277,7 @@ bool has_ties(const at::Tensor& candidates, int64_t dim) {
 // torch breaks such ties its own way, and one device's indices are the reference.
 OpPlan topk_rule(const OpCall& call) {
   const Layout& in = call.layout(0);
-  const layout::PartialOps partial = kept_partial(call, false, "Replicate or Shard (redistribute the Partial input first)");
+  const layout::PartialOps partial = kept_partial(call, false);
   const int64_t dim = in.ndim() == 0 ? 0 : wrap_dim(call, call.arg(2).toInt(), in.ndim());
   const auto shapes = meta_output_shapes(call);  // validates k against the GLOBAL length
   layout::DimAxes out_dims = in.dim_axes();
@@ -522,7 +524,7 @@ std::pair<at::Tensor, at::Tensor> sharded_sort(const at::Tensor& local, int64_t 
 OpPlan sort_rule(const OpCall& call) {
   const Layout& in = call.layout(0);
   const std::string name = call.schema().name();
-  kept_partial(call, false, "Replicate or Shard (redistribute the Partial input first)");
+  kept_partial(call, false);
   const bool msort = name == "aten::msort";
   const int64_t dim = in.ndim() == 0 || msort ? 0 : wrap_dim(call, call.arg(call.arg_index("dim")).toInt(), in.ndim());
   layout::DimAxes dims = in.dim_axes();

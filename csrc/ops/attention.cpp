@@ -14,8 +14,8 @@
 // dropout; HF's "sdpa" attention uses enable_gqa without a mask and repeat_kv (unsqueeze,
 // expand, reshape: views family) with one.
 //
-// Sharding (factors.h), per mesh axis: the batch dim (b) or the heads dim (h) of query, key,
-// value, mask, output and logsumexp alike; everything whole otherwise. A mask dim of size 1
+// Sharding (sharding_search.h), per mesh axis: the batch dim (b) or the heads dim (h) of query,
+// key, value, mask, output and logsumexp alike; everything whole otherwise. A mask dim of size 1
 // broadcasts and stays whole. The sequence dims (L, S) and the head dims (E, F) must be whole:
 // an input sharded there is an error (attention over a sharded sequence needs ring or
 // all-to-all attention, which is not a local rule). With grouped heads (key/value with Hkv <
@@ -36,8 +36,9 @@
 #include <optional>
 #include <utility>
 
-#include "ops/factors.h"
 #include "ops/families.h"
+#include "ops/partial.h"
+#include "ops/sharding_search.h"
 
 namespace hypershard::ops {
 namespace {
@@ -81,9 +82,8 @@ Attention bind(const OpCall& call) {
   for (int64_t t : checked) {
     const Layout& l = call.layout(t);
     if (auto op = l.partial_op(); op && is_sum_like(*op))
-      fail_argument(call, t, std::string("Partial(") + layout::reduce_op_name(*op) +
-                                 ") input is not supported by attention (it is not linear in it)",
-                    "Replicate or Shard on batch/heads (redistribute the Partial input first)");
+      fail_argument(call, t, partial_name(*op) + " input is not supported by attention (it is not linear in it)",
+                    redistribute_partial_first({}, "Replicate or Shard on batch/heads"));
     const std::string labels = t == a.mask ? a.mask_labels : "bhLE";
     for (int64_t d = 0; d < l.ndim(); ++d)
       if (!l.dim_axes()[d].empty() && (labels[d] == 'L' || labels[d] == 'E' || labels[d] == kWhole))
@@ -161,9 +161,7 @@ LayoutPtr heads_whole(const LayoutPtr& l, layout::PartialOps partial = {}) {
 
 OpPlan finish(const OpCall& call, const Attention& a, const FactorSpec& spec, bool backward) {
   const auto f = plan_factors(call, spec);
-  OpPlan plan;
-  plan.inputs = inputs_in_call_order(call, spec, f);
-  plan.outputs = f.outputs;
+  OpPlan plan = to_op_plan(call, spec, f);
   const auto kv = replicated_kv(call, a, f, plan.inputs);
   if (!kv) {
     check_grouped_heads(call, a, f);

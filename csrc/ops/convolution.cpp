@@ -36,6 +36,7 @@
 #include <optional>
 
 #include "ops/families.h"
+#include "ops/partial.h"
 #include "runtime/span_exchange.h"
 
 namespace hypershard::ops {
@@ -163,7 +164,7 @@ HaloPlan plan_halo(const OpCall& call, const Layout& input, const Layout& output
 // convolution(input, weight, bias?, stride, padding, dilation, transposed, output_padding, groups)
 OpPlan convolution_rule(const OpCall& call) {
   const Layout& input = call.layout(0);
-  refuse_sum_partial(call, 0, "Replicate or Shard (a convolution adds its bias once; redistribute the Partial input first)");
+  refuse_sum_partial(call, 0, redistribute_partial_first("a convolution adds its bias once"));
   const ConvSplit split = conv_split(input, call.arg(6).toBool(), int_arg(call.arg(8)));
   const auto halo = split.halo;
   OpPlan plan;

@@ -5,7 +5,7 @@
 // (F.embedding reaches embedding; its autograd formula embedding_backward is composite and
 // reaches embedding_dense_backward for dense gradients.)
 //
-// Sharding, per mesh axis (factors.h):
+// Sharding, per mesh axis (sharding_search.h):
 //   indices dims    the output keeps the indices' sharding (batch / sequence parallel); in the
 //                   backward each rank sums its own tokens' rows: Partial(sum) weight gradient.
 //   hidden (H)      a lookup of a column block: the output's last dim is sharded the same way;
@@ -40,8 +40,8 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
-#include "ops/factors.h"
 #include "ops/families.h"
+#include "ops/sharding_search.h"
 #include "runtime/dtensor_impl.h"
 
 namespace hypershard::ops {
@@ -114,9 +114,7 @@ OpPlan embedding_rule(const OpCall& call) {
   shape.push_back(weight.global_shape()[1]);
   spec.out_shapes = {shape};
   const auto f = plan_factors(call, spec);
-  OpPlan plan;
-  plan.inputs = inputs_in_call_order(call, spec, f);
-  plan.outputs = f.outputs;
+  OpPlan plan = to_op_plan(call, spec, f);
   if (std::find(f.shard_label.begin(), f.shard_label.end(), kVocab) != f.shard_label.end()) {
     VocabShard v{f.inputs[0]};
     plan.expand = [v](const OpCall& c, Stack& s) { embedding_vocab_expand(v, c, s); };
@@ -149,11 +147,7 @@ FactorSpec embedding_backward_factors(const OpCall& call) {
 OpPlan embedding_dense_backward_rule(const OpCall& call) {
   FactorSpec spec = embedding_backward_factors(call);
   spec.whole += kVocab;
-  const auto f = plan_factors(call, spec);
-  OpPlan plan;
-  plan.inputs = inputs_in_call_order(call, spec, f);
-  plan.outputs = f.outputs;
-  return plan;
+  return plan_from_factors(call, spec);
 }
 
 // ------------------------------------------------------------------ vocab-parallel backward
@@ -184,9 +178,7 @@ OpPlan embedding_vocab_backward_rule(const OpCall& call) {
     spec.fixed.emplace_back(axis, kVocab);
   }
   const auto f = plan_factors(call, spec);
-  OpPlan plan;
-  plan.inputs = inputs_in_call_order(call, spec, f);
-  plan.outputs = f.outputs;
+  OpPlan plan = to_op_plan(call, spec, f);
   if (!spec.fixed.empty()) {
     const auto out = f.outputs[0];
     plan.expand = [out](const OpCall& c, Stack& s) { embedding_vocab_backward_expand(out, c, s); };

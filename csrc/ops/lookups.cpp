@@ -20,6 +20,7 @@
 // table passes through to the output on the mesh axes that do not shard the index (reduced first
 // on those that do). Integer indices are never Partial.
 #include "ops/families.h"
+#include "ops/partial.h"
 
 namespace hypershard::ops {
 namespace {
@@ -31,7 +32,7 @@ LayoutPtr query_output(const Layout& query, const std::vector<int64_t>& shape, l
 
 OpPlan searchsorted_rule(const OpCall& call) {
   const int64_t table = call.tensor_index(0), query = call.tensor_index(1);
-  refuse_sum_partial(call, query, "Replicate or Shard (a search is not linear; redistribute the Partial input first)");
+  refuse_sum_partial(call, query, redistribute_partial_first("a search is not linear"));
   const Layout& q = call.layout(query);
   const Layout& seq = call.layout(table);
   OpPlan plan;
@@ -52,7 +53,7 @@ OpPlan searchsorted_rule(const OpCall& call) {
 }
 
 OpPlan bucketize_rule(const OpCall& call) {
-  refuse_sum_partial(call, 0, "Replicate or Shard (a search is not linear; redistribute the Partial input first)");
+  refuse_sum_partial(call, 0, redistribute_partial_first("a search is not linear"));
   const Layout& q = call.layout(0);
   OpPlan plan;
   plan.inputs.push_back(make_layout(q, q.global_shape(), q.dim_axes()));
@@ -80,7 +81,7 @@ OpPlan take_rule(const OpCall& call) {
 
 // isin.Scalar_Tensor(element, test_elements): one bool from a whole table, Replicate.
 OpPlan isin_scalar_rule(const OpCall& call) {
-  refuse_sum_partial(call, 0, "Replicate or Shard (a membership test is not linear; redistribute the Partial input first)");
+  refuse_sum_partial(call, 0, redistribute_partial_first("a membership test is not linear"));
   const Layout& table = call.layout(0);
   OpPlan plan;
   plan.inputs.push_back(replicate_like(table, table.global_shape()));
@@ -99,7 +100,7 @@ OpPlan put_rule(const OpCall& call) {
   const Layout& index = call.layout(1);
   const Layout& source = call.layout(2);
   for (int64_t t = 0; t < 3; ++t)
-    refuse_sum_partial(call, t, "Replicate or Shard (redistribute the Partial input first)");
+    refuse_sum_partial(call, t, redistribute_partial_first());
   const bool summing = call.arg(3).toBool() && index.global_shape() == source.global_shape();
   layout::PartialOps summed(static_cast<size_t>(self.mesh()->ndim()));
   for (int64_t axis = 0; axis < self.mesh()->ndim() && summing; ++axis)

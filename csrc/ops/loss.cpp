@@ -63,7 +63,10 @@
 #include <algorithm>
 #include <cmath>
 
+#include "ops/expand_helpers.h"
 #include "ops/families.h"
+#include "ops/partial.h"
+#include "ops/sharding_search.h"
 #include "runtime/dtensor_impl.h"
 #include "runtime/redistribute.h"
 
@@ -76,22 +79,10 @@ constexpr int64_t kNone = 0, kMean = 1, kSum = 2;  // at::Reduction
 
 
 
-std::string partial_name(const Layout& l) { return std::string("Partial(") + layout::reduce_op_name(*l.partial_op()) + ")"; }
-
 bool uses_axis(const layout::DimAxes& dims, int64_t axis) {
   for (const auto& d : dims)
     if (std::find(d.begin(), d.end(), axis) != d.end()) return true;
   return false;
-}
-
-at::Tensor all_reduce_axes(at::Tensor t, const OpCall& call, const std::vector<int64_t>& axes, ReduceOp op) {
-  for (int64_t axis : axes) t = runtime::all_reduce_along(t, *call.mesh, axis, op);
-  return t;
-}
-
-void replace_args(const OpCall& call, Stack& stack, std::initializer_list<at::Tensor> outputs) {
-  torch::jit::drop(stack, call.num_args());
-  for (const auto& t : outputs) stack.emplace_back(t);
 }
 
 bool is_low_precision(const at::Tensor& t) { return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16; }
@@ -192,30 +183,34 @@ OpPlan softmax_backward_rule(const OpCall& call) {
     fail_argument(call, g, "shape " + layout::shape_string(gl.global_shape()) + " differs from output's " +
                   layout::shape_string(ol.global_shape()), "grad_output of the output's shape");
   const int64_t dim = wrap_dim(call, call.arg(2).toInt(), ol.ndim());
-  OpPlan best;
-  int64_t best_cost = -1;
-  std::vector<int64_t> best_axes;
-  for (const auto* source : {&gl, &ol}) {
-    layout::DimAxes dims = source->dim_axes();
-    bool conflict = false;
-    auto partial = kept_grad_partial(call, g, dims, &conflict);
-    if (conflict) continue;  // grad's own sharding never conflicts: the first candidate stays
-    auto grad_in = make_layout(gl, gl.global_shape(), dims, partial);
-    auto out_in = make_layout(ol, ol.global_shape(), dims);
-    const int64_t cost = layout::cached_plan(call.tensors[g].layout, grad_in).total_elements() +
-                         layout::cached_plan(call.tensors[o].layout, out_in).total_elements();
-    if (best_cost >= 0 && cost >= best_cost) continue;
-    best = OpPlan{};
-    best.inputs.resize(call.tensors.size());
-    best.inputs[g] = grad_in;
-    best.inputs[o] = out_in;
-    best.outputs.push_back(grad_in);
-    best_axes = ol.ndim() > 0 ? dims[dim] : std::vector<int64_t>{};
-    best_cost = cost;
-  }
-  if (!best_axes.empty())
-    best.expand = [axes = best_axes](const OpCall& c, Stack& s) { softmax_backward_expand<kLog>(axes, c, s); };
-  return best;
+  struct Scored {
+    OpPlan plan;
+    std::vector<int64_t> axes;  // the axes sharding the softmax dim
+    SearchScore score;
+  };
+  const Layout* sources[] = {&gl, &ol};
+  auto best = search_candidates(
+      2,
+      [&](size_t i) -> std::optional<Scored> {
+        layout::DimAxes dims = sources[i]->dim_axes();
+        bool conflict = false;
+        auto partial = kept_grad_partial(call, g, dims, &conflict);
+        if (conflict) return std::nullopt;  // grad's own sharding never conflicts: the first candidate stays
+        Scored s;
+        auto grad_in = make_layout(gl, gl.global_shape(), dims, partial);
+        auto out_in = make_layout(ol, ol.global_shape(), dims);
+        s.score.add_input(call.tensors[g].layout, grad_in);
+        s.score.add_input(call.tensors[o].layout, out_in);
+        s.plan.inputs.resize(call.tensors.size());
+        s.plan.inputs[g] = grad_in;
+        s.plan.inputs[o] = out_in;
+        s.plan.outputs.push_back(grad_in);
+        if (ol.ndim() > 0) s.axes = dims[dim];
+        return s;
+      });
+  if (!best->axes.empty())
+    best->plan.expand = [axes = best->axes](const OpCall& c, Stack& s) { softmax_backward_expand<kLog>(axes, c, s); };
+  return std::move(best->plan);
 }
 
 // ------------------------------------------------------------------ nll_loss, nll_loss2d
@@ -377,56 +372,59 @@ OpPlan nll_rule(const OpCall& call) {
   const int64_t mesh_ndim = self.mesh()->ndim();
   const auto& row_shape = target.global_shape();
 
-  OpPlan best;
-  int64_t best_cost = -1;
-  Nll best_nll;
-  for (bool from_target : {false, true}) {
-    const NllLayouts l = nll_layouts(nll_self_dims(self, target, class_dim, from_target), class_dim);
+  struct Scored {
     OpPlan plan;
-    plan.inputs.resize(call.tensors.size());
-    plan.inputs[a.self] = make_layout(self, self.global_shape(), l.self_dims);
-    plan.inputs[a.target] = make_layout(target, row_shape, l.row_dims);
-    if (a.weight >= 0) {
-      const Layout& w = call.layout(a.weight);
-      plan.inputs[a.weight] = make_layout(w, w.global_shape(), {l.class_axes});
-    }
-    layout::PartialOps all_sum(mesh_ndim);  // sum: Partial over every sharding axis
-    for (int64_t axis : l.class_axes) all_sum[axis] = ReduceOp::Sum;
-    for (int64_t axis : l.row_axes) all_sum[axis] = ReduceOp::Sum;
-    if (!kBackward) {
-      plan.outputs.push_back(reduction == kNone ? make_layout(self, row_shape, l.row_dims)
-                             : reduction == kSum ? make_layout(self, {}, {}, all_sum)
-                                                 : replicate_like(self, {}));
-      plan.outputs.push_back(reduction == kSum ? make_layout(self, {}, {}, all_sum) : replicate_like(self, {}));
-    } else {
-      const Layout& g = call.layout(a.grad);
-      bool conflict = false;
-      const auto kept = kept_grad_partial(call, a.grad, l.self_dims, &conflict);
-      if (conflict) continue;
-      const bool none = reduction == kNone;
-      if (!none && g.ndim() != 0) fail_argument(call, a.grad, "is not a scalar", "a 0-d grad_output");
-      if (none && g.global_shape() != row_shape)
-        fail_argument(call, a.grad, "shape differs from target's", "grad_output of shape " + layout::shape_string(row_shape));
-      plan.inputs[a.grad] = make_layout(g, g.global_shape(), none ? l.row_dims : layout::DimAxes{}, kept);
-      // total_weight: read only by mean, which needs the GLOBAL total (Replicate).
-      const auto& tw = call.tensors[a.total_weight].layout;
-      if (reduction == kMean && tw->has_partial() && is_sum_like(*tw->partial_op()))
-        fail_argument(call, a.total_weight, partial_name(*tw) + " total weight with reduction mean",
-                      "the Replicate total weight nll_loss_forward returns");
-      plan.inputs[a.total_weight] = reduction == kMean ? replicate_like(*tw, tw->global_shape()) : tw;
-      plan.outputs.push_back(make_layout(self, self.global_shape(), l.self_dims, kept));
-    }
-    int64_t cost = 0;
-    for (size_t t = 0; t < call.tensors.size(); ++t)
-      cost += layout::cached_plan(call.tensors[t].layout, plan.inputs[t]).total_elements();
-    if (best_cost >= 0 && cost >= best_cost) continue;
-    best = std::move(plan);
-    best_cost = cost;
-    best_nll = Nll{best.inputs[a.self], class_dim, reduction, l.class_axes, l.row_axes};
-  }
-  if (best_cost < 0)
+    Nll nll;
+    SearchScore score;
+  };
+  // Candidates: self as it is, then self's rows chunked like target.
+  auto best = search_candidates(
+      2,
+      [&](size_t from_target) -> std::optional<Scored> {
+        const NllLayouts l = nll_layouts(nll_self_dims(self, target, class_dim, from_target != 0), class_dim);
+        Scored s;
+        OpPlan& plan = s.plan;
+        plan.inputs.resize(call.tensors.size());
+        plan.inputs[a.self] = make_layout(self, self.global_shape(), l.self_dims);
+        plan.inputs[a.target] = make_layout(target, row_shape, l.row_dims);
+        if (a.weight >= 0) {
+          const Layout& w = call.layout(a.weight);
+          plan.inputs[a.weight] = make_layout(w, w.global_shape(), {l.class_axes});
+        }
+        layout::PartialOps all_sum(mesh_ndim);  // sum: Partial over every sharding axis
+        for (int64_t axis : l.class_axes) all_sum[axis] = ReduceOp::Sum;
+        for (int64_t axis : l.row_axes) all_sum[axis] = ReduceOp::Sum;
+        if (!kBackward) {
+          plan.outputs.push_back(reduction == kNone ? make_layout(self, row_shape, l.row_dims)
+                                 : reduction == kSum ? make_layout(self, {}, {}, all_sum)
+                                                     : replicate_like(self, {}));
+          plan.outputs.push_back(reduction == kSum ? make_layout(self, {}, {}, all_sum) : replicate_like(self, {}));
+        } else {
+          const Layout& g = call.layout(a.grad);
+          bool conflict = false;
+          const auto kept = kept_grad_partial(call, a.grad, l.self_dims, &conflict);
+          if (conflict) return std::nullopt;
+          const bool none = reduction == kNone;
+          if (!none && g.ndim() != 0) fail_argument(call, a.grad, "is not a scalar", "a 0-d grad_output");
+          if (none && g.global_shape() != row_shape)
+            fail_argument(call, a.grad, "shape differs from target's", "grad_output of shape " + layout::shape_string(row_shape));
+          plan.inputs[a.grad] = make_layout(g, g.global_shape(), none ? l.row_dims : layout::DimAxes{}, kept);
+          // total_weight: read only by mean, which needs the GLOBAL total (Replicate).
+          const auto& tw = call.tensors[a.total_weight].layout;
+          if (reduction == kMean && tw->has_partial() && is_sum_like(*tw->partial_op()))
+            fail_argument(call, a.total_weight, partial_name(*tw) + " total weight with reduction mean",
+                          "the Replicate total weight nll_loss_forward returns");
+          plan.inputs[a.total_weight] = reduction == kMean ? replicate_like(*tw, tw->global_shape()) : tw;
+          plan.outputs.push_back(make_layout(self, self.global_shape(), l.self_dims, kept));
+        }
+        for (size_t t = 0; t < call.tensors.size(); ++t) s.score.add_input(call.tensors[t].layout, plan.inputs[t]);
+        s.nll = Nll{plan.inputs[a.self], class_dim, reduction, l.class_axes, l.row_axes};
+        return s;
+      });
+  if (!best)
     fail_argument(call, a.grad, partial_name(call.layout(a.grad)) + " on a mesh axis that shards self (every shard "
                   "needs the whole gradient)", "Partial only on mesh axes that shard no dim of self");
+  Nll& best_nll = best->nll;
   // Axes of one rank split nothing: no collective, no target mapping (offset 0) along them.
   auto split_axes = [&](std::vector<int64_t>& axes) {
     axes.erase(std::remove_if(axes.begin(), axes.end(), [&](int64_t a) { return self.mesh()->axis_size(a) == 1; }),
@@ -436,10 +434,10 @@ OpPlan nll_rule(const OpCall& call) {
   split_axes(best_nll.row_axes);
   const bool vocab = !best_nll.class_axes.empty();
   if (!kBackward && (vocab || (reduction == kMean && !best_nll.row_axes.empty())))
-    best.expand = [n = best_nll](const OpCall& c, Stack& s) { nll_forward_expand<k2d>(n, c, s); };
+    best->plan.expand = [n = best_nll](const OpCall& c, Stack& s) { nll_forward_expand<k2d>(n, c, s); };
   if (kBackward && vocab)
-    best.expand = [n = best_nll](const OpCall& c, Stack& s) { nll_backward_expand<k2d>(n, c, s); };
-  return best;
+    best->plan.expand = [n = best_nll](const OpCall& c, Stack& s) { nll_backward_expand<k2d>(n, c, s); };
+  return std::move(best->plan);
 }
 
 // ------------------------------------------------------------------ cross_entropy, label smoothing

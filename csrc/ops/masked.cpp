@@ -31,6 +31,7 @@
 #include <algorithm>
 
 #include "ops/families.h"
+#include "ops/partial.h"
 #include "runtime/redistribute.h"
 
 namespace hypershard::ops {
@@ -73,7 +74,7 @@ void check_mask_shape(const OpCall& call, int64_t mask, const std::vector<int64_
 
 // A write's operand that may not be Partial (forward: the house error; backward: reduced).
 LayoutPtr whole_or_refused(const OpCall& call, int64_t t, layout::DimAxes dims) {
-  refuse_sum_partial(call, t, "Replicate or Shard (redistribute the Partial input first)");
+  refuse_sum_partial(call, t, redistribute_partial_first());
   return make_layout(call.layout(t), call.layout(t).global_shape(), std::move(dims));
 }
 

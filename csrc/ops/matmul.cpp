@@ -52,13 +52,15 @@
 #include <array>
 
 #include "ops/families.h"
+#include "ops/sharding_search.h"
 #include "runtime/redistribute.h"
 
 namespace hypershard::ops {
 namespace {
 
-constexpr char kBroadcast = '.';
-
+// The product's operands as factors (sharding_search.h): each matrix operand is linear (it may
+// carry its own Partial), the bias is additive; '.' (kWhole) marks a size-1 bias dim broadcast
+// to the result.
 struct EinsumSpec {
   const char* equation;    // "mk,kn->mn"
   bool bias;               // schema argument 0 is added to the result (broadcast to it)
@@ -75,220 +77,69 @@ constexpr EinsumSpec kAddmm{"mk,kn->mn", true};
 constexpr EinsumSpec kBaddbmm{"bmk,bkn->bmn", true};
 constexpr EinsumSpec kAddmv{"mk,k->m", true};
 
-// One role of a mesh axis (see the header comment).
-struct AxisRole {
-  enum Kind : int8_t { kReplicate, kShard, kCarry } kind = kReplicate;
-  char label = 0;               // kShard
-  ReduceOp op = ReduceOp::Sum;  // kCarry
-  int carrier = -1;             // kCarry: the operand that stays Partial
-  bool operator==(const AxisRole& o) const {
-    return kind == o.kind && label == o.label && op == o.op && carrier == o.carrier;
-  }
-};
-
-
-// The call seen through its spec: operands first, then the bias, each with its labels.
-struct Einsum {
-  std::vector<int64_t> tensors;    // OpCall tensor index per role
-  std::vector<std::string> labels; // per role, one label per dim; the bias: the result's label,
-                                   // or kBroadcast for a size-1 dim broadcast to the result
-  int n_operands = 0;
-  std::string output;
-  std::vector<int64_t> out_shape;
-  std::string whole;  // the spec's never-sharded labels
-};
-
 // `result_only`: the sizes of labels that only the result carries (the groups of a grouped
 // product's weight gradient), which no operand can tell.
 using LabelSizes = std::vector<std::pair<char, int64_t>>;
 
-Einsum bind(const OpCall& call, const EinsumSpec& spec, const LabelSizes& result_only = {}) {
+// The call seen through its spec: the operands first, then the bias, each with its labels;
+// the sizes of each label checked across operands.
+FactorSpec bind(const OpCall& call, const EinsumSpec& spec, const LabelSizes& result_only = {}) {
   const std::string eq = spec.equation;
   const auto arrow = eq.find("->");
-  Einsum e;
-  e.output = eq.substr(arrow + 2);
-  e.whole = spec.whole;
+  FactorSpec f;
+  f.outputs = {eq.substr(arrow + 2)};
+  f.whole = spec.whole;
+  const int64_t first = spec.bias ? 1 : 0;
   for (size_t begin = 0; begin < arrow;) {
     const size_t comma = std::min(eq.find(',', begin), arrow);
-    e.labels.push_back(eq.substr(begin, comma - begin));
+    const int64_t t = call.tensor_index(first + static_cast<int64_t>(f.operands.size()));
+    f.operands.push_back({t, eq.substr(begin, comma - begin), /*linear=*/true});
     begin = comma + 1;
   }
-  e.n_operands = static_cast<int>(e.labels.size());
-  const int64_t first = spec.bias ? 1 : 0;
-  for (int j = 0; j < e.n_operands; ++j) e.tensors.push_back(call.tensor_index(first + j));
-  if (spec.bias) e.tensors.push_back(call.tensor_index(0));
-  for (int64_t t : e.tensors)
-    if (t < 0) fail_call(call, "internal error: a matrix operand is missing");
+  const int64_t bias = spec.bias ? call.tensor_index(0) : 0;
+  for (const auto& operand : f.operands)
+    if (operand.tensor < 0 || bias < 0) fail_call(call, "internal error: a matrix operand is missing");
 
   std::array<int64_t, 128> size;
   size.fill(-1);
-  for (int j = 0; j < e.n_operands; ++j) {
-    const auto& shape = call.layout(e.tensors[j]).global_shape();
-    const auto& labels = e.labels[j];
+  for (const auto& operand : f.operands) {
+    const auto& shape = call.layout(operand.tensor).global_shape();
+    const auto& labels = operand.labels;
     if (shape.size() != labels.size())
-      fail_argument(call, e.tensors[j], "has " + std::to_string(shape.size()) + " dims",
+      fail_argument(call, operand.tensor, "has " + std::to_string(shape.size()) + " dims",
                     std::to_string(labels.size()) + " dims (\"" + eq + "\")");
     for (size_t d = 0; d < labels.size(); ++d) {
       int64_t& s = size[static_cast<unsigned char>(labels[d])];
       if (s >= 0 && s != shape[d])
-        fail_argument(call, e.tensors[j], std::string("size ") + std::to_string(shape[d]) + " of dim '" +
+        fail_argument(call, operand.tensor, std::string("size ") + std::to_string(shape[d]) + " of dim '" +
                       labels[d] + "' differs from " + std::to_string(s) + " in another operand",
                       "equal sizes per label of \"" + eq + "\"");
       s = shape[d];
     }
   }
   for (const auto& [label, n] : result_only) size[static_cast<unsigned char>(label)] = n;
-  for (char c : e.output) e.out_shape.push_back(size[static_cast<unsigned char>(c)]);
+  const std::string& output = f.outputs[0];
+  std::vector<int64_t> out_shape;
+  for (char c : output) out_shape.push_back(size[static_cast<unsigned char>(c)]);
   if (spec.bias) {
-    const int64_t t = e.tensors.back();
-    const auto& shape = call.layout(t).global_shape();
-    const int64_t n = static_cast<int64_t>(e.out_shape.size()), m = static_cast<int64_t>(shape.size());
+    const auto& shape = call.layout(bias).global_shape();
+    const int64_t n = static_cast<int64_t>(out_shape.size()), m = static_cast<int64_t>(shape.size());
     std::string labels;
     for (int64_t d = 0; d < m; ++d) {
       const int64_t o = n - m + d;
-      if (o >= 0 && shape[d] == e.out_shape[o]) labels += e.output[o];
-      else if (o >= 0 && shape[d] == 1) labels += kBroadcast;
-      else fail_argument(call, t, "shape " + layout::shape_string(shape) + " does not broadcast to the result " +
-                         layout::shape_string(e.out_shape), "a shape that broadcasts to the result");
+      if (o >= 0 && shape[d] == out_shape[o]) labels += output[o];
+      else if (o >= 0 && shape[d] == 1) labels += kWhole;
+      else fail_argument(call, bias, "shape " + layout::shape_string(shape) + " does not broadcast to the result " +
+                         layout::shape_string(out_shape), "a shape that broadcasts to the result");
     }
-    e.labels.push_back(labels);
+    f.operands.push_back({bias, labels, /*linear=*/false, /*additive=*/true});
   }
-  return e;
-}
-
-bool in_output(const Einsum& e, char label) { return e.output.find(label) != std::string::npos; }
-
-// The roles that the inputs suggest for `axis`, Replicate last.
-std::vector<AxisRole> axis_candidates(const OpCall& call, const Einsum& e, int64_t axis) {
-  std::vector<AxisRole> out;
-  auto add = [&](const AxisRole& r) {
-    if (std::find(out.begin(), out.end(), r) == out.end()) out.push_back(r);
-  };
-  for (size_t role = 0; role < e.tensors.size(); ++role) {
-    const Layout& l = call.layout(e.tensors[role]);
-    const int64_t d = l.sharded_dim(axis);
-    if (d >= 0 && e.labels[role][d] != kBroadcast && e.whole.find(e.labels[role][d]) == std::string::npos) {
-      AxisRole r;
-      r.kind = AxisRole::kShard;
-      r.label = e.labels[role][d];
-      add(r);
-    } else if (const auto& op = l.partial()[axis]; op && is_sum_like(*op)) {
-      // A Partial bias is carried by filling an operand (either one: the cost decides).
-      const bool is_bias = static_cast<int>(role) >= e.n_operands;
-      for (int j = 0; j < e.n_operands; ++j) {
-        if (!is_bias && j != static_cast<int>(role)) continue;
-        AxisRole r;
-        r.kind = AxisRole::kCarry;
-        r.op = *op;
-        r.carrier = j;
-        add(r);
-      }
-    }
-  }
-  add(AxisRole{});
-  return out;
-}
-
-struct Candidate {
-  std::vector<LayoutPtr> required;  // per Einsum role
-  LayoutPtr output;
-  int64_t cost = 0;
-  int64_t changed = 0;
-  int64_t partial_axes = 0;
-};
-
-// The layouts a combination of axis roles asks for; nullopt when the roles cannot coexist.
-std::optional<Candidate> evaluate(const OpCall& call, const Einsum& e, const std::vector<AxisRole>& roles) {
-  const int64_t mesh_ndim = static_cast<int64_t>(roles.size());
-  layout::PartialOps out_partial(mesh_ndim);
-  std::optional<ReduceOp> shared;
-  for (int64_t a = 0; a < mesh_ndim; ++a) {
-    const auto& r = roles[a];
-    if (r.kind == AxisRole::kShard && !in_output(e, r.label)) out_partial[a] = ReduceOp::Sum;
-    else if (r.kind == AxisRole::kCarry) out_partial[a] = r.op;
-    if (!out_partial[a]) continue;
-    if (shared && *shared != *out_partial[a]) return std::nullopt;  // one Partial op per layout
-    shared = out_partial[a];
-  }
-
-  // The axes of each label, in the order of the first input that shards it that way.
-  auto label_axes = [&](char label) {
-    std::vector<int64_t> axes;
-    auto chosen = [&](int64_t a) {
-      return roles[a].kind == AxisRole::kShard && roles[a].label == label &&
-             std::find(axes.begin(), axes.end(), a) == axes.end();
-    };
-    for (size_t role = 0; role < e.tensors.size(); ++role)
-      for (size_t d = 0; d < e.labels[role].size(); ++d)
-        if (e.labels[role][d] == label)
-          for (int64_t a : call.layout(e.tensors[role]).dim_axes()[d])
-            if (chosen(a)) axes.push_back(a);
-    for (int64_t a = 0; a < mesh_ndim; ++a)
-      if (chosen(a)) axes.push_back(a);
-    return axes;
-  };
-
-  Candidate c;
-  for (size_t role = 0; role < e.tensors.size(); ++role) {
-    const auto& current = call.tensors[e.tensors[role]].layout;
-    const bool is_bias = static_cast<int>(role) >= e.n_operands;
-    layout::DimAxes dims;
-    for (char label : e.labels[role])
-      dims.push_back(label == kBroadcast ? std::vector<int64_t>{} : label_axes(label));
-    layout::PartialOps partial(mesh_ndim);
-    for (int64_t a = 0; a < mesh_ndim; ++a) {
-      if (!out_partial[a]) continue;
-      if (is_bias || (roles[a].kind == AxisRole::kCarry && roles[a].carrier == static_cast<int>(role)))
-        partial[a] = out_partial[a];
-    }
-    auto required = make_layout(*current, current->global_shape(), std::move(dims), std::move(partial));
-    c.cost += layout::cached_plan(current, required).total_elements();
-    c.changed += required != current;
-    c.required.push_back(std::move(required));
-  }
-  layout::DimAxes out_dims;
-  for (char label : e.output) out_dims.push_back(label_axes(label));
-  for (const auto& p : out_partial) c.partial_axes += p.has_value();
-  c.output = make_layout(call.layout(e.tensors[0]), e.out_shape, std::move(out_dims), std::move(out_partial));
-  return c;
-}
-
-bool better(const Candidate& a, const Candidate& b) {
-  if (a.cost != b.cost) return a.cost < b.cost;
-  if (a.changed != b.changed) return a.changed < b.changed;
-  return a.partial_axes < b.partial_axes;
+  f.out_shapes = {std::move(out_shape)};
+  return f;
 }
 
 OpPlan einsum_plan(const OpCall& call, const EinsumSpec& spec, const LabelSizes& result_only = {}) {
-  const Einsum e = bind(call, spec, result_only);
-  const int64_t mesh_ndim = call.mesh->mesh()->ndim();
-  std::vector<std::vector<AxisRole>> options(mesh_ndim);
-  for (int64_t a = 0; a < mesh_ndim; ++a) options[a] = axis_candidates(call, e, a);
-
-  // Zero-redistribution match: each axis takes the role its inputs suggest first.
-  std::vector<AxisRole> roles(mesh_ndim);
-  for (int64_t a = 0; a < mesh_ndim; ++a) roles[a] = options[a].front();
-  std::optional<Candidate> best = evaluate(call, e, roles);
-  if (!best || best->changed != 0) {
-    best.reset();
-    std::vector<size_t> pick(mesh_ndim, 0);
-    for (bool more = true; more;) {
-      for (int64_t a = 0; a < mesh_ndim; ++a) roles[a] = options[a][pick[a]];
-      if (auto c = evaluate(call, e, roles); c && (!best || better(*c, *best))) best = std::move(c);
-      more = false;
-      for (int64_t a = mesh_ndim - 1; a >= 0 && !more; --a) {
-        if (++pick[a] < options[a].size()) more = true;
-        else pick[a] = 0;
-      }
-    }
-  }
-  if (!best) fail_call(call, "internal error: no layout for the matrix product");  // all-Replicate always fits
-
-  OpPlan plan;
-  for (const auto& t : call.tensors) plan.inputs.push_back(t.layout);
-  for (size_t role = 0; role < e.tensors.size(); ++role) plan.inputs[e.tensors[role]] = best->required[role];
-  plan.outputs.push_back(best->output);
-  return plan;
+  return plan_from_factors(call, bind(call, spec, result_only));
 }
 
 template <const EinsumSpec& Spec>

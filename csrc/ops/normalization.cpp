@@ -55,10 +55,10 @@
 // without running stats, an empty input when training) are decided from the layouts, on every
 // rank before any collective.
 //
-// Sharding (factors.h): the leading dims (layer norm), the batch dim (group norm) and every dim
-// but `dim` (softmax) keep their sharding; the normalized dims, channels and spatial dims (group
-// norm) and the softmax dim must be whole (an input sharded there is gathered first). weight and
-// bias are whole. The weight and bias gradients sum over the leading dims: Partial(sum) on the
+// Sharding (sharding_search.h): the leading dims (layer norm), the batch dim (group norm) and every
+// dim but `dim` (softmax) keep their sharding; the normalized dims, channels and spatial dims
+// (group norm) and the softmax dim must be whole (an input sharded there is gathered first). weight
+// and bias are whole. The weight and bias gradients sum over the leading dims: Partial(sum) on the
 // axes that shard them.
 //
 // Partial algebra: the forward ops are not linear in their input: a sum/avg-Partial input (or
@@ -76,8 +76,9 @@
 #include <algorithm>
 #include <optional>
 
-#include "ops/factors.h"
 #include "ops/families.h"
+#include "ops/partial.h"
+#include "ops/sharding_search.h"
 #include "runtime/redistribute.h"
 
 namespace hypershard::ops {
@@ -89,24 +90,14 @@ void reject_sum_partial(const OpCall& call, int64_t tensor) {
   if (tensor < 0) return;
   const auto op = call.layout(tensor).partial_op();
   if (op && is_sum_like(*op))
-    fail_argument(call, tensor, std::string("Partial(") + layout::reduce_op_name(*op) +
-                                    ") input is not supported by this op (it is not linear in it)",
-                  "Replicate or Shard (redistribute the Partial input first)");
+    fail_argument(call, tensor, partial_name(*op) + " input is not supported by this op (it is not linear in it)",
+                  redistribute_partial_first());
 }
 
 std::string leading_labels(int64_t n) {
   std::string labels;
   for (int64_t d = 0; d < n; ++d) labels += static_cast<char>('a' + d);
   return labels;
-}
-
-
-OpPlan from_factors(const OpCall& call, const FactorSpec& spec) {
-  const auto f = plan_factors(call, spec);
-  OpPlan plan;
-  plan.inputs = inputs_in_call_order(call, spec, f);
-  plan.outputs = f.outputs;
-  return plan;
 }
 
 // ------------------------------------------------------------------ layer norm
@@ -155,7 +146,7 @@ OpPlan native_layer_norm_rule(const OpCall& call) {
   spec.outputs = {d.input, d.stats, d.stats};
   spec.out_shapes = {call.layout(input).global_shape(), d.stats_shape, d.stats_shape};
   spec.whole = std::string{kNormalized};
-  return from_factors(call, spec);
+  return plan_from_factors(call, spec);
 }
 
 OpPlan native_layer_norm_backward_rule(const OpCall& call) {
@@ -171,7 +162,7 @@ OpPlan native_layer_norm_backward_rule(const OpCall& call) {
   spec.outputs = {d.input, d.params, d.params};
   spec.out_shapes = {call.layout(input).global_shape(), d.normalized, d.normalized};
   spec.whole = std::string{kNormalized};
-  return from_factors(call, spec);
+  return plan_from_factors(call, spec);
 }
 
 // ------------------------------------------------------------------ rms norm (fused)
@@ -205,7 +196,7 @@ OpPlan rms_norm_rule(const OpCall& call) {
   spec.outputs = {d.input, d.stats};
   spec.out_shapes = {call.layout(input).global_shape(), d.stats_shape};
   spec.whole = std::string{kNormalized};
-  return from_factors(call, spec);
+  return plan_from_factors(call, spec);
 }
 
 OpPlan rms_norm_backward_rule(const OpCall& call) {
@@ -223,7 +214,7 @@ OpPlan rms_norm_backward_rule(const OpCall& call) {
   spec.outputs = {d.input, d.params};
   spec.out_shapes = {call.layout(input).global_shape(), d.normalized};
   spec.whole = std::string{kNormalized};
-  return from_factors(call, spec);
+  return plan_from_factors(call, spec);
 }
 
 // ------------------------------------------------------------------ group norm (batch only)
@@ -254,7 +245,7 @@ OpPlan native_group_norm_rule(const OpCall& call) {
   spec.outputs = {spec.operands[0].labels, "ag", "ag"};
   spec.out_shapes = {in.global_shape(), {in.global_shape()[0], groups}, {in.global_shape()[0], groups}};
   spec.whole = "Cg";
-  auto plan = from_factors(call, spec);
+  auto plan = plan_from_factors(call, spec);
   plan.localize = localize_batch(plan.inputs[input]);
   return plan;
 }
@@ -273,7 +264,7 @@ OpPlan native_group_norm_backward_rule(const OpCall& call) {
   spec.outputs = {labels, "C", "C"};
   spec.out_shapes = {in.global_shape(), {channels}, {channels}};
   spec.whole = "Cg";
-  auto plan = from_factors(call, spec);
+  auto plan = plan_from_factors(call, spec);
   plan.localize = localize_batch(plan.inputs[input]);
   return plan;
 }
@@ -282,7 +273,6 @@ OpPlan native_group_norm_backward_rule(const OpCall& call) {
 
 // input [N, C, *spatial]; weight, bias, running stats, save_mean/save_invstd [C] (dim 1).
 constexpr int64_t kChannelDim = 1;
-constexpr const char* kWholeValue = "Replicate or Shard (redistribute the Partial input first)";
 
 enum class BatchNormMode : int8_t { kArg, kTrain, kEval };  // training: the argument, or fixed by the op
 
@@ -331,7 +321,9 @@ int64_t global_numel(const Layout& l) {
   return n;
 }
 
-bool some_block_empty(const Layout& l) {
+// Does some rank hold a block with no elements (torch's kernels divide by the block's size)?
+// Also true for a globally empty tensor, unlike registry.cpp's test for skip_empty_blocks.
+bool some_rank_holds_no_elements(const Layout& l) {
   const int64_t ranks = l.mesh()->size();
   for (int64_t p = 0; p < ranks; ++p) {
     const auto shape = l.local_shape_at(p);
@@ -452,7 +444,7 @@ OpPlan batch_norm_rule(const OpCall& call) {
   if (training && global_numel(in) == 0)
     fail_argument(call, input, "has no element", "an input with at least one element when training");
   for (int64_t t : {input, weight, bias, rmean, rvar})
-    if (t >= 0) refuse_sum_partial(call, t, kWholeValue);
+    if (t >= 0) refuse_sum_partial(call, t, redistribute_partial_first());
 
   // The channel axes: the input's, unless training writes running stats sharded otherwise (they
   // are updated in place, so they keep their layout and the input follows them).
@@ -494,7 +486,7 @@ OpPlan batch_norm_rule(const OpCall& call) {
 
   e.stat_axes = statistic_axes(in, dims);
   e.count = static_cast<double>(global_numel(in) / channels);
-  if (training && (!e.stat_axes.empty() || e.channel || some_block_empty(*plan.inputs[input])))
+  if (training && (!e.stat_axes.empty() || e.channel || some_rank_holds_no_elements(*plan.inputs[input])))
     plan.expand = [e](const OpCall& c, torch::jit::Stack& s) { batch_norm_expand(e, c, s); };
   return plan;
 }
@@ -567,7 +559,7 @@ OpPlan batch_norm_backward_rule(const OpCall& call) {
     }
   }
   for (int64_t t : {input, weight, rmean, rvar, smean, sinvstd})
-    if (t >= 0) refuse_sum_partial(call, t, kWholeValue);
+    if (t >= 0) refuse_sum_partial(call, t, redistribute_partial_first());
 
   // Linear in grad_out: its sum/avg Partial is kept on axes the input does not shard.
   const layout::DimAxes dims = in.dim_axes();
@@ -602,7 +594,7 @@ OpPlan batch_norm_backward_rule(const OpCall& call) {
   if (!train && (rmean < 0 || rvar < 0))
     fail_call(call, "running_mean and running_var must be defined in evaluation mode");
   // torch's kernel divides by the block's size: an empty block takes the expand.
-  const bool expand = (train && !e.stat_axes.empty()) || some_block_empty(in);
+  const bool expand = (train && !e.stat_axes.empty()) || some_rank_holds_no_elements(in);
   // Parameter gradients sum over N and spatial dims: Partial(sum) on the axes sharding them,
   // unless the training expand all-reduced the sums.
   layout::PartialOps param_partial = kept;
@@ -632,7 +624,9 @@ std::string softmax_labels(const OpCall& call, int64_t tensor) {
   return labels;
 }
 
-OpPlan softmax_rule(const OpCall& call) {
+// _safe_softmax: the softmax dim whole (gathered), unlike loss.cpp's _softmax, which keeps it
+// sharded with collectives in its expand; the other dims keep their sharding.
+OpPlan safe_softmax_rule(const OpCall& call) {
   reject_sum_partial(call, 0);
   const auto labels = softmax_labels(call, 0);
   FactorSpec spec;
@@ -640,7 +634,7 @@ OpPlan softmax_rule(const OpCall& call) {
   spec.outputs = {labels};
   spec.out_shapes = {call.layout(0).global_shape()};
   spec.whole = std::string{kSoftmaxDim};
-  return from_factors(call, spec);
+  return plan_from_factors(call, spec);
 }
 
 }  // namespace
@@ -655,7 +649,7 @@ void register_normalization(Registry& r) {
   r.add("aten::_native_batch_norm_legit", &batch_norm_rule<BatchNormMode::kArg>, KeyScalars::kAll);
   r.add("aten::_native_batch_norm_legit.no_stats", &batch_norm_rule<BatchNormMode::kArg>, KeyScalars::kAll);
   r.add("aten::_native_batch_norm_legit_no_training", &batch_norm_rule<BatchNormMode::kEval>, KeyScalars::kNone);
-  r.add("aten::_safe_softmax", &softmax_rule, KeyScalars::kAll);
+  r.add("aten::_safe_softmax", &safe_softmax_rule, KeyScalars::kAll);
   r.add("aten::batch_norm_backward", &batch_norm_backward_rule, KeyScalars::kAll);
   r.add("aten::native_batch_norm", &batch_norm_rule<BatchNormMode::kArg>, KeyScalars::kAll);
   r.add("aten::native_batch_norm_backward", &batch_norm_backward_rule, KeyScalars::kAll);

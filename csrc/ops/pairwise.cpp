@@ -31,14 +31,14 @@
 
 #include "ops/families.h"
 #include "ops/mesh_axes.h"
+#include "ops/partial.h"
 
 namespace hypershard::ops {
 namespace {
 
-constexpr const char* kNoPartial = "Replicate or Shard (redistribute the Partial input first)";
 
 void refuse_partials(const OpCall& call) {
-  for (size_t t = 0; t < call.tensors.size(); ++t) refuse_sum_partial(call, static_cast<int64_t>(t), kNoPartial);
+  for (size_t t = 0; t < call.tensors.size(); ++t) refuse_sum_partial(call, static_cast<int64_t>(t), redistribute_partial_first());
 }
 
 // ------------------------------------------------------------------ cdist

@@ -3,7 +3,8 @@
 //
 // Sharding: every output dim takes the mesh axes of the inputs that are not broadcast along it;
 // a broadcast input dim is never sharded. When the inputs disagree, each input's sharding is a
-// candidate for the output and the cheapest one (fewest elements moved) wins; in-place ops keep
+// candidate for the output and the cheapest one (fewest elements moved; ties: fewer inputs
+// redistributed, then fewer Partial output axes, sharding_search.h) wins; in-place ops keep
 // self's layout and redistribute the other operands to it.
 //
 // Partial algebra (why each row holds):
@@ -35,7 +36,9 @@
 #include <algorithm>
 
 #include "ops/families.h"
+#include "ops/partial.h"
 #include "ops/pointwise.h"
+#include "ops/sharding_search.h"
 
 namespace hypershard::ops {
 namespace {
@@ -105,6 +108,11 @@ struct Candidate {
   std::optional<ReduceOp> partial;
   std::vector<int64_t> partial_axes;
   int64_t source = -1;   // the operand the candidate copies (an index into call.tensors)
+};
+
+struct ScoredLayouts {
+  ElementwiseLayouts layouts;
+  SearchScore score;
 };
 
 OpPlan elementwise_rule(const OpCall& call, Algebra algebra, int64_t mask_arg) {
@@ -181,8 +189,7 @@ ElementwiseLayouts elementwise_layouts(const OpCall& call, Algebra algebra, int6
     const auto dtype = call.tensors[t].dtype;
     const bool count = c10::isIntegralType(dtype, /*includeBool=*/false);  // a bool Partial has no meaning
     if (is_sum_like(*op) && !call.in_backward && !scalar && !count)
-      fail_argument(call, t, std::string("Partial(") + layout::reduce_op_name(*op) +
-                    ") input is not supported by this op", "Replicate or Shard (redistribute the Partial input first)");
+      fail_argument(call, t, partial_name(*op) + " input is not supported by this op", redistribute_partial_first());
     reduce_first[k] = true;
   }
 
@@ -213,43 +220,42 @@ ElementwiseLayouts elementwise_layouts(const OpCall& call, Algebra algebra, int6
   }
   if (candidates.empty()) fail_call(call, "internal error: no operand to take the output layout from");
 
+  // Each operand's sharding as the output's, scored by the one search (sharding_search.h).
   const Layout& any = call.layout(candidates[0].source);
-  ElementwiseLayouts best;
-  int64_t best_cost = -1;
-  for (const auto& c : candidates) {
-    ElementwiseLayouts plan;
-    int64_t cost = 0;
-    for (size_t k = 0; k < n; ++k) {
-      const int64_t t = operands[k];
-      const auto& current = call.tensors[t].layout;
-      if (is_out[k]) {
-        plan.inputs.push_back(current);
-        continue;
-      }
-      const auto& shape = current->global_shape();
-      layout::DimAxes dims(shape.size());
-      for (int64_t o = 0; o < out_ndim; ++o) {
-        const int64_t d = input_dim(t, o);
-        if (d >= 0) dims[d] = c.dims[o];
-      }
-      layout::PartialOps partial(mesh_ndim);
-      if (c.partial)  // a reduce-first operand is reduced, then filled where the algebra needs it
-        if (auto op = input_partial(algebra, *c.partial, t, c.source, is_mask[k]))
-          for (int64_t a : c.partial_axes) partial[a] = *op;
-      auto required = make_layout(*current, shape, std::move(dims), std::move(partial));
-      cost += layout::cached_plan(current, required).total_elements();
-      plan.inputs.push_back(std::move(required));
-    }
-    layout::PartialOps out_partial(mesh_ndim);
-    if (c.partial)
-      for (int64_t a : c.partial_axes) out_partial[a] = *c.partial;
-    plan.output = make_layout(any, out_shape, c.dims, std::move(out_partial));
-    if (best_cost < 0 || cost < best_cost) {
-      best = std::move(plan);
-      best_cost = cost;
-    }
-  }
-  return best;
+  auto best = search_candidates(
+      candidates.size(),
+      [&](size_t i) {
+        const Candidate& c = candidates[i];
+        std::optional<ScoredLayouts> plan(std::in_place);
+        for (size_t k = 0; k < n; ++k) {
+          const int64_t t = operands[k];
+          const auto& current = call.tensors[t].layout;
+          if (is_out[k]) {
+            plan->layouts.inputs.push_back(current);
+            continue;
+          }
+          const auto& shape = current->global_shape();
+          layout::DimAxes dims(shape.size());
+          for (int64_t o = 0; o < out_ndim; ++o) {
+            const int64_t d = input_dim(t, o);
+            if (d >= 0) dims[d] = c.dims[o];
+          }
+          layout::PartialOps partial(mesh_ndim);
+          if (c.partial)  // a reduce-first operand is reduced, then filled where the algebra needs it
+            if (auto op = input_partial(algebra, *c.partial, t, c.source, is_mask[k]))
+              for (int64_t a : c.partial_axes) partial[a] = *op;
+          auto required = make_layout(*current, shape, std::move(dims), std::move(partial));
+          plan->score.add_input(current, required);
+          plan->layouts.inputs.push_back(std::move(required));
+        }
+        layout::PartialOps out_partial(mesh_ndim);
+        if (c.partial)
+          for (int64_t a : c.partial_axes) out_partial[a] = *c.partial;
+        plan->score.partial_axes = static_cast<int64_t>(c.partial ? c.partial_axes.size() : 0);
+        plan->layouts.output = make_layout(any, out_shape, c.dims, std::move(out_partial));
+        return plan;
+      });
+  return std::move(best->layouts);
 }
 
 void register_pointwise(Registry& r) {

@@ -38,14 +38,13 @@
 #include <numeric>
 
 #include "ops/families.h"
+#include "ops/partial.h"
 
 namespace hypershard::ops {
 namespace {
 
 using Stack = torch::jit::Stack;
 
-
-LayoutPtr without_partial(const Layout& l) { return make_layout(l, l.global_shape(), l.dim_axes(), {}); }
 
 // ------------------------------------------------------------------ the global draw
 
@@ -119,9 +118,7 @@ void random_expand(const RandomSpec& s, const OpCall& call, Stack& stack) {
 // ------------------------------------------------------------------ rules
 
 [[noreturn]] void fail_partial(const OpCall& call, int64_t tensor, const std::string& why) {
-  fail_argument(call, tensor, std::string("Partial(") + layout::reduce_op_name(*call.layout(tensor).partial_op()) +
-                                  ") input: " + why,
-                "Replicate or Shard (redistribute the Partial input first)");
+  fail_argument(call, tensor, partial_name(call.layout(tensor)) + " input: " + why, redistribute_partial_first());
 }
 
 // The required layout of a probability tensor: whole on every axis (every rank draws globally);

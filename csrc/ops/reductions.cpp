@@ -69,7 +69,9 @@
 #include <limits>
 #include <map>
 
+#include "ops/expand_helpers.h"
 #include "ops/families.h"
+#include "ops/partial.h"
 #include "ops/pointwise.h"
 #include "runtime/redistribute.h"
 
@@ -141,8 +143,6 @@ LayoutPtr reduced_layout(const Layout& in, const Reduced& r, layout::PartialOps 
   return make_layout(in, std::move(shape), std::move(dims), std::move(partial));
 }
 
-std::string partial_name(const Layout& l) { return std::string("Partial(") + layout::reduce_op_name(*l.partial_op()) + ")"; }
-
 [[noreturn]] void fail_partial(const OpCall& call, const std::string& allowed) {
   fail_argument(call, 0, partial_name(call.layout(0)) + " input is not supported by this reduction", allowed);
 }
@@ -172,11 +172,6 @@ at::Tensor squeeze_reduced(const at::Tensor& t, const std::vector<int64_t>& dims
   return keepdim || dims.empty() ? t : at::squeeze(t, dims);
 }
 
-void replace_args(const OpCall& call, Stack& stack, std::initializer_list<at::Tensor> outputs) {
-  torch::jit::drop(stack, call.num_args());
-  for (const auto& t : outputs) stack.emplace_back(t);
-}
-
 // The identity of max (lowest) or min (highest) for `type`.
 c10::Scalar extreme(c10::ScalarType type, bool lowest) {
   c10::Scalar value;
@@ -198,11 +193,6 @@ at::Tensor all_reduce_extremum(at::Tensor t, const OpCall& call, const std::vect
   if (is_bool) t = t.to(at::kByte);
   for (int64_t axis : axes) t = runtime::all_reduce_along(t, mesh_of(call), axis, op);
   return is_bool ? t.to(at::kBool) : t;
-}
-
-at::Tensor all_reduce_axes(at::Tensor t, const OpCall& call, const std::vector<int64_t>& axes, ReduceOp op) {
-  for (int64_t axis : axes) t = runtime::all_reduce_along(t, mesh_of(call), axis, op);
-  return t;
 }
 
 // This rank's tensor stacked with the other members' along `axes`: [K, ...t.shape].
@@ -328,7 +318,7 @@ OpPlan collective_rule(const OpCall& call) {
   const auto kept = kept_partial(K);
   if (in.has_partial() && in.partial_op() != kept)
     fail_partial(call, kept ? std::string("Replicate, Shard or Partial(") + layout::reduce_op_name(*kept) + ")"
-                            : std::string("Replicate or Shard (redistribute the Partial input first)"));
+                            : redistribute_partial_first());
   OpPlan plan;
   plan.inputs.push_back(call.tensors[0].layout);
   plan.outputs.push_back(reduced_layout(in, r, in.partial()));  // reduced axes: all-reduced, Replicate
@@ -407,8 +397,7 @@ template <bool kIsMax, bool kValues>
 OpPlan select_rule(const OpCall& call) {
   const Layout& in = call.layout(0);
   if (in.has_partial())
-    fail_partial(call, "Replicate or Shard (a value's index is not the reduction of the parts' indices; "
-                       "redistribute the Partial input first)");
+    fail_partial(call, redistribute_partial_first("a value's index is not the reduction of the parts' indices"));
   const Reduced r = reduced_dims(call, true);
   OpPlan plan;
   plan.inputs.push_back(call.tensors[0].layout);
@@ -455,8 +444,7 @@ template <bool kStd>
 OpPlan moments_rule(const OpCall& call) {
   const Layout& in = call.layout(0);
   if (in.has_partial())
-    fail_partial(call, "Replicate or Shard (the variance of a sum is not the sum of variances; "
-                       "redistribute the Partial input first)");
+    fail_partial(call, redistribute_partial_first("the variance of a sum is not the sum of variances"));
   const Reduced r = reduced_dims(call, true);
   if (!r.axes.empty() && at::isComplexType(call.tensors[0].dtype))
     fail_argument(call, 0, "a complex variance over a sharded dim is not supported", "real dtypes, or an unsharded dim");
@@ -509,7 +497,7 @@ OpPlan foreach_norm_rule(const OpCall& call) {
     const Layout& l = call.layout(static_cast<int64_t>(t));
     if (l.has_partial())
       fail_argument(call, static_cast<int64_t>(t), partial_name(l) + " input is not supported by this reduction",
-                    "Replicate or Shard (redistribute the Partial input first)");
+                    redistribute_partial_first());
     plan.inputs.push_back(call.tensors[t].layout);
     plan.outputs.push_back(replicate_like(l, {}));
     f.axes.push_back(sharding_axes(l));
@@ -569,7 +557,7 @@ OpPlan histc_rule(const OpCall& call) {
   const Layout& in = call.layout(0);
   if (in.has_partial())
     fail_argument(call, 0, "a histogram of a Partial tensor counts its parts, not its values",
-                  "Replicate or Shard (redistribute the Partial input first)");
+                  redistribute_partial_first());
   std::vector<int64_t> axes;
   for (int64_t axis = 0; axis < in.mesh()->ndim(); ++axis)
     if (in.is_sharded(axis)) axes.push_back(axis);
@@ -608,7 +596,7 @@ OpPlan bincount_rule(const OpCall& call) {
   for (int64_t t : {int64_t{0}, weights})
     if (t >= 0 && call.layout(t).has_partial())
       fail_argument(call, t, "the counts of a Partial tensor would count its parts, not its values",
-                    "Replicate or Shard (redistribute the Partial input first)");
+                    redistribute_partial_first());
   if (in.ndim() != 1) fail_argument(call, 0, "is not 1-D", "a 1-D tensor of non-negative integers");
   const std::vector<int64_t> axes = in.dim_axes()[0];
   layout::PartialOps counts(static_cast<size_t>(in.mesh()->ndim()));

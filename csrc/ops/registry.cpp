@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "ops/families.h"
+#include "ops/partial.h"
 
 namespace hypershard::ops {
 
@@ -70,17 +71,14 @@ void not_covered(const OpCall& call, const std::string& why) {
 bool refuse_sum_partial(const OpCall& call, int64_t t, const std::string& allowed) {
   const auto op = call.layout(t).partial_op();
   if (op && is_sum_like(*op) && !call.in_backward)
-    fail_argument(call, t, std::string("Partial(") + layout::reduce_op_name(*op) + ") input is not supported by this op",
-                  allowed);
+    fail_argument(call, t, partial_name(*op) + " input is not supported by this op", allowed);
   return op.has_value();
 }
 
 void reject_partial(const OpCall& call, int64_t t, const std::string& why) {
   if (t >= 0 && call.layout(t).has_partial())
-    fail_argument(call, t,
-                  std::string("Partial(") + layout::reduce_op_name(*call.layout(t).partial_op()) +
-                      ") input is not supported: " + why,
-                  "Replicate or Shard (redistribute the Partial input first)");
+    fail_argument(call, t, partial_name(call.layout(t)) + " input is not supported: " + why,
+                  redistribute_partial_first());
 }
 
 void fail_call(const OpCall& call, const std::string& problem) {
@@ -142,7 +140,8 @@ LayoutPtr replicate_like(const Layout& like, std::vector<int64_t> shape) {
 }
 
 namespace {
-bool some_block_empty(const Layout& l) {
+// Does sharding leave some rank an empty block of a non-empty dim (3 channels over 4 ranks)?
+bool sharding_leaves_a_block_empty(const Layout& l) {
   if (!l.is_sharded_anywhere()) return false;
   for (int64_t p = 0; p < l.mesh()->size(); ++p) {
     const auto local = l.local_shape_at(p);
@@ -155,7 +154,7 @@ bool some_block_empty(const Layout& l) {
 
 void skip_empty_blocks(OpPlan& plan, std::vector<c10::ScalarType> dtypes, int64_t mask_arg) {
   bool empty = false;
-  for (const LayoutPtr& l : plan.inputs) empty = empty || some_block_empty(*l);
+  for (const LayoutPtr& l : plan.inputs) empty = empty || sharding_leaves_a_block_empty(*l);
   if (plan.expand || !empty) return;
   dtypes.resize(plan.outputs.size(), c10::ScalarType::Undefined);
   plan.expand = [outputs = plan.outputs, dtypes, mask_arg](const OpCall& c, torch::jit::Stack& stack) {

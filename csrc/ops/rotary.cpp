@@ -24,6 +24,7 @@
 // laid out like x; dcos / dsin like cos / sin, and Partial(sum) on every axis that shards x on a
 // dim where cos / sin broadcast (each rank summed its own rows of that dim).
 #include "ops/families.h"
+#include "ops/partial.h"
 
 namespace hypershard::ops {
 namespace {
@@ -151,9 +152,8 @@ const Layout& checked_x(const OpCall& call, const RotaryOperands& o, int64_t ref
     if (t < 0) continue;
     if (const auto op = call.layout(t).partial_op())
       fail_argument(call, t,
-                    std::string("Partial(") + layout::reduce_op_name(*op) +
-                        ") input: the rotation is not linear in x and cos/sin together",
-                    std::string(kAllowedLayouts) + " (redistribute the Partial input first)");
+                    partial_name(*op) + " input: the rotation is not linear in x and cos/sin together",
+                    redistribute_partial_first({}, kAllowedLayouts));
   }
   const Layout& x = call.layout(reference);
   const auto& d_axes = x.dim_axes().back();

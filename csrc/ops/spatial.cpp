@@ -44,6 +44,7 @@
 
 #include "ops/families.h"
 #include "ops/mesh_axes.h"
+#include "ops/partial.h"
 
 namespace hypershard::ops {
 namespace {
@@ -54,7 +55,7 @@ layout::PartialOps first_partial(const OpCall& call, bool linear) {
   const Layout& first = call.layout(0);
   const auto op = first.partial_op();
   if (linear && op && is_sum_like(*op)) return first.partial();
-  if (!linear) refuse_sum_partial(call, 0, "Replicate or Shard (redistribute the Partial input first)");
+  if (!linear) refuse_sum_partial(call, 0, redistribute_partial_first());
   return {};
 }
 

@@ -27,15 +27,12 @@
 #include <torch/library.h>
 
 #include "ops/families.h"
+#include "ops/partial.h"
 #include "runtime/dtensor_impl.h"
 #include "runtime/redistribute.h"
 
 namespace hypershard::ops {
 namespace {
-
-LayoutPtr without_partial(const Layout& l) {
-  return make_layout(l, l.global_shape(), l.dim_axes(), {});
-}
 
 OpPlan same_layout_rule(const OpCall& call) {
   OpPlan plan;

@@ -46,6 +46,7 @@
 
 #include "ops/diagonal.h"
 #include "ops/families.h"
+#include "ops/partial.h"
 #include "runtime/dtensor_impl.h"
 #include "runtime/redistribute.h"
 #include "runtime/span_exchange.h"
@@ -596,7 +597,7 @@ OpPlan cat_rule(const OpCall& call) {
       const auto& op = t.partial()[a];
       if (!op) continue;
       if (*op != ReduceOp::Sum && *op != ReduceOp::Avg)
-        fail_argument(call, int64_t(i), std::string("Partial(") + layout::reduce_op_name(*op) + ") input",
+        fail_argument(call, int64_t(i), partial_name(*op) + " input",
                       "Partial(sum), Partial(avg), Replicate or Shard");
       if (partial[a] && *partial[a] != *op)
         fail_argument(call, int64_t(i), "a Partial operand that the others do not share", "operands Partial alike");

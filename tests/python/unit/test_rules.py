@@ -32,6 +32,12 @@ ROWS = {
         ("add_broadcast", "dp2tp2", aten.add.Tensor, (T([4, 6], S(0, 1)), T([6], ["R", "S(0)"])), {},
          None, [S(0, 1)], False),
         ("add_partials", "tp4", aten.add.Tensor, (T([4, 6], P1), T([4, 6], P1)), {}, None, [P1], False),
+        # a cost tie (reduce_scatter the Partial, or gather the shard and keep the Partial) goes to
+        # fewer Partial output axes, whatever the operand order (sharding_search.h's one rule)
+        ("add_partial_shard_tie", "tp4", aten.add.Tensor, (T([8, 8], P1), T([8, 8], S(0))), {},
+         [S(0), S(0)], [S(0)], False),
+        ("add_shard_partial_tie", "tp4", aten.add.Tensor, (T([8, 8], S(0)), T([8, 8], P1)), {},
+         [S(0), S(0)], [S(0)], False),
         ("mul_partial_by_replicate", "tp4", aten.mul.Tensor, (T([4, 6], P1), T([4, 6], R1)), {},
          None, [P1], False),
         # two sum-Partials are never multiplied as such: one is reduced first
