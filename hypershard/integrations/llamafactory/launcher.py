@@ -151,8 +151,10 @@ def _relaunch(argv: list) -> int:
     nproc = os.environ.get("NPROC_PER_NODE", "1")
     env = dict(os.environ)
     env.pop("FORCE_TORCHRUN", None)  # the ranks run LlamaFactory in-process, never torchrun again
+    # --tee=3: every line of a rank's output is tagged with its rank ([default1]:...), so an error that
+    # every rank raises is seen once per rank
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "hypershard.integrations.llamafactory", *argv]
+               "--tee=3", "-m", "hypershard.integrations.llamafactory", *argv]
     return subprocess.call(command, env=env)
 
 

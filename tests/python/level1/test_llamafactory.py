@@ -191,7 +191,10 @@ def test_qwen3_bf16_yaml_dp2_tp2_equals_llamafactory(work):
 
 
 def test_bad_json_fails_on_every_rank(work):
-    result, _ = run(work, "bad_key", "qwen3", nproc=2, hp={"tp_size": 1, "tensor_parallel": 2})
+    """Launched the second documented way: the launcher starts torchrun itself (FORCE_TORCHRUN=1)."""
+    yaml_path = write_run(work["root"] / "bad_key", work["qwen3"], work["data"], work["root"] / "out_bad_key",
+                          hp={"tp_size": 1, "tensor_parallel": 2})
+    result = launch(yaml_path, 1, env={"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2"})
     assert result.returncode != 0
     text = result.stdout + result.stderr
     for rank in range(2):
