@@ -34,12 +34,8 @@ void PlanKey::value(const c10::IValue& v) {
     string(v.toStringRef());
   } else if (v.isDevice()) {
     device(v.toDevice());
-  } else if (v.isList()) {
-    const auto elements = v.toListRef();
-    list(elements.size());
-    for (const auto& element : elements) value(element);
-  } else if (v.isTuple()) {
-    const auto elements = v.toTupleRef().elements();
+  } else if (v.isList() || v.isTuple()) {
+    const c10::ArrayRef<c10::IValue> elements = v.isList() ? v.toListRef() : v.toTupleRef().elements().asArrayRef();
     list(elements.size());
     for (const auto& element : elements) value(element);
   } else {
