@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("llamafactory")
+import llamafactory  # noqa: E402,F401  (make setup installs it: a missing install fails, never skips)
 
 from hypershard.testing.llamafactory_fixtures import (read_eval_losses, read_losses,  # noqa: E402
                                                        write_dataset_dir, write_model, write_run)
