@@ -1,0 +1,10 @@
+"""The planner: one training step of a true-size model, simulated as one rank of a large mesh.
+
+`python -m hypershard.plan` is the command line (hypershard/plan.py); this package holds its parts:
+
+- `world`: a simulated mesh (c10d process groups without a backend) whose collectives on meta
+  tensors are recorded per mesh axis instead of sent;
+- `memory`: live-bytes accounting of meta tensors (which allocate nothing) by storage lifetime;
+- `step`: building a model (meta or real), sharding it, and running forward + backward + AdamW,
+  shared by the planner and by the 4-rank measurement that validates it (`measure`).
+"""

@@ -1,0 +1,211 @@
+"""The planner's run (one simulated rank) and its validation run (real ranks, measured).
+
+Both run `step.train_step` on the same model, mesh and batch; the planner on meta tensors over a
+simulated mesh (world.py), counting storages (memory.py); the validation on real tensors over
+gloo, reading the process's resident memory. Their figures are compared in
+tests/python/level1/test_planner.py.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Mapping, Optional
+
+import torch
+
+from .. import _C
+from .memory import LiveBytes
+from .step import build_model, make_batch, shard_model, state_bytes, train_step
+from .world import recording, simulated_mesh
+
+__all__ = ["PlanReport", "measure_rank", "plan_step"]
+
+GB = 1e9
+
+
+@dataclass
+class PlanReport:
+    """One rank's figures for one training step (bytes)."""
+    model: str = ""
+    mesh: dict = field(default_factory=dict)
+    rank: int = 0
+    coordinates: dict = field(default_factory=dict)
+    parameters: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    activations: int = 0          # peak of everything else alive during the step (see memory.py)
+    forward_backward_peak: int = 0  # peak above the parameters from forward to the end of backward, grads included
+    optimizer_growth: int = 0     # live bytes added by clip + AdamW's step (its state, mostly)
+    peak: int = 0                 # parameters + the peak of everything the step holds
+    axis_bytes: dict = field(default_factory=dict)      # mesh axis -> bytes sent
+    collectives: dict = field(default_factory=dict)     # "axis kind" -> count
+    collective_bytes: dict = field(default_factory=dict)  # "axis kind" -> bytes
+    phase_bytes: dict = field(default_factory=dict)     # "phase axis" -> bytes
+    traffic_bytes: int = 0        # hypershard._C.traffic() growth over the step
+    uncounted: int = 0
+    total_parameters: int = 0     # of the whole model (elements)
+    seconds: dict = field(default_factory=dict)
+
+    def over(self, memory_per_rank: float) -> list:
+        """The classes that do not fit `memory_per_rank` bytes, largest first: each class's share
+        is named when the sum exceeds the budget; a class alone larger than it is 'over'."""
+        classes = {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
+                   "activations": self.activations}
+        if self.peak <= memory_per_rank:
+            return []
+        return sorted(classes, key=lambda k: -classes[k])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Resyncing:
+    """A fully_shard group's C++ half (``cgroup``) that re-reads the live storages' sizes after each
+    call: its gathers and frees resize storages in place (see LiveBytes.resync)."""
+
+    def __init__(self, cgroup, live: LiveBytes):
+        self._cgroup, self._live = cgroup, live
+
+    def __getattr__(self, name):
+        value = getattr(self._cgroup, name)
+        if not callable(value):
+            return value
+
+        def call(*args, **kwargs):
+            out = value(*args, **kwargs)
+            if isinstance(out, (list, tuple)):
+                for t in out:
+                    if isinstance(t, torch.Tensor):
+                        self._live.see(t)
+            self._live.resync()
+            return out
+        return call
+
+
+def _watch_fully_shard(model, live: LiveBytes) -> None:
+    for module in model.modules():
+        group = getattr(module, "_hs_fully_shard", None)
+        if group is not None and not isinstance(group.cgroup, _Resyncing):
+            group.cgroup = _Resyncing(group.cgroup, live)
+
+
+def _step_figures(report: PlanReport, model, optimizer, live: LiveBytes) -> None:
+    counted = state_bytes(model, optimizer)
+    report.parameters, report.gradients, report.optimizer = counted.parameters, counted.gradients, counted.optimizer
+    state = counted.keys["gradients"] | counted.keys["optimizer"]
+    report.activations = live.peak(exclude=state, start="forward", end="end")
+    report.forward_backward_peak = live.peak(start="forward", end="optimizer")
+    at_optimizer = live.peak(start="optimizer", end="optimizer")
+    at_end = live.peak(start="end", end="end")
+    report.optimizer_growth = at_end - at_optimizer
+    report.peak = report.parameters + live.peak(start="forward", end="end")
+
+
+def plan_step(config, shape: Mapping[str, int], *, name: str = "", rank: int = 0, fully_shard: bool = False,
+              batch: int = 1, seq: int = 4096, dtype: torch.dtype = torch.float32,
+              compute_dtype: Optional[torch.dtype] = None) -> PlanReport:
+    """One training step of `config`'s model on a simulated mesh of `shape`, as rank `rank` sees it.
+    `batch`: sequences per step in all (split over dp); `seq`: tokens per sequence."""
+    from .world import coordinates
+
+    times = {}
+    t0 = time.perf_counter()
+    mesh = simulated_mesh(shape, rank)
+    model = build_model(config, "meta", dtype)
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    times["build"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    shard_model(model, mesh, fully_shard, compute_dtype)
+    times["shard"] = time.perf_counter() - t0
+    report = PlanReport(model=name, mesh=dict(shape), rank=rank, total_parameters=total,
+                        coordinates=dict(zip(shape, coordinates(shape, rank))))
+    ids = make_batch(config, batch, seq, "meta")
+    live = LiveBytes()
+    live.know(list(model.parameters()) + list(model.buffers()) + list(ids))
+    _watch_fully_shard(model, live)
+    t0 = time.perf_counter()
+    before = _C.traffic()["bytes_sent"]
+    with recording() as log, live:
+        def phase(name):
+            live.mark(name)
+            log.phase = name
+        optimizer = train_step(model, ids, phase)
+    times["step"] = time.perf_counter() - t0
+    report.traffic_bytes = _C.traffic()["bytes_sent"] - before
+    _step_figures(report, model, optimizer, live)
+    report.axis_bytes = log.axis_bytes()
+    report.collectives = {f"{a} {k}": n for (a, k), n in sorted(log.counts.items())}
+    report.collective_bytes = {f"{a} {k}": n for (a, k), n in sorted(log.bytes.items())}
+    report.phase_bytes = {f"{p} {a}": n for (p, a), n in sorted(log.by_phase.items())}
+    report.uncounted = log.uncounted
+    report.seconds = times
+    return report
+
+
+# ------------------------------------------------------------------------------------ measurement
+
+def _resident() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _page()
+
+
+def _page() -> int:
+    import os
+    return os.sysconf("SC_PAGE_SIZE")
+
+
+def _high_water() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_high_water() -> None:
+    # Linux: writing 5 to clear_refs resets the peak resident set size (VmHWM) to the current one.
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def measure_rank(rank: int, world: int, config_values: dict, shape: dict, fully_shard: bool, batch: int,
+                 seq: int) -> dict:
+    """A real step on a gloo mesh (run by hypershard.launch.spawn_local_ranks, with
+    MALLOC_MMAP_THRESHOLD_ fixed so every large tensor is its own mapping and freeing it shrinks the
+    resident set): counted bytes, resident-set growth over each phase, hypershard's traffic."""
+    import gc
+
+    import hypershard as hs
+    from .step import load_config
+
+    config = load_config(config_values.pop("name"), **config_values)
+    mesh = hs.init_device_mesh("cpu", list(shape.values()), list(shape))
+    ids = make_batch(config, batch, seq, "cpu")
+    # A whole warm-up run first, on a model then dropped: it takes what a process allocates once
+    # (thread pools, BLAS and gloo buffers, hypershard's plan caches). The measured step is the
+    # first of a fresh model, as the planner's (after a step fully_shard keeps the root's
+    # gathered parameters for the next forward, so later steps start from more).
+    warm = shard_model(build_model(config, "cpu"), mesh, fully_shard)
+    train_step(warm, ids)
+    del warm
+    gc.collect()
+    model = shard_model(build_model(config, "cpu"), mesh, fully_shard)
+    gc.collect()
+    marks = {}
+
+    def phase(name):
+        gc.collect()
+        marks[name] = (_resident(), _high_water())
+        _reset_high_water()
+
+    _C.reset_traffic()
+    optimizer = train_step(model, ids, phase)
+    traffic = _C.traffic()["bytes_sent"]
+    counted = state_bytes(model, optimizer)
+    forward = marks["forward"][0]
+    return {"parameters": counted.parameters, "gradients": counted.gradients, "optimizer": counted.optimizer,
+            "forward_backward_peak": max(marks["optimizer"][1], marks["backward"][1]) - forward,
+            "gradients_rss": marks["optimizer"][0] - forward,
+            "optimizer_growth": marks["end"][0] - marks["optimizer"][0],
+            "traffic_bytes": traffic}

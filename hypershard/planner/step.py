@@ -1,0 +1,178 @@
+"""One training step (forward, backward, clip_grad_norm_, AdamW) of a HuggingFace model on a
+hypershard mesh, and the per-rank byte counts of its tensor classes. The planner runs it on the
+meta device over a simulated mesh; the validation runs the same code on real tensors over gloo.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from .. import _C
+from .memory import storage_key
+
+__all__ = ["PUBLISHED", "StepBytes", "build_model", "load_config", "make_batch", "shard_model", "state_bytes", "train_step"]
+
+# Published configs transformers' defaults do not give (values from the model cards' config.json).
+# Qwen3.5-0.8B: the text model (the card's ~0.9B counts its vision encoder too).
+PUBLISHED = {
+    "qwen3_5_0_8b": ("qwen3_5_text", dict(
+        vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=16,
+        max_position_embeddings=262144, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
+                             mrope_section=[11, 11, 10], mrope_interleaved=True))),
+    "qwen3_vl_30b_a3b": ("qwen3_vl_moe", dict(
+        tie_word_embeddings=False,
+        text_config=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                         num_attention_heads=32, num_key_value_heads=4, head_dim=128, moe_intermediate_size=768,
+                         num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
+                         max_position_embeddings=262144, tie_word_embeddings=False,
+                         rope_parameters=dict(rope_type="default", rope_theta=5000000.0,
+                                              mrope_section=[24, 20, 20], mrope_interleaved=True)),
+        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=2048,
+                           num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24]))),
+}
+
+# Model types whose class is not an AutoModelForCausalLM.
+_MODEL_CLASSES = {"qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
+
+
+def load_config(name: str, **overrides):
+    """A transformers config: a save_pretrained folder, a PUBLISHED name, or a model_type (its
+    transformers default config, e.g. deepseek_v32 = DeepSeek-V3.2 671B). Training settings:
+    no KV cache, sdpa attention."""
+    from transformers import AutoConfig
+
+    if os.path.isdir(name):
+        config = AutoConfig.from_pretrained(name, local_files_only=True, **overrides)
+    else:
+        model_type, values = PUBLISHED.get(name, (name, {}))
+        layers = overrides.get("num_hidden_layers")
+        if layers and "layer_types" in values:  # fewer layers (a quicker plan): the pattern's first ones
+            values = {**values, "layer_types": values["layer_types"][:layers]}
+        config = AutoConfig.for_model(model_type, **{**values, **overrides})
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for c in {id(config): config, id(text): text}.values():
+        c.use_cache = False
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def _model_class(config):
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    if config.model_type in _MODEL_CLASSES:
+        return getattr(transformers, _MODEL_CLASSES[config.model_type])
+    return AutoModelForCausalLM._model_mapping[type(config)]
+
+
+def build_model(config, device: str = "meta", dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
+    """The model of `config` in training mode: on meta (nothing allocated, no initialisation, as
+    from_pretrained builds it) or on CPU with weights drawn from `seed`."""
+    from ..loading import _meta_model
+
+    cls = _model_class(config)
+    if device == "meta":
+        model = _meta_model(cls, config, dtype, "sdpa")
+    else:
+        torch.manual_seed(seed)
+        model = cls._from_config(config, attn_implementation="sdpa").to(dtype)
+    return model.train()
+
+
+def shard_model(model: nn.Module, mesh, fully_shard: bool = False,
+                compute_dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """parallelize with the model's own TP / EP plans (axes "tp", "ep"; inputs split over "dp"),
+    then, with `fully_shard`, hs.fully_shard on every decoder layer and the root over "dp"
+    (`compute_dtype`: the gathered parameters' dtype, the shards staying the master weights)."""
+    from ..fully_shard import MixedPrecisionPolicy
+    from ..loading import fully_shard_layers
+    from ..parallel import parallelize
+
+    checks = _C.check_replicas()
+    _C.set_check_replicas(False)  # meta tensors have no values to compare
+    try:
+        parallelize(model, mesh)
+        if fully_shard:
+            policy = None
+            if compute_dtype is not None:
+                policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+            fully_shard_layers(model, mesh, mp_policy=policy)
+    finally:
+        _C.set_check_replicas(checks)
+    return model
+
+
+def _vocab(config) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return text.vocab_size
+
+
+def make_batch(config, batch: int, seq: int, device: str, seed: int = 1) -> tuple:
+    """(input_ids, labels) of `batch` sequences of `seq` tokens."""
+    if device == "meta":
+        ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+        return ids, ids.clone()
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, _vocab(config), (batch, seq), generator=g)
+    return ids, ids.clone()
+
+
+def train_step(model: nn.Module, batch: tuple, on_phase: Callable[[str], None] = lambda name: None,
+               clip: float = 1.0) -> torch.optim.Optimizer:
+    """One step: forward (the causal-LM loss), backward, clip_grad_norm_, AdamW; `on_phase(name)`
+    is called at "forward", "backward", "optimizer" and "end". Returns the optimizer (its state)."""
+    ids, labels = batch
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    on_phase("forward")
+    loss = model(input_ids=ids, labels=labels).loss
+    on_phase("backward")
+    loss.backward()
+    del loss
+    on_phase("optimizer")
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    on_phase("end")
+    return optimizer
+
+
+@dataclass
+class StepBytes:
+    """This rank's bytes of each training-state class, each storage counted once."""
+    parameters: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    keys: dict = field(default_factory=dict)  # class -> set of storage keys
+
+
+def _unique_bytes(tensors) -> tuple:
+    seen, total = set(), 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        key, storage = storage_key(t)
+        if key is None or key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total, seen
+
+
+def state_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> StepBytes:
+    params = list(model.parameters())
+    out = StepBytes()
+    out.parameters, out.keys["parameters"] = _unique_bytes(params)
+    out.gradients, out.keys["gradients"] = _unique_bytes(p.grad for p in params)
+    if optimizer is not None:
+        state = [v for s in optimizer.state.values() for v in s.values()]
+        out.optimizer, out.keys["optimizer"] = _unique_bytes(state)
+    return out

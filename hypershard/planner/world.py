@@ -1,0 +1,222 @@
+"""A simulated world: one rank's view of a mesh of any size, in one process, sending nothing.
+
+Each mesh axis gets a c10d ``ProcessGroup`` of the axis size with no backend behind it. hypershard's
+C++ (redistribution, gradient buckets, fully_shard) calls ``group._allgather_base`` /
+``allreduce`` / ``_reduce_scatter_base`` / ``alltoall_base`` on it exactly as on a gloo or NCCL
+group; c10d routes those calls through the dispatcher by the tensors' device, and for meta tensors
+that lands on the ``c10d`` Meta kernels. Torch's own Meta kernels (torch.distributed.
+_meta_registrations, the fake process group's path) return a finished Work; ours do the same and
+also record the collective: its kind, the mesh axis (each group is one axis) and its bytes.
+
+Bytes are hypershard's own count (`_C.traffic()`, the bytes this rank sends, by the same cost model
+the redistribution planner uses): hypershard adds a collective's bytes to the counter just before it
+issues the collective, so the counter's growth since the previous collective is this collective's
+bytes. While recording, F.scaled_dot_product_attention on meta takes the kernel a CPU run takes
+(see _cpu_attention). A collective hypershard issues without counting (none known) is costed here by the usual
+ring formulas and marked uncounted.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed._meta_registrations import create_fakework
+
+from .. import _C
+
+__all__ = ["CollectiveLog", "recording", "simulated_mesh"]
+
+
+class _AxisGroup(dist.ProcessGroup):
+    """The process group of one mesh axis, as seen from this rank (no backend: only meta tensors
+    may be sent through it)."""
+
+    def __init__(self, rank: int, size: int, axis: str):
+        super().__init__(rank, size)
+        self.axis = axis
+
+
+_GROUPS: list = []
+
+
+def coordinates(shape: Mapping[str, int], rank: int) -> list:
+    """Row-major coordinates of `rank` on a mesh of `shape` (the order init_device_mesh uses)."""
+    out = []
+    for size in reversed(list(shape.values())):
+        out.append(rank % size)
+        rank //= size
+    return out[::-1]
+
+
+def simulated_mesh(shape: Mapping[str, int], rank: int = 0):
+    """A hypershard DeviceMesh of `shape` ({"dp": 32, "tp": 8}) seen by `rank`, with one
+    backend-less group per axis. Only meta tensors may take part in its collectives."""
+    size = 1
+    for n in shape.values():
+        size *= n
+    if not 0 <= rank < size:
+        raise ValueError(f"hypershard: plan: rank {rank} is not on a mesh of {size} ranks; allowed: 0..{size - 1}")
+    mesh = _C.Mesh.create(list(shape.values()), list(shape), [])
+    groups = [_AxisGroup(c, n, axis) for c, (axis, n) in zip(coordinates(shape, rank), shape.items())]
+    # The Python objects must outlive the mesh: a recorded collective finds its axis on them.
+    _GROUPS.extend(groups)
+    return _C.DeviceMesh(mesh, rank, "cpu", groups)
+
+
+@dataclass
+class CollectiveLog:
+    """Collectives issued while recording: per (axis, kind) the count and bytes sent."""
+    counts: collections.Counter = field(default_factory=collections.Counter)
+    bytes: collections.Counter = field(default_factory=collections.Counter)
+    uncounted: int = 0  # collectives hypershard did not count (costed here)
+    phase: str = "step"
+    by_phase: collections.Counter = field(default_factory=collections.Counter)  # (phase, axis) -> bytes
+
+    def axis_bytes(self) -> dict:
+        out: collections.Counter = collections.Counter()
+        for (axis, _), b in self.bytes.items():
+            out[axis] += b
+        return dict(out)
+
+
+_active: Optional[CollectiveLog] = None
+_last_counted = 0
+_library = None
+_aten = None
+# c10d op -> (index of the process group among its arguments, whether the op returns its first argument)
+_OPS = {"allreduce_": (1, True), "broadcast_": (1, True), "allgather_": (2, True), "_allgather_base_": (2, True),
+        "reduce_scatter_": (2, True), "_reduce_scatter_base_": (2, True), "alltoall_base_": (2, False),
+        "alltoall_": (2, True), "barrier": (1, False)}
+_KINDS = {"allreduce_": "all_reduce", "broadcast_": "broadcast", "allgather_": "all_gather",
+          "_allgather_base_": "all_gather", "reduce_scatter_": "reduce_scatter",
+          "_reduce_scatter_base_": "reduce_scatter", "alltoall_base_": "all_to_all", "alltoall_": "all_to_all",
+          "barrier": "barrier"}
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _estimate(kind: str, args: tuple, k: int) -> int:
+    """Ring-algorithm bytes this rank sends, for a collective hypershard did not count."""
+    if kind == "all_reduce":
+        return 2 * (k - 1) * _nbytes(args[0]) // k
+    if kind == "all_gather":
+        return (k - 1) * _nbytes(args[1])
+    if kind == "reduce_scatter":
+        return (k - 1) * _nbytes(args[0])
+    if kind == "all_to_all":
+        return (k - 1) * _nbytes(args[1]) // k
+    return 0
+
+
+def _kernel(op: str):
+    group_index, returns_first = _OPS[op]
+    kind = _KINDS[op]
+
+    def meta_kernel(*args):
+        global _last_counted
+        log = _active
+        if log is not None:
+            group = dist.ProcessGroup.unbox(args[group_index])
+            axis = getattr(group, "axis", "?")
+            counted = _C.traffic()["bytes_sent"]
+            sent = counted - _last_counted
+            _last_counted = counted
+            if sent <= 0 and kind != "barrier":
+                sent = _estimate(kind, args, group.size())
+                log.uncounted += 1
+            log.counts[(axis, kind)] += 1
+            log.bytes[(axis, kind)] += sent
+            log.by_phase[(log.phase, axis)] += sent
+        return create_fakework(args, returns_first)
+
+    return meta_kernel
+
+
+def _install() -> None:
+    """Our Meta kernels in place of torch's (same results, plus the record); once per process."""
+    global _library, _aten
+    if _library is not None:
+        return
+    import warnings
+    _library = torch.library.Library("c10d", "IMPL")
+    _aten = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel": intended
+        for op in _OPS:
+            _library.impl(op, _kernel(op), "Meta")
+        _aten.impl("_local_scalar_dense", _meta_item, "Meta")
+        _aten.impl("_grouped_mm", _meta_grouped_mm, "Meta")
+
+
+def _meta_grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
+    """torch's Meta kernel of _grouped_mm insists on bf16 (the CUDA kernel's rule); the CPU kernel a
+    real run takes computes any float dtype. Same output shapes as torch's: 2d x 3d -> (S, N),
+    3d x 3d -> (G, M, N), 2d x 2d (jagged K) -> (G, M, N), 3d x 2d (jagged N) -> (M, total N)."""
+    if a.dim() == 2 and b.dim() == 3:
+        shape = (a.shape[0], b.shape[-1])
+    elif a.dim() == 3 and b.dim() == 3:
+        shape = (a.shape[0], a.shape[1], b.shape[-1])
+    elif a.dim() == 2 and b.dim() == 2:
+        shape = (offs.shape[0], a.shape[0], b.shape[1])
+    else:
+        shape = (a.shape[1], b.shape[-1])
+    return a.new_empty(shape, dtype=out_dtype or a.dtype)
+
+
+def _meta_item(t: torch.Tensor):
+    """`.item()` of a meta tensor inside hypershard's C++ (a rule reading a bound, e.g. the largest
+    token id of a vocab-parallel embedding): 0 / False, which no data-dependent check refuses.
+    Model code's `.item()` is answered earlier by memory.LiveBytes (with the value a real batch gives)."""
+    if t.dtype == torch.bool:
+        return False
+    return 0.0 if t.dtype.is_floating_point else 0
+
+
+_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+
+def _cpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):
+    """F.scaled_dot_product_attention on meta as a CPU run computes it. torch picks the kernel by
+    the query's device type, and on meta that is the math path (a softmax of the whole score
+    matrix: other memory, other ops); a real CPU run takes the fused flash kernel."""
+    # torch's CPU flash check: 4-d, float dtypes, no dropout, one head size for q, k and v.
+    if not (query.is_meta and query.dim() == 4 and dropout_p == 0.0
+            and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and query.shape[-1] == key.shape[-1] == value.shape[-1]):
+        return _sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                     scale=scale, enable_gqa=enable_gqa)
+    if enable_gqa and key.shape[1] != query.shape[1]:
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+class recording:
+    """``with recording() as log:`` records every collective on a simulated mesh into `log`."""
+
+    def __init__(self):
+        self.log = CollectiveLog()
+
+    def __enter__(self) -> CollectiveLog:
+        global _active, _last_counted
+        _install()
+        _active, _last_counted = self.log, _C.traffic()["bytes_sent"]
+        torch.nn.functional.scaled_dot_product_attention = _cpu_attention
+        return self.log
+
+    def __exit__(self, *exc) -> None:
+        global _active
+        _active = None
+        torch.nn.functional.scaled_dot_product_attention = _sdpa

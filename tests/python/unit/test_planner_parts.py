@@ -1,0 +1,50 @@
+"""The planner's parts without processes: a simulated mesh records collectives per axis with
+hypershard's byte count, the storage accounting sees params / grads / optimizer state exactly,
+and a plan over budget names its classes."""
+
+import torch
+
+from hypershard import _C
+from hypershard.models import TINY_CONFIGS
+from hypershard.plan import format_report, main
+from hypershard.planner.run import plan_step
+from hypershard.planner.step import load_config
+from hypershard.planner.world import coordinates, recording, simulated_mesh
+
+
+def test_coordinates_row_major():
+    assert coordinates({"dp": 4, "tp": 2}, 5) == [2, 1]
+    assert coordinates({"dp": 2, "ep": 2, "tp": 2}, 6) == [1, 1, 0]
+
+
+def test_recorded_collectives_per_axis():
+    import hypershard as hs
+
+    mesh = simulated_mesh({"dp": 4, "tp": 2}, rank=3)
+    layout = hs.make_layout(mesh.mesh, [8, 6], ["S(0)", "S(1)"])
+    x = _C.from_local(torch.empty(layout.local_shape_at(mesh.position), device="meta"), mesh, layout)
+    with recording() as log:
+        before = _C.traffic()["bytes_sent"]
+        y = x.redistribute(mesh, [hs.Replicate(), hs.Replicate()])
+        sent = _C.traffic()["bytes_sent"] - before
+    assert y.to_local().shape == (8, 6) and y.to_local().is_meta
+    assert set(log.axis_bytes()) == {"dp", "tp"} and sum(log.axis_bytes().values()) == sent
+    assert log.uncounted == 0
+
+
+def test_tiny_plan_counts_state_exactly():
+    config = load_config("qwen3", **TINY_CONFIGS["qwen3"])
+    report = plan_step(config, {"dp": 2, "tp": 2}, batch=4, seq=16)
+    assert report.gradients == report.parameters                  # fp32 grads laid out as the params
+    assert abs(report.optimizer - 2 * report.parameters) <= 4 * 64  # m, v (+ 4-byte step counters)
+    assert report.activations > 0 and report.peak >= report.parameters + report.activations
+    assert sum(report.axis_bytes.values()) == report.traffic_bytes
+    text = format_report(report, memory_per_rank=report.peak / 2)
+    assert "DOES NOT FIT" in text and "largest first: activations" in text
+
+
+def test_cli_exit_code_says_fit(capsys):
+    assert main(["--model", "qwen3_5_0_8b", "--mesh", "dp=2,tp=2", "--seq", "64", "--layers", "4",
+                 "--memory-per-rank", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "fits 1.0 TB per rank" in out and "tp all_reduce" in out
