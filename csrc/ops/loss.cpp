@@ -208,6 +208,7 @@ OpPlan softmax_backward_rule(const OpCall& call) {
         if (ol.ndim() > 0) s.axes = dims[dim];
         return s;
       });
+  if (!best) fail_call(call, "internal error: no layout for the softmax backward");  // grad's never conflicts
   if (!best->axes.empty())
     best->plan.expand = [axes = best->axes](const OpCall& c, Stack& s) { softmax_backward_expand<kLog>(axes, c, s); };
   return std::move(best->plan);
