@@ -6,5 +6,7 @@
   tensors are recorded per mesh axis instead of sent;
 - `memory`: live-bytes accounting of meta tensors (which allocate nothing) by storage lifetime;
 - `step`: building a model (meta or real), sharding it, and running forward + backward + AdamW,
-  shared by the planner and by the 4-rank measurement that validates it (`measure`).
+  shared by the planner and by the 4-rank measurement that validates it;
+- `run`: the planned step (`plan_step`) and the measured one (`measure_rank`);
+- `validate`: the two compared (``python -m hypershard.planner.validate``).
 """

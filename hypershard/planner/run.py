@@ -21,8 +21,6 @@ from .world import recording, simulated_mesh
 
 __all__ = ["PlanReport", "measure_rank", "plan_step"]
 
-GB = 1e9
-
 
 @dataclass
 class PlanReport:

@@ -15,7 +15,8 @@ import torch.nn as nn
 from .. import _C
 from .memory import storage_key
 
-__all__ = ["PUBLISHED", "StepBytes", "build_model", "load_config", "make_batch", "shard_model", "state_bytes", "train_step"]
+__all__ = ["PUBLISHED", "StepBytes", "build_model", "load_config", "make_batch", "shard_model", "state_bytes",
+           "train_step"]
 
 # Published configs transformers' defaults do not give (values from the model cards' config.json).
 # Qwen3.5-0.8B: the text model (the card's ~0.9B counts its vision encoder too).
