@@ -59,6 +59,10 @@ def format_report(r: PlanReport, memory_per_rank: float = 0.0) -> str:
     lines.append("  collectives issued (count, bytes sent):")
     for key, n in r.collectives.items():
         lines.append(f"    {key:<26}{n:>6}  {_size(r.collective_bytes.get(key, 0)):>12}")
+    if r.issuers:
+        lines.append("  where the bytes come from (the line whose op issued them):")
+        for axis, kind, where, n in r.issuers[:12]:
+            lines.append(f"    {axis:<5}{kind:<15}{_size(n):>12}  {where}")
     if r.uncounted:
         lines.append(f"  ({r.uncounted} collectives hypershard did not count: costed by ring formulas)")
     if memory_per_rank:
@@ -88,6 +92,8 @@ def main(argv=None) -> int:
                         help="with --fully-shard: the gathered parameters' dtype (mixed precision)")
     parser.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the config's)")
     parser.add_argument("--memory-per-rank", type=float, default=0.0, help="GB per rank: say whether the step fits")
+    parser.add_argument("--trace", action="store_true",
+                        help="attribute each collective's bytes to the source line that issued it")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     shape, names = parse_mesh(args.mesh)
@@ -98,7 +104,8 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     report = plan_step(config, mesh, name=args.model, rank=args.rank, fully_shard=args.fully_shard, batch=batch,
                        seq=args.seq, dtype=_DTYPES[args.dtype],
-                       compute_dtype=_DTYPES[args.compute_dtype] if args.compute_dtype else None)
+                       compute_dtype=_DTYPES[args.compute_dtype] if args.compute_dtype else None,
+                       trace=args.trace)
     report.seconds["total"] = time.perf_counter() - started
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))

@@ -44,6 +44,7 @@ class PlanReport:
     uncounted: int = 0
     total_parameters: int = 0     # of the whole model (elements)
     seconds: dict = field(default_factory=dict)
+    issuers: list = field(default_factory=list)  # with trace: [axis, kind, line, bytes], largest first
 
     def over(self, memory_per_rank: float) -> list:
         """The classes that do not fit `memory_per_rank` bytes, largest first: each class's share
@@ -102,7 +103,7 @@ def _step_figures(report: PlanReport, model, optimizer, live: LiveBytes) -> None
 
 def plan_step(config, shape: Mapping[str, int], *, name: str = "", rank: int = 0, fully_shard: bool = False,
               batch: int = 1, seq: int = 4096, dtype: torch.dtype = torch.float32,
-              compute_dtype: Optional[torch.dtype] = None) -> PlanReport:
+              compute_dtype: Optional[torch.dtype] = None, trace: bool = False) -> PlanReport:
     """One training step of `config`'s model on a simulated mesh of `shape`, as rank `rank` sees it.
     `batch`: sequences per step in all (split over dp); `seq`: tokens per sequence."""
     from .world import coordinates
@@ -124,7 +125,7 @@ def plan_step(config, shape: Mapping[str, int], *, name: str = "", rank: int = 0
     _watch_fully_shard(model, live)
     t0 = time.perf_counter()
     before = _C.traffic()["bytes_sent"]
-    with recording() as log, live:
+    with recording(trace) as log, live:
         def phase(name):
             live.mark(name)
             log.phase = name
@@ -137,6 +138,7 @@ def plan_step(config, shape: Mapping[str, int], *, name: str = "", rank: int = 0
     report.collective_bytes = {f"{a} {k}": n for (a, k), n in sorted(log.bytes.items())}
     report.phase_bytes = {f"{p} {a}": n for (p, a), n in sorted(log.by_phase.items())}
     report.uncounted = log.uncounted
+    report.issuers = [[a, k, where, n] for (a, k, where), n in log.where.most_common()]
     report.seconds = times
     return report
 

@@ -75,6 +75,8 @@ class CollectiveLog:
     uncounted: int = 0  # collectives hypershard did not count (costed here)
     phase: str = "step"
     by_phase: collections.Counter = field(default_factory=collections.Counter)  # (phase, axis) -> bytes
+    trace: bool = False   # also attribute each collective to the model / hypershard line that issued it
+    where: collections.Counter = field(default_factory=collections.Counter)  # (axis, kind, line) -> bytes
 
     def axis_bytes(self) -> dict:
         out: collections.Counter = collections.Counter()
@@ -118,6 +120,23 @@ def _estimate(kind: str, args: tuple, k: int) -> int:
     return 0
 
 
+def _issuer(phase: str) -> str:
+    """The innermost Python line outside torch and the planner: the model code (or hypershard hook)
+    whose op issued the collective. A backward op the autograd engine runs from C++ has no such
+    line (the innermost one is the planner's loss.backward()): it shows as the phase's engine."""
+    import traceback
+
+    for frame in reversed(traceback.extract_stack()):
+        path = frame.filename
+        if "/torch/" in path or path.endswith(("planner/memory.py", "planner/world.py", "planner/run.py")):
+            continue  # torch, and the planner's own dispatch mode, kernels and fully_shard wrapper
+        if path.endswith(("planner/step.py", "hypershard/plan.py")):
+            break     # reached the step itself: no model line issued it
+        short = "/".join(path.split("/")[-2:])
+        return f"{short}:{frame.lineno} {frame.name}"
+    return f"({phase}: ops the autograd engine or optimizer ran)"
+
+
 def _kernel(op: str):
     group_index, returns_first = _OPS[op]
     kind = _KINDS[op]
@@ -137,6 +156,8 @@ def _kernel(op: str):
             log.counts[(axis, kind)] += 1
             log.bytes[(axis, kind)] += sent
             log.by_phase[(log.phase, axis)] += sent
+            if log.trace:
+                log.where[(axis, kind, _issuer(log.phase))] += sent
         return create_fakework(args, returns_first)
 
     return meta_kernel
@@ -206,8 +227,8 @@ def _cpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
 class recording:
     """``with recording() as log:`` records every collective on a simulated mesh into `log`."""
 
-    def __init__(self):
-        self.log = CollectiveLog()
+    def __init__(self, trace: bool = False):
+        self.log = CollectiveLog(trace=trace)
 
     def __enter__(self) -> CollectiveLog:
         global _active, _last_counted

@@ -48,3 +48,10 @@ def test_cli_exit_code_says_fit(capsys):
                  "--memory-per-rank", "1000"]) == 0
     out = capsys.readouterr().out
     assert "fits 1.0 TB per rank" in out and "tp all_reduce" in out
+
+
+def test_trace_attributes_every_byte():
+    config = load_config("qwen3", **TINY_CONFIGS["qwen3"])
+    report = plan_step(config, {"dp": 2, "tp": 2}, batch=4, seq=16, trace=True)
+    assert sum(n for *_, n in report.issuers) == report.traffic_bytes
+    assert any("parallel.py" in where for _, _, where, _ in report.issuers)  # the rowwise outputs' all-reduce
