@@ -11,9 +11,10 @@ also record the collective: its kind, the mesh axis (each group is one axis) and
 Bytes are hypershard's own count (`_C.traffic()`, the bytes this rank sends, by the same cost model
 the redistribution planner uses): hypershard adds a collective's bytes to the counter just before it
 issues the collective, so the counter's growth since the previous collective is this collective's
-bytes. While recording, F.scaled_dot_product_attention on meta takes the kernel a CPU run takes
-(see _cpu_attention). A collective hypershard issues without counting (none known) is costed here by the usual
-ring formulas and marked uncounted.
+bytes. The one exception, span exchanges (an all_to_all counted right after it is issued), is
+costed from its splits. A collective hypershard never counts (none known) would be costed by ring
+formulas and marked uncounted. While recording, F.scaled_dot_product_attention on meta takes the
+kernel a CPU run takes (see _cpu_attention).
 """
 
 from __future__ import annotations
@@ -107,6 +108,16 @@ def _nbytes(value) -> int:
     return 0
 
 
+def _all_to_all_bytes(args: tuple, me: int) -> int:
+    """Bytes this rank sends in alltoall_base(output, input, group, output_splits, input_splits):
+    every row of the input but its own block."""
+    inp, splits = args[1], list(args[4])
+    if not splits or inp.dim() == 0 or inp.shape[0] == 0:
+        return _nbytes(inp) * 0
+    row = inp.numel() // inp.shape[0] * inp.element_size()
+    return (sum(splits) - splits[me]) * row
+
+
 def _estimate(kind: str, args: tuple, k: int) -> int:
     """Ring-algorithm bytes this rank sends, for a collective hypershard did not count."""
     if kind == "all_reduce":
@@ -150,7 +161,12 @@ def _kernel(op: str):
             counted = _C.traffic()["bytes_sent"]
             sent = counted - _last_counted
             _last_counted = counted
-            if sent <= 0 and kind != "barrier":
+            if sent <= 0 and kind == "all_to_all" and op == "alltoall_base_":
+                # Span exchanges (csrc/runtime/span_exchange.cpp) count right AFTER issuing: cost
+                # it from its splits and take those bytes off the count that follows.
+                sent = _all_to_all_bytes(args, group.rank())
+                _last_counted += sent
+            elif sent <= 0 and kind != "barrier":
                 sent = _estimate(kind, args, group.size())
                 log.uncounted += 1
             log.counts[(axis, kind)] += 1

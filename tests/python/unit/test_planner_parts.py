@@ -55,3 +55,20 @@ def test_trace_attributes_every_byte():
     report = plan_step(config, {"dp": 2, "tp": 2}, batch=4, seq=16, trace=True)
     assert sum(n for *_, n in report.issuers) == report.traffic_bytes
     assert any("parallel.py" in where for _, _, where, _ in report.issuers)  # the rowwise outputs' all-reduce
+
+
+def test_span_exchange_bytes_go_to_their_own_collective():
+    """flip / roll along a sharded dim exchange spans with one all_to_all, which hypershard counts
+    right after issuing it: the log still gives it exactly its bytes, and nothing is left over."""
+    import hypershard as hs
+
+    mesh = simulated_mesh({"dp": 4, "tp": 2}, rank=1)
+    layout = hs.make_layout(mesh.mesh, [64, 6], ["S(0)", "R"])
+    for op in (lambda x: torch.flip(x, [0]), lambda x: torch.roll(x, 3, 0)):
+        x = _C.from_local(torch.empty(layout.local_shape_at(mesh.position), device="meta"), mesh, layout)
+        with recording() as log:
+            before = _C.traffic()["bytes_sent"]
+            op(x)
+            sent = _C.traffic()["bytes_sent"] - before
+        assert dict(log.counts) == {("dp", "all_to_all"): 1} and log.axis_bytes() == {"dp": sent} and sent > 0
+        assert log.uncounted == 0
