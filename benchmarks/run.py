@@ -25,13 +25,18 @@ Sections (see benchmarks/README.md for what each measures and how; the code is i
               other way of summing data-parallel gradients (per parameter / bucketed); a dp2 x tp2
               run at a size where compute dominates (17 M parameters); the bytes each rank sends
               per step and hypershard's rule-cache statistics over 20 steps
+  true_size   (only when named: ~13 GB and ~15 min) Qwen3.5-0.8B at its true size, random weights
+              written once as a bf16 safetensors checkpoint, loaded by hs.from_pretrained on dp2 x tp2
+              (+ fully_shard over dp) and dp4 fully_shard, 2 bf16 mixed-precision AdamW steps: load time,
+              bytes read and peak RSS per rank vs one device; Qwen3.5-35B-A3B cut to 2 layers (2.7 B)
+              loaded in bf16 on ep4, one forward + backward
   memory      peak RSS growth and parameter + gradient + optimizer-state bytes per rank of a
               larger Qwen3 config: hypershard vs torch DTensor vs one device (measured at the end
               of the step launches)
 
 Writes bench/results.json, bench/RESULTS.md and bench/results.png and prints the tables.
 
-    .venv/bin/python benchmarks/run.py [--quick] [--sections dispatch,fallback,rotary,checkpoint,fully_shard,step,memory] [--out bench]
+    .venv/bin/python benchmarks/run.py [--quick] [--sections dispatch,fallback,rotary,checkpoint,fully_shard,step,memory,true_size] [--out bench]
 """
 
 from __future__ import annotations
@@ -60,8 +65,11 @@ from hsbench.rotary import run_rotary  # noqa: E402
 from hsbench.checkpoint import run_checkpoint  # noqa: E402
 from hsbench.fully_shard import run_fully_shard  # noqa: E402
 from hsbench.training import run_steps  # noqa: E402
+from hsbench.true_size import run_true_size  # noqa: E402
 
-SECTIONS = ("dispatch", "fallback", "rotary", "checkpoint", "fully_shard", "step", "memory")
+SECTIONS = ("dispatch", "fallback", "rotary", "checkpoint", "fully_shard", "step", "memory", "true_size")
+# true_size holds ~13 GB and runs ~15 min on 2 cores: a default run (make bench) leaves it out
+DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s != "true_size")
 
 
 def main(argv=None) -> int:
@@ -70,8 +78,8 @@ def main(argv=None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: few samples and steps (about two minutes on 2 busy cores); rough numbers")
-    parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help=f"comma-separated subset of {','.join(SECTIONS)} (default all)")
+    parser.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                        help=f"comma-separated subset of {','.join(SECTIONS)} (default all but true_size)")
     parser.add_argument("--out", default=str(ROOT / "bench"), help="output folder (default bench/)")
     parser.add_argument("--repeats", type=int, help="timing samples per dispatch, fallback and rotary figure (default 21; quick 3)")
     parser.add_argument("--sample-ms", type=float, help="length of one dispatch, fallback or rotary sample in ms (default 5; quick 3)")
@@ -79,6 +87,17 @@ def main(argv=None) -> int:
     parser.add_argument("--timed", type=int, help="timed training steps per implementation (default 10; quick 3)")
     parser.add_argument("--cache-steps", type=int, help="hypershard steps for the rule-cache figures (default 20; quick 6)")
     parser.add_argument("--memory-steps", type=int, help="training steps in the memory runs (default 2; quick 1)")
+    parser.add_argument("--true-size-scale", choices=("true", "smoke"), default="true",
+                        help="true_size: the true configs, or small ones of the same model types to check the "
+                             "code path (--quick implies smoke)")
+    parser.add_argument("--true-size-batch", type=int, default=4,
+                        help="true_size: sequences per Qwen3.5-0.8B step, split over dp (default 4)")
+    parser.add_argument("--true-size-moe-batch", type=int, default=1,
+                        help="true_size: sequences in the 35B-A3B forward + backward (default 1)")
+    parser.add_argument("--true-size-seq", type=int, default=128, help="true_size: tokens per sequence (default 128)")
+    parser.add_argument("--true-size-skip-moe", action="store_true", help="true_size: the 0.8B runs only")
+    parser.add_argument("--no-true-size-moe-single", dest="true_size_moe_single", action="store_false",
+                        help="true_size: no one-device run of the 35B-A3B cut (it needs ~12 GB)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before a launch is abandoned (default 600)")
     args = parser.parse_args(argv)
     quick = args.quick
@@ -118,6 +137,8 @@ def main(argv=None) -> int:
             results.update(step=step, bytes=traffic, rule_cache=cache)
         if memory:
             results["memory"] = memory
+    if "true_size" in sections:
+        results["true_size"] = run_true_size(args, log)
     results["meta"] = {"torch": torch.__version__, "transformers": transformers.__version__,
                        "cpus": os.cpu_count(), "quick": quick, "seconds": time.perf_counter() - started,
                        "date": datetime.datetime.now().isoformat(timespec="seconds"),

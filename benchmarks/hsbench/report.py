@@ -8,6 +8,7 @@ from .dispatch import IMPL_NAMES
 from .checkpoint import checkpoint_lines
 from .fully_shard import fully_shard_lines
 from .rotary import rotary_lines
+from .true_size import true_size_lines
 from .training import STEP_MESHES
 
 # The project's target for the per-op overhead of ops with rules: hypershard / plain eager
@@ -85,6 +86,7 @@ def markdown(results: dict) -> str:
     lines += rotary_lines(results.get("rotary"))
     lines += checkpoint_lines(results.get("checkpoint"))
     lines += fully_shard_lines(results.get("fully_shard"))
+    lines += true_size_lines(results.get("true_size"))
     s = results.get("step")
     if s:
         lines += ["## Training step, Qwen3 on 4 CPU ranks (s per step)", "",
