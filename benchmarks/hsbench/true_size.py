@@ -206,7 +206,9 @@ def _launch(world: int, settings: dict, log: Callable, label: str, timeout: floa
     log(f"  {label} ...")
     t0 = time.perf_counter()
     try:
-        ranks = spawn_local_ranks(_rank, world, settings, timeout=timeout)
+        # a collective's limit as long as the launch's: a rank may wait at the barrier after the
+        # load, or inside a step, for minutes while the others copy and compute on 2 cores
+        ranks = spawn_local_ranks(_rank, world, settings, timeout=timeout, pg_timeout=timeout)
     except Exception as exc:  # noqa: BLE001 -- reported, the other runs go on
         log(f"    failed: {error_text(exc)}")
         return {"error": error_text(exc)}
