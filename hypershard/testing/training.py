@@ -102,6 +102,14 @@ def check_training(got: TrainingRecord, expected: TrainingRecord) -> tuple[list,
             problems.append(f"loss of step {step}: {a!r} vs {b!r} (relative {rel:.2e} > {LOSS_RTOL:g})")
     if set(got.first_grads) != set(expected.first_grads):
         problems.append(f"parameters with a gradient differ: {sorted(set(got.first_grads) ^ set(expected.first_grads))}")
+    check_first_grads(got, expected, GRAD_RTOL, problems, worst)
+    check_final_params(got, expected, UPDATE_RTOL, problems, worst)
+    return problems, worst
+
+
+def check_first_grads(got: TrainingRecord, expected: TrainingRecord, rtol: float, problems: list, worst: dict) -> None:
+    """Each parameter's first-step gradient within `rtol` of its norm (appends to `problems`,
+    keeps the largest ratio in worst["grad_rel"])."""
     for name, g_ref in expected.first_grads.items():
         if name not in got.first_grads:
             continue
@@ -112,18 +120,24 @@ def check_training(got: TrainingRecord, expected: TrainingRecord) -> tuple[list,
         err, scale = _norm(g - g_ref), _norm(g_ref)
         rel = err / scale if scale else (0.0 if err == 0 else math.inf)
         worst["grad_rel"] = max(worst["grad_rel"], rel)
-        if not err <= GRAD_RTOL * scale:
-            problems.append(f"{name}: first-step gradient differs by {rel:.2e} of its norm (> {GRAD_RTOL:g})")
+        if not err <= rtol * scale:
+            problems.append(f"{name}: first-step gradient differs by {rel:.2e} of its norm (> {rtol:g})")
+
+
+def check_final_params(got: TrainingRecord, expected: TrainingRecord, update_rtol: float, problems: list,
+                       worst: dict) -> None:
+    """Each parameter after the last step within `update_rtol` of its update's norm, plus one fp32
+    rounding of the parameter per step (appends to `problems`, keeps worst["update_rel"])."""
+    steps = len(expected.losses)
     for name, p_ref in expected.final.items():
         p = got.final.get(name)
         if p is None or p.shape != p_ref.shape:
             problems.append(f"{name}: missing or of another shape after training")
             continue
         err, moved = _norm(p - p_ref), _norm(p_ref - expected.initial[name])
-        bound = UPDATE_RTOL * moved + steps * U32 * _norm(p_ref)
+        bound = update_rtol * moved + steps * U32 * _norm(p_ref)
         rel = err / moved if moved else (0.0 if err == 0 else math.inf)
         worst["update_rel"] = max(worst["update_rel"], rel)
         if not err <= bound:
             problems.append(f"{name}: after {steps} steps differs by {err:.3e} = {rel:.2e} of its update "
-                            f"{moved:.3e} (allowed {UPDATE_RTOL:g} of it + {steps} u |p|)")
-    return problems, worst
+                            f"{moved:.3e} (allowed {update_rtol:g} of it + {steps} u |p|)")

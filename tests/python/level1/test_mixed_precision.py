@@ -29,6 +29,7 @@ import os
 import torch
 
 from hypershard.testing import Case, Input, assert_all_passed, current_mesh, run_cases
+from hypershard.testing.training import check_final_params, check_first_grads
 
 STEPS = 3
 LR = float(os.environ.get("HS_MP_LR", "1e-3"))
@@ -79,7 +80,6 @@ DP2_EP2 = ((2, 2), ("dp", "ep"))
 # rounds to bf16: on dp <= 4 that is inside these tolerances (measured: the same deltas as fp32
 # sums, 0.9 % vs 0.9 % on dp=4), so `gradient_sums_in_fp32` checks the sum's dtype exactly.
 U_BF16 = 2.0 ** -8
-U32 = 2.0 ** -24
 LOSS_ATOL = 5e-4
 GRAD_RTOL = 13 * U_BF16  # (k + 1) u, k = 12: 5.1e-2
 UPDATE_RTOL = 0.2
@@ -99,16 +99,7 @@ def check_mixed(got, expected):
             problems.append(f"loss of step {step}: {a!r} vs {b!r} (differ by {abs(a - b):.2e} > {LOSS_ATOL:g})")
     if len(got.losses) != len(expected.losses) or set(got.first_grads) != set(expected.first_grads):
         problems.append("the runs differ in steps or in the parameters with a gradient")
-    for name, g_ref in expected.first_grads.items():
-        g = got.first_grads.get(name)
-        if g is None:
-            continue
-        err, scale = _norm(g - g_ref), _norm(g_ref)
-        rel = err / scale if scale else (0.0 if err == 0 else math.inf)
-        worst["grad_rel"] = max(worst["grad_rel"], rel)
-        if not err <= GRAD_RTOL * scale:
-            problems.append(f"{name}: first-step gradient differs by {rel:.2e} of its norm (> {GRAD_RTOL:g})")
-    steps = len(expected.losses)
+    check_first_grads(got, expected, GRAD_RTOL, problems, worst)
     err2 = moved2 = 0.0
     for name, p_ref in expected.final.items():
         err2 += _norm(got.final[name] - p_ref) ** 2
@@ -119,13 +110,7 @@ def check_mixed(got, expected):
         err2 += _norm(got.first_grads[name] - g_ref) ** 2
         scale2 += _norm(g_ref) ** 2
     worst["grad_rel_all"] = math.sqrt(err2 / scale2)
-    for name, p_ref in expected.final.items():
-        p = got.final[name]
-        err, moved = _norm(p - p_ref), _norm(p_ref - expected.initial[name])
-        rel = err / moved if moved else (0.0 if err == 0 else math.inf)
-        worst["update_rel"] = max(worst["update_rel"], rel)
-        if not err <= UPDATE_RTOL * moved + steps * U32 * _norm(p_ref):
-            problems.append(f"{name}: after {steps} steps differs by {rel:.2e} of its update (> {UPDATE_RTOL:g})")
+    check_final_params(got, expected, UPDATE_RTOL, problems, worst)
     return problems, worst
 
 
