@@ -12,13 +12,14 @@ from typing import Optional
 
 from .sft_fixtures import alpaca_records, sharegpt_records
 
-__all__ = ["write_tokenizer", "write_model", "write_dataset_dir", "write_run", "read_losses", "read_eval_losses"]
+__all__ = ["write_tokenizer", "write_model", "write_vl_model", "write_dataset_dir", "write_vl_dataset_dir", "write_run",
+           "read_losses", "read_eval_losses"]
 
 # Qwen's: <|im_end|> ends a turn (LlamaFactory's qwen3 template makes it the eos), <|endoftext|> pads.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
 
-def write_tokenizer(directory, texts: list, vocab_size: int = 320) -> Path:
+def write_tokenizer(directory, texts: list, vocab_size: int = 320, extra_special: tuple = ()) -> Path:
     """A byte-level BPE (any text encodes: the qwen3 template adds <think> blocks) trained on `texts`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -26,11 +27,12 @@ def write_tokenizer(directory, texts: list, vocab_size: int = 320) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + list(extra_special),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                      additional_special_tokens=["<|im_start|>", "<think>", "</think>"])
+                                      additional_special_tokens=["<|im_start|>", "<think>", "</think>",
+                                                                 *extra_special])
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     wrapped.save_pretrained(directory)
@@ -47,6 +49,8 @@ def write_model(directory, model_type: str = "qwen3", seed: int = 0, **overrides
     its vocabulary the tokenizer's rounded up to a multiple of 8, with the tokenizer beside it."""
     from hypershard.models import tiny_config, tiny_model
 
+    if model_type == "qwen3_vl_moe":
+        raise ValueError("write_model: qwen3_vl_moe needs its vision tokens and image processor: write_vl_model")
     directory = Path(directory)
     write_tokenizer(directory, _texts())
     from transformers import AutoTokenizer
@@ -54,12 +58,75 @@ def write_model(directory, model_type: str = "qwen3", seed: int = 0, **overrides
     vocab = 8 * math.ceil(len(AutoTokenizer.from_pretrained(str(directory))) / 8)
     values = {"vocab_size": vocab}
     values.update(overrides)
-    if model_type == "qwen3_vl_moe":
-        raise NotImplementedError("see write_vl_model")
     config = tiny_config(model_type, **values)
     model = tiny_model(config, seed=seed)
     model.config.use_cache = False
     model.save_pretrained(directory)
+    return directory
+
+
+# Qwen-VL's vision tokens: an image is <|vision_start|> <|image_pad|> x (its merged patches) <|vision_end|>.
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+VL_IMAGE_SIZE = 32  # pixels a side: patch 4 x merge 2 -> an 8 x 8 patch grid, 16 image tokens after the merge
+
+
+def write_vl_model(directory, seed: int = 0) -> Path:
+    """A tiny Qwen3-VL-MoE folder as a published one is laid out: config + safetensors, the
+    byte-level tokenizer with Qwen's vision tokens, and preprocessor_config.json for the Qwen2-VL
+    image processor (patch / merge sizes the tiny vision tower's; pixel bounds that keep a
+    VL_IMAGE_SIZE image at its size). No video processor config: video is out of scope."""
+    from hypershard.models import tiny_config, tiny_model
+    from transformers import AutoTokenizer
+
+    directory = Path(directory)
+    write_tokenizer(directory, _texts(), extra_special=VISION_TOKENS)
+    tok = AutoTokenizer.from_pretrained(str(directory))
+    ids = {name: tok.convert_tokens_to_ids(token) for name, token in
+           zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), VISION_TOKENS)}
+    vocab = 8 * math.ceil(len(tok) / 8)
+    base = tiny_config("qwen3_vl_moe")
+    text = dict(base.text_config.to_dict(), vocab_size=vocab, max_position_embeddings=256)
+    config = tiny_config("qwen3_vl_moe", text_config=text, **ids)
+    model = tiny_model(config, seed=seed)
+    model.config.use_cache = False
+    model.save_pretrained(directory)
+    vision = config.vision_config
+    side = VL_IMAGE_SIZE
+    processor = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
+                 "patch_size": vision.patch_size, "temporal_patch_size": vision.temporal_patch_size,
+                 "merge_size": vision.spatial_merge_size, "do_resize": True, "do_rescale": True,
+                 "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],
+                 "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True,
+                 "size": {"shortest_edge": 8 * 8, "longest_edge": side * side * 4}}
+    (directory / "preprocessor_config.json").write_text(json.dumps(processor, indent=1))
+    return directory
+
+
+def write_vl_dataset_dir(directory, n: int = 16) -> Path:
+    """`n` sharegpt records in LlamaFactory's mllm_demo layout (role/content messages, an `images`
+    column), each an instruction about its own small PNG (a colour of its own, a line of dots in one of
+    four spacings) and an answer."""
+    from PIL import Image
+
+    directory = Path(directory)
+    (directory / "images").mkdir(parents=True, exist_ok=True)
+    records, texts = [], alpaca_records(n)
+    for i in range(n):
+        path = directory / "images" / f"{i}.png"
+        image = Image.new("RGB", (VL_IMAGE_SIZE, VL_IMAGE_SIZE), ((40 * i) % 256, (90 + 25 * i) % 256, 200))
+        for x in range(0, VL_IMAGE_SIZE, 1 + i % 4):
+            image.putpixel((x, (x * (i + 1)) % VL_IMAGE_SIZE), (255, 255 - 10 * i % 256, 0))
+        image.save(path)
+        text = texts[i]
+        records.append({"messages": [{"role": "user", "content": f"<image>{text['instruction']}"},
+                                     {"role": "assistant", "content": text["output"]}],
+                        "images": [str(path)]})
+    (directory / "mllm_demo.json").write_text(json.dumps(records, indent=1))
+    info = {"mllm_demo": {"file_name": "mllm_demo.json", "formatting": "sharegpt",
+                          "columns": {"messages": "messages", "images": "images"},
+                          "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                                   "assistant_tag": "assistant"}}}
+    (directory / "dataset_info.json").write_text(json.dumps(info, indent=1))
     return directory
 
 

@@ -16,6 +16,17 @@ torchaudio. PyPI's torchaudio wheel is a CUDA build that fails to load with the 
 ``import torchaudio`` fails, the launcher registers a stand-in module whose every attribute raises
 a clear error; where a real torchaudio loads, nothing is changed. Audio training is out of scope.
 
+torchvision. transformers' video processors (every Qwen-VL processor holds one) are torchvision
+classes, and PyPI's torchvision does not load with the CPU torch ("operator torchvision::nms does
+not exist"), so ``AutoProcessor`` fails and LlamaFactory's qwen*_vl templates refuse to run without
+a processor. When ``import torchvision`` fails, the launcher (its process only) marks torchvision
+absent (``sys.modules["torchvision"] = None``: transformers then picks its PIL image processors, e.g.
+Qwen2VLImageProcessorPil, instead of importing a broken package) and has ProcessorMixin load a
+processor's ``video_processor`` as a stand-in: a real ``BaseVideoProcessor`` with the folder's
+settings (merge_size, ...) that refuses any video. ``AutoProcessor`` then gives the model's real
+processor class; images train, video inputs fail with a clear error. Where torchvision loads,
+nothing is changed.
+
 Launching. Under torchrun (RANK set) each process runs LlamaFactory's ``run_exp``. Without it,
 ``FORCE_TORCHRUN=1`` / ``NPROC_PER_NODE=N`` (LlamaFactory's own switches) make the launcher start
 ``torchrun --standalone --nproc-per-node N -m hypershard.integrations.llamafactory ...`` itself,
@@ -26,6 +37,7 @@ hypershard runs it on 5.18.
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -130,6 +142,87 @@ def ensure_torchaudio() -> bool:
         return False
 
 
+# --------------------------------------------------------------------------------- torchvision
+
+@functools.lru_cache(maxsize=None)
+def _refusing_video_processor_class():
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    class HypershardNoVideoProcessor(BaseVideoProcessor):
+        """What a processor holds when its torchvision video processor cannot load: the folder's
+        settings (LlamaFactory's plugins read merge_size), no video processing."""
+
+        reason = "torchvision does not load"
+
+        def __call__(self, videos=None, **kwargs):
+            raise ImportError(f"hypershard: llamafactory: video inputs are unavailable: the model's video processor "
+                              f"needs torchvision, which does not load here ({self.reason}); video training is not "
+                              f"supported by this launcher")
+
+        preprocess = __call__
+
+        def to_dict(self):
+            # A saved processor names no video processor class: loading it picks the model type's
+            # own (where torchvision loads), or this stand-in again (where it does not).
+            values = super().to_dict()
+            values.pop("video_processor_type", None)
+            return values
+
+    return HypershardNoVideoProcessor
+
+
+class NoVideoAutoProcessor:
+    """What ProcessorMixin loads a processor's ``video_processor`` with once the fallback is
+    installed (transformers' own AutoVideoProcessor is then a placeholder that raises: it requires
+    torchvision)."""
+
+    reason = "torchvision does not load"
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *inputs, **kwargs):
+        processor = _refusing_video_processor_class().from_pretrained(pretrained_model_name_or_path, *inputs, **kwargs)
+        processor.reason = cls.reason
+        return processor
+
+
+def _install_video_fallback(reason: str) -> None:
+    from transformers import processing_utils
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    NoVideoAutoProcessor.reason = reason
+    mapping = processing_utils.MODALITY_TO_AUTOPROCESSOR_MAPPING
+    # An attribute of this one mapping object (its class's table stays as it is): ProcessorMixin
+    # looks "video_processor" up here when it loads a processor's parts.
+    mapping._MAPPING_NAMES = {**type(mapping)._MAPPING_NAMES,
+                              "video_processor": (__name__, NoVideoAutoProcessor.__name__)}
+    # ProcessorMixin checks a video processor against transformers.BaseVideoProcessor, which without
+    # torchvision is a placeholder that nothing is an instance of; the class itself imports and
+    # works without torchvision (only its video transforms need it), so the check gets the class.
+    setattr(processing_utils.transformers_module, "BaseVideoProcessor", BaseVideoProcessor)
+
+
+def ensure_torchvision() -> bool:
+    """Imports torchvision; when it fails, marks it absent and installs the video-processor
+    fallback (module docstring). Returns whether the real one is used."""
+    try:
+        import torchvision  # noqa: F401
+        return True
+    except Exception as error:  # ModuleNotFoundError, or a wheel built for another torch (RuntimeError)
+        reason = f"{type(error).__name__}: {error}".splitlines()[0]
+    for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+        del sys.modules[name]  # a half-imported real module must not linger
+    # None in sys.modules: importlib.util.find_spec answers None and an import raises
+    # ModuleNotFoundError, so transformers' is_torchvision_available() is False
+    sys.modules["torchvision"] = None
+    import_utils = sys.modules.get("transformers.utils.import_utils")
+    for name in ("is_torchvision_available", "is_torchvision_v2_available"):
+        clear = getattr(getattr(import_utils, name, None), "cache_clear", None)
+        if clear is not None:  # transformers imported before us: forget an answer already cached
+            clear()
+    _install_video_fallback(reason)
+    return False
+
+
 # -------------------------------------------------------------------------------------- launch
 
 def _under_torchrun() -> bool:
@@ -144,6 +237,7 @@ def prepare() -> bool:
     """Everything LlamaFactory needs before it is imported; returns whether hypershard is registered."""
     os.environ.setdefault("DISABLE_VERSION_CHECK", "1")
     ensure_torchaudio()
+    ensure_torchvision()
     return register_hyper_parallel()
 
 

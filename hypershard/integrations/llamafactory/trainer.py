@@ -13,6 +13,9 @@ HF run would do data parallelism itself:
   x dp sequences -- exactly what a single-process run with that batch size reads;
 - the accelerator never wraps the model in DDP (hypershard's gradient reductions already sum over
   dp) and its ``gather`` does not concatenate identical copies from every rank;
+- a VLM's mrope ``position_ids`` from LlamaFactory's collator, shaped (4, batch, seq), are split on
+  their batch dim (1) over dp, like the text they belong to, before the model's hook (which would
+  split dim 0, the 4 rope rows) sees them;
 - token counts are not summed over processes (``average_tokens_across_devices`` off): every rank
   already counts the whole global batch;
 - checkpoints are written shard-wise (hypershard.checkpoint / DCP) inside HF's ``checkpoint-N``
@@ -200,6 +203,23 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         return model  # no DataParallel / DDP: hypershard is the data parallelism
+
+    def _prepare_inputs(self, inputs):
+        inputs = super()._prepare_inputs(inputs)
+        positions = inputs.get("position_ids") if isinstance(inputs, dict) else None
+        if isinstance(positions, torch.Tensor) and positions.dim() == 3:
+            # Qwen-VL's multimodal rope: LlamaFactory's collator gives (text + 3 mrope axes, batch,
+            # seq). The model's input hook splits dim 0 -- here the 4 rope rows, which dp need not
+            # divide (dp 3, dp 8) and which do not line up with the dp-split hidden states. The batch
+            # dim is per_device_train_batch_size x dp, always divisible, and each rank then holds the
+            # positions of its own sequences. The hook leaves DTensors as they are.
+            from hypershard.dtensor import distribute_tensor
+            from hypershard.placement_types import Replicate, Shard
+
+            placements = [Replicate()] * self.mesh.ndim
+            placements[0] = Shard(1)  # the mesh's first axis is dp (HyperParallelArguments.mesh_spec)
+            inputs["position_ids"] = distribute_tensor(positions, self.mesh, placements)
+        return inputs
 
     # ------------------------------------------------------------------------------- training
 

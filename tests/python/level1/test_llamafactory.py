@@ -27,7 +27,8 @@ import pytest
 import llamafactory  # noqa: E402,F401  (make setup installs it: a missing install fails, never skips)
 
 from hypershard.testing.llamafactory_fixtures import (read_eval_losses, read_losses,  # noqa: E402
-                                                       write_dataset_dir, write_model, write_run)
+                                                       write_dataset_dir, write_model, write_run, write_vl_dataset_dir,
+                                                       write_vl_model)
 from hypershard.testing.training import LOSS_RTOL  # noqa: E402
 
 TIMEOUT = 300  # seconds per launch; each rank's watchdog fires first and names itself
@@ -168,6 +169,29 @@ def test_qwen3_5_moe_dp2_ep2_equals_llamafactory(work):
     losses = read_losses(out)
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert_close(losses, reference, range(1, STEPS + 1), "Qwen3.5-MoE dp2 x ep2 vs LlamaFactory single process")
+
+
+def test_qwen3_vl_moe_image_dp2_tp2_equals_llamafactory(work):
+    """Qwen3-VL-MoE, every sample with an image, through LlamaFactory's qwen3_vl template, mm_plugin
+    and collator (pixel_values, image_grid_thw, mrope position_ids), strict mode on dp2 x tp2, vs
+    LlamaFactory's own single process. The processor is transformers' Qwen3VLProcessor with the PIL
+    Qwen2-VL image processor; without a loadable torchvision its video processor is the launcher's
+    stand-in (docs/llamafactory.md)."""
+    root = work["root"]
+    model, data = write_vl_model(root / "vl"), write_vl_dataset_dir(root / "vl_data")
+    common = dict(dataset="mllm_demo", template="qwen3_vl", cutoff_len=128)
+    ref_yaml = write_run(root / "vl_ref", model, data, root / "out_vl_ref", per_device_train_batch_size=4, **common)
+    result = launch(ref_yaml, 1)
+    ok(result, "LlamaFactory's single-process Qwen3-VL-MoE run")
+    assert "<|image_pad|>" in result.stdout + result.stderr  # LlamaFactory's printed example holds the image
+    reference = read_losses(root / "out_vl_ref")
+    yaml_path = write_run(root / "vl_dp2_tp2", model, data, root / "out_vl_dp2_tp2",
+                          hp={"tp_size": 2, "strict": True}, **common)
+    result = launch(yaml_path, 4)
+    ok(result, "Qwen3-VL-MoE dp2 x tp2 run")
+    losses = read_losses(root / "out_vl_dp2_tp2")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert_close(losses, reference, range(1, STEPS + 1), "Qwen3-VL-MoE dp2 x tp2 vs LlamaFactory single process")
 
 
 # bf16: true (LlamaFactory keeps fp32 trainable weights for full fine-tuning and HF's accelerator
