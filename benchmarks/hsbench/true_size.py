@@ -108,7 +108,8 @@ def _ep_plan_same_axis(folder: str) -> dict:
     """The model's TP plan for everything but the experts, to be applied on the ep axis itself:
     the experts sharded over ep by the EP plan, attention / shared expert / embedding / lm_head
     tensor-parallel over the same 4 ranks. Without it every rank holds the non-expert 1.1 B
-    parameters and their gradients whole (4 x 4.4 GB in bf16 at this size)."""
+    parameters and their gradients whole (4 x 4.4 GB in bf16 at this size). The model's TP plan
+    has no entry for embed_tokens: the input embedding (0.5 B) stays whole on every rank."""
     from transformers import AutoConfig
 
     from hypershard.parallel import tp_plan_of
@@ -319,8 +320,8 @@ def true_size_lines(r) -> list:
                       f"parameters: {c.get('num_experts')} experts (top-{c.get('num_experts_per_tok')}), hidden "
                       f"{c.get('hidden_size')}, vocab {c.get('vocab_size')}; bf16 files {ck.get('file_bytes', 0) / 1e9:.2f} GB), "
                       f"loaded in bf16, one forward + backward on batch {m['batch'][0]} x {m['batch'][1]}. ep4: the experts "
-                      "over ep (the model's EP plan), attention, shared expert, embedding and lm_head tensor-parallel "
-                      "over the same 4 ranks (its TP plan).", "",
+                      "over ep (the model's EP plan), linear attention, shared expert and lm_head tensor-parallel "
+                      "over the same 4 ranks (its TP plan, which leaves the 0.5 B input embedding whole on every rank).", "",
                   "| run | load s | GB read | RSS after load GB | peak GB | peak / one device | params + grads GB "
                   "| forward s | backward s | loss | loss diff vs one device |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
