@@ -158,7 +158,8 @@ void plan_key(const OpInfo& info, const ops::OpCall& call, PlanKey& key) {
 std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call, bool record) {
   PlanKey key;
   plan_key(info, call, key);
-  const uint64_t hash = key.hash() ^ reinterpret_cast<uintptr_t>(&info);
+  const uint64_t key_hash = key.hash();  // the shared map's; the per-thread cache mixes in the op
+  const uint64_t hash = key_hash ^ reinterpret_cast<uintptr_t>(&info);
   // The per-thread cache in front of the shared one (plans are immutable); an entry remembers
   // the op's cache generation, so clearing the op's plans invalidates it.
   struct Entry {
@@ -179,7 +180,7 @@ std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call, bool r
   };
   {
     std::shared_lock<std::shared_mutex> read(info.mutex);
-    for (auto [it, end] = info.plans.equal_range(key.hash()); it != end; ++it)
+    for (auto [it, end] = info.plans.equal_range(key_hash); it != end; ++it)
       if (it->second.same(key)) {
         if (record) g_hits.fetch_add(1, std::memory_order_relaxed);
         remember(it->second);
@@ -198,7 +199,7 @@ std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call, bool r
     info.generation.fetch_add(1, std::memory_order_release);  // invalidates the per-thread slots
   }
   const auto& words = key.words();
-  auto it = info.plans.emplace(key.hash(), CachedPlan{std::vector<int64_t>(words.begin(), words.end()), plan});
+  auto it = info.plans.emplace(key_hash, CachedPlan{std::vector<int64_t>(words.begin(), words.end()), plan});
   remember(it->second);
   return plan;
 }

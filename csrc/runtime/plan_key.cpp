@@ -44,8 +44,7 @@ void PlanKey::value(const c10::IValue& v) {
 }
 
 void PlanKey::argument(const c10::IValue& v, bool tensor_typed, bool key_scalars) {
-  if (tensor_typed || v.isTensor() || v.isTensorList()) value(v);
-  else if (key_scalars) value(v);
+  if (tensor_typed || key_scalars || v.isTensor() || v.isTensorList()) value(v);
 }
 
 }  // namespace hypershard::runtime
