@@ -394,18 +394,32 @@ bool is_indexed_read(const std::string& name) { return name == "aten::gather" ||
 
 // index_add and scatter_add (and in place) are linear in self and the added values together:
 // sum-Partial operands stay Partial (the other operand filled: rank 0 keeps it, the others hold
-// zeros); the index is whole, and so is every dim (an operand sharded elsewhere is gathered).
+// zeros). `dim` and the index's Partial are whole. Every other dim keeps self's sharding where
+// no summed axis shards it and every operand of self's rank has self's extent there (its rows
+// are independent: gather's backward, a zeros tensor row-sharded like its gradient, stays so);
+// elsewhere it is whole.
 OpPlan summing_partial_plan(const OpCall& call, const layout::PartialOps& summed) {
+  const Layout& self = call.layout(0);
+  const int64_t n = self.ndim();
+  const int64_t dim = n == 0 ? 0 : wrap_dim(call, call.arg(1).toInt(), n);
+  layout::DimAxes rows(static_cast<size_t>(n));
+  for (int64_t d = 0; d < n; ++d) {
+    const auto& axes = self.dim_axes()[d];
+    bool keep = d != dim && !axes.empty();
+    for (int64_t axis : axes) keep = keep && !summed[axis];
+    for (const auto& t : call.tensors)
+      keep = keep && (t.layout->ndim() != n || t.layout->global_shape()[d] == self.global_shape()[d]);
+    if (keep) rows[d] = axes;
+  }
   OpPlan plan;
   for (size_t t = 0; t < call.tensors.size(); ++t) {
     const Layout& l = call.layout(static_cast<int64_t>(t));
     const bool index = call.tensors[t].arg == 2;
-    plan.inputs.push_back(make_layout(l, l.global_shape(), layout::DimAxes(static_cast<size_t>(l.ndim())),
+    plan.inputs.push_back(make_layout(l, l.global_shape(),
+                                      l.ndim() == n ? rows : layout::DimAxes(static_cast<size_t>(l.ndim())),
                                       index ? layout::PartialOps{} : summed));
   }
-  const Layout& self = call.layout(0);
-  plan.outputs.push_back(make_layout(self, self.global_shape(), layout::DimAxes(static_cast<size_t>(self.ndim())),
-                                     summed));
+  plan.outputs.push_back(make_layout(self, self.global_shape(), rows, summed));
   return plan;
 }
 

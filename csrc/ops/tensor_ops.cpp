@@ -4,9 +4,14 @@
 //   detach_                          same layout, in place (zero_grad(set_to_none=False))
 //   *_like (empty/zeros/ones/full), fill.Scalar   the input's sharding; Partial axes become Replicate,
 //                                    since a freshly filled tensor is not a sum of parts
-//   new_empty_strided                sizes are GLOBAL: the source's sharding when the sizes equal
-//                                    the source's shape (autograd asks for this), else Replicate
-//   new_empty/new_zeros/new_ones/new_full  Replicate of the GLOBAL size
+//   new_empty/new_zeros/new_ones/new_full/new_empty_strided
+//                                    sizes are GLOBAL (as torch DTensor's). A dim of the source's
+//                                    rank and extent keeps the source's shard axes there (Partial
+//                                    axes become Replicate); every other dim is whole. torch DTensor
+//                                    replicates the whole result; we keep the shards because the
+//                                    value is a constant (any layout holds it) and what fills it
+//                                    is derived from the source, sharded alike: a Replicate result
+//                                    makes the fill gather the batch (DeepSeek-V3.2's expand_kv).
 //   _local_scalar_dense (item, tolist)     the input is reduced and gathered first, so every
 //                                    rank reads the same global value
 //   nonzero, masked_select           data-dependent sizes: the inputs gathered (Partial reduced),
@@ -63,14 +68,19 @@ void localize_size(const OpCall& call, c10::IValue* args, const LayoutPtr& out) 
   }
 }
 
+// The source's shard axes on each dim of the same extent (same rank only: dims are matched by
+// position), nothing elsewhere; no Partial (a fresh fill is not a sum of parts). The source's own
+// shape (autograd allocating a gradient buffer) keeps its whole sharding.
 OpPlan new_sized_rule(const OpCall& call) {
   const auto size = size_arg(call, "size");
   const Layout& self = call.layout(0);
   OpPlan plan;
   plan.inputs.push_back(call.tensors[0].layout);
-  // new_empty_strided with the source's own shape: autograd allocating a gradient buffer.
-  const bool like_source = call.schema().name() == "aten::new_empty_strided" && size == self.global_shape();
-  auto out = like_source ? without_partial(self) : replicate_like(self, size);
+  layout::DimAxes dims(size.size());
+  if (static_cast<int64_t>(size.size()) == self.ndim())
+    for (size_t d = 0; d < size.size(); ++d)
+      if (size[d] == self.global_shape()[d]) dims[d] = self.dim_axes()[d];
+  auto out = make_layout(self, size, std::move(dims));
   plan.outputs.push_back(out);
   plan.localize = [out](const OpCall& c, c10::IValue* args) { localize_size(c, args, out); };
   return plan;

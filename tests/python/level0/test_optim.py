@@ -416,7 +416,10 @@ def conversions(x, y):
     if in_distributed_run():
         assert all(isinstance(t, hs.DTensor) for t in out[:-2])
         assert out[0].placements == x.placements and out[7].placements == x.placements
-        assert out[4].placements == tuple(hs.Replicate() for _ in x.placements)
+        # new_*: sizes are global; a dim of x's rank and extent keeps its shards (new_zeros((2, 3)):
+        # dim 1), every other dim is whole
+        assert out[4].placements == tuple(p if p == hs.Shard(1) else hs.Replicate() for p in x.placements)
+        assert out[5].placements == out[6].placements == tuple(hs.Replicate() for _ in x.placements)
         assert z.placements == x.placements and not d.requires_grad
     return out
 

@@ -14,7 +14,7 @@ The names and the forms a model uses them in:
                                     like self, and along the sharded dim (index Replicate)
   histc                             of a sharded input, explicit range and data range
   index_add_ / index_add            GLOBAL indices along the sharded dim (repeats) and along another
-  new_zeros                         GLOBAL sizes, Replicate result
+  new_zeros                         GLOBAL sizes; a dim of the input's extent keeps its shards
   npu_rms_norm                      hypershard.ops.rms_norm (the fused op sharing its rule)
   npu_rotary_mul                    hypershard.ops.rotary_mul, modes half and interleave
   tolist                            inside the function: a tensor built from x.tolist() (and from

@@ -162,6 +162,18 @@ ROWS = {
         ("linspace_partial_bounds", "tp4", aten.linspace.Tensor_Tensor, (T([], P1), T([], R1), 5), {}, [R1, R1], [R1],
          False),
         ("new_zeros_global_size", "tp4", aten.new_zeros.default, (T([8, 6], S(0)), [3, 5]), {}, None, [R1], False),
+        # new_*: a dim of the source's rank and extent keeps its shard axes, the others are whole
+        # (DeepSeek-V3.2's expand_kv: new_empty of the batch-sharded keys, then filled by slices)
+        ("new_empty_keeps_equal_dims", "dp2tp2", aten.new_empty.default, (T([8, 6, 4], S(0, 1)), [8, 6, 5]), {},
+         None, [S(0, 1)], False),
+        ("new_ones_other_dim_whole", "dp2tp2", aten.new_ones.default, (T([8, 6, 4], S(0, 2)), [8, 6, 7]), {},
+         None, [S(0, None)], False),
+        ("new_full_partial_whole", "dp2tp2", aten.new_full.default, (T([8, 6], ["P", "S(1)"]), [8, 6], 2.0), {},
+         None, [S(None, 1)], False),
+        ("new_zeros_other_rank_whole", "dp2tp2", aten.new_zeros.default, (T([8, 6], S(0, 1)), [8]), {}, None,
+         [S(None, None)], False),
+        ("new_empty_strided_own_shape", "tp4", aten.new_empty_strided.default, (T([8, 6], S(1)), [8, 6], [6, 1]),
+         {}, None, [S(1)], False),
         ("foreach_add_", "tp4", aten._foreach_add_.List,
          ([T([8, 6], S(0)), T([4], R1)], [T([8, 6], S(0)), T([4], R1)]), {}, None, [], False),
         ("foreach_scale_partial", "tp4", aten._foreach_mul.Scalar, ([T([8, 6], P1)], 2.0), {}, None, [P1], False),
@@ -197,6 +209,18 @@ ROWS = {
         ("scatter_add_dim_and_other_sharded", "dp2tp2", aten.scatter_add.default,
          (T([8, 6], S(1, 0)), 1, T([8, 6], R1 * 2, i64), T([8, 6], R1 * 2)), {},
          [S(1, 0), S(None, 0), S(None, 0)], [S(1, 0)], True),
+        # summing writes with a sum-Partial operand: Partial kept, and the rows (dims but `dim`)
+        # keep self's sharding where every operand has self's extent (gather's backward: zeros
+        # row-sharded like the Partial gradient), whole where one is shorter
+        ("scatter_add_partial_src_keeps_rows", "dp2tp2", aten.scatter_add.default,
+         (T([8, 6], S(0, None)), 1, T([8, 3], S(0, None), i64), T([8, 3], ["S(0)", "P"])), {},
+         [["S(0)", "P"], S(0, None), ["S(0)", "P"]], [["S(0)", "P"]], False),
+        ("scatter_add_partial_short_index_rows_whole", "dp2tp2", aten.scatter_add.default,
+         (T([8, 6], S(0, None)), 1, T([4, 3], S(None, None), i64), T([4, 3], ["R", "P"])), {},
+         [["R", "P"], S(None, None), ["R", "P"]], [["R", "P"]], False),
+        ("index_add_partial_source_keeps_rows", "dp2tp2", aten.index_add.default,
+         (T([5, 6], S(1, None)), 0, T([7], S(None, None), i64), T([7, 6], ["S(1)", "P"])), {},
+         [["S(1)", "P"], S(None, None), ["S(1)", "P"]], [["S(1)", "P"]], False),
         # an index shorter than self on a sharded other dim: the along-dims rule (dim made whole)
         ("gather_short_index_on_sharded_dim", "dp2tp2", aten.gather.default,
          (T([8, 6], S(1, 0)), 1, T([5, 6], R1 * 2, i64)), {}, [S(None, None), S(None, None)], [S(None, None)], False),
