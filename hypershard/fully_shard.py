@@ -87,12 +87,15 @@ class _Unshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         group = ctx.group
-        sharded_grads = group.cgroup.reduce_scatter(list(grads), group.requires_sync)
         # The shards back in place: a forward that did not finish (activation checkpointing's
         # recomputation stops as soon as it has what backward needs) skipped post_forward.
         group.put(group.params)
+        # Every node that read the gathered parameters has run (each has an edge into this one),
+        # so they are freed before the reduce-scatter allocates its buffers, not after: the two
+        # never coexist (the root's 248k-vocab embedding: 0.5 GB of bf16 less at the peak).
         if group.reshard_after_backward:
             group.cgroup.free_unsharded()
+        sharded_grads = group.cgroup.reduce_scatter(list(grads), group.requires_sync)
         return (None, *sharded_grads)
 
 
