@@ -184,8 +184,8 @@ def measure_rank(rank: int, world: int, config_values: dict, shape: dict, fully_
     ids = make_batch(config, batch, seq, "cpu")
     # A whole warm-up run first, on a model then dropped: it takes what a process allocates once
     # (thread pools, BLAS and gloo buffers, hypershard's plan caches). The measured step is the
-    # first of a fresh model, as the planner's (after a step fully_shard keeps the root's
-    # gathered parameters for the next forward, so later steps start from more).
+    # first of a fresh model, as the planner's (a later step starts from the previous one's
+    # gradients and optimizer state).
     warm = shard_model(build_model(config, "cpu"), mesh, fully_shard)
     train_step(warm, ids)
     del warm

@@ -18,8 +18,10 @@ from .memory import storage_key
 __all__ = ["PUBLISHED", "StepBytes", "build_model", "load_config", "make_batch", "shard_model", "state_bytes",
            "train_step"]
 
-# Published configs transformers' defaults do not give (values from the model cards' config.json).
-# Qwen3.5-0.8B: the text model (the card's ~0.9B counts its vision encoder too).
+# Published configs transformers' defaults do not give. Checked against the published sizes in
+# docs/planner.md ("The published configs, checked"): Qwen3.5-0.8B's text model is 0.752 B (the
+# card's 0.8B; its checkpoint adds a vision encoder); Qwen3-VL-30B-A3B's text model 30.53 B / 3.35 B
+# active, as Qwen3-30B-A3B's card (30.5 B / 3.3 B), plus a 0.54 B vision encoder.
 PUBLISHED = {
     "qwen3_5_0_8b": ("qwen3_5_text", dict(
         vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
