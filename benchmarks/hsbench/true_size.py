@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from .bf16_bound import loss_bounds
 from .common import error_text, ratio
 from .memory import malloc_trim, reset_peak_rss, set_mmap_threshold, vm_kib
 
@@ -180,25 +181,60 @@ def _rank(rank: int, world: int, s: dict) -> dict:
     else:
         model = hs.mixed_precision(model)  # bf16 compute from the fp32 masters
         optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
-        losses, times = [], []
+        losses, times, decreases = [], [], []
         for step in range(s["steps"]):
             dist.barrier()
             t0 = time.perf_counter()
             loss = model(input_ids=ids, labels=labels).loss
             optimizer.zero_grad()
             loss.backward()
+            t_l1 = time.perf_counter()
+            l1 = _grad_l1(params, s["shape"])  # outside the step's time: a collective of its own
+            t0 += time.perf_counter() - t_l1
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, s["steps"], LR)
+            decreases.append(optimizer.param_groups[0]["lr"] * l1)  # AdamW's sign step, to first order
             optimizer.step()
             losses.append(float(loss.detach().item()))
             dist.barrier()
             times.append(time.perf_counter() - t0)
-        out.update(step_s=times, losses=losses, state=state_bytes(params, [optimizer]))
+        out.update(step_s=times, losses=losses, state=state_bytes(params, [optimizer]),
+                   first_order_decreases=decreases)
     out["step_peak_growth_mb"] = _mb(vm_kib("VmHWM") - start_kib)
     out["peak_growth_mb"] = max(out["load_peak_growth_mb"], out["step_peak_growth_mb"])
     out["sent_bytes"] = hs._C.traffic()["bytes_sent"]
     return out
+
+
+def _grad_l1(params: list, shape) -> float:
+    """||g||_1 of the whole model's gradient (before clipping), the same on every rank: each rank
+    sums its local gradients' |elements|, a block held by several ranks (Replicate axes) counted
+    once."""
+    import torch
+    import torch.distributed as dist
+
+    import hypershard as hs
+
+    total = 0.0
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if hs._C.is_dtensor(g):
+            places = list(g.placements)
+            assert not any(isinstance(x, hs.Partial) for x in places), "a gradient still Partial after backward"
+            copies = 1
+            for size, x in zip(shape or (), places):
+                copies *= size if isinstance(x, hs.Replicate) else 1
+            total += float(hs._C.local_of(g).abs().sum(dtype=torch.float64)) / copies
+        else:
+            total += float(g.abs().sum(dtype=torch.float64))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([total], dtype=torch.float64)
+        dist.all_reduce(t)
+        total = float(t)
+    return total
 
 
 def _launch(world: int, settings: dict, log: Callable, label: str, timeout: float) -> dict:
@@ -218,7 +254,7 @@ def _launch(world: int, settings: dict, log: Callable, label: str, timeout: floa
         f"{r0['peak_growth_mb']:.0f} MB, losses {['%.4f' % x for x in r0['losses']]}")
     return {"ranks": ranks, "peak_growth_mb_max": max(r["peak_growth_mb"] for r in ranks),
             "load_s_max": max(r["load_s"] for r in ranks), "bytes_read_max": max(r["bytes_read"] for r in ranks),
-            "losses": r0["losses"]}
+            "losses": r0["losses"], "first_order_decreases": r0.get("first_order_decreases")}
 
 
 def _compare(run: dict, single: dict) -> None:
@@ -229,6 +265,19 @@ def _compare(run: dict, single: dict) -> None:
     run["bytes_read_vs_single"] = ratio(run["bytes_read_max"], single["bytes_read_max"])
     run["load_s_vs_single"] = ratio(run["load_s_max"], single["load_s_max"])
     run["max_loss_diff_vs_single"] = max(abs(a - b) for a, b in zip(run["losses"], single["losses"]))
+
+
+def _check_bf16_losses(run: dict, single: dict, config, tokens: int, log: Callable) -> None:
+    """Each step's loss difference against the bound argued in bf16_bound.py (the dense runs)."""
+    if "error" in run or not single or "error" in single or not single.get("first_order_decreases"):
+        return
+    bounds = loss_bounds(config.num_hidden_layers, config.hidden_size, config.initializer_range, tokens,
+                         single["first_order_decreases"])
+    diffs = [abs(a - b) for a, b in zip(run["losses"], single["losses"])]
+    run["loss_diffs_vs_single"], run["loss_bounds"] = diffs, bounds
+    run["losses_within_bound"] = all(d <= b for d, b in zip(diffs, bounds))
+    if not run["losses_within_bound"]:
+        log(f"    bf16 loss differences {['%.1e' % d for d in diffs]} exceed the bounds {['%.1e' % b for b in bounds]}")
 
 
 def run_true_size(args, log: Callable) -> dict:
@@ -254,6 +303,8 @@ def run_true_size(args, log: Callable) -> dict:
         run = _launch(4, dict(common, shape=shape, names=names, fully_shard=fsdp), log,
                       f"Qwen3.5-0.8B {name}", timeout)
         _compare(run, dense["single"])
+        _check_bf16_losses(run, dense["single"], _config(DENSE, smoke), args.true_size_batch * (args.true_size_seq - 1),
+                           log)
         dense["meshes"][name] = run
     result["dense"] = dense
 
@@ -341,6 +392,9 @@ def _row(label: str, run, moe: bool = False) -> str:
     ratio_cell = f"{run['peak_vs_single']:.2f}x" if run.get("peak_vs_single") else "—"
     diff = run.get("max_loss_diff_vs_single")
     diff_cell = "—" if diff is None else f"{diff:.1e}"
+    if run.get("loss_bounds"):  # per step: difference <= its bound (bf16_bound.py), or over it
+        diff_cell = ", ".join(f"{d:.1e} {'≤' if d <= b else '> BOUND'} {b:.1e}"
+                              for d, b in zip(run["loss_diffs_vs_single"], run["loss_bounds"]))
     losses = ", ".join(f"{x:.4f}" for x in run["losses"])
     cells = [label, span("load_s", "{:.1f}"), span("bytes_read", "{:.2f}", 1e-9),
              span("after_load_growth_mb", "{:.2f}", 1e-3), span("peak_growth_mb", "{:.2f}", 1e-3), ratio_cell,
