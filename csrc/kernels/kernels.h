@@ -1,6 +1,6 @@
 // hypershard's own fused ops: schema, CPU kernels, autograd. Each register_* defines its ops in
-// the `hypershard` library (install_dispatch calls them once); the distributed rules of these ops
-// live with their families in csrc/ops.
+// the `hypershard` library; the family holding the ops' distributed rules (csrc/ops) hands it to
+// the registry (r.kernels), and install_dispatch installs them once.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -580,6 +580,7 @@ void register_along_sharded_kernels() {
 }
 
 void register_along_sharded(Registry& r) {
+  r.kernels(&register_along_sharded_kernels);
   r.add("aten::cumsum", &scan_rule<Scan::kSum>, KeyScalars::kAll);
   r.add("aten::cumprod", &scan_rule<Scan::kProd>, KeyScalars::kAll);
   r.add("aten::logcumsumexp", &scan_rule<Scan::kLogSumExp>, KeyScalars::kAll);

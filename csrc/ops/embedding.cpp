@@ -256,6 +256,7 @@ void register_embedding_kernels() {
 }
 
 void register_embedding(Registry& r) {
+  r.kernels(&register_embedding_kernels);
   // padding_idx, scale_grad_by_freq, sparse, num_weights and vocab_axes join the key.
   r.add("aten::embedding", &embedding_rule, KeyScalars::kAll);
   r.add("aten::embedding_dense_backward", &embedding_dense_backward_rule, KeyScalars::kAll);

@@ -17,7 +17,7 @@ void register_pointwise(Registry& r);    // pointwise.cpp
 void register_tagged_pointwise(Registry& r);
 void register_tensor_ops(Registry& r);   // tensor_ops.cpp: identity views, factories, scalars
 void register_views(Registry& r);        // views.cpp: views and shape ops
-// views.cpp: hypershard's own reshape kernel on AutogradPrivateUse2 (called by install_dispatch).
+// views.cpp: hypershard's own reshape kernel on AutogradPrivateUse2 (installed through the registry).
 void register_reshape_kernel();
 // tensor_ops.cpp: one_hot on AutogradPrivateUse2 (its composite kernel would escape the DTensor).
 void register_one_hot_kernel();

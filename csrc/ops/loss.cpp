@@ -503,6 +503,7 @@ void register_cross_entropy_kernel() {
 }
 
 void register_loss(Registry& r) {
+  r.kernels(&register_cross_entropy_kernel);
   r.add("aten::_log_softmax", &softmax_rule<true>, KeyScalars::kAll);
   r.add("aten::_log_softmax_backward_data", &softmax_backward_rule<true>, KeyScalars::kAll);
   r.add("aten::_softmax", &softmax_rule<false>, KeyScalars::kAll);

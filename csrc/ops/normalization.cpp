@@ -76,6 +76,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "kernels/kernels.h"
 #include "ops/families.h"
 #include "ops/partial.h"
 #include "ops/sharding_search.h"
@@ -640,6 +641,7 @@ OpPlan safe_softmax_rule(const OpCall& call) {
 }  // namespace
 
 void register_normalization(Registry& r) {
+  r.kernels(&kernels::register_rms_norm_kernels);
   // normalized_shape, dim, N/C/HxW/group decide dims and shapes; eps and dtypes do not (the rms
   // norms take their dims from the weight's shape, a part of the key already).
   // Batch norm: `training` / `train` decides the plan, momentum and eps do not (the ops without

@@ -126,9 +126,17 @@ class Registry {
   void set_family(const char* family) { family_ = family; }
   // (op name, family) for every rule, sorted by name.
   std::vector<std::pair<std::string, std::string>> families() const;
+  // A family's kernels (hypershard's own ops, or kernels at a key where torch's would be wrong on
+  // a DTensor), registered next to the family's rules; install_dispatch installs them once, in
+  // registration order, before the typed kernels (which skip an op that has a kernel already).
+  void kernels(void (*install)()) { kernel_installers_.push_back(install); }
+  void install_kernels() const {
+    for (auto* install : kernel_installers_) install();
+  }
 
  private:
   std::unordered_map<std::string, RuleEntry> rules_;
+  std::vector<void (*)()> kernel_installers_;
   const char* family_ = "";
 };
 

@@ -693,6 +693,7 @@ OpPlan compare_whole_rule(const OpCall& call) {
 }  // namespace
 
 void register_reductions(Registry& r) {
+  r.kernels(&register_reduction_kernels);
   using K = Kind;
   r.add("aten::histc", &histc_rule, KeyScalars::kAll);
   r.add("aten::bincount", &bincount_rule, KeyScalars::kAll);

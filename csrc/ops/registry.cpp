@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "kernels/kernels.h"
 #include "ops/families.h"
 #include "ops/partial.h"
 
@@ -264,6 +265,11 @@ void register_all(Registry& r) {
   register_pairwise(r);
   r.set_family("pointwise");
   register_tagged_pointwise(r);
+  // Kernels without rules of their own: composites.cpp's (ops whose composite kernels read
+  // argument data) and other libraries' ops' autograd (whose backward ops have rules in the
+  // normalization, rotary and matmul families).
+  r.kernels(&register_composite_kernels);
+  r.kernels(&kernels::register_external_autograd_kernels);
 }
 
 }  // namespace hypershard::ops

@@ -23,6 +23,7 @@
 // mode reduces it first). The backward is linear in grad: a Partial grad is reduced first. dx is
 // laid out like x; dcos / dsin like cos / sin, and Partial(sum) on every axis that shards x on a
 // dim where cos / sin broadcast (each rank summed its own rows of that dim).
+#include "kernels/kernels.h"
 #include "ops/families.h"
 #include "ops/partial.h"
 
@@ -204,6 +205,7 @@ OpPlan rotary_backward_rule(const OpCall& call) {
 }  // namespace
 
 void register_rotary(Registry& r) {
+  r.kernels(&kernels::register_rotary_kernels);
   // The mode changes no layout, but it is keyed: the rule checks it (and D against it).
   r.add("hypershard::rotary_position_embedding", &rotary_rule, KeyScalars::kAll);
   r.add("hypershard::rotary_position_embedding_backward", &rotary_backward_rule, KeyScalars::kAll);

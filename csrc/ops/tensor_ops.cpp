@@ -144,6 +144,7 @@ void register_one_hot_kernel() {
 }
 
 void register_tensor_ops(Registry& r) {
+  r.kernels(&register_one_hot_kernel);
   // _conj and _neg_view are lazy views (a bit on the tensor), linear: Partial passes through
   for (const char* op : {"aten::alias", "aten::alias_copy", "aten::detach", "aten::detach_", "aten::lift_fresh",
                          "aten::_conj", "aten::_neg_view"})

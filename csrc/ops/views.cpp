@@ -700,6 +700,7 @@ void register_reshape_kernel() {
 }
 
 void register_views(Registry& r) {
+  r.kernels(&register_reshape_kernel);
   // The *_copy ops (what functionalization emits: the view's values in a new tensor) plan as their
   // view; a copy need not alias, so view_copy may gather where view would raise.
   const std::pair<const char*, Rule> copies[] = {

@@ -15,7 +15,6 @@
 #include <shared_mutex>
 #include <unordered_map>
 
-#include "kernels/kernels.h"
 #include "layout/error.h"
 #include "ops/families.h"
 #include "runtime/dispatch_internal.h"
@@ -222,17 +221,8 @@ void install_dispatch() {
     static auto* library = new torch::Library(torch::Library::IMPL, "_", c10::DispatchKey::PrivateUse2,
                                               __FILE__, __LINE__);
     library->fallback(torch::CppFunction::makeFromBoxedFunction<&dtensor_fallback>());
-    ops::register_reshape_kernel();
-    ops::register_one_hot_kernel();
-    ops::register_reduction_kernels();
-    ops::register_along_sharded_kernels();
-    ops::register_composite_kernels();
-    ops::register_cross_entropy_kernel();
-    ops::register_embedding_kernels();
-    kernels::register_rotary_kernels();
-    kernels::register_rms_norm_kernels();
-    kernels::register_external_autograd_kernels();
-    register_fast_paths();
+    ops::registry().install_kernels();
+    register_fast_paths();  // after the families' kernels: it skips an op that has one
     // The listener is also told of every op registered so far; sync registers them.
     static auto* listener = new c10::RegistrationHandleRAII(
         c10::Dispatcher::singleton().addRegistrationListener(std::make_unique<Listener>()));

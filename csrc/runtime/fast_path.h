@@ -1,4 +1,4 @@
-// Typed PrivateUse2 kernels for the hottest ops (see fast_path.cpp): the operator flow without
+// Typed PrivateUse2 kernels for every ruled op of a signature the fast path reads (fast_path.cpp): the operator flow without
 // boxing, for calls that need no redistribution; everything else goes to the boxed fallback.
 #pragma once
 
@@ -10,7 +10,7 @@ namespace hypershard::runtime {
 // Registers the typed kernels (install_dispatch calls it once, before the fallback takes the
 // remaining composite-explicit ops).
 void register_fast_paths();
-// The ops with a typed kernel on this torch, "aten::add.Tensor" style.
+// The ops with a typed kernel on this torch (ops with a rule and one of the signatures), "aten::add.Tensor" style.
 std::vector<std::string> fast_path_ops();
 // On by default; off, every call takes the boxed fallback (tests compare the two paths, the
 // benchmark measures what the fast path saves).
