@@ -401,7 +401,10 @@ def phase_bench(args) -> dict:
                 row[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
         rows.append(row)
     dist.destroy_process_group()
-    errors = [r["op"] for r in rows if any(isinstance(v, str) and k != "op" for k, v in r.items())]
+    # an op that raises in plain eager too is not available on this device (torch._grouped_mm on
+    # CUDA takes bf16 only): reported, not a finding
+    errors = [r["op"] for r in rows if not isinstance(r["plain_us"], str)
+              and any(isinstance(v, str) and k != "op" for k, v in r.items())]
     return {"status": "failed" if errors else "passed", "device": device, "rows": rows,
             "summary": f"{len(rows)} op classes timed ({calls} calls x {repeats})"
                        + (f"; raised: {', '.join(errors)}" if errors else "")}
