@@ -129,9 +129,9 @@ def test_qwen3_dp2_tp2_torch_compile_equals_llamafactory(work, qwen3_reference):
     """HF Trainer's torch_compile=True (its default backend, inductor) on dp2 x tp2: torch.compile(model)
     runs on the DTensor parameters, Dynamo graph-breaking at every DTensor (docs/compile.md), and the
     training and eval losses equal LlamaFactory's single uncompiled process within LOSS_RTOL. Default
-    mode, as qwen3_dp2_tp2: strict mode stops this YAML's eval at `view` of an uneven dp-sharded batch
-    ([1, 64] -> [64]), which default mode redistributes first. About 100 s (Dynamo tracing on 4 ranks
-    sharing 2 cores)."""
+    mode, as qwen3_dp2_tp2: strict mode stops this YAML, compiled or not, at `view` of a dp-sharded
+    [1, 64] batch as [64] (a view that cuts a shard), which default mode redistributes first. About
+    100 s (Dynamo tracing on 4 ranks sharing 2 cores)."""
     result, out = run(work, "qwen3_compiled", "qwen3", nproc=4, hp={"tp_size": 2},
                       per_device_eval_batch_size=2, torch_compile=True, **dict(QWEN3, save_strategy="no"))
     ok(result, "dp2 x tp2 run with torch_compile")
