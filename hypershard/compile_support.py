@@ -20,6 +20,7 @@ import (``torch._dynamo`` itself, ~1 s to import, is not imported here).
 from __future__ import annotations
 
 import functools
+import logging
 
 from torch._subclasses import fake_tensor
 
@@ -33,6 +34,17 @@ GRAPH_BREAK_REASON = ("hypershard DTensor: Dynamo cannot fake a hypershard DTens
 # How many times a DTensor was refused (each is a graph break, or a skipped frame when it is the
 # frame's first instruction); tests read it to see that Dynamo really met a DTensor.
 counts = {"refused": 0}
+
+
+class _FirstRefusalOnly(logging.Filter):
+    """torch logs a WARNING for every refusal (once per traced frame: hundreds in a model); the
+    first one per process is enough to say what happens, the rest are counted in counts."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if GRAPH_BREAK_REASON not in record.getMessage():
+            return True
+        counts["logged"] = counts.get("logged", 0) + 1
+        return counts["logged"] == 1
 
 
 def install() -> None:
@@ -52,3 +64,5 @@ def install() -> None:
 
     from_real_tensor._hypershard_guard = True
     converter.from_real_tensor = from_real_tensor
+    # the logger of torch/_dynamo/utils.py: wrap_fake_exception; naming it imports nothing
+    logging.getLogger("torch._dynamo.utils").addFilter(_FirstRefusalOnly())
