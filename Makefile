@@ -45,7 +45,7 @@ export CMAKE_BUILD_PARALLEL_LEVEL := $(JOBS)
 export CCACHE_BASEDIR := $(CURDIR)
 
 .PHONY: help setup system-packages build test test-cpp test-sanitize test-fuzz test-unit \
-        test-level0 test-level1 \
+        test-level0 test-level1 test-gpu \
         demo bench coverage-docs clean distclean
 
 help:
@@ -62,6 +62,7 @@ help:
 	@echo "make test-unit    Python unit tests (tests/python/unit)"
 	@echo "make test-level0  single-operator distributed tests (tests/python/level0)"
 	@echo "make test-level1  model training tests (tests/python/level1)"
+	@echo "make test-gpu     the GPU check on a GPU machine (GPU_PYTHON=python with CUDA torch; docs/gpu.md)"
 	@echo "make coverage-docs  regenerate docs/coverage (ops of every target model on every mesh)"
 	@echo "make bench        benchmarks vs plain eager and torch DTensor -> bench/ (results.json, RESULTS.md, PNG)"
 	@echo "make clean        remove build outputs; make distclean also removes .venv"
@@ -158,6 +159,15 @@ test-level0: setup
 
 test-level1: setup
 	$(call run_pytest,tests/python/level1)
+
+# The prepared GPU check (docs/gpu.md): on a machine with a GPU and torch + CUDA already installed
+# (not the pinned CPU torch of .venv), with GPU_PYTHON that torch's interpreter. Builds hypershard
+# against it, then level0 on 1-rank CUDA meshes, the 2-rank slice on NCCL with 2+ GPUs, the dispatch
+# bench; report in gpu_check_out/. About 10 minutes. `make test` runs its --dry-run (CPU, reduced)
+# through tests/python/level0/test_gpu_check.py.
+GPU_PYTHON ?= python3
+test-gpu:
+	$(GPU_PYTHON) hypershard/testing/gpu_check.py
 
 demo: setup
 	$(PY) -m hypershard.demo

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from . import compile_support as _compile_support
 from .layout import make_layout
 from .placement_types import Partial, Replicate, Shard
 
@@ -333,6 +334,12 @@ class _DTensorMethod:
         _require_dtensor(obj, self.name)
         return types.MethodType(self.fn, obj)
 
+    def __set__(self, obj, value):
+        # Read-only like the properties beside it. Also what torch.overrides expects of a
+        # non-callable attribute of torch.Tensor with __get__: torch.compile indexes every such
+        # attribute's __get__ and __set__ (without __set__ it failed on plain tensors too).
+        raise AttributeError(f"'Tensor' attribute '{self.name}' is read-only")
+
 
 def _dtensor_property(name: str, fn) -> property:
     """A read-only property that exists only on hypershard DTensors (as _DTensorMethod)."""
@@ -360,3 +367,4 @@ def _install_tensor_methods() -> None:
 
 _install_tensor_methods()
 _C.install_dispatch()
+_compile_support.install()

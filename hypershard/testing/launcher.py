@@ -46,6 +46,8 @@ def run_cases(cases: Sequence[Case], world_size: Optional[int] = None,
               resume: bool = True, keep_dir: Optional[bool] = None) -> RunResult:
     """Run `cases` on local ranks and compare each with its single-process reference.
 
+    device_type "cuda": every rank on its own GPU (rank % device count) with NCCL, the inputs,
+    references and cotangents on the GPU too (hypershard.testing.gpu_check).
     Cases are grouped by world size (the size of their mesh; `world_size` is the default mesh
     size for cases without one); each group runs in one launch (relaunched for the remaining
     cases after a hang or crash when `resume`).  `timeout`: seconds per launch.
@@ -56,8 +58,9 @@ def run_cases(cases: Sequence[Case], world_size: Optional[int] = None,
     """
     adapter = get_adapter(backend)
     adapter.check()
-    if device_type != "cpu":
-        raise ValueError("run_cases: only device_type='cpu' (gloo) is supported")
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError("run_cases: device_type must be 'cpu' (gloo) or 'cuda' (NCCL, one GPU per "
+                         "rank; the caller must not have initialised CUDA, the ranks are forked)")
     cases = list(cases)
     names = [case.name for case in cases]
     duplicates = sorted({name for name in names if names.count(name) > 1})
@@ -80,7 +83,7 @@ def run_cases(cases: Sequence[Case], world_size: Optional[int] = None,
         while remaining:
             batch = [dataclasses.replace(pc, index=i) for i, pc in enumerate(remaining)]
             info, outcome, resume_from = _launch(batch, size, adapter, timeout,
-                                                 collective_timeout, keep_dir)
+                                                 collective_timeout, keep_dir, device_type)
             result.launches.append(info)
             merged.update(outcome)
             if info.case == "<setup>" and setup_retries > 0:
@@ -229,21 +232,21 @@ def _merge(pc: PreparedCase, records: dict) -> CaseResult:
 
 
 def _launch(batch: list, world_size: int, adapter: Adapter, timeout: float,
-            collective_timeout: float, keep_dir: bool
+            collective_timeout: float, keep_dir: bool, device_type: str = "cpu"
             ) -> tuple[LaunchInfo, dict, Optional[int]]:
     """Run one batch; (launch info, {name: CaseResult} for every case of the batch, index of
     the first case to launch again or None)."""
     directory = tempfile.mkdtemp(prefix=f"hypershard-testing-{world_size}r-")
     try:
         return _launch_in(directory, batch, world_size, adapter, timeout, collective_timeout,
-                          keep_dir)
+                          keep_dir, device_type)
     finally:  # also on KeyboardInterrupt
         if not keep_dir:
             shutil.rmtree(directory, ignore_errors=True)
 
 
 def _launch_in(directory: str, batch: list, world_size: int, adapter: Adapter, timeout: float,
-               collective_timeout: float, keep_dir: bool
+               collective_timeout: float, keep_dir: bool, device_type: str = "cpu"
                ) -> tuple[LaunchInfo, dict, Optional[int]]:
     # The ranks are forked before the store exists: the store's server runs a thread, and a
     # thread that holds a lock while another thread forks leaves that lock held forever in the
@@ -258,7 +261,7 @@ def _launch_in(directory: str, batch: list, world_size: int, adapter: Adapter, t
         for rank in range(world_size):
             receive, send = context.Pipe(duplex=False)
             plan = LaunchPlan(world_size, "127.0.0.1", receive, directory, batch, adapter,
-                              "cpu", collective_timeout, timeout + 60, os.getpid())
+                              device_type, collective_timeout, timeout + 60, os.getpid())
             proc = context.Process(target=rank_main, args=(rank, plan), daemon=True,
                                    name=f"hypershard-testing-rank{rank}")
             proc.start()

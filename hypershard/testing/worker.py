@@ -263,7 +263,9 @@ class _Rank:
     # -- process group -----------------------------------------------------------------------
     def init_group(self) -> None:
         # Each generation gets its own key prefix, so a recreated group never sees old keys.
-        backend = "gloo" if self.plan.device_type == "cpu" else None
+        backend = "gloo" if self.plan.device_type == "cpu" else None  # None: gloo + NCCL
+        if self.plan.device_type == "cuda":
+            torch.cuda.set_device(self.rank % torch.cuda.device_count())
         dist.init_process_group(
             backend, store=dist.PrefixStore(f"pg{self.generation}/", self.store),
             rank=self.rank, world_size=self.plan.world_size,
@@ -311,6 +313,8 @@ class _Rank:
         args = []
         for item, layout, seed in zip(case.inputs, pc.layouts, pc.seeds):
             value = item.make(seed)
+            if self.plan.device_type != "cpu":  # the reference runs on the device too
+                value = value.to(self.plan.device_type)
             if distributed and layout is not None:
                 value = self.adapter.distribute(value, mesh, layout)
             if item.wants_grad:
@@ -330,7 +334,7 @@ class _Rank:
             for index, leaf in enumerate(leaves):
                 if not requires_grad[index]:
                     continue
-                cot = make_cotangent(pc.cotangent_seed, index, tuple(leaf.shape), leaf.dtype)
+                cot = make_cotangent(pc.cotangent_seed, index, tuple(leaf.shape), leaf.dtype).to(leaf.device)
                 if distributed and self.adapter.is_dtensor(leaf):
                     cot = self.adapter.cotangent(cot, leaf, mesh, case.grad_placements)
                 roots.append(leaf)

@@ -55,3 +55,35 @@ def test_layouts_and_meshes_are_hashable():
     assert len({a.sharding, b.sharding, c.sharding}) == 2
     assert hash(a.sharding.mesh) == hash(c.sharding.mesh)
     assert len({a.sharding.mesh, c.sharding.mesh}) == 1
+
+
+def test_torch_overrides_can_index_the_methods():
+    """torch.compile indexes __get__ and __set__ of every non-callable torch.Tensor attribute
+    (torch.overrides); the DTensor-only methods must have both (they are read-only)."""
+    index = getattr(torch.overrides._get_overridable_functions, "__wrapped__",
+                    torch.overrides._get_overridable_functions)()[1]
+    for name in ("to_local", "full_tensor", "redistribute"):
+        assert f"torch.Tensor.{name}.__set__" in index.values(), name
+    plain = torch.ones(2)
+    try:
+        torch.Tensor.to_local.__set__(plain, None)
+    except AttributeError as error:
+        assert "read-only" in str(error)
+    else:
+        raise AssertionError("setting to_local did not raise")
+
+
+def test_fakeifying_a_dtensor_is_a_graph_break_not_an_error():
+    """Dynamo fakes every tensor it traces; a hypershard DTensor has no storage to fake, and must
+    give the exception Dynamo turns into a graph break (hypershard/compile_support.py)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedFakeTensorException
+
+    from hypershard.compile_support import GRAPH_BREAK_REASON
+    x = PlanningMesh({"tp": 2}).dtensor([4, 3], ["S(0)"])
+    try:
+        FakeTensorMode().from_tensor(x)
+    except UnsupportedFakeTensorException as error:
+        assert GRAPH_BREAK_REASON in str(error)
+    else:
+        raise AssertionError("a DTensor was faked")
+    assert FakeTensorMode().from_tensor(torch.ones(2)).shape == (2,)  # plain tensors unchanged
