@@ -125,6 +125,16 @@ ROWS = {
         ("sdpa_heads", "tp4", aten._scaled_dot_product_flash_attention_for_cpu.default,
          (T([2, 4, 5, 8], S(1)), T([2, 4, 5, 8], S(1)), T([2, 4, 5, 8], S(1)), 0.0, True), {},
          None, [S(1), S(1)], False),
+        # context parallelism, all-gather-KV: the query stays sharded on the sequence, key/value
+        # are gathered; in the backward their gradients are reduce-scattered back (the expand)
+        ("sdpa_sequence_gathers_kv", "tp4", aten._scaled_dot_product_flash_attention_for_cpu.default,
+         (T([2, 4, 8, 8], S(2)), T([2, 4, 8, 8], S(2)), T([2, 4, 8, 8], S(2)), 0.0, True), {},
+         [S(2), R1, R1], [S(2), S(2)], True),
+        ("sdpa_backward_sequence_scatters_kv", "tp4",
+         aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+         (T([2, 4, 8, 8], S(2)), T([2, 4, 8, 8], S(2)), T([2, 4, 8, 8], S(2)), T([2, 4, 8, 8], S(2)),
+          T([2, 4, 8, 8], S(2)), T([2, 4, 8], S(2)), 0.0, True), {},
+         [S(2), S(2), R1, R1, S(2), S(2)], [S(2), S(2), S(2)], True),
     ],
     "embedding_loss": [
         ("embedding_dim_sharded", "tp4", aten.embedding.default, (T([16, 8], S(1)), T([2, 3], R1, i64)), {},
@@ -248,9 +258,6 @@ ERRORS = [
      "viewing as [8, 8] would cut through a sharded dim"),
     ("softmax_of_partial", "tp4", aten._softmax.default, (T([4, 6], P1), 1, False), {},
      "a softmax of a sum is not the sum of the parts' softmaxes"),
-    ("attention_sequence_sharded", "tp4", aten._scaled_dot_product_flash_attention_for_cpu.default,
-     (T([2, 4, 8, 8], S(2)), T([2, 4, 8, 8], S(2)), T([2, 4, 8, 8], S(2)), 0.0, True), {},
-     "dim 2 (sequence) is sharded; attention needs whole sequences and head dims"),
     ("attention_head_dim_sharded", "tp4", aten._scaled_dot_product_flash_attention_for_cpu.default,
      (T([2, 4, 5, 8], S(3)), T([2, 4, 5, 8], S(3)), T([2, 4, 5, 8], S(3))), {},
      "dim 3 (head_dim) is sharded"),
