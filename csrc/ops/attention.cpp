@@ -221,7 +221,8 @@ at::Tensor causal_mask(const OpCall& c, const SequencePlan& p, int64_t local_row
   const at::Tensor hidden = cols.unsqueeze(0).gt(rows.unsqueeze(1));
   at::Tensor mask = at::zeros({1, 1, local_rows, p.length_k}, query.options())
                         .masked_fill(hidden, -std::numeric_limits<double>::infinity());
-  if (caller_mask.isTensor()) {
+  // Autograd passes an absent mask to the backward as an undefined tensor, not None.
+  if (caller_mask.isTensor() && caller_mask.toTensor().defined()) {
     at::Tensor m = caller_mask.toTensor();
     if (m.scalar_type() == at::kBool)
       m = at::zeros(m.sizes(), query.options()).masked_fill(m.logical_not(), -std::numeric_limits<double>::infinity());

@@ -21,7 +21,7 @@ def test_inputs_in_head_tail_order_with_global_shift():
     # position p's target is token p + 1 (-100 after the last, and where labels had -100)
     natural_targets = [11, 12, 13, 14, -100, 16, 17, -100]
     assert out["shift_labels"].tolist() == [[natural_targets[p] for p in order]]
-    assert out["labels"] is out["shift_labels"]
+    assert torch.equal(out["labels"], out["shift_labels"])
     assert "attention_mask" not in out  # all ones: masks nothing
 
 
