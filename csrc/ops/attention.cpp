@@ -43,6 +43,7 @@
 // _efficient_attention, npu_fusion_attention: same factors, no CPU test); Ulysses (all-to-all)
 // and ring context parallelism (only all-gather-KV is planned).
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 
 #include <limits>
 #include <optional>
@@ -298,11 +299,28 @@ OpPlan finish(const OpCall& call, const Attention& a, const FactorSpec& spec, bo
       args[key_arg] = key.narrow(1, heads.first, heads.second - heads.first);
       args[value_arg] = value.narrow(1, heads.first, heads.second - heads.first);
     }
-    if (positions && args[causal_arg].toBool()) {
-      args[mask_arg] = causal_mask(c, p, query.size(2), query, args[mask_arg]);
-      args[causal_arg] = false;
+    if (query.size(2) == 0) {
+      // An empty block of query rows (uneven shards, torch.chunk): torch's kernel divides by the
+      // row count, so the (empty) results are made here; the backward's key/value gradient part
+      // is zero, and this rank still joins the reduce-scatter below.
+      const at::Tensor key_used = args[key_arg].toTensor(), value_used = args[value_arg].toTensor();
+      torch::jit::drop(stack, n);
+      if (!backward) {
+        stack.emplace_back(at::empty({query.size(0), query.size(1), 0, value_used.size(3)}, query.options()));
+        stack.emplace_back(at::empty({query.size(0), query.size(1), 0},
+                                     query.options().dtype(at::toOpMathType(query.scalar_type()))));
+        return;
+      }
+      stack.emplace_back(at::zeros_like(query));
+      stack.emplace_back(at::zeros_like(key_used));
+      stack.emplace_back(at::zeros_like(value_used));
+    } else {
+      if (positions && args[causal_arg].toBool()) {
+        args[mask_arg] = causal_mask(c, p, query.size(2), query, args[mask_arg]);
+        args[causal_arg] = false;
+      }
+      c.op->callBoxed(stack);
     }
-    c.op->callBoxed(stack);
     if (!backward) return;
     c10::IValue* rets = stack.data() + (stack.size() - 3);
     for (int i = 1; i <= 2; ++i) {
