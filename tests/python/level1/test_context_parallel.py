@@ -1,6 +1,6 @@
 """Level1: a tiny HuggingFace Qwen3ForCausalLM (random init, "sdpa" attention) trains 3 steps of
-AdamW with clip_grad_norm_ with its sequence sharded over a context-parallel axis (cp2 and
-dp2 x cp2), parallelize(..., cp_algorithm="all_gather_kv"), strict mode, against one device
+AdamW with clip_grad_norm_ with its sequence sharded over a context-parallel axis (cp2,
+dp2 x cp2 and tp2 x cp2: heads over tp, the model's own tensor-parallel plan), parallelize(..., cp_algorithm="all_gather_kv"), strict mode, against one device
 (hypershard.testing.training's checks: every step's loss rtol 1e-5, first-step gradients and final
 parameters with the tolerances argued there), with 0 fallback and 0 implicit calls.
 
@@ -68,6 +68,7 @@ def test_qwen3_trains_on_cp_like_one_device():
     cases = [
         _case("qwen3_cp2", ((2,), ("cp",)), *trainer(1)),
         _case("qwen3_dp2_cp2", ((2, 2), ("dp", "cp")), *trainer(2)),
+        _case("qwen3_tp2_cp2", ((2, 2), ("tp", "cp")), *trainer(1)),
         _case("qwen3_cp2_planted_head_tail_undeclared_is_caught", ((2,), ("cp",)),
               *trainer(1, fault="head_tail_undeclared")),
     ]
