@@ -405,18 +405,77 @@ def _local_experts(mesh, ep_axis: int):
 _NOT_BATCH_INPUTS = frozenset({"pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw"})
 
 
-def _shard_inputs(mesh, dp_axis: Optional[int]):
-    def distribute(t, batch: bool = True):
+# Context parallelism (docs/context_parallel.md): the algorithms the attention rule plans.
+CP_ALGORITHMS = ("all_gather_kv",)
+# Forward arguments whose last dim is the sequence (position ids: also M-RoPE's (3, batch, seq)).
+_SEQUENCE_INPUTS = frozenset({"input_ids", "labels", "shift_labels", "position_ids", "token_type_ids"})
+
+
+def _head_tail_inputs(kwargs: dict, chunks: int) -> dict:
+    """The forward's keyword tensors in head-tail order along the sequence (hypershard.context_parallel),
+    natural-order work done first: labels shifted by one position over the WHOLE sequence (passed as
+    ``shift_labels``, which transformers' ForCausalLMLoss then takes as they are), position ids made
+    when the caller gave none. An all-ones attention mask is dropped (it masks nothing); a padding
+    mask is refused: transformers builds its causal part from natural positions."""
+    from .context_parallel import shift_labels, to_head_tail
+    kwargs = dict(kwargs)
+    ids = kwargs.get("input_ids")
+    embeds = kwargs.get("inputs_embeds")
+    source = ids if isinstance(ids, torch.Tensor) else embeds
+    if not isinstance(source, torch.Tensor) or _C.is_dtensor(source):
+        return kwargs
+    batch, length = source.shape[0], source.shape[1]
+    if length % chunks:
+        raise ValueError(f"hypershard: parallelize: a sequence of {length} tokens cannot be stored in head-tail "
+                         f"order of {chunks} chunks (2 x the context-parallel size); allowed: sequences padded to "
+                         f"a multiple of {chunks}")
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and not _C.is_dtensor(mask):
+        if not bool(mask.bool().all()):
+            raise ValueError("hypershard: parallelize: a padding attention_mask on a context-parallel mesh is not "
+                             "supported (transformers builds its causal part from natural positions); allowed: "
+                             "no mask or an all-ones mask (pack or pad the sequences with labels -100)")
+        kwargs.pop("attention_mask")
+    if kwargs.get("position_ids") is None:
+        kwargs["position_ids"] = torch.arange(length, device=source.device).expand(batch, length)
+    for name in ("labels", "shift_labels"):
+        if isinstance(kwargs.get(name), torch.Tensor):
+            shifted = shift_labels(kwargs.pop(name)) if name == "labels" else kwargs.pop(name)
+            kwargs["labels"] = kwargs["shift_labels"] = shifted
+            break
+    for name, value in list(kwargs.items()):
+        if isinstance(value, torch.Tensor) and not _C.is_dtensor(value) and value.dim() > 0:
+            if name in _SEQUENCE_INPUTS:
+                kwargs[name] = to_head_tail(value, value.dim() - 1, chunks)
+            elif name == "inputs_embeds":
+                kwargs[name] = to_head_tail(value, 1, chunks)
+    return kwargs
+
+
+def _shard_inputs(mesh, dp_axis: Optional[int], cp_axis: Optional[int] = None):
+    def distribute(t, batch: bool = True, sequence_dim: Optional[int] = None):
         if not isinstance(t, torch.Tensor) or _C.is_dtensor(t) or t.dim() == 0:
             return t
         placements: list = [Replicate()] * mesh.ndim
         if dp_axis is not None and batch:
             placements[dp_axis] = Shard(0)
+        if cp_axis is not None and sequence_dim is not None:
+            placements[cp_axis] = Shard(sequence_dim)
         return distribute_tensor(t, mesh, placements)
 
+    def sequence_dim(name: str, t) -> Optional[int]:
+        if cp_axis is None or not isinstance(t, torch.Tensor):
+            return None
+        return t.dim() - 1 if name in _SEQUENCE_INPUTS else 1 if name == "inputs_embeds" else None
+
     def hook(module, args, kwargs):
+        if cp_axis is not None:
+            if args:  # a positional input_ids, as HF's forward names it
+                kwargs = {"input_ids": args[0], **kwargs}
+                args = args[1:]
+            kwargs = _head_tail_inputs(kwargs, 2 * mesh.shape[cp_axis])
         return (tuple(distribute(a) for a in args),
-                {k: distribute(v, k not in _NOT_BATCH_INPUTS) for k, v in kwargs.items()})
+                {k: distribute(v, k not in _NOT_BATCH_INPUTS, sequence_dim(k, v)) for k, v in kwargs.items()})
     return hook
 
 
@@ -494,8 +553,9 @@ def _lay_out_attention(plan: dict, model: nn.Module, tp_size: int) -> dict:
 # ------------------------------------------------------------------------------------ parallelize
 
 def parallelize(model: nn.Module, mesh, plan: Optional[Mapping[str, str]] = None, *,
-                tp_axis: str = "tp", dp_axis: str = "dp", ep_axis: str = "ep",
-                ep_plan: Optional[Mapping[str, str]] = None, shard_inputs: bool = True) -> nn.Module:
+                tp_axis: str = "tp", dp_axis: str = "dp", ep_axis: str = "ep", cp_axis: str = "cp",
+                cp_algorithm: str = "all_gather_kv", ep_plan: Optional[Mapping[str, str]] = None,
+                shard_inputs: bool = True) -> nn.Module:
     """Distributes `model`'s parameters over `mesh` (in place) and returns the model.
 
     `plan` maps module or parameter name patterns ("model.layers.*.mlp.up_proj") to styles; None
@@ -504,12 +564,25 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Mapping[str, str]] = None
     simply not used. With `shard_inputs`, tensor arguments of forward are sharded on dim 0 over
     `dp_axis` (Replicate elsewhere); pass DTensors yourself for other layouts.
 
+    A mesh axis named `cp_axis` shards the sequence (context parallelism, docs/context_parallel.md):
+    the mesh is declared load-balanced on it (sequences stored in head-tail order of 2 x its size
+    chunks), and the forward's input ids, position ids (made when absent) and labels (shifted by one
+    position over the whole sequence first, passed as ``shift_labels``) are permuted to that order
+    and sharded on their sequence dim over it. Parameters are Replicate on cp (their gradients are
+    summed over it like data parallelism's). `cp_algorithm`: how attention runs on the sharded
+    sequence; "all_gather_kv" (the only one so far: K/V all-gathered, their gradients
+    reduce-scattered, the query sharded).
+
     Every style of the plans is checked before anything is distributed: an unknown style, or one
     the module cannot take (see the module docstring), raises a ValueError naming the module."""
     names = list(mesh.mesh_dim_names)
     tp = names.index(tp_axis) if tp_axis in names else None
     dp = names.index(dp_axis) if dp_axis in names else None
     ep = names.index(ep_axis) if ep_axis in names else None
+    cp = names.index(cp_axis) if cp_axis in names else None
+    if cp is not None and cp_algorithm not in CP_ALGORITHMS:
+        raise ValueError(f"hypershard: parallelize: cp_algorithm {cp_algorithm!r} is not implemented; allowed: "
+                         f"{list(CP_ALGORITHMS)}")
     tp_plan = (tp_plan_of(model) if plan is None else dict(plan)) if tp is not None else {}
     ep_plan = (ep_plan_of(model) if ep_plan is None else dict(ep_plan)) if ep is not None else {}
     if tp is not None and tp_plan:
@@ -561,6 +634,8 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Mapping[str, str]] = None
         module._parameters[param_name] = distributed[id(param)]
     for module, module_style, axis in hooks:
         module_style.install(module, mesh, axis, ep)
+    if cp is not None:
+        mesh.load_balanced_sequence_axis = cp
     if shard_inputs:
-        model.register_forward_pre_hook(_shard_inputs(mesh, dp), with_kwargs=True)
+        model.register_forward_pre_hook(_shard_inputs(mesh, dp, cp), with_kwargs=True)
     return model

@@ -9,7 +9,11 @@
 //   view, _unsafe_view, _reshape_alias  dims are grouped into minimal equal-product groups; only
 //                                     the major dim of a group may be sharded, and only when every
 //                                     rank's shard stays a whole block of the new major dim with
-//                                     exactly the torch.chunk split of that dim. Otherwise view and
+//                                     exactly the torch.chunk split of that dim (a group flattened
+//                                     into one dim may keep several sharded dims, their axes major
+//                                     first, when every rank's block stays contiguous and is the
+//                                     chunk of that order: [batch/dp, seq/cp] -> [tokens/(dp, cp)]
+//                                     with one sequence per dp rank). Otherwise view and
 //                                     _reshape_alias raise (they must alias) and _unsafe_view
 //                                     gathers the offending dims first. reshape/flatten get a kernel
 //                                     of their own (register_reshape_kernel) that redistributes
@@ -271,21 +275,52 @@ ViewPlan plan_view(const Layout& in, const std::vector<int64_t>& out_shape) {
   const auto groups = dim_groups(in_shape, out_shape);
   layout::DimAxes out_dims(out_shape.size());
   std::vector<int64_t> gather;
+  // A group flattened into ONE output dim may keep several sharded dims: their axes, major dim
+  // first, shard the output dim (batch over dp and sequence over cp flattened into tokens); the
+  // check below keeps it only where every rank's block stays contiguous and is that dim's chunk.
+  auto flattens = [](const DimGroup& g) { return g.out_end - g.out_begin == 1 && g.in_end - g.in_begin > 1; };
   for (const auto& g : groups) {
     for (int64_t d = g.in_begin; d < g.in_end; ++d) {
       if (in.dim_axes()[d].empty()) continue;
-      // Only the group's major dim may stay sharded, onto the group's major output dim.
-      if (any_zero || d != g.in_begin || g.out_begin == g.out_end) {
+      // Otherwise only the group's major dim may stay sharded, onto the group's major output dim.
+      if (any_zero || g.out_begin == g.out_end || (d != g.in_begin && !flattens(g))) {
         gather.push_back(d);
         continue;
       }
-      out_dims[g.out_begin] = in.dim_axes()[d];
+      const auto& axes = in.dim_axes()[d];
+      out_dims[g.out_begin].insert(out_dims[g.out_begin].end(), axes.begin(), axes.end());
     }
   }
   // Exactness of the kept shards: rank by rank, the input block of the major dim must be the
   // output block of its major dim (scaled by the inner products of the group).
   auto candidate = Layout::create(in.mesh(), out_shape, out_dims, in.partial());
   for (const auto& g : groups) {
+    if (flattens(g) && !out_dims[g.out_begin].empty()) {
+      // Rank by rank: the block is contiguous in the group's row-major order (dims of one element
+      // before the first longer one, whole dims after it) and is the output dim's chunk.
+      bool exact = true;
+      for (int64_t p = 0; p < in.mesh()->size() && exact; ++p) {
+        const auto offset = in.global_offset_at(p), length = in.local_shape_at(p);
+        int64_t begin = 0, count = 1;
+        bool longer = false;
+        for (int64_t d = g.in_begin; d < g.in_end; ++d) {
+          begin = begin * in_shape[d] + offset[d];
+          count *= length[d];
+          if (longer && length[d] != in_shape[d]) exact = false;
+          longer = longer || length[d] != 1;
+        }
+        const int64_t out_length = candidate.local_shape_at(p)[g.out_begin];
+        exact = exact || count == 0;
+        exact = exact && count == out_length &&
+                (count == 0 || begin == candidate.global_offset_at(p)[g.out_begin]);
+      }
+      if (!exact) {
+        for (int64_t d = g.in_begin; d < g.in_end; ++d)
+          if (!in.dim_axes()[d].empty()) gather.push_back(d);
+        out_dims[g.out_begin].clear();
+      }
+      continue;
+    }
     if (g.in_begin == g.in_end || g.out_begin == g.out_end || in.dim_axes()[g.in_begin].empty()) continue;
     if (std::find(gather.begin(), gather.end(), g.in_begin) != gather.end()) continue;
     int64_t inner_in = 1, inner_out = 1;

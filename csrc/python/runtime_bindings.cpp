@@ -63,6 +63,10 @@ void bind_runtime(py::module_& m) {
            },
            py::arg("axis"), "This rank's c10d process group along `axis`.")
       .def("submesh", &DeviceMesh::submesh, py::arg("names"))
+      .def_property("load_balanced_sequence_axis", &DeviceMesh::load_balanced_sequence_axis,
+                    &DeviceMesh::set_load_balanced_sequence_axis,
+                    "Mesh axis index whose sequences are stored in head-tail (zig-zag) order of 2 x its size "
+                    "chunks (context parallelism, docs/context_parallel.md); -1: natural order.")
       .def("__str__", &DeviceMesh::to_string)
       .def("__repr__", [](const DeviceMesh& d) { return "DeviceMesh" + d.to_string(); });
 

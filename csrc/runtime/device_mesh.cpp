@@ -81,6 +81,12 @@ c10d::ProcessGroup& DeviceMesh::group(int64_t axis) const {
   return *group;
 }
 
+void DeviceMesh::set_load_balanced_sequence_axis(int64_t axis) {
+  HS_CHECK(axis >= -1 && axis < mesh_->ndim(), "device mesh", "load-balanced sequence axis ", axis,
+           " is not an axis of ", mesh_->to_string());
+  load_balanced_sequence_axis_ = axis;
+}
+
 std::shared_ptr<DeviceMesh> DeviceMesh::submesh(const std::vector<std::string>& names) const {
   auto sub = mesh_->submesh(names, rank_);
   std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups;

@@ -64,6 +64,15 @@ class DeviceMesh {
 
   std::string to_string() const { return mesh_->to_string(); }
 
+  // Context parallelism's layout convention (docs/context_parallel.md): with a load-balanced
+  // sequence axis of size n, every sequence dim of a tensor on this mesh is STORED in head-tail
+  // (zig-zag) order of 2n chunks -- stored block i is chunk i then chunk 2n-1-i -- so that each
+  // rank of a plain Shard holds an early and a late chunk. Rules that read positions (a causal
+  // attention mask) map stored rows to positions through it. -1: natural order. Declared by
+  // parallelize before the first call; a submesh does not inherit it.
+  int64_t load_balanced_sequence_axis() const { return load_balanced_sequence_axis_; }
+  void set_load_balanced_sequence_axis(int64_t axis);
+
  private:
   layout::MeshPtr mesh_;
   int64_t rank_;
@@ -71,6 +80,7 @@ class DeviceMesh {
   c10::DeviceType device_type_;
   std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups_;
   bool released_ = false;  // release_process_groups() took the groups
+  int64_t load_balanced_sequence_axis_ = -1;
 
   friend int64_t release_process_groups();
 };

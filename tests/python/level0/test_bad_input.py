@@ -82,8 +82,8 @@ def _ops():
         "softmax_of_partial": lambda x: x.softmax(-1),
         "amax_of_sum_partial": lambda x: x.amax(0),
         "abs_of_partial": torch.abs,
-        # dims a rule forbids sharded
-        "attention_sequence_sharded": lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True),
+        # dims a rule forbids sharded (a sharded attention sequence is context parallelism now:
+        # test_context_parallel.py)
         "attention_head_dim_sharded": lambda q: F.scaled_dot_product_attention(q, q, q),
         "view_cuts_shards": lambda x: x.view(16, 6),
         "view_flattens_inner_sharded_dim": lambda x: x.view(8, 8),
@@ -171,7 +171,6 @@ EXPECTED = {
     "softmax_of_partial": ("P", "a softmax of a sum is not the sum of the parts' softmaxes"),
     "amax_of_sum_partial": ("P", "Partial(sum) input is not supported by this reduction"),
     "abs_of_partial": ("P", "aten::abs: argument self (#0)"),
-    "attention_sequence_sharded": ("Q2", "dim 2 (sequence) is sharded"),
     "attention_head_dim_sharded": ("Q3", "dim 3 (head_dim) is sharded"),
     "view_cuts_shards": ("V1", "viewing as [16, 6] would cut through a sharded dim"),
     "view_flattens_inner_sharded_dim": ("V3", "viewing as [8, 8] would cut through a sharded dim"),
@@ -208,7 +207,6 @@ EXPECTED = {
 INPUTS = {
     "": X46,
     "P": P46,
-    "Q2": Input((2, 2, 4, 8), placements=["S(2)"]),
     "Q3": Input((2, 2, 4, 8), placements=["S(3)"]),
     "V1": Input((12, 8), placements=["S(1)"]),
     "V3": Input((2, 4, 8), placements=["S(1)"]),

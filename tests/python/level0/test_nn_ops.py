@@ -381,10 +381,10 @@ def attention_cases():
     add(C("qwen3_sdpa_mask_tp", qwen3_attention("sdpa", mask=True), [I((2, 5, 32))]))
     add(C("m22_qwen3_sdpa_dp_x_tp_y", qwen3_attention("sdpa", tp_axis=1), [I((2, 5, 32), ["S(0)", "R"])], mesh=M22))
     # errors
-    add(Case("sdpa_sequence_sharded", sdpa_causal, qkv(S2), mesh=M2, expect_error="needs whole sequences"))
-    add(Case("sdpa_head_dim_sharded", sdpa_causal, qkv(S3), mesh=M2, expect_error="needs whole sequences"))
-    add(Case("sdpa_mask_sequence_sharded", sdpa_mask, qkv(S0) + [I((L, L), S0, requires_grad=False)], mesh=M2,
-             expect_error="attn_mask"))
+    # a sharded sequence: context parallelism's all-gather-KV (test_context_parallel.py has the rest)
+    add(C("sdpa_sequence_sharded", sdpa_causal, qkv(S2), placements=["Shard(dim=2)"]))
+    add(Case("sdpa_head_dim_sharded", sdpa_causal, qkv(S3), mesh=M2, expect_error="needs whole head dims"))
+    add(C("sdpa_mask_sequence_sharded", sdpa_mask, qkv(S0) + [I((L, L), S0, requires_grad=False)]))
     add(Case("sdpa_partial_query", sdpa_causal, [I((B, H, L, D), P), I((B, H, L, D)), I((B, H, L, D))], mesh=M2,
              expect_error="not supported by attention"))
     # more head shards than KV heads (tp wider than the KV heads): key/value whole on the heads, each

@@ -103,6 +103,10 @@ ROWS = {
         ("slice_sharded_dim_exchanges", "tp4", aten.slice.Tensor, (T([8, 6], S(0)), 0, 0, 2), {}, None, [S(0)], True),
         ("slice_dim_over_two_axes_gathers", "dp2tp2", aten.slice.Tensor, (T([8, 6], S(0, 0)), 0, 0, 2), {},
          [["R", "R"]], [["R", "R"]], False),
+        # [batch over dp, seq over tp] flattened into tokens: one row per dp rank keeps every
+        # block contiguous, so the token dim is sharded over (dp, tp) (context parallelism's loss)
+        ("view_flatten_two_sharded_dims", "dp2tp2", aten.view.default, (T([2, 8], S(0, 1)), [16]), {},
+         None, [S(0, 0)], False),
         ("select_other_dim", "tp4", aten.select.int, (T([8, 6], S(0)), 1, 2), {}, None, [S(0)], False),
         ("select_sharded_dim_gathers", "tp4", aten.select.int, (T([8, 6], S(0)), 0, 2), {}, [R1], [R1], False),
         ("cat_other_dim", "tp4", aten.cat.default, ([T([8, 6], S(0)), T([8, 2], S(0))], 1), {}, None, [S(0)], False),
@@ -125,6 +129,16 @@ ROWS = {
         ("sdpa_heads", "tp4", aten._scaled_dot_product_flash_attention_for_cpu.default,
          (T([2, 4, 5, 8], S(1)), T([2, 4, 5, 8], S(1)), T([2, 4, 5, 8], S(1)), 0.0, True), {},
          None, [S(1), S(1)], False),
+        # context parallelism, all-gather-KV: the query stays sharded on the sequence, key/value
+        # are gathered; in the backward their gradients are reduce-scattered back (the expand)
+        ("sdpa_sequence_gathers_kv", "tp4", aten._scaled_dot_product_flash_attention_for_cpu.default,
+         (T([2, 4, 8, 8], S(2)), T([2, 4, 8, 8], S(2)), T([2, 4, 8, 8], S(2)), 0.0, True), {},
+         [S(2), R1, R1], [S(2), S(2)], True),
+        ("sdpa_backward_sequence_scatters_kv", "tp4",
+         aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+         (T([2, 4, 8, 8], S(2)), T([2, 4, 8, 8], S(2)), T([2, 4, 8, 8], S(2)), T([2, 4, 8, 8], S(2)),
+          T([2, 4, 8, 8], S(2)), T([2, 4, 8], S(2)), 0.0, True), {},
+         [S(2), S(2), R1, R1, S(2), S(2)], [S(2), S(2), S(2)], True),
     ],
     "embedding_loss": [
         ("embedding_dim_sharded", "tp4", aten.embedding.default, (T([16, 8], S(1)), T([2, 3], R1, i64)), {},
@@ -270,11 +284,11 @@ ERRORS = [
      "viewing as [16, 6] would cut through a sharded dim"),
     ("view_flatten_inner_sharded", "tp4", aten.view.default, (T([2, 4, 8], S(1)), [8, 8]), {},
      "viewing as [8, 8] would cut through a sharded dim"),
+    # two rows per dp rank and half of each row: not a contiguous block of the tokens
+    ("view_flatten_two_sharded_dims_not_contiguous", "dp2tp2", aten.view.default, (T([4, 8], S(0, 1)), [32]), {},
+     "viewing as [32] would cut through a sharded dim"),
     ("softmax_of_partial", "tp4", aten._softmax.default, (T([4, 6], P1), 1, False), {},
      "a softmax of a sum is not the sum of the parts' softmaxes"),
-    ("attention_sequence_sharded", "tp4", aten._scaled_dot_product_flash_attention_for_cpu.default,
-     (T([2, 4, 8, 8], S(2)), T([2, 4, 8, 8], S(2)), T([2, 4, 8, 8], S(2)), 0.0, True), {},
-     "dim 2 (sequence) is sharded; attention needs whole sequences and head dims"),
     ("attention_head_dim_sharded", "tp4", aten._scaled_dot_product_flash_attention_for_cpu.default,
      (T([2, 4, 5, 8], S(3)), T([2, 4, 5, 8], S(3)), T([2, 4, 5, 8], S(3))), {},
      "dim 3 (head_dim) is sharded"),

@@ -1,0 +1,256 @@
+"""Level 0: context parallelism, all-gather-KV algorithm (csrc/ops/attention.cpp): softmax attention
+(the CPU flash kernel F.scaled_dot_product_attention lowers to) with the sequence sharded over a
+mesh axis "cp", on real gloo meshes (2,), (4,) and (2, 2) = (dp, cp), strict mode, against one
+device: forward and the gradients of query, key and value.
+
+The layout convention (docs/context_parallel.md): with a load-balanced sequence axis
+(``mesh.load_balanced_sequence_axis``) every sequence is STORED in head-tail order of 2n chunks
+(rank i holds chunks i and 2n-1-i). The inputs here are given in stored order; the reference
+undoes the order, runs one-device attention in natural order and stores the result again, so
+"equal to one device" means equal to the natural-order computation. Without a load-balanced axis
+the sequence is in natural order (uneven lengths allowed).
+
+Cases: causal (head-tail and natural order, uneven L in natural order), not causal, GQA
+(enable_gqa, 4 query heads over 2 KV heads), padding masks (a right-padded key mask, with and
+without causal), key/value gradients laid out like key/value (reduce-scattered back), bytes per
+call within the all-gather-KV bound, the refusals (head-tail order with 2n not dividing L, a
+sharded head dim), and planted faults that must fail: the head-tail declaration missing (the mask
+built in natural order) and the labels' load-balance permutation missing (a global causal-LM loss).
+
+Tolerance: float32 defaults (rtol 1e-5, atol 1e-6): each rank's output row is computed by the
+same kernel over the same keys as one device; only the blocking of the kernel's online softmax and
+the order of the reduce-scatter's sum of per-rank key/value gradient parts differ (rounding).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+hs = pytest.importorskip("hypershard")
+from hypershard.testing import Case, Input, current_mesh, in_distributed_run, run_cases  # noqa: E402
+from hypershard.context_parallel import head_tail_order, shift_labels  # noqa: E402
+
+M2 = ((2,), ("cp",))
+M4 = ((4,), ("cp",))
+M22 = ((2, 2), ("dp", "cp"))
+TIMEOUT = 300
+B, H, D = 2, 4, 8
+FLOAT_BYTES = 4
+
+
+def cp_axis_and_size():
+    mesh = current_mesh()
+    axis = list(mesh.mesh_dim_names).index("cp")
+    return axis, mesh.shape[axis]
+
+
+def declare(load_balanced: bool):
+    """Sets (or clears) the mesh's load-balanced sequence axis; every case states it, since one
+    launch's cases share the mesh."""
+    axis, _ = cp_axis_and_size()
+    current_mesh().load_balanced_sequence_axis = axis if load_balanced else -1
+
+
+def seq(placement_cp, mesh):
+    """q/k/v placements: dim 2 on cp, dim 0 on dp where the mesh has it."""
+    return ["S(0)", placement_cp] if mesh == M22 else [placement_cp]
+
+
+def cp_size(mesh):
+    return mesh[0][mesh[1].index("cp")]
+
+
+# ------------------------------------------------------------------------------------- functions
+
+def natural(t, order, dims=(2,)):
+    """Stored-order `t` back in natural order along `dims` (stored row j is position order[j])."""
+    inverse = torch.argsort(order)
+    for d in dims:
+        t = t.index_select(d, inverse)
+    return t
+
+
+def stored(t, order):
+    return t.index_select(2, order)
+
+
+def attention(causal=False, gqa=False, head_tail=False, mask=False, chunks=None):
+    """fn: one-device attention in natural order (stored-order inputs converted, the output
+    converted back); dist_fn: F.scaled_dot_product_attention on the DTensors as they are, the mesh's
+    load-balanced axis declared when `head_tail`. With a mask and causal the call is the aten op
+    (F.scaled_dot_product_attention refuses both together): HF builds one 4-D mask instead, which
+    the reference does."""
+    def reference(q, k, v, *m):
+        L = q.shape[2]
+        order = head_tail_order(L, chunks) if head_tail else torch.arange(L)
+        qn, kn, vn = (natural(t, order) for t in (q, k, v))
+        attn_mask = natural(m[0], order, (2, 3)) if m else None
+        if causal and m:
+            attn_mask = attn_mask + torch.full((L, L), float("-inf")).triu(1)
+        out = F.scaled_dot_product_attention(qn, kn, vn, attn_mask=attn_mask, is_causal=causal and not m,
+                                             enable_gqa=gqa)
+        return stored(out, order)
+
+    def distributed(q, k, v, *m):
+        declare(head_tail)
+        if causal and m:
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, attn_mask=m[0])[0]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m[0] if m else None, is_causal=causal,
+                                              enable_gqa=gqa)
+    return reference, distributed
+
+
+def padding_mask(L, order, pad):
+    """An additive key-padding mask [B, 1, L, L] in stored order: batch 1's last `pad` positions
+    are padding (0 where a key is seen, -inf where it is padding)."""
+    keep = torch.ones(B, L, dtype=torch.bool)
+    keep[1, L - pad:] = False
+    m = torch.zeros(B, 1, L, L).masked_fill(~keep[:, None, None, :], float("-inf"))
+    return m.index_select(2, order).index_select(3, order)
+
+
+def with_traffic_check(dist, mesh, L, hkv):
+    """dist_fn that also runs forward + backward on fresh leaves with the traffic counters reset
+    and checks the all-gather-KV bound (even shards): forward all-gathers K and V (each rank sends
+    its blocks to n-1 peers: 2 (n-1) b_kv), backward all-gathers them again and reduce-scatters
+    dK and dV ((n-1) b_kv each): 6 (n-1) b_kv per forward + backward, b_kv = this rank's K block.
+    Also checks that dK / dV come back laid out like K / V (Shard on the sequence)."""
+    n = cp_size(mesh)
+    dp = 2 if mesh == M22 else 1
+    b_kv = (B // dp) * hkv * (L // n) * D * FLOAT_BYTES
+
+    def run(q, k, v, *m):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        dist(*leaves, *m)  # plans cached
+        hs._C.reset_traffic()
+        out = dist(*leaves, *m)
+        forward = hs._C.traffic()["bytes_sent"]
+        grads = torch.autograd.grad(out, leaves, grad_outputs=out.detach())
+        total = hs._C.traffic()["bytes_sent"]
+        problems = []
+        if forward != 2 * (n - 1) * b_kv:
+            problems.append(f"forward sent {forward} bytes, all-gather-KV sends {2 * (n - 1) * b_kv}")
+        if total != 6 * (n - 1) * b_kv:
+            problems.append(f"forward + backward sent {total} bytes, all-gather-KV sends {6 * (n - 1) * b_kv}")
+        for name, leaf, grad in zip("qkv", leaves, grads):
+            if grad.placements != leaf.placements:
+                problems.append(f"d{name} placements {grad.placements}, {name} {leaf.placements}")
+        if problems:
+            raise AssertionError("; ".join(problems))
+        return dist(q, k, v, *m)
+    return run
+
+
+def qkv(mesh, L, hkv=H, placement="S(2)"):
+    p = seq(placement, mesh)
+    return [Input((B, H, L, D), placements=p), Input((B, hkv, L, D), placements=p),
+            Input((B, hkv, L, D), placements=p)]
+
+
+def attention_case(name, mesh, L, causal=False, gqa=False, head_tail=False, pad=0, traffic=False,
+                   expect_error=None):
+    hkv = 2 if gqa else H
+    chunks = 2 * cp_size(mesh)
+    fn, dist = attention(causal, gqa, head_tail, mask=pad > 0, chunks=chunks)
+    inputs = qkv(mesh, L, hkv)
+    if pad:
+        order = head_tail_order(L, chunks) if head_tail else torch.arange(L)
+        inputs.append(Input((B, 1, L, L), placements=seq("S(2)", mesh), init=padding_mask(L, order, pad),
+                            requires_grad=False))
+    if traffic:
+        dist = with_traffic_check(dist, mesh, L, hkv)
+    return Case(name, fn, inputs, mesh=mesh, dist_fn=dist, expect_error=expect_error)
+
+
+# ------------------------------------------------------------------------- the loss (labels)
+
+VOCAB = 11
+
+
+def loss_cases(mesh, L):
+    """The logits [1, L, V] are given in head-tail order; the reference is the one-device causal-LM
+    loss written out in natural order (logits of position p against token p + 1, -100 ignored,
+    mean over the trained tokens), independent of hypershard.context_parallel's helpers. The
+    distributed run gets the labels as parallelize makes them -- shifted over the whole sequence,
+    then stored in head-tail order -- and sharded like the logits; it never shifts across shards.
+    The planted twin forgets the head-tail permutation of the labels."""
+    chunks = 2 * cp_size(mesh)
+    order = head_tail_order(L, chunks)
+    labels = torch.randint(0, VOCAB, (1, L), generator=torch.Generator().manual_seed(L))
+    labels[0, 2] = labels[0, L // 2] = -100
+    placements = ["R"] * len(mesh[0])
+    placements[mesh[1].index("cp")] = "S(1)"
+    logits = Input((1, L, VOCAB), placements=list(placements))
+
+    def reference(lg, _labels):
+        natural_logits = lg.index_select(1, torch.argsort(order))
+        return F.cross_entropy(natural_logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+
+    def dist(lg, lb):
+        declare(True)
+        return F.cross_entropy(lg.flatten(0, 1), lb.flatten(), ignore_index=-100)
+
+    good = Input((1, L), torch.int64, placements=list(placements),
+                 init=shift_labels(labels).index_select(1, order))
+    planted = Input((1, L), torch.int64, placements=list(placements), init=shift_labels(labels))
+    tag = "m22" if mesh == M22 else f"m{cp_size(mesh)}"
+    return [Case(f"loss_head_tail_{tag}", reference, [logits, good], mesh=mesh, dist_fn=dist),
+            Case(f"planted_labels_not_permuted_{tag}", reference, [logits, planted], mesh=mesh, dist_fn=dist)]
+
+
+# ---------------------------------------------------------------------------------------- cases
+
+def cases():
+    c = []
+    for mesh, tag in ((M2, "m2"), (M4, "m4"), (M22, "m22")):
+        n = cp_size(mesh)
+        L = 4 * n  # 2n chunks of 2
+        c += [
+            attention_case(f"causal_head_tail_{tag}", mesh, L, causal=True, head_tail=True, traffic=True),
+            attention_case(f"not_causal_{tag}", mesh, L, traffic=True),
+            attention_case(f"causal_natural_uneven_{tag}", mesh, 2 * n + 1, causal=True),
+            attention_case(f"not_causal_uneven_{tag}", mesh, 2 * n + 1),
+            attention_case(f"gqa_causal_head_tail_{tag}", mesh, L, causal=True, gqa=True, head_tail=True,
+                           traffic=True),
+            attention_case(f"padding_causal_head_tail_{tag}", mesh, L, causal=True, head_tail=True, pad=3),
+            attention_case(f"padding_not_causal_{tag}", mesh, L, pad=3),
+            attention_case(f"head_tail_uneven_refused_{tag}", mesh, 4 * n + 1, causal=True, head_tail=True,
+                           expect_error="head-tail order"),
+        ]
+        c += loss_cases(mesh, 4 * n)
+    # a head dim sharded is refused
+    fn, dist = attention(causal=True)
+    c.append(Case("head_dim_sharded_refused_m2", fn, qkv(M2, 8, placement="S(3)"), mesh=M2, dist_fn=dist,
+                  expect_error="needs whole head dims"))
+    # planted: head-tail inputs, the mesh not told (the mask built from natural positions)
+    fn, _ = attention(causal=True, head_tail=True, chunks=4)
+    _, undeclared = attention(causal=True, head_tail=False)
+    c.append(Case("planted_head_tail_undeclared_m2", fn, qkv(M2, 8), mesh=M2, dist_fn=undeclared))
+    return c
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_cases(cases(), timeout=TIMEOUT)  # the hypershard adapter runs strict
+
+
+def test_context_parallel_attention(results):
+    failures = [r for r in results if not r.passed and not r.name.startswith("planted_")]
+    assert not failures and not results.problems, results.summary()
+
+
+def test_planted_faults_fail(results):
+    planted = [r for r in results if r.name.startswith("planted_")]
+    assert len(planted) == 4, [r.name for r in planted]
+    for r in planted:
+        assert not r.passed, f"{r.name} passed: the planted fault went unnoticed"
+        assert "elements differ" in r.message, r.describe()  # a wrong value, not a crash
+
+
+def test_head_tail_order_literal():
+    """The order the C++ rule assumes (csrc/ops/attention.cpp, stored_positions), written out:
+    4 chunks of 2 -> stored blocks c0 c3 | c1 c2."""
+    assert head_tail_order(8, 4).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    assert shift_labels(torch.tensor([[5, 6, 7]])).tolist() == [[6, 7, -100]]

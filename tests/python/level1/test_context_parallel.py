@@ -1,0 +1,75 @@
+"""Level1: a tiny HuggingFace Qwen3ForCausalLM (random init, "sdpa" attention) trains 3 steps of
+AdamW with clip_grad_norm_ with its sequence sharded over a context-parallel axis (cp2,
+dp2 x cp2 and tp2 x cp2: heads over tp, the model's own tensor-parallel plan), parallelize(..., cp_algorithm="all_gather_kv"), strict mode, against one device
+(hypershard.testing.training's checks: every step's loss rtol 1e-5, first-step gradients and final
+parameters with the tolerances argued there), with 0 fallback and 0 implicit calls.
+
+parallelize stores the sequence in head-tail order (docs/context_parallel.md): input ids, position
+ids and the labels (shifted over the whole sequence first) are permuted and sharded over cp; the
+attention all-gathers K/V with the causal mask from global positions. Batch = dp size (one
+sequence per dp rank): HF's loss flattens (batch, seq), which stays a whole block per rank only
+then. Planted fault: the mesh not told about the head-tail order (the causal mask built from
+natural positions) must fail the same checks."""
+
+import torch
+
+from hypershard.testing import Case, Input, assert_all_passed, current_mesh, run_cases
+
+STEPS = 3
+SEQ = 16
+
+
+def trainer(batch, fault=None):
+    def batches(config):
+        from hypershard.models import make_batches
+        return make_batches(config.vocab_size, STEPS, batch=batch, seq=SEQ)
+
+    def config():
+        from hypershard.models import tiny_config
+        return tiny_config("qwen3")  # "sdpa" attention
+
+    def reference(_dummy):
+        from hypershard.models import tiny_model, train
+        return torch.tensor(train(tiny_model(config()), batches(config())), dtype=torch.float64)
+
+    def distributed(_dummy):
+        import hypershard as hs
+        from hypershard.models import tiny_model
+        from hypershard.parallel import parallelize
+        from hypershard.testing.training import check_training, record_training
+
+        expected = record_training(tiny_model(config()), batches(config()))
+        mesh = current_mesh()
+        model = parallelize(tiny_model(config()), mesh, cp_algorithm="all_gather_kv")
+        assert mesh.load_balanced_sequence_axis == list(mesh.mesh_dim_names).index("cp")
+        if fault == "head_tail_undeclared":
+            mesh.load_balanced_sequence_axis = -1
+        hs._C.reset_dispatch_stats()
+        got = record_training(model, batches(config()))
+        stats = hs._C.dispatch_stats()
+        mesh.load_balanced_sequence_axis = -1
+        problems, worst = check_training(got, expected)
+        if fault is None:
+            assert not problems, "\n".join(problems)
+            assert stats["implicit_calls"] == 0 and stats["fallback_calls"] == 0, stats
+            return torch.tensor(got.losses, dtype=torch.float64)
+        assert problems, f"planted fault {fault!r} was NOT caught; worst ratios {worst}"
+        return torch.tensor(expected.losses, dtype=torch.float64)
+
+    return reference, distributed
+
+
+def _case(name, mesh, reference, distributed):
+    return Case(name, reference, [Input((1,), requires_grad=False)], mesh, dist_fn=distributed,
+                check_grad=False, rtol=1e-5, atol=0.0)
+
+
+def test_qwen3_trains_on_cp_like_one_device():
+    cases = [
+        _case("qwen3_cp2", ((2,), ("cp",)), *trainer(1)),
+        _case("qwen3_dp2_cp2", ((2, 2), ("dp", "cp")), *trainer(2)),
+        _case("qwen3_tp2_cp2", ((2, 2), ("tp", "cp")), *trainer(1)),
+        _case("qwen3_cp2_planted_head_tail_undeclared_is_caught", ((2,), ("cp",)),
+              *trainer(1, fault="head_tail_undeclared")),
+    ]
+    assert_all_passed(run_cases(cases, backend="hypershard", timeout=600))
