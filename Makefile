@@ -1,7 +1,7 @@
 # hypershard developer entry points. Every target works from a fresh clone:
 #
 #   make demo    set up (Debian packages, .venv, pinned deps, build), then run the demo
-#   make test    set up, then the C++ tests (plain, sanitized, fuzzed), the Python unit tests,
+#   make test    set up, then the format check, the C++ tests (plain, sanitized, fuzzed), the Python unit tests,
 #                level0 and level1
 #
 # `setup` is idempotent and incremental: packages are installed only when missing, the pinned
@@ -45,15 +45,16 @@ export CMAKE_BUILD_PARALLEL_LEVEL := $(JOBS)
 export CCACHE_BASEDIR := $(CURDIR)
 
 .PHONY: help setup system-packages build test test-cpp test-sanitize test-fuzz test-unit \
-        test-level0 test-level1 test-gpu \
+        test-level0 test-level1 test-gpu format test-format \
         demo bench coverage-docs clean distclean
 
 help:
 	@echo "make demo         set up everything, then run the demo (python -m hypershard.demo)"
-	@echo "make test         set up everything, then test-cpp, test-sanitize, test-fuzz, test-unit,"
-	@echo "                  test-level0, test-level1"
+	@echo "make test         set up everything, then test-format, test-cpp, test-sanitize, test-fuzz,"
+	@echo "                  test-unit, test-level0, test-level1"
 	@echo "make setup        Debian packages, .venv, pinned requirements, build the extension"
 	@echo "make build        (re)build the extension hypershard._C when its sources changed"
+	@echo "make format       apply clang-format (C++) and ruff (Python); test-format checks them"
 	@echo "make test-cpp     GoogleTest tests of the layout core (no torch), in $(CPP_BUILD)"
 	@echo "make test-sanitize"
 	@echo "                  the tests of test-cpp under ASan + UBSan (clang), in $(CPP_ASAN_BUILD)"
@@ -100,7 +101,22 @@ $(BUILD_STAMP): $(REQUIREMENTS_STAMP) $(EXTENSION_INPUTS)
 	$(PY) -m pip install --no-build-isolation --no-deps -e .
 	touch $@
 
-test: setup test-cpp test-sanitize test-fuzz test-unit test-level0 test-level1
+test: setup test-format test-cpp test-sanitize test-fuzz test-unit test-level0 test-level1
+
+# C++ (clang-format, .clang-format) and Python (ruff, pyproject.toml) style: `make format` applies
+# both, test-format fails on any file that differs.
+CXX_SOURCES = $(shell git ls-files 'csrc/*.cpp' 'csrc/*.h' 'tests/cpp/*.cpp' 'tests/cpp/*.h' 2>/dev/null)
+format: $(REQUIREMENTS_STAMP)
+	$(VENV_BIN)/clang-format -i $(CXX_SOURCES)
+	$(VENV_BIN)/ruff check --fix --quiet .
+	$(VENV_BIN)/ruff format --quiet .
+
+test-format: $(REQUIREMENTS_STAMP)
+	@$(VENV_BIN)/clang-format --dry-run --Werror $(CXX_SOURCES) || \
+	  { echo "test-format: C++ differs from .clang-format (run make format)"; exit 1; }
+	@$(VENV_BIN)/ruff format --check --quiet . || { echo "test-format: run make format"; exit 1; }
+	@$(VENV_BIN)/ruff check --quiet . || { echo "test-format: ruff check failed (make format fixes the import order)"; exit 1; }
+	@echo "test-format: C++ and Python formatted"
 
 test-cpp: system-packages $(REQUIREMENTS_STAMP)
 	cmake -S . -B $(CPP_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release \
