@@ -57,7 +57,6 @@
 namespace hypershard::ops {
 namespace {
 
-
 constexpr char kBatch = 'b';
 constexpr char kHeads = 'h';
 constexpr char kQuerySequence = 'L';
@@ -102,8 +101,9 @@ Attention bind(const OpCall& call) {
     const std::string labels = t == a.mask ? a.mask_labels : "bhLE";
     for (int64_t d = 0; d < l.ndim(); ++d)
       if (!l.dim_axes()[d].empty() && (labels[d] == 'E' || labels[d] == kWhole))
-        fail_argument(call, t, layout::str_cat("dim ", d, labels[d] == 'E' ? " (head_dim)" : " (broadcast)",
-                                               " is sharded; attention needs whole head dims"),
+        fail_argument(call, t,
+                      layout::str_cat("dim ", d, labels[d] == 'E' ? " (head_dim)" : " (broadcast)",
+                                      " is sharded; attention needs whole head dims"),
                       "batch (dim 0), heads (dim 1) or sequence (dim 2) sharded");
   }
   return a;
@@ -118,8 +118,9 @@ void check_grouped_heads(const OpCall& call, const Attention& a, const FactorPla
   for (size_t axis = 0; axis < f.shard_label.size(); ++axis)
     if (f.shard_label[axis] == kHeads) parts *= call.mesh->mesh()->shape()[axis];
   if (parts > 1 && hkv % parts != 0)
-    fail_argument(call, a.key, layout::str_cat(hkv, " key/value heads (grouped under ", hq,
-                                                " query heads) cannot be split evenly over ", parts, " shards"),
+    fail_argument(call, a.key,
+                  layout::str_cat(hkv, " key/value heads (grouped under ", hq,
+                                  " query heads) cannot be split evenly over ", parts, " shards"),
                   "heads sharded over a number of shards that divides the key/value heads, or batch sharding");
 }
 
@@ -183,7 +184,7 @@ at::Tensor stored_positions(int64_t begin, int64_t count, int64_t length, int64_
   if (chunks == 0) return stored;
   const int64_t chunk = length / chunks;
   const at::Tensor block = stored.div(2 * chunk, "floor"), within = stored.remainder(2 * chunk);
-  const at::Tensor head = block * chunk + within;                             // chunk `block`
+  const at::Tensor head = block * chunk + within;                           // chunk `block`
   const at::Tensor tail = (chunks - 1 - block) * chunk + (within - chunk);  // chunk 2n-1-block
   return at::where(within < chunk, head, tail);
 }
@@ -199,7 +200,7 @@ struct SequencePlan {
   std::optional<ReplicatedKv> kv;  // read this rank's KV heads (tp wider than the KV heads)
   LayoutPtr query;                 // the planned query: its L block's global offset
   int64_t length_q = 0, length_k = 0;
-  bool query_sharded = false;      // L sharded: a causal mask needs the block's offset
+  bool query_sharded = false;  // L sharded: a causal mask needs the block's offset
   // Backward: reduce-scatter the key/value gradients from `partial_grad[i]` to `scattered_grad[i]`.
   LayoutPtr partial_grad[2], scattered_grad[2];
 };
@@ -213,9 +214,8 @@ at::Tensor causal_mask(const OpCall& c, const SequencePlan& p, int64_t local_row
     fail_call(c, layout::str_cat("a causal mask over a sequence stored in head-tail order of ", chunks,
                                  " chunks (load-balanced axis '",
                                  c.mesh->mesh()->axis_names()[c.mesh->load_balanced_sequence_axis()],
-                                 "') needs equal query and key lengths divisible by ", chunks, "; got L=",
-                                 p.length_q, ", S=", p.length_k,
-                                 "; allowed: sequences padded to a multiple of 2 x the axis size"));
+                                 "') needs equal query and key lengths divisible by ", chunks, "; got L=", p.length_q,
+                                 ", S=", p.length_k, "; allowed: sequences padded to a multiple of 2 x the axis size"));
   const int64_t begin = p.query->global_offset_at(c.mesh->position())[2];
   const at::Tensor rows = stored_positions(begin, local_rows, p.length_q, chunks);
   const at::Tensor cols = stored_positions(0, p.length_k, p.length_k, chunks);
@@ -307,8 +307,8 @@ OpPlan finish(const OpCall& call, const Attention& a, const FactorSpec& spec, bo
       torch::jit::drop(stack, n);
       if (!backward) {
         stack.emplace_back(at::empty({query.size(0), query.size(1), 0, value_used.size(3)}, query.options()));
-        stack.emplace_back(at::empty({query.size(0), query.size(1), 0},
-                                     query.options().dtype(at::toOpMathType(query.scalar_type()))));
+        stack.emplace_back(
+            at::empty({query.size(0), query.size(1), 0}, query.options().dtype(at::toOpMathType(query.scalar_type()))));
         return;
       }
       stack.emplace_back(at::zeros_like(query));

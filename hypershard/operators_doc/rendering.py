@@ -33,7 +33,7 @@ def _cell(text: str) -> str:
 
 
 def _short(op: str) -> str:
-    return op[len("aten::"):] if op.startswith("aten::") else op
+    return op[len("aten::") :] if op.startswith("aten::") else op
 
 
 def _braces(ops: list) -> str:
@@ -42,7 +42,7 @@ def _braces(ops: list) -> str:
     for op in ops:
         name = _short(op)
         base = stem(name)
-        groups.setdefault(base, []).append(name[len(base):])
+        groups.setdefault(base, []).append(name[len(base) :])
     parts = []
     for base in sorted(groups):
         suffixes = sorted(groups[base])
@@ -51,15 +51,20 @@ def _braces(ops: list) -> str:
 
 
 def _table(rows: list) -> list:
-    lines = ["| op | Shard(0) | Shard(last) | Partial(sum) | expands | probed on |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| op | Shard(0) | Shard(last) | Partial(sum) | expands | probed on |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for row in rows:
         if row.probe is None:
             lines.append(f"| `{_short(row.op)}` | {row.why} | | | | |")
             continue
         p = row.probe
-        lines.append(f"| `{_short(row.op)}` | " + " | ".join(_cell(p.cells[k]) for k in PROBES) +
-                     f" | {'yes' if p.expands else ''} | {_cell(p.sample)} |")
+        lines.append(
+            f"| `{_short(row.op)}` | "
+            + " | ".join(_cell(p.cells[k]) for k in PROBES)
+            + f" | {'yes' if p.expands else ''} | {_cell(p.sample)} |"
+        )
     return lines
 
 
@@ -74,8 +79,9 @@ def _grouped(rows: list) -> list:
         if len(key) == 1:
             head = f"**{key[0]}**"
         else:
-            head = " · ".join(f"{name}: {_cell(cell)}" for name, cell in zip(("Shard(0)", "Shard(last)", "Partial(sum)"),
-                                                                             key[:3]))
+            head = " · ".join(
+                f"{name}: {_cell(cell)}" for name, cell in zip(("Shard(0)", "Shard(last)", "Partial(sum)"), key[:3])
+            )
             head += " · expands" if key[3] else ""
         count = len(groups[key])
         lines.append(f"- {head} ({count} op{'' if count == 1 else 's'}): {_braces(groups[key])}")
@@ -175,11 +181,13 @@ def document(rows: list, sources: bool = True) -> str:
 
     lines = [INTRO]
     lines.append("## Summary\n")
-    lines.append(f"{len(rows)} ops with a rule in {len(families)} families; {sum(r.probe is not None for r in rows)} "
-                 "probed. *local*: the given layout of the first argument kept, nothing communicated before "
-                 "or inside the op. *P kept*: a Partial(sum) first argument kept and a Partial output. "
-                 "*P refused*: the rule raises for it (default mode reduces it first). *expands*: the op runs "
-                 "collectives inside for at least one probe.\n")
+    lines.append(
+        f"{len(rows)} ops with a rule in {len(families)} families; {sum(r.probe is not None for r in rows)} "
+        "probed. *local*: the given layout of the first argument kept, nothing communicated before "
+        "or inside the op. *P kept*: a Partial(sum) first argument kept and a Partial output. "
+        "*P refused*: the rule raises for it (default mode reduces it first). *expands*: the op runs "
+        "collectives inside for at least one probe.\n"
+    )
     columns = ("ops", "probed", "S(0) local", "S(last) local", "P kept", "P refused", "expands")
     lines.append("| family | " + " | ".join(columns) + " |")
     lines.append("| --- |" + " ---: |" * len(columns))
@@ -206,9 +214,11 @@ def document(rows: list, sources: bool = True) -> str:
                 lines.extend(_table(table_rows))
                 lines.append("")
             if tag_rows:
-                lines.append(f"The other {len(tag_rows)} pointwise ops, registered by torch's `pointwise` tag "
-                             "(register_tagged_pointwise), grouped by what the probes found; `acos{,_,.out}` is "
-                             "`acos`, `acos_` and `acos.out`:\n")
+                lines.append(
+                    f"The other {len(tag_rows)} pointwise ops, registered by torch's `pointwise` tag "
+                    "(register_tagged_pointwise), grouped by what the probes found; `acos{,_,.out}` is "
+                    "`acos`, `acos_` and `acos.out`:\n"
+                )
                 lines.extend(_grouped(tag_rows))
                 lines.append("")
         else:

@@ -25,7 +25,8 @@ def assert_within(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, wha
         raise AssertionError(
             f"{what}: {int(bad.sum())} of {bad.numel()} elements beyond their error bound; worst at flat index "
             f"{index}: got {flat_got[index].item()!r}, reference {flat_ref[index].item()!r}, "
-            f"|err| {err.flatten()[index].item():.3e} > bound {flat_bound[index].item():.3e}")
+            f"|err| {err.flatten()[index].item():.3e} > bound {flat_bound[index].item():.3e}"
+        )
 
 
 def has_npu_op(name: str) -> bool:
@@ -65,12 +66,12 @@ def define_npu_standins(schemas: dict):
 NPU_RMS_NORM_SCHEMAS = {
     "npu_rms_norm": "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
     "npu_rms_norm_backward": "npu_rms_norm_backward(Tensor dy, Tensor self, Tensor gamma, Tensor rstd) -> "
-                             "(Tensor, Tensor)",
+    "(Tensor, Tensor)",
 }
 NPU_ROTARY_MUL_SCHEMAS = {
     "npu_rotary_mul": "npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> Tensor",
     "npu_rotary_mul_backward": "npu_rotary_mul_backward(Tensor grad, Tensor self, Tensor r1, Tensor r2, "
-                               "str rotary_mode='half') -> (Tensor, Tensor, Tensor)",
+    "str rotary_mode='half') -> (Tensor, Tensor, Tensor)",
 }
 
 # name -> the function a stand-in backward kernel runs instead of its own maths (a planted fault,
@@ -122,8 +123,11 @@ def npu_rotary_mul_backward_cpu(grad, x, r1, r2, rotary_mode="half"):
     if "npu_rotary_mul_backward" in PLANTED_BACKWARD:
         return PLANTED_BACKWARD["npu_rotary_mul_backward"](grad, x, r1, r2, rotary_mode)
     dx = grad * r1 - rotate(grad * r2, rotary_mode)
-    return (dx, (grad * x).sum_to_size(r1.shape).to(r1.dtype),
-            (grad * rotate(x, rotary_mode)).sum_to_size(r2.shape).to(r2.dtype))
+    return (
+        dx,
+        (grad * x).sum_to_size(r1.shape).to(r1.dtype),
+        (grad * rotate(x, rotary_mode)).sum_to_size(r2.shape).to(r2.dtype),
+    )
 
 
 class _NpuRmsNormFunction(torch.autograd.Function):
@@ -161,8 +165,10 @@ class _NpuRotaryMulFunction(torch.autograd.Function):
 _NPU_KERNELS = {
     "npu_rms_norm": (npu_rms_norm_cpu, lambda x, gamma, epsilon=1e-6: _NpuRmsNormFunction.apply(x, gamma, epsilon)),
     "npu_rms_norm_backward": (npu_rms_norm_backward_cpu, None),
-    "npu_rotary_mul": (npu_rotary_mul_cpu,
-                       lambda x, r1, r2, rotary_mode="half": _NpuRotaryMulFunction.apply(x, r1, r2, rotary_mode)),
+    "npu_rotary_mul": (
+        npu_rotary_mul_cpu,
+        lambda x, r1, r2, rotary_mode="half": _NpuRotaryMulFunction.apply(x, r1, r2, rotary_mode),
+    ),
     "npu_rotary_mul_backward": (npu_rotary_mul_backward_cpu, None),
 }
 
