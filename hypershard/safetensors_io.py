@@ -141,6 +141,16 @@ class Reader:
             self._maps[path] = (handle, fd)
         return self._maps[path][0]
 
+    def _prefetch(self, handle: mmap.mmap, start: int, length: int) -> None:
+        """Asks the kernel to read [start, start + length) ahead in large requests: the mapping is
+        MADV_RANDOM (no read-ahead past what this rank owns), so a slice not in the page cache
+        would otherwise fault in one 4 KiB page at a time (measured on 0.8B dp4 fully_shard, file
+        not cached: 13.5 s per rank to load without this)."""
+        if length <= 0 or not hasattr(mmap, "MADV_WILLNEED"):
+            return
+        first = start - start % mmap.PAGESIZE
+        handle.madvise(mmap.MADV_WILLNEED, first, min(len(handle), start + length) - first)
+
     def _release(self, handle: mmap.mmap, start: int, length: int) -> None:
         """Drops the pages of [start, start + length) from this process's mapping -- and those
         around it: a page fault also maps the neighbouring pages already in the page cache (the
@@ -199,6 +209,7 @@ class Reader:
 
     def _copy_span(self, handle, entry, byte_start, count, view_shape, inner, out) -> None:
         start = entry.offset + byte_start
+        self._prefetch(handle, start, count * torch.empty((), dtype=entry.dtype).element_size())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "the given buffer is not writable": it is only read
             flat = torch.frombuffer(handle, dtype=entry.dtype, count=count, offset=start)
