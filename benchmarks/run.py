@@ -56,14 +56,14 @@ for path in (ROOT, Path(__file__).resolve().parent):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 from hsbench.chart import plot  # noqa: E402
+from hsbench.checkpoint import run_checkpoint  # noqa: E402
 from hsbench.common import error_text  # noqa: E402
 from hsbench.dispatch import run_dispatch  # noqa: E402
 from hsbench.fallback import run_fallback  # noqa: E402
+from hsbench.fully_shard import run_fully_shard  # noqa: E402
 from hsbench.memory import MEMORY_CONFIG  # noqa: E402
 from hsbench.report import markdown, targets  # noqa: E402
 from hsbench.rotary import run_rotary  # noqa: E402
-from hsbench.checkpoint import run_checkpoint  # noqa: E402
-from hsbench.fully_shard import run_fully_shard  # noqa: E402
 from hsbench.training import run_steps  # noqa: E402
 from hsbench.true_size import run_true_size  # noqa: E402
 
@@ -74,35 +74,64 @@ DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s != "true_size")
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="benchmarks/run.py", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: few samples and steps (about two minutes on 2 busy cores); rough numbers")
-    parser.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
-                        help=f"comma-separated subset of {','.join(SECTIONS)} (default all but true_size)")
+        prog="benchmarks/run.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: few samples and steps (about two minutes on 2 busy cores); rough numbers",
+    )
+    parser.add_argument(
+        "--sections",
+        default=",".join(DEFAULT_SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)} (default all but true_size)",
+    )
     parser.add_argument("--out", default=str(ROOT / "bench"), help="output folder (default bench/)")
-    parser.add_argument("--repeats", type=int, help="timing samples per dispatch, fallback and rotary figure (default 21; quick 3)")
-    parser.add_argument("--sample-ms", type=float, help="length of one dispatch, fallback or rotary sample in ms (default 5; quick 3)")
+    parser.add_argument(
+        "--repeats", type=int, help="timing samples per dispatch, fallback and rotary figure (default 21; quick 3)"
+    )
+    parser.add_argument(
+        "--sample-ms", type=float, help="length of one dispatch, fallback or rotary sample in ms (default 5; quick 3)"
+    )
     parser.add_argument("--warmup", type=int, help="untimed training steps (default 3; quick 1)")
     parser.add_argument("--timed", type=int, help="timed training steps per implementation (default 10; quick 3)")
-    parser.add_argument("--cache-steps", type=int, help="hypershard steps for the rule-cache figures (default 20; quick 6)")
+    parser.add_argument(
+        "--cache-steps", type=int, help="hypershard steps for the rule-cache figures (default 20; quick 6)"
+    )
     parser.add_argument("--memory-steps", type=int, help="training steps in the memory runs (default 2; quick 1)")
-    parser.add_argument("--true-size-scale", choices=("true", "smoke"), default="true",
-                        help="true_size: the true configs, or small ones of the same model types to check the "
-                             "code path (--quick implies smoke)")
-    parser.add_argument("--true-size-batch", type=int, default=4,
-                        help="true_size: sequences per Qwen3.5-0.8B step, split over dp (default 4)")
-    parser.add_argument("--true-size-moe-batch", type=int, default=1,
-                        help="true_size: sequences in the 35B-A3B forward + backward (default 1)")
+    parser.add_argument(
+        "--true-size-scale",
+        choices=("true", "smoke"),
+        default="true",
+        help="true_size: the true configs, or small ones of the same model types to check the "
+        "code path (--quick implies smoke)",
+    )
+    parser.add_argument(
+        "--true-size-batch",
+        type=int,
+        default=4,
+        help="true_size: sequences per Qwen3.5-0.8B step, split over dp (default 4)",
+    )
+    parser.add_argument(
+        "--true-size-moe-batch",
+        type=int,
+        default=1,
+        help="true_size: sequences in the 35B-A3B forward + backward (default 1)",
+    )
     parser.add_argument("--true-size-seq", type=int, default=128, help="true_size: tokens per sequence (default 128)")
     parser.add_argument("--true-size-skip-moe", action="store_true", help="true_size: the 0.8B runs only")
-    parser.add_argument("--no-true-size-moe-single", dest="true_size_moe_single", action="store_false",
-                        help="true_size: no one-device run of the 35B-A3B cut (it needs ~12 GB)")
+    parser.add_argument(
+        "--no-true-size-moe-single",
+        dest="true_size_moe_single",
+        action="store_false",
+        help="true_size: no one-device run of the 35B-A3B cut (it needs ~12 GB)",
+    )
     parser.add_argument("--timeout", type=float, default=600, help="seconds before a launch is abandoned (default 600)")
     args = parser.parse_args(argv)
     quick = args.quick
-    defaults = dict(repeats=(3, 21), sample_ms=(3.0, 5.0), warmup=(1, 3), timed=(3, 10), cache_steps=(6, 20),
-                    memory_steps=(1, 2))
+    defaults = dict(
+        repeats=(3, 21), sample_ms=(3.0, 5.0), warmup=(1, 3), timed=(3, 10), cache_steps=(6, 20), memory_steps=(1, 2)
+    )
     for k, (q, full) in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, q if quick else full)
@@ -139,12 +168,19 @@ def main(argv=None) -> int:
             results["memory"] = memory
     if "true_size" in sections:
         results["true_size"] = run_true_size(args, log)
-    results["meta"] = {"torch": torch.__version__, "transformers": transformers.__version__,
-                       "cpus": os.cpu_count(), "quick": quick, "seconds": time.perf_counter() - started,
-                       "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                       "load_average": os.getloadavg(), "memory_config": MEMORY_CONFIG,
-                       "settings": {k: getattr(args, k) for k in ("repeats", "sample_ms", "warmup", "timed",
-                                                                  "cache_steps", "memory_steps")}}
+    results["meta"] = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpus": os.cpu_count(),
+        "quick": quick,
+        "seconds": time.perf_counter() - started,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "load_average": os.getloadavg(),
+        "memory_config": MEMORY_CONFIG,
+        "settings": {
+            k: getattr(args, k) for k in ("repeats", "sample_ms", "warmup", "timed", "cache_steps", "memory_steps")
+        },
+    }
     results["targets"] = targets(results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -157,8 +193,10 @@ def main(argv=None) -> int:
         print(f"chart not written: {error_text(exc)}")
     print()
     print(text)
-    print(f"wrote {out / 'results.json'}, {out / 'RESULTS.md'}, {out / 'results.png'} "
-          f"in {results['meta']['seconds']:.0f} s")
+    print(
+        f"wrote {out / 'results.json'}, {out / 'RESULTS.md'}, {out / 'results.png'} "
+        f"in {results['meta']['seconds']:.0f} s"
+    )
     return 0
 
 

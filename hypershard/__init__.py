@@ -18,6 +18,11 @@ if _C._torch_version != torch.__version__:
         "pip install --no-build-isolation -e .)"
     )
 
+from . import (
+    checkpoint,  # noqa: E402  (also gives DTensors DCP's save/load protocol)
+    layout,  # noqa: E402
+    ops,  # noqa: E402
+)
 from ._C import (  # noqa: E402
     AliasLayout,
     Layout,
@@ -41,22 +46,9 @@ from ._C import (  # noqa: E402
     to_placements,
     to_tensor_map,
 )
-from . import layout  # noqa: E402
-from .layout import (  # noqa: E402
-    alias,
-    from_alias,
-    from_placements,
-    from_tensor_map,
-    make_layout,
-    mesh,
-    placement,
-    placements,
-)
-
-from .placement_types import Partial, Replicate, Shard  # noqa: E402
 from .dtensor import (  # noqa: E402
-    DTensor,
     DeviceMesh,
+    DTensor,
     debug_checks,
     distribute_tensor,
     init_device_mesh,
@@ -67,12 +59,21 @@ from .dtensor import (  # noqa: E402
     set_strict,
     strict,
 )
-from .parallel import parallelize  # noqa: E402
 from .fully_shard import FullyShardedModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
-from .mixed_precision import mixed_precision  # noqa: E402
+from .layout import (  # noqa: E402
+    alias,
+    from_alias,
+    from_placements,
+    from_tensor_map,
+    make_layout,
+    mesh,
+    placement,
+    placements,
+)
 from .loading import from_pretrained  # noqa: E402
-from . import ops  # noqa: E402
-from . import checkpoint  # noqa: E402  (also gives DTensors DCP's save/load protocol)
+from .mixed_precision import mixed_precision  # noqa: E402
+from .parallel import parallelize  # noqa: E402
+from .placement_types import Partial, Replicate, Shard  # noqa: E402
 
 LayoutError.__module__ = __name__  # shown as hypershard.LayoutError in tracebacks
 

@@ -35,14 +35,22 @@ import torch.distributed as dist
 
 from . import _C
 
-__all__ = ["export_hf", "latest", "load", "model_state_dict", "optimizer_state_dict", "read_extra", "save",
-           "set_optimizer_state_dict"]
+__all__ = [
+    "export_hf",
+    "latest",
+    "load",
+    "model_state_dict",
+    "optimizer_state_dict",
+    "read_extra",
+    "save",
+    "set_optimizer_state_dict",
+]
 
-COMPLETE = "COMPLETE"          # the marker file of a finished checkpoint (JSON: step, world, time)
+COMPLETE = "COMPLETE"  # the marker file of a finished checkpoint (JSON: step, world, time)
 _STEP_PREFIX = "step_"
 _EXTRA = "extra.pt"
 _RNG = "rng_rank{rank}.pt"
-DEFAULT_MAX_SHARD_BYTES = 2 * 1024 ** 3  # export_hf: bytes per safetensors file (HF's default is 5 GB)
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3  # export_hf: bytes per safetensors file (HF's default is 5 GB)
 
 
 def _error(message: str) -> RuntimeError:
@@ -51,14 +59,17 @@ def _error(message: str) -> RuntimeError:
 
 # ---------------------------------------------------------------------------------- DCP protocol
 
+
 def _chunk_of(tensor: torch.Tensor, fqn: Optional[str] = None):
     """This rank's chunk of a DTensor: offsets and sizes in GLOBAL coordinates."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
     layout = _C.layout_of(tensor)
     if layout.has_partial():
-        raise _error(f"{fqn or 'a DTensor'} is Partial ({layout}); a checkpoint holds values, so reduce "
-                     "it first (redistribute to Replicate or Shard); allowed: Shard and Replicate layouts")
+        raise _error(
+            f"{fqn or 'a DTensor'} is Partial ({layout}); a checkpoint holds values, so reduce "
+            "it first (redistribute to Replicate or Shard); allowed: Shard and Replicate layouts"
+        )
     position = _C.device_mesh_of(tensor).position
     offsets = torch.Size(layout.global_offset_at(position))
     sizes = torch.Size(layout.local_shape_at(position))
@@ -70,10 +81,15 @@ def _create_write_items(self: torch.Tensor, fqn: str, obj: Any) -> list:
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
     chunk = _chunk_of(self, fqn)
-    return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
-                      tensor_data=TensorWriteData(chunk=chunk,
-                                                  properties=TensorProperties.create_from_tensor(_C.local_of(self)),
-                                                  size=self.size()))]
+    return [
+        WriteItem(
+            index=MetadataIndex(fqn, chunk.offsets),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=chunk, properties=TensorProperties.create_from_tensor(_C.local_of(self)), size=self.size()
+            ),
+        )
+    ]
 
 
 def _create_chunk_list(self: torch.Tensor) -> list:
@@ -84,8 +100,10 @@ def _get_tensor_shard(self: torch.Tensor, index) -> torch.Tensor:
     # The local shard itself (no autograd): DCP reads into it in place when loading.
     chunk = _chunk_of(self, index.fqn)
     if index.offset is not None and torch.Size(index.offset) != chunk.offsets:
-        raise _error(f"{index.fqn}: asked for the chunk at {tuple(index.offset)}, this rank holds the one at "
-                     f"{tuple(chunk.offsets)}")
+        raise _error(
+            f"{index.fqn}: asked for the chunk at {tuple(index.offset)}, this rank holds the one at "
+            f"{tuple(chunk.offsets)}"
+        )
     return _C.local_of(self).detach()
 
 
@@ -104,6 +122,7 @@ _install_dcp_protocol()
 
 # ---------------------------------------------------------------------------------- state dicts
 
+
 def model_state_dict(model: torch.nn.Module) -> dict:
     """``model.state_dict()`` (DTensors stay sharded; DCP writes each rank's shards)."""
     return model.state_dict()
@@ -118,8 +137,10 @@ def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> li
     for group in optimizer.param_groups:
         for param in group["params"]:
             if id(param) not in names:
-                raise _error("the optimizer holds a parameter that is not one of the model's; pass the model "
-                             "whose parameters it optimizes")
+                raise _error(
+                    "the optimizer holds a parameter that is not one of the model's; pass the model "
+                    "whose parameters it optimizes"
+                )
             ordered.append(names[id(param)])
     return ordered
 
@@ -129,9 +150,10 @@ def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimize
     get_optimizer_state_dict), so it loads into an optimizer built on another mesh or order."""
     names = _param_names(model, optimizer)
     state = optimizer.state_dict()
-    return {"state": {names[i]: value for i, value in state["state"].items()},
-            "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
-                             for group in state["param_groups"]]}
+    return {
+        "state": {names[i]: value for i, value in state["state"].items()},
+        "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]],
+    }
 
 
 def set_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -141,10 +163,14 @@ def set_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Opti
     missing = [name for group in state["param_groups"] for name in group["params"] if name not in index]
     if missing:
         raise _error(f"the optimizer state names parameters the model lacks: {missing[:5]}")
-    optimizer.load_state_dict({
-        "state": {index[name]: value for name, value in state["state"].items()},
-        "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
-                         for group in state["param_groups"]]})
+    optimizer.load_state_dict(
+        {
+            "state": {index[name]: value for name, value in state["state"].items()},
+            "param_groups": [
+                {**group, "params": [index[name] for name in group["params"]]} for group in state["param_groups"]
+            ],
+        }
+    )
 
 
 def _allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -152,8 +178,9 @@ def _allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     so DCP has tensors to load into: one step with zero gradients and learning rate 0 on those
     parameters only (the others' gradients are set aside meanwhile, so their state is untouched).
     A zero step leaves parameters unchanged: AdamW multiplies by 1 - 0 * wd and adds 0."""
-    missing = [p for group in optimizer.param_groups for p in group["params"]
-               if p.requires_grad and not optimizer.state.get(p)]
+    missing = [
+        p for group in optimizer.param_groups for p in group["params"] if p.requires_grad and not optimizer.state.get(p)
+    ]
     if not missing:
         return
     missing_ids = {id(p) for p in missing}
@@ -175,6 +202,7 @@ def _allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 # ---------------------------------------------------------------------------------- save / load
+
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
@@ -206,8 +234,15 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
-def save(directory, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, step: int,
-         extra: Optional[dict] = None, keep: Optional[int] = None) -> Path:
+def save(
+    directory,
+    model: torch.nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    *,
+    step: int,
+    extra: Optional[dict] = None,
+    keep: Optional[int] = None,
+) -> Path:
     """Saves a sharded checkpoint to ``directory/step_{step:08d}`` and returns that path.
 
     Collective: every rank calls it. Each rank writes its own shards through DCP (a Replicate
@@ -236,9 +271,13 @@ def save(directory, model: torch.nn.Module, optimizer: Optional[torch.optim.Opti
         torch.save(dict(extra or {}), path / _EXTRA)
     _barrier()
     if rank == 0:
-        marker = {"step": step, "world_size": _world(), "optimizer": optimizer is not None,
-                  "seconds": round(time.perf_counter() - started, 3),
-                  "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        marker = {
+            "step": step,
+            "world_size": _world(),
+            "optimizer": optimizer is not None,
+            "seconds": round(time.perf_counter() - started, 3),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
         tmp = path / f".{COMPLETE}.tmp"
         tmp.write_text(json.dumps(marker))
         os.replace(tmp, path / COMPLETE)  # atomic: the marker exists whole or not at all
@@ -258,8 +297,8 @@ def complete_checkpoints(directory) -> list:
         return []
     found = []
     for child in root.iterdir():
-        if child.name.startswith(_STEP_PREFIX) and child.name[len(_STEP_PREFIX):].isdigit() and is_complete(child):
-            found.append((int(child.name[len(_STEP_PREFIX):]), child))
+        if child.name.startswith(_STEP_PREFIX) and child.name[len(_STEP_PREFIX) :].isdigit() and is_complete(child):
+            found.append((int(child.name[len(_STEP_PREFIX) :]), child))
     return [path for _, path in sorted(found)]
 
 
@@ -274,8 +313,10 @@ def _resolve(path) -> Path:
     if not is_complete(path):
         newest = latest(path)
         if newest is None:
-            raise _error(f"{path} is not a complete checkpoint (no {COMPLETE} marker) and holds none; "
-                         "allowed: a folder written by hypershard.checkpoint.save, or one that holds such folders")
+            raise _error(
+                f"{path} is not a complete checkpoint (no {COMPLETE} marker) and holds none; "
+                "allowed: a folder written by hypershard.checkpoint.save, or one that holds such folders"
+            )
         path = newest
     return path
 
@@ -321,6 +362,7 @@ def checkpoint_bytes(path) -> dict:
 
 # ---------------------------------------------------------------------------------- HF export
 
+
 def _export_names(model: torch.nn.Module, state: dict) -> list:
     """State-dict names to export: a tensor shared by several names (tied weights) once, under
     the name that is not one of the model's tied keys (what save_pretrained keeps)."""
@@ -329,8 +371,11 @@ def _export_names(model: torch.nn.Module, state: dict) -> list:
     by_tensor: dict = {}  # state_dict() detaches, so shared tensors are told by their memory
     for name, tensor in state.items():
         local = _C.local_of(tensor) if _C.is_dtensor(tensor) else tensor
-        key = ((local.untyped_storage().data_ptr(), local.storage_offset(), tuple(tensor.shape), local.dtype)
-               if local.numel() else name)  # empty tensors share no memory
+        key = (
+            (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(tensor.shape), local.dtype)
+            if local.numel()
+            else name
+        )  # empty tensors share no memory
         by_tensor.setdefault(key, []).append(name)
     keep = set()
     for names in by_tensor.values():
@@ -388,8 +433,9 @@ def export_hf(model: torch.nn.Module, directory, *, max_shard_bytes: int = DEFAU
         files[-1].append(name)
         size += nbytes
     count = len(files)
-    file_names = (["model.safetensors"] if count == 1 else
-                  [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
+    file_names = (
+        ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    )
     _barrier()  # the folder exists before any rank writes into it
     written: dict = {}  # file name -> the keys this rank wrote into it
     with torch.no_grad():
@@ -413,8 +459,9 @@ def export_hf(model: torch.nn.Module, directory, *, max_shard_bytes: int = DEFAU
         if count > 1:
             weight_map = {name: file for file in file_names for name in written[file]}
             total = sum(state[n].numel() * state[n].element_size() for n in names)
-            (directory / "model.safetensors.index.json").write_text(json.dumps(
-                {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            (directory / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+            )
         config = getattr(model, "config", None)
         if config is not None:
             config.save_pretrained(directory)
@@ -426,4 +473,3 @@ def export_hf(model: torch.nn.Module, directory, *, max_shard_bytes: int = DEFAU
                 pass
     _barrier()
     return directory
-

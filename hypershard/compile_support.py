@@ -27,9 +27,11 @@ from torch._subclasses import fake_tensor
 from . import _C
 
 # The reason Dynamo prints with the graph break (TORCH_LOGS=graph_breaks, torch._dynamo.explain).
-GRAPH_BREAK_REASON = ("hypershard DTensor: Dynamo cannot fake a hypershard DTensor (a storage-less "
-                      "C++ TensorImpl); the code that uses it runs eagerly through hypershard's "
-                      "dispatcher (docs/compile.md)")
+GRAPH_BREAK_REASON = (
+    "hypershard DTensor: Dynamo cannot fake a hypershard DTensor (a storage-less "
+    "C++ TensorImpl); the code that uses it runs eagerly through hypershard's "
+    "dispatcher (docs/compile.md)"
+)
 
 # How many times a DTensor was refused (each is a graph break, or a skipped frame when it is the
 # frame's first instruction); tests read it to see that Dynamo really met a DTensor.

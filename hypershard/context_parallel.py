@@ -26,14 +26,15 @@ def head_tail_order(length: int, chunks: int) -> torch.Tensor:
     """order[j] = the natural position of stored row j, for a sequence of `length` in head-tail
     order of `chunks` (= 2 x the context-parallel size) chunks. `chunks` must divide `length`."""
     if chunks <= 0 or chunks % 2 or length % chunks:
-        raise ValueError(f"hypershard: head_tail_order: a sequence of {length} cannot be split into {chunks} "
-                         f"head-tail chunks; allowed: an even number of chunks dividing the length (pad the "
-                         f"sequence to a multiple of 2 x the context-parallel size)")
+        raise ValueError(
+            f"hypershard: head_tail_order: a sequence of {length} cannot be split into {chunks} "
+            f"head-tail chunks; allowed: an even number of chunks dividing the length (pad the "
+            f"sequence to a multiple of 2 x the context-parallel size)"
+        )
     size = length // chunks
     blocks = []
     for i in range(chunks // 2):
-        blocks += [torch.arange(i * size, (i + 1) * size),
-                   torch.arange((chunks - 1 - i) * size, (chunks - i) * size)]
+        blocks += [torch.arange(i * size, (i + 1) * size), torch.arange((chunks - 1 - i) * size, (chunks - i) * size)]
     return torch.cat(blocks)
 
 

@@ -32,6 +32,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     bar = None
     if rank == 0:
         from tqdm import tqdm
+
         bar = tqdm(total=args.steps, desc=f"hypershard, {world} ranks", unit="step", leave=True)
 
     def on_step(step: int, loss: float) -> None:
@@ -48,8 +49,14 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     stats = hs._C.dispatch_stats()
     traffic = hs._C.traffic()
     grads = hs._C.grad_sync_stats()
-    return {"losses": losses, "seconds": elapsed, "placements": sharded, "stats": stats, "traffic": traffic,
-            "grads": grads}
+    return {
+        "losses": losses,
+        "seconds": elapsed,
+        "placements": sharded,
+        "stats": stats,
+        "traffic": traffic,
+        "grads": grads,
+    }
 
 
 def _single_device(args: argparse.Namespace) -> tuple[list, float]:
@@ -94,17 +101,25 @@ def _plot(path: Path, distributed: list, single: list, mesh_text: str) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hypershard.demo", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mesh", type=parse_mesh, default=parse_mesh("dp=2,tp=2"),
-                        help="mesh axes and sizes (default dp=2,tp=2); tp uses the model's TP plan")
+    parser = argparse.ArgumentParser(
+        prog="python -m hypershard.demo",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--mesh",
+        type=parse_mesh,
+        default=parse_mesh("dp=2,tp=2"),
+        help="mesh axes and sizes (default dp=2,tp=2); tp uses the model's TP plan",
+    )
     parser.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
     parser.add_argument("--batch", type=int, default=4, help="global batch size (default 4)")
     parser.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
     parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (default 1e-2)")
     parser.add_argument("--out", default="demo_out", help="output folder (default demo_out)")
-    parser.add_argument("--timeout", type=float, default=600,
-                        help="seconds before stuck ranks are reported and killed (default 600)")
+    parser.add_argument(
+        "--timeout", type=float, default=600, help="seconds before stuck ranks are reported and killed (default 600)"
+    )
     args = parser.parse_args(argv)
 
     world = mesh_size(args.mesh[0])
@@ -123,16 +138,21 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     _plot(out / "loss_curve.png", distributed, single, mesh_text)
-    (out / "losses.json").write_text(json.dumps({"mesh": mesh_text, "hypershard": distributed, "one_device": single},
-                                                indent=2))
+    (out / "losses.json").write_text(
+        json.dumps({"mesh": mesh_text, "hypershard": distributed, "one_device": single}, indent=2)
+    )
     sharded = sum(1 for p in result["placements"].values() if any(x.startswith("Shard") for x in p))
-    print(f"\nparameters: {len(result['placements'])} DTensors, {sharded} of them sharded; "
-          f"ops through hypershard: {result['stats']['calls']} ({result['stats']['cache_hits']} plan-cache hits, "
-          f"{result['stats']['fast_calls']} on the typed fast path); "
-          f"rank 0 sent {result['traffic']['bytes_sent']} bytes in {result['traffic']['collectives']} collectives "
-          f"({result['grads']['bucketed']} gradients summed in {result['grads']['buckets']} buckets)")
-    print(f"time: {result['seconds']:.2f} s on the mesh, {single_seconds:.2f} s on one device "
-          f"(tiny model: the framework, not compute, dominates)")
+    print(
+        f"\nparameters: {len(result['placements'])} DTensors, {sharded} of them sharded; "
+        f"ops through hypershard: {result['stats']['calls']} ({result['stats']['cache_hits']} plan-cache hits, "
+        f"{result['stats']['fast_calls']} on the typed fast path); "
+        f"rank 0 sent {result['traffic']['bytes_sent']} bytes in {result['traffic']['collectives']} collectives "
+        f"({result['grads']['bucketed']} gradients summed in {result['grads']['buckets']} buckets)"
+    )
+    print(
+        f"time: {result['seconds']:.2f} s on the mesh, {single_seconds:.2f} s on one device "
+        f"(tiny model: the framework, not compute, dominates)"
+    )
     ok = worst <= 1e-5
     print(f"max relative loss difference {worst:.2e}: {'MATCHES one device (rtol 1e-5)' if ok else 'MISMATCH'}")
     print(f"wrote {out / 'loss_curve.png'} and {out / 'losses.json'}")

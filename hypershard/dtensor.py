@@ -31,13 +31,23 @@ from . import compile_support as _compile_support
 from .layout import make_layout
 from .placement_types import Partial, Replicate, Shard
 
-__all__ = ["DTensor", "DeviceMesh", "distribute_tensor", "init_device_mesh", "is_strict", "layout_of",
-           "release_process_groups", "set_strict", "strict"]
+__all__ = [
+    "DTensor",
+    "DeviceMesh",
+    "distribute_tensor",
+    "init_device_mesh",
+    "is_strict",
+    "layout_of",
+    "release_process_groups",
+    "set_strict",
+    "strict",
+]
 
 DeviceMesh = _C.DeviceMesh
 
 
 # ---------------------------------------------------------------------------------- debug checks
+
 
 def set_debug_checks(enabled: bool) -> None:
     """Debug mode: check that tensors hypershard assumes equal on every rank are equal --
@@ -57,6 +67,7 @@ if os.environ.get("HYPERSHARD_DEBUG_CHECKS", "") not in ("", "0"):
 
 
 # ---------------------------------------------------------------------------------- strict mode
+
 
 def set_strict(enabled: bool) -> None:
     """Strict mode: an op without a distributed rule raises "Missing operator" on every rank,
@@ -96,10 +107,14 @@ release_process_groups = _C.release_process_groups
 atexit.register(release_process_groups)
 
 
-def init_device_mesh(device_type: str, mesh_shape: Sequence[int],
-                     mesh_dim_names: Optional[Sequence[str]] = None, *,
-                     axis_names: Optional[Sequence[str]] = None,
-                     timeout: Optional[datetime.timedelta] = None) -> DeviceMesh:
+def init_device_mesh(
+    device_type: str,
+    mesh_shape: Sequence[int],
+    mesh_dim_names: Optional[Sequence[str]] = None,
+    *,
+    axis_names: Optional[Sequence[str]] = None,
+    timeout: Optional[datetime.timedelta] = None,
+) -> DeviceMesh:
     """A mesh over all ranks of the default process group (row-major), with one c10d process
     group per axis. Every rank must call it with the same arguments. `timeout`: of the axis
     groups' collectives; default: the default process group's (init_process_group(timeout=...)),
@@ -107,13 +122,16 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int],
     minutes for new groups."""
     names = list(axis_names or mesh_dim_names or [f"axis{i}" for i in range(len(mesh_shape))])
     if not dist.is_initialized():
-        raise RuntimeError("hypershard: init_device_mesh: torch.distributed is not initialized; "
-                           "call torch.distributed.init_process_group first")
+        raise RuntimeError(
+            "hypershard: init_device_mesh: torch.distributed is not initialized; "
+            "call torch.distributed.init_process_group first"
+        )
     mesh = _C.Mesh.create(list(mesh_shape), names, [])
     if mesh.size != dist.get_world_size():
         raise _C.LayoutError(
             f"hypershard: mesh: shape {tuple(mesh_shape)} holds {mesh.size} ranks but the world "
-            f"has {dist.get_world_size()}; allowed: a shape whose product is the world size")
+            f"has {dist.get_world_size()}; allowed: a shape whose product is the world size"
+        )
     return _mesh_with_groups(mesh, device_type, timeout)
 
 
@@ -126,8 +144,7 @@ def _default_group_timeout(device_type: str) -> Optional[datetime.timedelta]:
         return None
 
 
-def _mesh_with_groups(mesh: _C.Mesh, device_type: str,
-                      timeout: Optional[datetime.timedelta] = None) -> DeviceMesh:
+def _mesh_with_groups(mesh: _C.Mesh, device_type: str, timeout: Optional[datetime.timedelta] = None) -> DeviceMesh:
     rank = dist.get_rank()
     timeout = timeout or _default_group_timeout(device_type)
     groups = []
@@ -157,10 +174,12 @@ DeviceMesh.mesh_dim_names = property(lambda self: tuple(self.mesh.axis_names))
 DeviceMesh.size = lambda self, axis=None: self.mesh.size if axis is None else self.mesh.shape[axis]
 DeviceMesh.__getitem__ = lambda self, names: self.submesh([names] if isinstance(names, str) else list(names))
 DeviceMesh.get_local_rank = lambda self, axis=0: self.coordinate(
-    self.mesh.axis_index(axis) if isinstance(axis, str) else axis)
+    self.mesh.axis_index(axis) if isinstance(axis, str) else axis
+)
 
 
 # ---------------------------------------------------------------------------------- DTensor
+
 
 class _DTensorMeta(type):
     def __instancecheck__(cls, obj: Any) -> bool:
@@ -175,8 +194,14 @@ class DTensor(metaclass=_DTensorMeta):
         raise TypeError("hypershard: use hypershard.distribute_tensor or DTensor.from_local")
 
     @staticmethod
-    def from_local(local: torch.Tensor, device_mesh: DeviceMesh, placements: Any = None,
-                   *, shape: Optional[Sequence[int]] = None, partial: Any = None) -> torch.Tensor:
+    def from_local(
+        local: torch.Tensor,
+        device_mesh: DeviceMesh,
+        placements: Any = None,
+        *,
+        shape: Optional[Sequence[int]] = None,
+        partial: Any = None,
+    ) -> torch.Tensor:
         """A DTensor whose local shard on this rank is ``local`` (differentiable).
 
         ``placements``: torch-style placements (one per mesh axis), or a Hyper-Parallel alias
@@ -190,8 +215,7 @@ class DTensor(metaclass=_DTensorMeta):
         return _C.from_local(local, device_mesh, layout)
 
 
-def _infer_global_shape(local: torch.Tensor, device_mesh: DeviceMesh, spec: Any,
-                        partial: Any) -> list:
+def _infer_global_shape(local: torch.Tensor, device_mesh: DeviceMesh, spec: Any, partial: Any) -> list:
     # The sharding structure from a layout of the local shape (sizes do not matter here).
     probe = make_layout(device_mesh.mesh, list(local.shape), spec, partial)
     shape = list(local.shape)
@@ -204,8 +228,9 @@ def _infer_global_shape(local: torch.Tensor, device_mesh: DeviceMesh, spec: Any,
     return shape
 
 
-def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements: Any = None,
-                      *, partial: Any = None) -> torch.Tensor:
+def distribute_tensor(
+    tensor: torch.Tensor, device_mesh: DeviceMesh, placements: Any = None, *, partial: Any = None
+) -> torch.Tensor:
     """Distributes the global ``tensor`` (the same on every rank) with the given placements or
     alias layout. Returns a leaf DTensor with ``tensor.requires_grad``."""
     spec = placements if placements is not None else [Replicate()] * device_mesh.ndim
@@ -213,8 +238,11 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements:
     if _C.check_replicas():
         _C.check_same_on_every_rank(tensor, device_mesh, "distribute_tensor: argument tensor")
     with torch.no_grad():
-        replicated = _C.from_local(tensor.detach(), device_mesh,
-                                   make_layout(device_mesh.mesh, list(tensor.shape), [Replicate()] * device_mesh.ndim))
+        replicated = _C.from_local(
+            tensor.detach(),
+            device_mesh,
+            make_layout(device_mesh.mesh, list(tensor.shape), [Replicate()] * device_mesh.ndim),
+        )
         result = _C.redistribute(replicated, layout)
         if result is replicated:
             result = result.detach()
@@ -247,12 +275,14 @@ def _full_tensor(self: torch.Tensor) -> torch.Tensor:
     return _C.to_local(_C.redistribute(self, _C.Layout.replicate(layout.mesh, layout.global_shape)))
 
 
-def _redistribute(self: torch.Tensor, device_mesh: Optional[DeviceMesh] = None,
-                  placements: Any = None, *, partial: Any = None) -> torch.Tensor:
+def _redistribute(
+    self: torch.Tensor, device_mesh: Optional[DeviceMesh] = None, placements: Any = None, *, partial: Any = None
+) -> torch.Tensor:
     current = _C.layout_of(self)
     if device_mesh is not None and device_mesh.mesh != current.mesh:
-        raise _C.LayoutError("hypershard: redistribute: moving to another mesh is not supported; "
-                             "allowed: the DTensor's own mesh")
+        raise _C.LayoutError(
+            "hypershard: redistribute: moving to another mesh is not supported; allowed: the DTensor's own mesh"
+        )
     target = make_layout(current.mesh, current.global_shape, placements, partial)
     return _C.redistribute(self, target)
 
@@ -271,8 +301,7 @@ def _repr(self: torch.Tensor, *, tensor_contents=None) -> str:
         full = _full_tensor(self)
     layout = _C.layout_of(self)
     grad = ", requires_grad=True" if self.requires_grad else ""
-    return (f"DTensor({_torch_repr(full)}, layout={layout}, "
-            f"mesh={_C.device_mesh_of(self)}{grad})")
+    return f"DTensor({_torch_repr(full)}, layout={layout}, mesh={_C.device_mesh_of(self)}{grad})"
 
 
 def _tolist(self: torch.Tensor):
@@ -343,9 +372,11 @@ class _DTensorMethod:
 
 def _dtensor_property(name: str, fn) -> property:
     """A read-only property that exists only on hypershard DTensors (as _DTensorMethod)."""
+
     def getter(self):
         _require_dtensor(self, name)
         return fn(self)
+
     return property(getter)
 
 

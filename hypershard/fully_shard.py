@@ -46,6 +46,7 @@ class MixedPrecisionPolicy:
     """``param_dtype``: dtype of the gathered parameters (compute); ``reduce_dtype``: dtype
     gradients are summed in (default: param_dtype); ``output_dtype``: cast floating outputs of the
     module to it; ``cast_forward_inputs``: cast floating tensor inputs to param_dtype."""
+
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     output_dtype: Optional[torch.dtype] = None
@@ -121,11 +122,19 @@ class _PreBackward(torch.autograd.Function):
 
 
 class _Group:
-    def __init__(self, module: nn.Module, entries: list, params: list, layouts: list, axis: int,
-                 reshard_after_forward: bool, mp: Optional[MixedPrecisionPolicy]):
+    def __init__(
+        self,
+        module: nn.Module,
+        entries: list,
+        params: list,
+        layouts: list,
+        axis: int,
+        reshard_after_forward: bool,
+        mp: Optional[MixedPrecisionPolicy],
+    ):
         self.module = module
-        self.entries = entries          # per parameter: [(owner module, attribute name), ...]
-        self.params = params            # the sharded nn.Parameters
+        self.entries = entries  # per parameter: [(owner module, attribute name), ...]
+        self.params = params  # the sharded nn.Parameters
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_sync = True
@@ -137,8 +146,13 @@ class _Group:
         """The group's policy (hs.mixed_precision gives one to a group made without): the C++ half
         allocates its buffers in param_dtype / reduce_dtype, so it is made again (between steps)."""
         self.mp = mp
-        self.cgroup = _C.FullyShardGroup(self.params, self.layouts, self.axis, mp.param_dtype if mp else None,
-                                         (mp.reduce_dtype or mp.param_dtype) if mp else None)
+        self.cgroup = _C.FullyShardGroup(
+            self.params,
+            self.layouts,
+            self.axis,
+            mp.param_dtype if mp else None,
+            (mp.reduce_dtype or mp.param_dtype) if mp else None,
+        )
 
     def put(self, tensors: list) -> None:
         for owners, tensor in zip(self.entries, tensors):
@@ -243,8 +257,14 @@ def _owned_parameters(module: nn.Module) -> dict:
     return found
 
 
-def fully_shard(module: nn.Module, mesh, *, dp_axis: str = "dp", reshard_after_forward: bool = True,
-                mp_policy: Optional[MixedPrecisionPolicy] = None) -> nn.Module:
+def fully_shard(
+    module: nn.Module,
+    mesh,
+    *,
+    dp_axis: str = "dp",
+    reshard_after_forward: bool = True,
+    mp_policy: Optional[MixedPrecisionPolicy] = None,
+) -> nn.Module:
     """Shards `module`'s parameters (those no fully_shard'ed descendant owns) on dim 0 over
     `dp_axis` of `mesh`, in place, and returns the module (its class gains
     FullyShardedModule's methods). Apply it to the blocks first, then to the root. Parameters
@@ -266,12 +286,16 @@ def fully_shard(module: nn.Module, mesh, *, dp_axis: str = "dp", reshard_after_f
         else:
             param_dt = param
             if _C.device_mesh_of(param).mesh != mesh.mesh:
-                raise _error(f"parameter {where} is on mesh {_C.device_mesh_of(param)}, not {mesh}; "
-                             "allowed: the mesh passed to fully_shard")
+                raise _error(
+                    f"parameter {where} is on mesh {_C.device_mesh_of(param)}, not {mesh}; "
+                    "allowed: the mesh passed to fully_shard"
+                )
         unsharded = _C.layout_of(param_dt)
         if unsharded.has_partial() or not unsharded.is_replicate(axis):
-            raise _error(f"parameter {where} has layout {unsharded}, which is not Replicate on {dp_axis!r}; "
-                         f"allowed: parameters Replicate on {dp_axis!r} (shard other axes with parallelize)")
+            raise _error(
+                f"parameter {where} has layout {unsharded}, which is not Replicate on {dp_axis!r}; "
+                f"allowed: parameters Replicate on {dp_axis!r} (shard other axes with parallelize)"
+            )
         if param.dim() == 0:
             if not _C.is_dtensor(param):
                 new = nn.Parameter(param_dt, requires_grad=param.requires_grad)
@@ -281,7 +305,7 @@ def fully_shard(module: nn.Module, mesh, *, dp_axis: str = "dp", reshard_after_f
         sharded_layout = unsharded.with_minor_shard(axis, 0)
         with torch.no_grad():
             cut = _C.redistribute(param_dt.detach(), sharded_layout)  # local rows: no communication
-            local = _C.local_of(cut).clone()                          # own memory, not a view of the whole
+            local = _C.local_of(cut).clone()  # own memory, not a view of the whole
             sharded = _C.from_local(local, _C.device_mesh_of(param_dt), sharded_layout)
         new = nn.Parameter(sharded, requires_grad=param.requires_grad)
         for owner, name in owners:

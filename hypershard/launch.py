@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 STACK_DUMP_WAIT_S = 1.0  # how long the ranks get to write their stacks before the kill
-STACK_LINES = 12         # innermost frames of each thread shown per stuck rank
+STACK_LINES = 12  # innermost frames of each thread shown per stuck rank
 
 
 class RankTimeout(TimeoutError):
@@ -30,7 +30,7 @@ class RankTimeout(TimeoutError):
 
 
 def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """"dp=2,tp=2" -> ((2, 2), ("dp", "tp"))."""
+    """ "dp=2,tp=2" -> ((2, 2), ("dp", "tp"))."""
     names, shape = [], []
     for item in text.split(","):
         name, _, size = item.partition("=")
@@ -58,8 +58,7 @@ def _phase(tmp: str, rank: int, text: str) -> None:
     Path(tmp, f"rank{rank}.phase").write_text(text)
 
 
-def _rank_main(rank: int, target: Callable, world: int, port: int, args: tuple, tmp: str,
-               pg_timeout: float) -> None:
+def _rank_main(rank: int, target: Callable, world: int, port: int, args: tuple, tmp: str, pg_timeout: float) -> None:
     """One spawned rank: stack dumps on SIGUSR1, gloo, target(rank, world, *args), result file."""
     stacks = open(Path(tmp, f"rank{rank}.stacks"), "w")  # noqa: SIM115 -- open until the process ends
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
@@ -103,8 +102,14 @@ def _stuck_report(tmp: str, ranks: list) -> str:
     return "\n".join(lines)
 
 
-def spawn_local_ranks(target: Callable, world: int, *args: Any, timeout: float = 600.0,
-                      pg_timeout: float = 120.0, env: Optional[dict] = None) -> list:
+def spawn_local_ranks(
+    target: Callable,
+    world: int,
+    *args: Any,
+    timeout: float = 600.0,
+    pg_timeout: float = 120.0,
+    env: Optional[dict] = None,
+) -> list:
     """Runs ``target(rank, world, *args)`` in `world` spawned processes (gloo initialised, one
     thread each) and returns every rank's return value (JSON-serialisable), in rank order.
 
@@ -119,8 +124,13 @@ def spawn_local_ranks(target: Callable, world: int, *args: Any, timeout: float =
     os.environ.update(env or {})
     try:
         with tempfile.TemporaryDirectory(prefix="hs_ranks_") as tmp:
-            ctx = mp.start_processes(_rank_main, args=(target, world, free_port(), args, tmp, pg_timeout),
-                                     nprocs=world, join=False, start_method="spawn")
+            ctx = mp.start_processes(
+                _rank_main,
+                args=(target, world, free_port(), args, tmp, pg_timeout),
+                nprocs=world,
+                join=False,
+                start_method="spawn",
+            )
             deadline = time.monotonic() + timeout
             try:
                 while not ctx.join(timeout=1.0):
@@ -131,7 +141,8 @@ def spawn_local_ranks(target: Callable, world: int, *args: Any, timeout: float =
                         time.sleep(STACK_DUMP_WAIT_S)
                         raise RankTimeout(
                             f"hypershard: ranks {stuck} of {world} still running after {timeout:.0f} s; "
-                            f"where they were:\n{_stuck_report(tmp, stuck)}")
+                            f"where they were:\n{_stuck_report(tmp, stuck)}"
+                        )
             finally:
                 for p in ctx.processes:
                     if p.is_alive():

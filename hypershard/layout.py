@@ -46,9 +46,11 @@ def reduce_op(op: ReduceOpLike) -> _C.ReduceOp:
     return op if isinstance(op, _C.ReduceOp) else _C.parse_reduce_op(str(op))
 
 
-def mesh(shape: Union[Mapping[str, int], Sequence[int]],
-         axis_names: Optional[Sequence[str]] = None,
-         ranks: Optional[Sequence[int]] = None) -> _C.Mesh:
+def mesh(
+    shape: Union[Mapping[str, int], Sequence[int]],
+    axis_names: Optional[Sequence[str]] = None,
+    ranks: Optional[Sequence[int]] = None,
+) -> _C.Mesh:
     """``mesh({"dp": 2, "tp": 2})`` or ``mesh([2, 2], ["dp", "tp"], ranks=[...])``."""
     if isinstance(shape, Mapping):
         if axis_names is not None:
@@ -82,7 +84,8 @@ def placement(item: Any) -> _C.Placement:
             return _C.Placement.partial(reduce_op(match.group(1) or "sum"))
         raise _C.LayoutError(
             f"hypershard: placement {item!r}: not a placement; "
-            "allowed: Shard(d), S(d), Replicate(), R, Partial(op), P(op)")
+            "allowed: Shard(d), S(d), Replicate(), R, Partial(op), P(op)"
+        )
     kind = type(item).__name__
     if kind == "Shard":  # torch's _StridedShard has another class name and is rejected below
         return _C.Placement.shard(int(item.dim))
@@ -91,14 +94,14 @@ def placement(item: Any) -> _C.Placement:
     if kind == "Partial":
         return _C.Placement.partial(reduce_op(getattr(item, "reduce_op", "sum")))
     raise _C.LayoutError(
-        f"hypershard: placement {item!r}: unsupported placement type {kind}; "
-        "allowed: Shard, Replicate, Partial")
+        f"hypershard: placement {item!r}: unsupported placement type {kind}; allowed: Shard, Replicate, Partial"
+    )
 
 
-def placements(items: Union[_C.Placements, Iterable[Any]],
-               shard_order: Optional[Union[Mapping[int, Sequence[int]],
-                                           Iterable[tuple[int, Sequence[int]]]]] = None
-               ) -> _C.Placements:
+def placements(
+    items: Union[_C.Placements, Iterable[Any]],
+    shard_order: Optional[Union[Mapping[int, Sequence[int]], Iterable[tuple[int, Sequence[int]]]]] = None,
+) -> _C.Placements:
     """Placements from one placement per mesh axis, plus an optional shard order
     ``{dim: [major axis, ..., minor axis]}`` for multi-axis dims not in ascending axis order."""
     if isinstance(items, _C.Placements):
@@ -106,8 +109,7 @@ def placements(items: Union[_C.Placements, Iterable[Any]],
             raise TypeError("placements(): shard_order given twice")
         return items
     order = shard_order.items() if isinstance(shard_order, Mapping) else (shard_order or [])
-    return _C.Placements([placement(p) for p in items],
-                         [(int(dim), [int(a) for a in axes]) for dim, axes in order])
+    return _C.Placements([placement(p) for p in items], [(int(dim), [int(a) for a in axes]) for dim, axes in order])
 
 
 def _partial_map(partial: PartialLike) -> dict:
@@ -120,8 +122,7 @@ def _partial_map(partial: PartialLike) -> dict:
     return {str(name): _C.ReduceOp.Sum for name in partial}
 
 
-def alias(dims: Union[_C.AliasLayout, str, Sequence[Any]],
-          partial: PartialLike = None) -> _C.AliasLayout:
+def alias(dims: Union[_C.AliasLayout, str, Sequence[Any]], partial: PartialLike = None) -> _C.AliasLayout:
     """An AliasLayout from Hyper-Parallel alias notation: per tensor dim "None" (or None), an
     axis name, or a tuple of axis names (major -> minor), e.g. ("dp", "None") or
     (("dp", "tp"), "None"); or its printed form '("dp", "None") partial(sum: tp)'.
@@ -147,21 +148,22 @@ def alias(dims: Union[_C.AliasLayout, str, Sequence[Any]],
     return _C.AliasLayout(result.dims, merged)
 
 
-def from_placements(mesh: _C.Mesh, global_shape: Sequence[int], items: Any,
-                    shard_order: Any = None) -> _C.Layout:
+def from_placements(mesh: _C.Mesh, global_shape: Sequence[int], items: Any, shard_order: Any = None) -> _C.Layout:
     """Layout from torch-style placements (see `placements`)."""
     return _C.from_placements(mesh, list(global_shape), placements(items, shard_order))
 
 
-def from_alias(mesh: _C.Mesh, global_shape: Sequence[int], dims: Any,
-               partial: PartialLike = None) -> _C.Layout:
+def from_alias(mesh: _C.Mesh, global_shape: Sequence[int], dims: Any, partial: PartialLike = None) -> _C.Layout:
     """Layout from alias notation (see `alias`)."""
     return _C.from_alias(mesh, list(global_shape), alias(dims, partial))
 
 
-def from_tensor_map(mesh: _C.Mesh, global_shape: Sequence[int],
-                    tensor_map: Sequence[Union[int, Sequence[int]]],
-                    partial: PartialLike = None) -> _C.Layout:
+def from_tensor_map(
+    mesh: _C.Mesh,
+    global_shape: Sequence[int],
+    tensor_map: Sequence[Union[int, Sequence[int]]],
+    partial: PartialLike = None,
+) -> _C.Layout:
     """Layout from a MindSpore / Hyper-Parallel tensor_map: per tensor dim a mesh axis counted
     from the right (-1 = not split) or a tuple of them (major -> minor). `partial` names axes."""
     entries = [[int(e)] if isinstance(e, int) else [int(a) for a in e] for e in tensor_map]
@@ -171,16 +173,15 @@ def from_tensor_map(mesh: _C.Mesh, global_shape: Sequence[int],
     return _C.from_tensor_map(mesh, list(global_shape), entries, per_axis)
 
 
-def make_layout(mesh: _C.Mesh, global_shape: Sequence[int], spec: Any,
-                partial: PartialLike = None) -> _C.Layout:
+def make_layout(mesh: _C.Mesh, global_shape: Sequence[int], spec: Any, partial: PartialLike = None) -> _C.Layout:
     """Layout from whichever notation `spec` is written in: a Layout (returned as is),
     Placements, AliasLayout, the printed alias form (str), a list of placements (hypershard or
     torch objects, or strings such as "S(0)", "R", "P(sum)"), or an alias tuple."""
     if isinstance(spec, _C.Layout):
         return spec
     if isinstance(spec, _C.Placements) or (
-            not isinstance(spec, (str, _C.AliasLayout)) and len(spec) > 0
-            and all(_is_placement_like(item) for item in spec)):
+        not isinstance(spec, (str, _C.AliasLayout)) and len(spec) > 0 and all(_is_placement_like(item) for item in spec)
+    ):
         if partial is not None:
             raise TypeError("make_layout(): with placements, Partial is one of the placements")
         return from_placements(mesh, global_shape, spec)

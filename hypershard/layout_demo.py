@@ -73,9 +73,7 @@ def _owner_grid(layout: hs.Layout, max_cells: int) -> list[str]:
     width = max(len(cell) for row in cells for cell in row)
     header = "     " + " ".join(f"{c:>{width}}" for c in range(cols))
     title = "ranks holding each element" + (" (each a summand)" if layout.has_partial() else "")
-    return [title, header] + [
-        f"{r:>3}  " + " ".join(f"{cell:>{width}}" for cell in row) for r, row in enumerate(cells)
-    ]
+    return [title, header] + [f"{r:>3}  " + " ".join(f"{cell:>{width}}" for cell in row) for r, row in enumerate(cells)]
 
 
 def _show_layout(name: str, layout: hs.Layout, max_cells: int) -> None:
@@ -87,8 +85,7 @@ def _show_layout(name: str, layout: hs.Layout, max_cells: int) -> None:
         print("  " + line)
 
 
-def _show_plan(src_name: str, src: hs.Layout, dst_name: str, dst: hs.Layout,
-               element_size: int) -> None:
+def _show_plan(src_name: str, src: hs.Layout, dst_name: str, dst: hs.Layout, element_size: int) -> None:
     plan = hs.plan_redistribute(src, dst)
     print(f"\n{src_name} -> {dst_name}:  {src.sharding_string()}  ->  {dst.sharding_string()}")
     if not plan.steps:
@@ -101,8 +98,11 @@ def _show_plan(src_name: str, src: hs.Layout, dst_name: str, dst: hs.Layout,
             dims.append(f"from dim {step.src_dim}")
         if step.dst_dim >= 0:
             dims.append(f"to dim {step.dst_dim}")
-        op = f" ({hs.reduce_op_name(step.op)})" if step.kind in (
-            hs.StepKind.AllReduce, hs.StepKind.ReduceScatter, hs.StepKind.PartialFill) else ""
+        op = (
+            f" ({hs.reduce_op_name(step.op)})"
+            if step.kind in (hs.StepKind.AllReduce, hs.StepKind.ReduceScatter, hs.StepKind.PartialFill)
+            else ""
+        )
         sent = [n * element_size for n in step.elements_sent]
         what = f"{hs.step_kind_name(step.kind)}{op} along '{axis_names[step.axis]}'"
         print(f"  {i}. {what:<28} {', '.join(dims):<20} -> {step.to.sharding_string()}")
@@ -115,21 +115,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m hypershard.layout_demo",
         description="Show hypershard's layout core: shard geometry of a 2-D tensor on a 2-D "
-                    "(dp, tp) mesh, the three layout notations, and redistribution plans.")
-    parser.add_argument("--shape", default="6,5", type=lambda s: _parse_ints(s, ","),
-                        help="global tensor shape ROWS,COLS (default: 6,5, uneven on purpose)")
-    parser.add_argument("--mesh", default="2x2", type=lambda s: _parse_ints(s, "x"),
-                        help="mesh shape DPxTP (default: 2x2)")
-    parser.add_argument("--element-size", default=4, type=int,
-                        help="bytes per element for the plans (default: 4, float32)")
-    parser.add_argument("--max-grid", default=16, type=int,
-                        help="largest dim for which the ownership grid is drawn (default: 16)")
+        "(dp, tp) mesh, the three layout notations, and redistribution plans.",
+    )
+    parser.add_argument(
+        "--shape",
+        default="6,5",
+        type=lambda s: _parse_ints(s, ","),
+        help="global tensor shape ROWS,COLS (default: 6,5, uneven on purpose)",
+    )
+    parser.add_argument(
+        "--mesh", default="2x2", type=lambda s: _parse_ints(s, "x"), help="mesh shape DPxTP (default: 2x2)"
+    )
+    parser.add_argument(
+        "--element-size", default=4, type=int, help="bytes per element for the plans (default: 4, float32)"
+    )
+    parser.add_argument(
+        "--max-grid", default=16, type=int, help="largest dim for which the ownership grid is drawn (default: 16)"
+    )
     args = parser.parse_args(argv)
 
     try:
         mesh = hs.mesh({"dp": args.mesh[0], "tp": args.mesh[1]})
-        layouts = {name: hs.from_alias(mesh, args.shape, dims, partial)
-                   for name, dims, partial in _LAYOUTS}
+        layouts = {name: hs.from_alias(mesh, args.shape, dims, partial) for name, dims, partial in _LAYOUTS}
     except hs.LayoutError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -70,20 +70,22 @@ def _error(message: str) -> ValueError:
 @dataclasses.dataclass
 class LoadReport:
     """What a load did (``model.hs_load_report``)."""
-    loaded: list = dataclasses.field(default_factory=list)        # model names filled from the files
-    initialized: list = dataclasses.field(default_factory=list)   # model names initialised (missing)
+
+    loaded: list = dataclasses.field(default_factory=list)  # model names filled from the files
+    initialized: list = dataclasses.field(default_factory=list)  # model names initialised (missing)
     computed_buffers: list = dataclasses.field(default_factory=list)  # non-persistent buffers computed
-    unused_keys: list = dataclasses.field(default_factory=list)   # checkpoint tensors no parameter took
-    bytes_read: int = 0            # file bytes this rank read (its boxes; whole rows of column blocks)
-    largest_slice: int = 0         # the largest file span one reading slice touched
+    unused_keys: list = dataclasses.field(default_factory=list)  # checkpoint tensors no parameter took
+    bytes_read: int = 0  # file bytes this rank read (its boxes; whole rows of column blocks)
+    largest_slice: int = 0  # the largest file span one reading slice touched
     largest_init_staging: int = 0  # peak bytes of whole tensors held at once for initialisation
-    local_bytes: int = 0           # bytes of this rank's parameter shards
+    local_bytes: int = 0  # bytes of this rank's parameter shards
 
 
 @dataclasses.dataclass(frozen=True)
 class _Piece:
     """A checkpoint tensor that fills the box [at, at + size) of a model tensor. `dims[j]` is the
     model dim the tensor's dim j runs along; model dims not in `dims` have size 1 in the box."""
+
     entry: object
     at: tuple
     size: tuple
@@ -92,11 +94,12 @@ class _Piece:
 
 # ---------------------------------------------------------------------------------- matching
 
+
 def _file_names(name: str):
     """The names a model tensor may be stored under, most likely first."""
     yield name
     if name.startswith("model."):
-        yield "model.language_model." + name[len("model."):]  # a multimodal checkpoint's text model
+        yield "model.language_model." + name[len("model.") :]  # a multimodal checkpoint's text model
     if ".mlp." in name:
         yield name.replace(".mlp.", ".block_sparse_moe.")  # Mixtral
 
@@ -112,8 +115,10 @@ def _direct(name: str, shape: tuple, entries: dict, transposed: bool) -> Optiona
         flipped = (shape[0], shape[2], shape[1]) if len(shape) == 3 else None
         if transposed and _FUSED_EXPERTS.fullmatch(name) and tuple(entry.shape) == flipped:
             return [_Piece(entry, (0, 0, 0), shape, (0, 2, 1))]
-        raise _error(f"checkpoint tensor {key!r} has shape {list(entry.shape)} but the model's {name!r} has "
-                     f"{list(shape)}; allowed: a checkpoint of this config")
+        raise _error(
+            f"checkpoint tensor {key!r} has shape {list(entry.shape)} but the model's {name!r} has "
+            f"{list(shape)}; allowed: a checkpoint of this config"
+        )
     return None
 
 
@@ -130,9 +135,11 @@ def _per_expert(name: str, shape: tuple, entries: dict) -> Optional[list]:
                 continue
             absent = [k for row in keys for k in row if k not in entries]
             if absent:
-                raise _error(f"the checkpoint holds {len(present)} of the {len(present) + len(absent)} per-expert "
-                             f"tensors that make {name!r} but lacks {absent[:3]}; a fused weight cannot be "
-                             "initialised in part; allowed: a checkpoint with every expert")
+                raise _error(
+                    f"the checkpoint holds {len(present)} of the {len(present) + len(absent)} per-expert "
+                    f"tensors that make {name!r} but lacks {absent[:3]}; a fused weight cannot be "
+                    "initialised in part; allowed: a checkpoint with every expert"
+                )
             rows, rest = divmod(shape[1], len(parts))
             if rest:
                 raise _error(f"{name!r} has {shape[1]} rows in dim 1, not {len(parts)} equal projections")
@@ -141,9 +148,11 @@ def _per_expert(name: str, shape: tuple, entries: dict) -> Optional[list]:
                 for i, key in enumerate(row):
                     entry = entries[key]
                     if tuple(entry.shape) != (rows, shape[2]):
-                        raise _error(f"checkpoint tensor {key!r} has shape {list(entry.shape)} but expert {e} of "
-                                     f"the model's {name!r} needs {[rows, shape[2]]}; allowed: a checkpoint of "
-                                     "this config")
+                        raise _error(
+                            f"checkpoint tensor {key!r} has shape {list(entry.shape)} but expert {e} of "
+                            f"the model's {name!r} needs {[rows, shape[2]]}; allowed: a checkpoint of "
+                            "this config"
+                        )
                     pieces.append(_Piece(entry, (e, i * rows, 0), (1, rows, shape[2]), (1, 2)))
             return pieces
     return None
@@ -180,18 +189,25 @@ def _match(model: nn.Module, entries: dict, init_missing: bool) -> tuple:
         if pieces is None:
             missing.append(names[0])
     if missing:
-        can_init = callable(getattr(model, "_init_weights", None)) and callable(getattr(model, "_initialize_weights",
-                                                                                     None))
+        can_init = callable(getattr(model, "_init_weights", None)) and callable(
+            getattr(model, "_initialize_weights", None)
+        )
         if not init_missing or not can_init:
-            why = ("init_missing=False" if can_init else
-                   f"{type(model).__name__} has no _init_weights to initialise them as one device would")
-            raise _error(f"the checkpoint lacks {len(missing)} tensor(s) of the model: {missing[:5]} ({why}); "
-                         "allowed: a checkpoint holding every parameter")
+            why = (
+                "init_missing=False"
+                if can_init
+                else f"{type(model).__name__} has no _init_weights to initialise them as one device would"
+            )
+            raise _error(
+                f"the checkpoint lacks {len(missing)} tensor(s) of the model: {missing[:5]} ({why}); "
+                "allowed: a checkpoint holding every parameter"
+            )
     used = {piece.entry.key for pieces in sources.values() if pieces for piece in pieces}
     return sources, sorted(set(entries) - used)
 
 
 # ---------------------------------------------------------------------------------- building
+
 
 def _config(directory: Path):
     from transformers import AutoConfig
@@ -214,8 +230,10 @@ def _model_class(config, model_class):
     try:
         return AutoModelForCausalLM._model_mapping[type(config)]
     except KeyError:
-        raise _error(f"no causal-LM class for config {type(config).__name__} and no usable config.architectures; "
-                     "allowed: model_class=<a transformers model class>") from None
+        raise _error(
+            f"no causal-LM class for config {type(config).__name__} and no usable config.architectures; "
+            "allowed: model_class=<a transformers model class>"
+        ) from None
 
 
 def _meta_model(cls, config, dtype: torch.dtype, attn_implementation: Optional[str]) -> nn.Module:
@@ -223,8 +241,9 @@ def _meta_model(cls, config, dtype: torch.dtype, attn_implementation: Optional[s
     without initialisation; its tied weights tied."""
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
-    contexts = (cls.get_init_context(dtype, False, False, None) if hasattr(cls, "get_init_context")
-                else [torch.device("meta")])
+    contexts = (
+        cls.get_init_context(dtype, False, False, None) if hasattr(cls, "get_init_context") else [torch.device("meta")]
+    )
     with contextlib.ExitStack() as stack:
         for context in contexts:
             stack.enter_context(context)
@@ -239,14 +258,16 @@ def fully_shard_layers(model: nn.Module, mesh, *, dp_axis: str = "dp", mp_policy
     ``*layers``) and then the root: the grouping the SFT entry point and from_pretrained use."""
     from .fully_shard import fully_shard
 
-    layers = next((m for name, m in model.named_modules() if name.endswith("layers")
-                   and isinstance(m, nn.ModuleList)), None)
+    layers = next(
+        (m for name, m in model.named_modules() if name.endswith("layers") and isinstance(m, nn.ModuleList)), None
+    )
     for layer in layers if layers is not None else []:
         fully_shard(layer, mesh, dp_axis=dp_axis, mp_policy=mp_policy)
     return fully_shard(model, mesh, dp_axis=dp_axis, mp_policy=mp_policy)
 
 
 # ---------------------------------------------------------------------------------- materialising
+
 
 def _box(tensor: torch.Tensor, rank: int) -> tuple:
     """(local shape, global offset) of this rank's part of a (meta) parameter."""
@@ -303,7 +324,7 @@ def _initialize(model: nn.Module, pending: dict, buffers: dict, report: LoadRepo
 
     custom = model.is_custom_code() if hasattr(model, "is_custom_code") else False
     staging: dict = {}  # id(param) -> the whole tensor being initialised
-    live = [0]          # bytes of the staging buffers held now
+    live = [0]  # bytes of the staging buffers held now
 
     def finish(owner: nn.Module) -> None:
         for param in owner._parameters.values():
@@ -359,11 +380,12 @@ def _initialize(model: nn.Module, pending: dict, buffers: dict, report: LoadRepo
     assert not pending, "parameters left uninitialised"
 
 
-def _materialize(model: nn.Module, mesh, sources: dict, reader: Reader, dp_axis: str,
-                 seed: Optional[int], report: LoadReport) -> None:
+def _materialize(
+    model: nn.Module, mesh, sources: dict, reader: Reader, dp_axis: str, seed: Optional[int], report: LoadReport
+) -> None:
     rank = mesh.rank
     replaced: dict = {}  # id(meta param) -> new param
-    pending: dict = {}   # id(meta param) -> (local, offset): to initialise
+    pending: dict = {}  # id(meta param) -> (local, offset): to initialise
     for module_name, module in model.named_modules():
         for attr, param in list(module._parameters.items()):
             if param is None:
@@ -381,8 +403,8 @@ def _materialize(model: nn.Module, mesh, sources: dict, reader: Reader, dp_axis:
                 report.local_bytes += local.numel() * local.element_size()
                 replaced[id(param)] = (_new_param(param, local), param)
             module._parameters[attr] = replaced[id(param)][0]
-    buffers: dict = {}   # id(meta buffer) -> its real tensor, to compute
-    filled: dict = {}    # id(meta buffer) -> its real tensor, read from the files (whole: buffers are never sharded)
+    buffers: dict = {}  # id(meta buffer) -> its real tensor, to compute
+    filled: dict = {}  # id(meta buffer) -> its real tensor, read from the files (whole: buffers are never sharded)
     for module_name, module in model.named_modules():
         for attr, buffer in module._buffers.items():
             if buffer is None or id(buffer) in buffers or id(buffer) in filled:
@@ -395,8 +417,9 @@ def _materialize(model: nn.Module, mesh, sources: dict, reader: Reader, dp_axis:
                 report.loaded.append(name)
             else:
                 buffers[id(buffer)] = real
-                (report.computed_buffers if attr in module._non_persistent_buffers_set
-                 else report.initialized).append(name)
+                (report.computed_buffers if attr in module._non_persistent_buffers_set else report.initialized).append(
+                    name
+                )
     if pending or buffers:
         # _initialize sees the meta parameters again (it keys on their ids): put them back meanwhile.
         originals = {id(new): old for new, old in replaced.values()}
@@ -440,19 +463,38 @@ def _rebuild_fully_shard_groups(model: nn.Module, replaced: dict, mesh, dp_axis:
             dims[0] = [a for a in dims[0] if a != axis]
             unsharded.append(_C.Layout.create(layout.mesh, layout.global_shape, dims, list(layout.partial)))
         mp = group.mp
-        group.cgroup = _C.FullyShardGroup(group.params, unsharded, axis, mp.param_dtype if mp else None,
-                                          (mp.reduce_dtype or mp.param_dtype) if mp else None)
+        group.cgroup = _C.FullyShardGroup(
+            group.params,
+            unsharded,
+            axis,
+            mp.param_dtype if mp else None,
+            (mp.reduce_dtype or mp.param_dtype) if mp else None,
+        )
         group.put(group.params)
 
 
 # ---------------------------------------------------------------------------------- the API
 
-def from_pretrained(directory, mesh, *, plan=None, ep_plan=None,
-                    fully_shard: Union[bool, Callable] = False, mp_policy=None,
-                    dtype: torch.dtype = torch.float32, model_class=None, attn_implementation: Optional[str] = "sdpa",
-                    init_missing: bool = True, seed: Optional[int] = None, tp_axis: str = "tp", dp_axis: str = "dp",
-                    ep_axis: str = "ep", shard_inputs: bool = True,
-                    staging_bytes: int = DEFAULT_STAGING_BYTES) -> nn.Module:
+
+def from_pretrained(
+    directory,
+    mesh,
+    *,
+    plan=None,
+    ep_plan=None,
+    fully_shard: Union[bool, Callable] = False,
+    mp_policy=None,
+    dtype: torch.dtype = torch.float32,
+    model_class=None,
+    attn_implementation: Optional[str] = "sdpa",
+    init_missing: bool = True,
+    seed: Optional[int] = None,
+    tp_axis: str = "tp",
+    dp_axis: str = "dp",
+    ep_axis: str = "ep",
+    shard_inputs: bool = True,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+) -> nn.Module:
     """Loads the HuggingFace model folder `directory` (config.json + safetensors) onto `mesh`,
     each rank reading and holding only its shards. Every rank calls it with the same arguments.
 
@@ -481,8 +523,16 @@ def from_pretrained(directory, mesh, *, plan=None, ep_plan=None,
     checks = _C.check_replicas()
     _C.set_check_replicas(False)  # the debug checks compare values (a collective); meta tensors have none
     try:
-        parallelize(model, mesh, plan, tp_axis=tp_axis, dp_axis=dp_axis, ep_axis=ep_axis, ep_plan=ep_plan,
-                    shard_inputs=shard_inputs)
+        parallelize(
+            model,
+            mesh,
+            plan,
+            tp_axis=tp_axis,
+            dp_axis=dp_axis,
+            ep_axis=ep_axis,
+            ep_plan=ep_plan,
+            shard_inputs=shard_inputs,
+        )
         if callable(fully_shard):
             fully_shard(model, mesh)
         elif fully_shard:

@@ -60,8 +60,9 @@ def _check_policy(policy: Any) -> MixedPrecisionPolicy:
     if not isinstance(policy, MixedPrecisionPolicy):
         raise _error(f"policy {policy!r} is a {type(policy).__name__}; allowed: a hypershard.MixedPrecisionPolicy")
     floating = "a floating dtype (torch.bfloat16, torch.float16, torch.float32, ...)"
-    if policy.param_dtype is None or not (isinstance(policy.param_dtype, torch.dtype)
-                                          and policy.param_dtype.is_floating_point):
+    if policy.param_dtype is None or not (
+        isinstance(policy.param_dtype, torch.dtype) and policy.param_dtype.is_floating_point
+    ):
         raise _error(f"param_dtype={policy.param_dtype!r} gives nothing to compute in; allowed: {floating}")
     for field in ("reduce_dtype", "output_dtype"):
         value = getattr(policy, field)
@@ -118,9 +119,11 @@ class _OwnedCasts:
                 if master is None:
                     continue
                 if not isinstance(master, nn.Parameter):
-                    raise _error(f"{type(module).__name__}.{name} is not a parameter when its forward starts "
-                                 f"(fully_shard or another hook put a tensor there); allowed: mixed_precision "
-                                 f"applied last, after parallelize and fully_shard")
+                    raise _error(
+                        f"{type(module).__name__}.{name} is not a parameter when its forward starts "
+                        f"(fully_shard or another hook put a tensor there); allowed: mixed_precision "
+                        f"applied last, after parallelize and fully_shard"
+                    )
                 saved[name] = master
                 params[name] = self._cast(master)
         self.saved.append(saved)
@@ -143,16 +146,21 @@ def mixed_precision(module: nn.Module, policy: Optional[MixedPrecisionPolicy] = 
     policy = _check_policy(BF16 if policy is None else policy)
     for sub in module.modules():
         if hasattr(sub, "_hs_mixed_precision"):
-            raise _error(f"{type(sub).__name__} is already under mixed precision; allowed: one mixed_precision "
-                         f"call per model")
+            raise _error(
+                f"{type(sub).__name__} is already under mixed precision; allowed: one mixed_precision call per model"
+            )
     groups = _groups(module, True)
     for group in groups:
         if group.mp is not None and group.mp != policy:
-            raise _error(f"{type(group.module).__name__} was fully sharded with {group.mp}, not {policy}; "
-                         f"allowed: fully_shard without mp_policy, or with this one")
+            raise _error(
+                f"{type(group.module).__name__} was fully sharded with {group.mp}, not {policy}; "
+                f"allowed: fully_shard without mp_policy, or with this one"
+            )
         if group.cgroup.gathered or group.cgroup.gather_in_flight:
-            raise _error(f"{type(group.module).__name__}'s parameters are gathered (a forward or backward in "
-                         f"progress); allowed: between steps")
+            raise _error(
+                f"{type(group.module).__name__}'s parameters are gathered (a forward or backward in "
+                f"progress); allowed: between steps"
+            )
     in_groups = {id(p) for group in groups for p in group.params}
     owners = []  # (module, names of its parameters to cast)
     for module_name, sub in module.named_modules():
@@ -162,9 +170,11 @@ def mixed_precision(module: nn.Module, policy: Optional[MixedPrecisionPolicy] = 
                 continue
             where = f"{module_name}.{name}" if module_name else name
             if param.dtype.itemsize <= policy.param_dtype.itemsize:
-                raise _error(f"parameter {where} is {param.dtype}, no wider than param_dtype={policy.param_dtype}: "
-                             f"there would be no master copy to step in full precision; allowed: parameters "
-                             f"wider than param_dtype (model.float() before parallelize)")
+                raise _error(
+                    f"parameter {where} is {param.dtype}, no wider than param_dtype={policy.param_dtype}: "
+                    f"there would be no master copy to step in full precision; allowed: parameters "
+                    f"wider than param_dtype (model.float() before parallelize)"
+                )
             names.append(name)
         if names:
             owners.append((sub, names))
@@ -181,7 +191,8 @@ def mixed_precision(module: nn.Module, policy: Optional[MixedPrecisionPolicy] = 
         sub.register_forward_hook(casts.post, always_call=True)
     if policy.cast_forward_inputs:
         module.register_forward_pre_hook(
-            lambda m, args, kwargs: _cast_floating((args, kwargs), policy.param_dtype), with_kwargs=True)
+            lambda m, args, kwargs: _cast_floating((args, kwargs), policy.param_dtype), with_kwargs=True
+        )
     if policy.output_dtype is not None:
         module.register_forward_hook(lambda m, args, output: _cast_floating(output, policy.output_dtype))
     module._hs_mixed_precision = policy

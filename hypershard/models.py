@@ -11,52 +11,139 @@ __all__ = ["TINY_CONFIGS", "make_batches", "tiny_config", "tiny_model", "train"]
 
 # Sizes divisible by 2 and 4 (heads, kv heads, intermediate, vocab) unless overridden.
 TINY_CONFIGS: dict = {
-    "qwen3": dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=4, head_dim=8, max_position_embeddings=64,
-                  tie_word_embeddings=False, rope_theta=10000.0),
+    "qwen3": dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=8,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    ),
     # Qwen3.5 dense: one full-attention (gated q) and one linear-attention (Gated DeltaNet) layer. Rotary on
     # head_dim * 0.25 = 8 dims (4 frequencies = sum(mrope_section)). use_cache=False: with a cache the
     # linear-attention layers copy_ activations into plain cache tensors.
-    "qwen3_5_text": dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         layer_types=["full_attention", "linear_attention"], num_attention_heads=4,
-                         num_key_value_heads=4, head_dim=32, linear_conv_kernel_dim=2, linear_key_head_dim=16,
-                         linear_value_head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
-                         max_position_embeddings=64, tie_word_embeddings=False, use_cache=False,
-                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
-                                              mrope_section=[2, 1, 1], mrope_interleaved=True)),
+    "qwen3_5_text": dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        layer_types=["full_attention", "linear_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        linear_conv_kernel_dim=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        use_cache=False,
+        rope_parameters=dict(
+            rope_type="default",
+            rope_theta=10000.0,
+            partial_rotary_factor=0.25,
+            mrope_section=[2, 1, 1],
+            mrope_interleaved=True,
+        ),
+    ),
     # Qwen3.5-MoE: as qwen3_5_text with 8 routed experts (top-2) and a shared expert in every layer.
-    "qwen3_5_moe_text": dict(vocab_size=128, hidden_size=32, num_hidden_layers=2,
-                             layer_types=["full_attention", "linear_attention"], num_attention_heads=4,
-                             num_key_value_heads=4, head_dim=32, linear_conv_kernel_dim=2, linear_key_head_dim=16,
-                             linear_value_head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
-                             moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=8,
-                             num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False,
-                             use_cache=False,
-                             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
-                                                  mrope_section=[2, 1, 1], mrope_interleaved=True)),
+    "qwen3_5_moe_text": dict(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        layer_types=["full_attention", "linear_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        linear_conv_kernel_dim=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        use_cache=False,
+        rope_parameters=dict(
+            rope_type="default",
+            rope_theta=10000.0,
+            partial_rotary_factor=0.25,
+            mrope_section=[2, 1, 1],
+            mrope_interleaved=True,
+        ),
+    ),
     # DeepSeek-V3.2: MLA, the sparse-attention indexer (index_topk < the sequence length), grouped routing
     # (num_experts_per_tok <= topk_group * n_routed_experts / n_group), layer 0 dense and layer 1 MoE.
-    "deepseek_v32": dict(use_cache=False, vocab_size=128, hidden_size=32, intermediate_size=32,
-                         moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=16,
-                         q_lora_rank=32, qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32, n_group=2,
-                         topk_group=1, num_experts_per_tok=4, first_k_dense_replace=1, index_n_heads=2,
-                         index_head_dim=16, index_topk=8),
+    "deepseek_v32": dict(
+        use_cache=False,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        qk_nope_head_dim=32,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=4,
+        first_k_dense_replace=1,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=8,
+    ),
     # Qwen3-VL-MoE (a Qwen3VLMoeForConditionalGeneration, not an AutoModelForCausalLM; see tiny_model): a MoE
     # text decoder (8 experts top-4 in every layer, mrope on head_dim 8 = 4 frequencies) and a one-block vision
     # tower whose merger outputs the text hidden size. The image/video token ids stay the defaults (outside
     # the tiny vocab) so random text batches hold none; image batches override them below vocab_size.
-    "qwen3_vl_moe": dict(tie_word_embeddings=False,
-                         text_config=dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                          num_key_value_heads=2, head_dim=8, intermediate_size=64,
-                                          moe_intermediate_size=16, num_experts=8, num_experts_per_tok=4,
-                                          decoder_sparse_step=1, max_position_embeddings=64, use_cache=False,
-                                          tie_word_embeddings=False,
-                                          rope_parameters=dict(rope_type="default", rope_theta=10000.0,
-                                                               mrope_section=[2, 1, 1], mrope_interleaved=True)),
-                         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
-                                            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32,
-                                            num_position_embeddings=16, deepstack_visual_indexes=[0])),
+    "qwen3_vl_moe": dict(
+        tie_word_embeddings=False,
+        text_config=dict(
+            vocab_size=128,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_experts=8,
+            num_experts_per_tok=4,
+            decoder_sparse_step=1,
+            max_position_embeddings=64,
+            use_cache=False,
+            tie_word_embeddings=False,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1], mrope_interleaved=True
+            ),
+        ),
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=32,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0],
+        ),
+    ),
 }
 
 # Model types whose model class is not an AutoModelForCausalLM: (transformers class name).
@@ -90,8 +177,9 @@ def tiny_model(config, seed: int = 0) -> torch.nn.Module:
     return model.float().train()
 
 
-def make_batches(vocab_size: int, steps: int, batch: int = 4, seq: int = 16, seed: int = 1,
-                 ignore_fraction: float = 0.1) -> list:
+def make_batches(
+    vocab_size: int, steps: int, batch: int = 4, seq: int = 16, seed: int = 1, ignore_fraction: float = 0.1
+) -> list:
     """`steps` batches of (input_ids, labels) with some labels set to the ignore index -100."""
     g = torch.Generator().manual_seed(seed)
     batches = []
@@ -103,9 +191,14 @@ def make_batches(vocab_size: int, steps: int, batch: int = 4, seq: int = 16, see
     return batches
 
 
-def train(model: torch.nn.Module, batches: list, lr: float = 1e-3, clip: Optional[float] = 1.0,
-          on_step: Optional[Callable[[int, float], None]] = None,
-          on_backward: Optional[Callable[[int, torch.nn.Module], None]] = None) -> list:
+def train(
+    model: torch.nn.Module,
+    batches: list,
+    lr: float = 1e-3,
+    clip: Optional[float] = 1.0,
+    on_step: Optional[Callable[[int, float], None]] = None,
+    on_backward: Optional[Callable[[int, torch.nn.Module], None]] = None,
+) -> list:
     """AdamW steps (one per batch) with clip_grad_norm_; returns the loss of every step. A batch is
     (input_ids, labels), or (input_ids, labels, inputs) with `inputs` a dict of further model inputs
     (pixel_values, image_grid_thw, ...). `on_backward(step, model)` runs after each backward, before

@@ -36,8 +36,14 @@ from __future__ import annotations
 
 import torch  # the ops are defined when hypershard (its dispatch) loads, before this module
 
-__all__ = ["MODES", "rms_norm", "rms_norm_composed", "rotary_mul", "rotary_position_embedding",
-           "rotary_position_embedding_composed"]
+__all__ = [
+    "MODES",
+    "rms_norm",
+    "rms_norm_composed",
+    "rotary_mul",
+    "rotary_position_embedding",
+    "rotary_position_embedding_composed",
+]
 
 MODES = {"half": 0, "interleave": 1, "quarter": 2, "interleave_half": 3}
 
@@ -62,8 +68,7 @@ def rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_mode:
     return torch.ops.hypershard.rotary_position_embedding(x, r1, r2, MODES[rotary_mode])
 
 
-def rotary_position_embedding_composed(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                                       mode=0) -> torch.Tensor:
+def rotary_position_embedding_composed(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode=0) -> torch.Tensor:
     """The non-fused form of `rotary_position_embedding`, from cat/neg/mul/stack."""
     mode = _mode(mode)
     if mode == 0:

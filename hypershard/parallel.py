@@ -97,6 +97,7 @@ __all__ = ["parallelize", "tp_plan_of", "ep_plan_of", "STYLES", "Style", "style"
 # ------------------------------------------------------------------------------- parameter dims
 # (module, parameter name, parameter) -> the dim a style shards over its axis, or None: Replicate.
 
+
 def _is_bias(name: str, param: torch.Tensor) -> bool:
     return param.dim() == 1 or name == "bias" or name.endswith("_bias")
 
@@ -129,6 +130,7 @@ def _experts_dim(module, name, param):
 
 # ---------------------------------------------------------------------------------- style hooks
 
+
 def _replicate_tensor_on(t, axis: int):
     if isinstance(t, torch.Tensor) and _C.is_dtensor(t):
         layout = _C.layout_of(t)
@@ -144,17 +146,22 @@ def _replicate_on(axis: int):
         if isinstance(output, tuple):
             return tuple(_replicate_tensor_on(t, axis) for t in output)
         return _replicate_tensor_on(output, axis)
+
     return hook
 
 
 def _replicate_inputs_on(axis: int):
     def hook(module, args, kwargs):
-        return (tuple(_replicate_tensor_on(a, axis) for a in args),
-                {k: _replicate_tensor_on(v, axis) for k, v in kwargs.items()})
+        return (
+            tuple(_replicate_tensor_on(a, axis) for a in args),
+            {k: _replicate_tensor_on(v, axis) for k, v in kwargs.items()},
+        )
+
     return hook
 
 
 # ----------------------------------------------------------------------------------------- styles
+
 
 class Style:
     """One plan style, everything it means in one place: the dim of each parameter it shards over
@@ -165,8 +172,9 @@ class Style:
     `replicate_inputs` / `replicate_output`: the module's tensor inputs / its output are made
     Replicate on the axis (shards gathered, Partial(sum) reduced)."""
 
-    def __init__(self, name: str, param_dim: Callable = _none, *, replicate_inputs: bool = False,
-                 replicate_output: bool = False):
+    def __init__(
+        self, name: str, param_dim: Callable = _none, *, replicate_inputs: bool = False, replicate_output: bool = False
+    ):
         self.name = name
         self._param_dim = param_dim
         self.replicate_inputs = replicate_inputs
@@ -205,8 +213,9 @@ class _PackedColwise(Style):
 class _GroupedGemm(Style):
     def check_param(self, name, param, dim, axis_size):
         if dim is not None and param.shape[dim] % axis_size:
-            self.fail(name, f"cannot shard {param.shape[dim]} experts evenly over the {axis_size} "
-                            f"expert-parallel ranks")
+            self.fail(
+                name, f"cannot shard {param.shape[dim]} experts evenly over the {axis_size} expert-parallel ranks"
+            )
 
 
 class _MlaKvAProj(Style):
@@ -214,12 +223,16 @@ class _MlaKvAProj(Style):
         rope = getattr(_text_config(model), "qk_rope_head_dim", None)
         weight = getattr(module, "weight", None)
         if rope is None:
-            self.fail(name, "needs the model config's qk_rope_head_dim (the MLA projection's rope part); "
-                            "the config has none")
+            self.fail(
+                name, "needs the model config's qk_rope_head_dim (the MLA projection's rope part); the config has none"
+            )
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] <= rope:
-            self.fail(name, f"needs a linear projection whose output [kv_lora_rank + qk_rope_head_dim] "
-                            f"is wider than qk_rope_head_dim={rope}; got weight "
-                            f"{None if weight is None else list(weight.shape)}")
+            self.fail(
+                name,
+                f"needs a linear projection whose output [kv_lora_rank + qk_rope_head_dim] "
+                f"is wider than qk_rope_head_dim={rope}; got weight "
+                f"{None if weight is None else list(weight.shape)}",
+            )
 
 
 class _MoeTpExperts(Style):
@@ -235,23 +248,32 @@ class _MoeTpExperts(Style):
             module.forward = MethodType(_experts_forward, module)
 
 
-_STYLES: dict = {s.name: s for s in (
-    Style("colwise", _out_dim),
-    Style("colwise_gather_output", _out_dim, replicate_output=True),
-    _PackedColwise("packed_colwise", _out_dim),
-    Style("rowwise", _in_dim, replicate_output=True),
-    Style("rowwise_split_input", _in_dim, replicate_output=True),
-    Style("embedding_rowwise", _weight(0), replicate_output=True),
-    Style("vocab", _weight(0), replicate_output=True),
-    Style("embedding_colwise", _weight(1), replicate_output=True),
-    _MoeTpExperts("moe_tp_experts", replicate_inputs=True, replicate_output=True),
-    _MlaKvAProj("mla_kv_a_proj", replicate_output=True),
-    Style("replicated_with_grad_allreduce"),  # Replicate: grads summed in the gradient buckets
-    Style("sequence_parallel"), Style("gather"), Style("local"), Style("local_colwise"),
-    Style("local_rowwise"), Style("local_packed_rowwise"), Style("isolated"), Style("replicate"),
-    _GroupedGemm("grouped_gemm", _experts_dim),
-    Style("ep_router"),  # the routing stays global
-)}
+_STYLES: dict = {
+    s.name: s
+    for s in (
+        Style("colwise", _out_dim),
+        Style("colwise_gather_output", _out_dim, replicate_output=True),
+        _PackedColwise("packed_colwise", _out_dim),
+        Style("rowwise", _in_dim, replicate_output=True),
+        Style("rowwise_split_input", _in_dim, replicate_output=True),
+        Style("embedding_rowwise", _weight(0), replicate_output=True),
+        Style("vocab", _weight(0), replicate_output=True),
+        Style("embedding_colwise", _weight(1), replicate_output=True),
+        _MoeTpExperts("moe_tp_experts", replicate_inputs=True, replicate_output=True),
+        _MlaKvAProj("mla_kv_a_proj", replicate_output=True),
+        Style("replicated_with_grad_allreduce"),  # Replicate: grads summed in the gradient buckets
+        Style("sequence_parallel"),
+        Style("gather"),
+        Style("local"),
+        Style("local_colwise"),
+        Style("local_rowwise"),
+        Style("local_packed_rowwise"),
+        Style("isolated"),
+        Style("replicate"),
+        _GroupedGemm("grouped_gemm", _experts_dim),
+        Style("ep_router"),  # the routing stays global
+    )
+}
 STYLES = tuple(sorted(_STYLES))
 
 
@@ -261,6 +283,7 @@ def style(name: str) -> Style:
 
 
 # ------------------------------------------------------------------------------------------ plans
+
 
 def tp_plan_of(model: nn.Module) -> dict:
     """The model's own tensor-parallel plan (module pattern -> style), fully qualified."""
@@ -297,6 +320,7 @@ def _placements(mesh, axis: Optional[int], dim: Optional[int]) -> list:
 
 
 # ---------------------------------------------------------------------------------- local experts
+
 
 def _with_partial(layout, axes) -> "_C.Layout":
     partial = list(layout.partial)
@@ -372,7 +396,7 @@ def _local_experts(mesh, ep_axis: int):
 
     def pre(module, args, kwargs):
         names = ("hidden_states", "top_k_index", "top_k_weights")
-        values = list(args) + [kwargs[n] for n in names[len(args):] if n in kwargs]
+        values = list(args) + [kwargs[n] for n in names[len(args) :] if n in kwargs]
         if len(values) != 3 or not all(_C.is_dtensor(v) for v in values):
             return None  # not a call this hook understands (plain tensors): transformers' own path
         hidden, index, weights = values
@@ -418,6 +442,7 @@ def _head_tail_inputs(kwargs: dict, chunks: int) -> dict:
     when the caller gave none. An all-ones attention mask is dropped (it masks nothing); a padding
     mask is refused: transformers builds its causal part from natural positions."""
     from .context_parallel import shift_labels, to_head_tail
+
     kwargs = dict(kwargs)
     ids = kwargs.get("input_ids")
     embeds = kwargs.get("inputs_embeds")
@@ -426,15 +451,19 @@ def _head_tail_inputs(kwargs: dict, chunks: int) -> dict:
         return kwargs
     batch, length = source.shape[0], source.shape[1]
     if length % chunks:
-        raise ValueError(f"hypershard: parallelize: a sequence of {length} tokens cannot be stored in head-tail "
-                         f"order of {chunks} chunks (2 x the context-parallel size); allowed: sequences padded to "
-                         f"a multiple of {chunks}")
+        raise ValueError(
+            f"hypershard: parallelize: a sequence of {length} tokens cannot be stored in head-tail "
+            f"order of {chunks} chunks (2 x the context-parallel size); allowed: sequences padded to "
+            f"a multiple of {chunks}"
+        )
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and not _C.is_dtensor(mask):
         if not bool(mask.bool().all()):
-            raise ValueError("hypershard: parallelize: a padding attention_mask on a context-parallel mesh is not "
-                             "supported (transformers builds its causal part from natural positions); allowed: "
-                             "no mask or an all-ones mask (pack or pad the sequences with labels -100)")
+            raise ValueError(
+                "hypershard: parallelize: a padding attention_mask on a context-parallel mesh is not "
+                "supported (transformers builds its causal part from natural positions); allowed: "
+                "no mask or an all-ones mask (pack or pad the sequences with labels -100)"
+            )
         kwargs.pop("attention_mask")
     if kwargs.get("position_ids") is None:
         kwargs["position_ids"] = torch.arange(length, device=source.device).expand(batch, length)
@@ -474,12 +503,16 @@ def _shard_inputs(mesh, dp_axis: Optional[int], cp_axis: Optional[int] = None):
                 kwargs = {"input_ids": args[0], **kwargs}
                 args = args[1:]
             kwargs = _head_tail_inputs(kwargs, 2 * mesh.shape[cp_axis])
-        return (tuple(distribute(a) for a in args),
-                {k: distribute(v, k not in _NOT_BATCH_INPUTS, sequence_dim(k, v)) for k, v in kwargs.items()})
+        return (
+            tuple(distribute(a) for a in args),
+            {k: distribute(v, k not in _NOT_BATCH_INPUTS, sequence_dim(k, v)) for k, v in kwargs.items()},
+        )
+
     return hook
 
 
 # ------------------------------------------------------------------------------ attention heads
+
 
 def _text_config(model: nn.Module):
     config = getattr(model, "config", None)
@@ -510,15 +543,19 @@ def _attention_layout(model: nn.Module, tp_size: int) -> str:
     if tp_size <= 1 or not heads:
         return HEADS_SHARDED
     if heads % tp_size:
-        raise ValueError(f"hypershard: parallelize: config.num_attention_heads={heads} is not divisible by the "
-                         f"tensor-parallel size {tp_size}; allowed: a tp size that divides it")
+        raise ValueError(
+            f"hypershard: parallelize: config.num_attention_heads={heads} is not divisible by the "
+            f"tensor-parallel size {tp_size}; allowed: a tp size that divides it"
+        )
     if kv is None:
         return HEADS_SHARDED
     if kv <= 0 or heads % kv:
-        raise ValueError(f"hypershard: parallelize: config.num_attention_heads={heads} is not a multiple of "
-                         f"config.num_key_value_heads={kv}: the query heads cannot be grouped over the key/value "
-                         f"heads, so no tensor-parallel layout of the attention exists; allowed: "
-                         f"num_key_value_heads dividing num_attention_heads")
+        raise ValueError(
+            f"hypershard: parallelize: config.num_attention_heads={heads} is not a multiple of "
+            f"config.num_key_value_heads={kv}: the query heads cannot be grouped over the key/value "
+            f"heads, so no tensor-parallel layout of the attention exists; allowed: "
+            f"num_key_value_heads dividing num_attention_heads"
+        )
     if kv % tp_size == 0:
         return HEADS_SHARDED
     group, local_heads = heads // kv, heads // tp_size
@@ -527,35 +564,61 @@ def _attention_layout(model: nn.Module, tp_size: int) -> str:
 
 def _attention_modules(plan: Mapping[str, str]) -> tuple:
     """The plan's attention module patterns (those with q_proj / k_proj / v_proj entries), each with a trailing dot."""
-    return tuple(sorted({pattern.rsplit(".", 1)[0] + "." for pattern in plan
-                         if pattern.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj")}))
+    return tuple(
+        sorted(
+            {
+                pattern.rsplit(".", 1)[0] + "."
+                for pattern in plan
+                if pattern.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj")
+            }
+        )
+    )
 
 
 def _lay_out_attention(plan: dict, model: nn.Module, tp_size: int) -> dict:
     """`plan` with its attention entries rewritten for `_attention_layout` (others as they are)."""
     layout = _attention_layout(model, tp_size)
     if layout == KV_REPLICATED:
-        return {pattern: "replicate" if pattern.rsplit(".", 1)[-1] in ("k_proj", "v_proj")
-                and str(name).startswith("colwise") else name for pattern, name in plan.items()}
+        return {
+            pattern: "replicate"
+            if pattern.rsplit(".", 1)[-1] in ("k_proj", "v_proj") and str(name).startswith("colwise")
+            else name
+            for pattern, name in plan.items()
+        }
     modules = _attention_modules(plan)
     if layout == HEADS_SHARDED or not modules:
         return plan
     text = _text_config(model)
-    warnings.warn(f"hypershard: parallelize: {text.num_key_value_heads} key/value heads (grouped under "
-                  f"{text.num_attention_heads} query heads) cannot be laid out with the query heads sharded over "
-                  f"tp={tp_size} (tp neither divides them nor is a multiple of them): the attention modules "
-                  f"{list(modules)} are replicated on tp (every rank runs every head)", stacklevel=3)
+    warnings.warn(
+        f"hypershard: parallelize: {text.num_key_value_heads} key/value heads (grouped under "
+        f"{text.num_attention_heads} query heads) cannot be laid out with the query heads sharded over "
+        f"tp={tp_size} (tp neither divides them nor is a multiple of them): the attention modules "
+        f"{list(modules)} are replicated on tp (every rank runs every head)",
+        stacklevel=3,
+    )
     # Unknown styles stay, for the check that names them.
-    return {pattern: "replicate" if pattern.startswith(modules) and name in _STYLES else name
-            for pattern, name in plan.items()}
+    return {
+        pattern: "replicate" if pattern.startswith(modules) and name in _STYLES else name
+        for pattern, name in plan.items()
+    }
 
 
 # ------------------------------------------------------------------------------------ parallelize
 
-def parallelize(model: nn.Module, mesh, plan: Optional[Mapping[str, str]] = None, *,
-                tp_axis: str = "tp", dp_axis: str = "dp", ep_axis: str = "ep", cp_axis: str = "cp",
-                cp_algorithm: str = "all_gather_kv", ep_plan: Optional[Mapping[str, str]] = None,
-                shard_inputs: bool = True) -> nn.Module:
+
+def parallelize(
+    model: nn.Module,
+    mesh,
+    plan: Optional[Mapping[str, str]] = None,
+    *,
+    tp_axis: str = "tp",
+    dp_axis: str = "dp",
+    ep_axis: str = "ep",
+    cp_axis: str = "cp",
+    cp_algorithm: str = "all_gather_kv",
+    ep_plan: Optional[Mapping[str, str]] = None,
+    shard_inputs: bool = True,
+) -> nn.Module:
     """Distributes `model`'s parameters over `mesh` (in place) and returns the model.
 
     `plan` maps module or parameter name patterns ("model.layers.*.mlp.up_proj") to styles; None
@@ -581,8 +644,9 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Mapping[str, str]] = None
     ep = names.index(ep_axis) if ep_axis in names else None
     cp = names.index(cp_axis) if cp_axis in names else None
     if cp is not None and cp_algorithm not in CP_ALGORITHMS:
-        raise ValueError(f"hypershard: parallelize: cp_algorithm {cp_algorithm!r} is not implemented; allowed: "
-                         f"{list(CP_ALGORITHMS)}")
+        raise ValueError(
+            f"hypershard: parallelize: cp_algorithm {cp_algorithm!r} is not implemented; allowed: {list(CP_ALGORITHMS)}"
+        )
     tp_plan = (tp_plan_of(model) if plan is None else dict(plan)) if tp is not None else {}
     ep_plan = (ep_plan_of(model) if ep_plan is None else dict(ep_plan)) if ep is not None else {}
     if tp is not None and tp_plan:
@@ -596,14 +660,15 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Mapping[str, str]] = None
             matched = [n for n, _ in model.named_modules() if fnmatch.fnmatchcase(n, pattern)]
             matched += [n for n, _ in model.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
             where = repr(matched[0]) if matched else f"pattern {pattern!r}"
-            raise ValueError(f"hypershard: parallelize: module {where}: unknown plan style {name!r}; "
-                             f"allowed: {list(STYLES)}")
+            raise ValueError(
+                f"hypershard: parallelize: module {where}: unknown plan style {name!r}; allowed: {list(STYLES)}"
+            )
     entries = {pattern: (_STYLES[name], axis) for pattern, (name, axis) in named.items()}
 
     # Decide every layout (and check it) before distributing anything.
     decided = []  # (module, param_name, param, placements); a shared (tied) parameter once
     seen: dict = {}
-    hooks = []    # (module, Style, axis)
+    hooks = []  # (module, Style, axis)
     for module_name, module in model.named_modules():
         module_entry = _style_for(module_name, entries)
         if module_entry is not None:

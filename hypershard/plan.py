@@ -45,16 +45,19 @@ def _size(n: float) -> str:
 def format_report(r: PlanReport, memory_per_rank: float = 0.0) -> str:
     coords = ", ".join(f"{a}={c}" for a, c in r.coordinates.items())
     mesh = ",".join(f"{a}={n}" for a, n in r.mesh.items())
-    lines = [f"{r.model}: {r.total_parameters / 1e9:.2f} B parameters on mesh {mesh}; rank {r.rank} ({coords})",
-             f"  {'parameters':<22}{_size(r.parameters):>12}",
-             f"  {'gradients':<22}{_size(r.gradients):>12}",
-             f"  {'optimizer state':<22}{_size(r.optimizer):>12}",
-             f"  {'activations (peak)':<22}{_size(r.activations):>12}",
-             f"  {'peak of the step':<22}{_size(r.peak):>12}"]
+    lines = [
+        f"{r.model}: {r.total_parameters / 1e9:.2f} B parameters on mesh {mesh}; rank {r.rank} ({coords})",
+        f"  {'parameters':<22}{_size(r.parameters):>12}",
+        f"  {'gradients':<22}{_size(r.gradients):>12}",
+        f"  {'optimizer state':<22}{_size(r.optimizer):>12}",
+        f"  {'activations (peak)':<22}{_size(r.activations):>12}",
+        f"  {'peak of the step':<22}{_size(r.peak):>12}",
+    ]
     lines.append("  bytes sent per step, by mesh axis:")
     for axis, b in sorted(r.axis_bytes.items()):
-        phases = ", ".join(f"{p} {_size(n)}" for key, n in r.phase_bytes.items()
-                           for p, a in [key.split(" ", 1)] if a == axis and n)
+        phases = ", ".join(
+            f"{p} {_size(n)}" for key, n in r.phase_bytes.items() for p, a in [key.split(" ", 1)] if a == axis and n
+        )
         lines.append(f"    {axis:<8}{_size(b):>12}   ({phases})")
     lines.append("  collectives issued (count, bytes sent):")
     for key, n in r.collectives.items():
@@ -69,9 +72,11 @@ def format_report(r: PlanReport, memory_per_rank: float = 0.0) -> str:
         over = r.over(memory_per_rank)
         if over:
             shares = ", ".join(f"{c} {_size(getattr(r, c))}" for c in over)
-            lines.append(f"  DOES NOT FIT {_size(memory_per_rank)} per rank: peak {_size(r.peak)} is "
-                         f"{_size(r.peak - memory_per_rank)} over; largest first: {shares}; over on its own: "
-                         + (", ".join(c for c in over if getattr(r, c) > memory_per_rank) or "none"))
+            lines.append(
+                f"  DOES NOT FIT {_size(memory_per_rank)} per rank: peak {_size(r.peak)} is "
+                f"{_size(r.peak - memory_per_rank)} over; largest first: {shares}; over on its own: "
+                + (", ".join(c for c in over if getattr(r, c) > memory_per_rank) or "none")
+            )
         else:
             lines.append(f"  fits {_size(memory_per_rank)} per rank ({_size(memory_per_rank - r.peak)} to spare)")
     lines.append("  seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in r.seconds.items()))
@@ -80,20 +85,26 @@ def format_report(r: PlanReport, memory_per_rank: float = 0.0) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hypershard.plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True,
-                        help=f"a model_type, a save_pretrained folder, or one of {sorted(PUBLISHED)}")
+    parser.add_argument(
+        "--model", required=True, help=f"a model_type, a save_pretrained folder, or one of {sorted(PUBLISHED)}"
+    )
     parser.add_argument("--mesh", required=True, help="axis=size,... with axes among dp, tp, ep (e.g. dp=32,ep=8)")
     parser.add_argument("--fully-shard", action="store_true", help="hs.fully_shard every decoder layer over dp")
     parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
     parser.add_argument("--batch", type=int, default=0, help="sequences per step in all (default: the dp size)")
     parser.add_argument("--rank", type=int, default=0, help="the rank simulated (default 0)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="of the parameters")
-    parser.add_argument("--compute-dtype", choices=sorted(_DTYPES), default=None,
-                        help="with --fully-shard: the gathered parameters' dtype (mixed precision)")
+    parser.add_argument(
+        "--compute-dtype",
+        choices=sorted(_DTYPES),
+        default=None,
+        help="with --fully-shard: the gathered parameters' dtype (mixed precision)",
+    )
     parser.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the config's)")
     parser.add_argument("--memory-per-rank", type=float, default=0.0, help="GB per rank: say whether the step fits")
-    parser.add_argument("--trace", action="store_true",
-                        help="attribute each collective's bytes to the source line that issued it")
+    parser.add_argument(
+        "--trace", action="store_true", help="attribute each collective's bytes to the source line that issued it"
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     shape, names = parse_mesh(args.mesh)
@@ -102,10 +113,18 @@ def main(argv=None) -> int:
     config = load_config(args.model, **overrides)
     batch = args.batch or mesh.get("dp", 1)
     started = time.perf_counter()
-    report = plan_step(config, mesh, name=args.model, rank=args.rank, fully_shard=args.fully_shard, batch=batch,
-                       seq=args.seq, dtype=_DTYPES[args.dtype],
-                       compute_dtype=_DTYPES[args.compute_dtype] if args.compute_dtype else None,
-                       trace=args.trace)
+    report = plan_step(
+        config,
+        mesh,
+        name=args.model,
+        rank=args.rank,
+        fully_shard=args.fully_shard,
+        batch=batch,
+        seq=args.seq,
+        dtype=_DTYPES[args.dtype],
+        compute_dtype=_DTYPES[args.compute_dtype] if args.compute_dtype else None,
+        trace=args.trace,
+    )
     report.seconds["total"] = time.perf_counter() - started
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))

@@ -27,10 +27,23 @@ __all__ = ["Entry", "Reader", "read_index", "DEFAULT_STAGING_BYTES"]
 
 DEFAULT_STAGING_BYTES = 16 << 20  # 16 MiB of a file resident at a time, at most
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-           "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+}
 INDEX_FILE = "model.safetensors.index.json"
 _AROUND = 1 << 20  # bytes released on either side of a slice (more than the kernel's fault-around)
 
@@ -42,6 +55,7 @@ def _error(message: str) -> ValueError:
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """One tensor of a safetensors file: where its bytes are, and what they hold."""
+
     key: str
     file: Path
     dtype: torch.dtype
@@ -69,8 +83,10 @@ def read_index(directory) -> dict:
         raise _error(f"{str(directory)!r} is not a directory; allowed: a save_pretrained folder")
     files = _files_of(directory)
     if not files:
-        raise _error(f"{directory} holds no *.safetensors file; allowed: a folder written by save_pretrained "
-                     "(safetensors) or hypershard.checkpoint.export_hf")
+        raise _error(
+            f"{directory} holds no *.safetensors file; allowed: a folder written by save_pretrained "
+            "(safetensors) or hypershard.checkpoint.export_hf"
+        )
     entries: dict = {}
     for path in files:
         with open(path, "rb") as fh:
@@ -84,8 +100,10 @@ def read_index(directory) -> dict:
             if key == "__metadata__":
                 continue
             if info["dtype"] not in _DTYPES:
-                raise _error(f"{path}: tensor {key!r} has dtype {info['dtype']}, which this loader does not read; "
-                             f"allowed: {sorted(_DTYPES)}")
+                raise _error(
+                    f"{path}: tensor {key!r} has dtype {info['dtype']}, which this loader does not read; "
+                    f"allowed: {sorted(_DTYPES)}"
+                )
             if key in entries:
                 raise _error(f"tensor {key!r} is in both {entries[key].file.name} and {path.name}")
             begin, end = info["data_offsets"]
@@ -157,16 +175,27 @@ class Reader:
         if row_bytes > self.staging_bytes and d + 1 < len(shape):
             # One index of this dim spans more than a slice: one index at a time, deeper.
             for i in range(sizes[d]):
-                self._copy_dim(handle, entry, item, shape, strides, d + 1, base + (starts[d] + i) * strides[d],
-                               starts, sizes, out[i])
+                self._copy_dim(
+                    handle,
+                    entry,
+                    item,
+                    shape,
+                    strides,
+                    d + 1,
+                    base + (starts[d] + i) * strides[d],
+                    starts,
+                    sizes,
+                    out[i],
+                )
             return
         rows = max(1, self.staging_bytes // row_bytes)
         inner = tuple(slice(starts[j], starts[j] + sizes[j]) for j in range(d + 1, len(shape)))
         for r0 in range(0, sizes[d], rows):
             r = min(rows, sizes[d] - r0)
             first = base + (starts[d] + r0) * strides[d]
-            self._copy_span(handle, entry, first * item, r * strides[d], (r, *shape[d + 1:]), inner,
-                            out.narrow(0, r0, r))
+            self._copy_span(
+                handle, entry, first * item, r * strides[d], (r, *shape[d + 1 :]), inner, out.narrow(0, r0, r)
+            )
 
     def _copy_span(self, handle, entry, byte_start, count, view_shape, inner, out) -> None:
         start = entry.offset + byte_start

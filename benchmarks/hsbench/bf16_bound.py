@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 
-U_BF16 = 2.0 ** -8
+U_BF16 = 2.0**-8
 ROUNDINGS_PER_LAYER = 6
 SIGMAS = 4.5
 
@@ -51,7 +51,7 @@ def loss_bounds(layers: int, hidden: int, init_std: float, tokens: int, first_or
     k = ROUNDINGS_PER_LAYER * layers
     s = math.sqrt(k) * U_BF16 / math.sqrt(3)
     sigma_loss = s * init_std * math.sqrt(hidden) / math.sqrt(tokens)
-    r2 = 2 * k * U_BF16 ** 2 / 3
+    r2 = 2 * k * U_BF16**2 / 3
     bounds, flips = [], 0.0
     for decrease in first_order_decreases:
         bounds.append(SIGMAS * sigma_loss + flips)

@@ -35,8 +35,12 @@ def plot(results: dict, path: Path) -> None:
             ax.set_title(title)
 
         ax = axes[0][0]
-        bars(ax, "speedup_vs_torch_dtensor", "torch DTensor µs / hypershard µs (log)",
-             "dispatch: speedup vs torch DTensor")
+        bars(
+            ax,
+            "speedup_vs_torch_dtensor",
+            "torch DTensor µs / hypershard µs (log)",
+            "dispatch: speedup vs torch DTensor",
+        )
         low, high = ax.get_ylim()
         ax.set_ylim(low, high * 6)  # room for the legend
         ax.legend(fontsize=7, loc="upper center", ncol=4)
@@ -44,9 +48,13 @@ def plot(results: dict, path: Path) -> None:
         axes[0][1].legend(fontsize=7)
     s = results.get("step", {})
     ax = axes[0][2]
-    impls = [("hypershard", "hypershard"), ("hypershard_per_param", "hypershard per-param grads"),
-             ("torch_dtensor", "torch DTensor"), ("torch_dtensor_bucketed", "torch DTensor bucketed"),
-             ("single_device", "one device")]
+    impls = [
+        ("hypershard", "hypershard"),
+        ("hypershard_per_param", "hypershard per-param grads"),
+        ("torch_dtensor", "torch DTensor"),
+        ("torch_dtensor_bucketed", "torch DTensor bucketed"),
+        ("single_device", "one device"),
+    ]
     width = 0.8 / len(impls)
     for i, (k, label) in enumerate(impls):
         vals, errs = [], [[], []]
@@ -75,9 +83,13 @@ def plot(results: dict, path: Path) -> None:
     m = results.get("memory", {})
     ax = axes[1][1]
     keys = [k for k in STEP_MESHES if k in m]
-    bars = [("hypershard_peak_mb", "hypershard peak"), ("torch_dtensor_peak_mb", "torch DTensor peak"),
-            ("single_device_peak_mb", "one device peak"), ("hypershard_state_mb", "hypershard state"),
-            ("single_device_state_mb", "one device state")]
+    bars = [
+        ("hypershard_peak_mb", "hypershard peak"),
+        ("torch_dtensor_peak_mb", "torch DTensor peak"),
+        ("single_device_peak_mb", "one device peak"),
+        ("hypershard_state_mb", "hypershard state"),
+        ("single_device_state_mb", "one device state"),
+    ]
     for i, (k, label) in enumerate(bars):
         ax.bar([x + i * 0.16 for x in range(len(keys))], [m[key].get(k) or 0 for key in keys], 0.16, label=label)
     ax.set_xticks([x + 0.32 for x in range(len(keys))])
@@ -103,21 +115,36 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-
 def _rotary_panels(top, bottom, variants: dict) -> None:
     """Fused / composed per configuration and variant: time (top) and peak extra memory (bottom)."""
     keys = [k for k in next(iter(variants.values())).keys()]
-    labels = [k.replace("mode", "m").replace("float32", "f32").replace("bfloat16", "bf16")
-              .replace("_forward_backward", " f+b").replace("_forward", " fwd").replace("_", " ") for k in keys]
+    labels = [
+        k.replace("mode", "m")
+        .replace("float32", "f32")
+        .replace("bfloat16", "bf16")
+        .replace("_forward_backward", " f+b")
+        .replace("_forward", " fwd")
+        .replace("_", " ")
+        for k in keys
+    ]
     width = 0.8 / max(len(variants), 1)
-    for ax, key, ylabel, title in ((top, "fused_vs_composed", "fused ms / composed ms (log)",
-                                    "rotary: fused op vs composed form, time"),
-                                   (bottom, "peak_fused_vs_composed", "fused MB / composed MB (log)",
-                                    "rotary: fused vs composed, peak extra memory")):
+    for ax, key, ylabel, title in (
+        (top, "fused_vs_composed", "fused ms / composed ms (log)", "rotary: fused op vs composed form, time"),
+        (
+            bottom,
+            "peak_fused_vs_composed",
+            "fused MB / composed MB (log)",
+            "rotary: fused vs composed, peak extra memory",
+        ),
+    ):
         for i, (vkey, entries) in enumerate(variants.items()):
             vals = [(entries.get(k) or {}).get(key) or math.nan for k in keys]
-            ax.bar([x + i * width for x in range(len(keys))], vals, width,
-                   label=vkey.replace("1device", "1 device").replace("2rank_", "2 ranks, "))
+            ax.bar(
+                [x + i * width for x in range(len(keys))],
+                vals,
+                width,
+                label=vkey.replace("1device", "1 device").replace("2rank_", "2 ranks, "),
+            )
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(keys))])
         ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
         ax.axhline(1, color="k", linewidth=0.8)

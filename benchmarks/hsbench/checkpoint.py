@@ -20,11 +20,26 @@ from typing import Callable
 from .common import error_text, ratio
 from .memory import malloc_trim, reset_peak_rss, set_mmap_threshold, vm_kib
 
-CHECKPOINT_CONFIG = dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=8, head_dim=32, max_position_embeddings=128,
-                         tie_word_embeddings=False)
-CHECKPOINT_QUICK_CONFIG = dict(CHECKPOINT_CONFIG, vocab_size=2048, hidden_size=128, intermediate_size=384,
-                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
+CHECKPOINT_CONFIG = dict(
+    vocab_size=8192,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=32,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
+CHECKPOINT_QUICK_CONFIG = dict(
+    CHECKPOINT_CONFIG,
+    vocab_size=2048,
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+)
 MESH = ((2, 2), ("dp", "tp"))
 RESHARD_MESH = ((4,), ("tp",))
 
@@ -52,8 +67,10 @@ def _gathered_state(model, optimizer) -> dict:
 
     state = {"model": {n: full(t) for n, t in model.state_dict().items()}}
     opt = optimizer_state_dict(model, optimizer)
-    state["optimizer"] = {"state": {n: {k: full(v) for k, v in s.items()} for n, s in opt["state"].items()},
-                          "param_groups": opt["param_groups"]}
+    state["optimizer"] = {
+        "state": {n: {k: full(v) for k, v in s.items()} for n, s in opt["state"].items()},
+        "param_groups": opt["param_groups"],
+    }
     return state
 
 
@@ -75,9 +92,13 @@ def _load_gathered(path: Path, model, optimizer) -> None:
         for name, param in model.state_dict().items():
             param.copy_(shard_of(state["model"][name], param))
     current = optimizer_state_dict(model, optimizer)
-    loaded = {"state": {n: {k: shard_of(v, current["state"][n][k]) for k, v in s.items()}
-                        for n, s in state["optimizer"]["state"].items()},
-              "param_groups": state["optimizer"]["param_groups"]}
+    loaded = {
+        "state": {
+            n: {k: shard_of(v, current["state"][n][k]) for k, v in s.items()}
+            for n, s in state["optimizer"]["state"].items()
+        },
+        "param_groups": state["optimizer"]["param_groups"],
+    }
     set_optimizer_state_dict(model, optimizer, loaded)
 
 
@@ -141,9 +162,12 @@ def _worker(rank: int, world: int, settings: dict) -> dict:
         times["dcp_reshard_load"].append(time.perf_counter() - start)
     files = {p.name: p.stat().st_size for p in path.glob("*.distcp")}
     result = {k: statistics.median(v) for k, v in times.items()}
-    result.update(model_bytes=state_bytes, dcp_bytes_per_rank=[files.get(f"__{r}_0.distcp", 0) for r in range(world)],
-                  gathered_file_bytes=(root / "gathered.pt").stat().st_size,
-                  params=sum(p.numel() for p in model.parameters()))
+    result.update(
+        model_bytes=state_bytes,
+        dcp_bytes_per_rank=[files.get(f"__{r}_0.distcp", 0) for r in range(world)],
+        gathered_file_bytes=(root / "gathered.pt").stat().st_size,
+        params=sum(p.numel() for p in model.parameters()),
+    )
     # Rank 0's peak RSS growth over a save: DCP writes from the shards it has; the gathered way
     # holds the whole model and optimizer state.
     result["dcp_rank0_peak_bytes"] = statistics.median(peaks["dcp_save"])
@@ -159,8 +183,12 @@ def run_checkpoint(args, log: Callable) -> dict:
     out: dict = {"config": config_values, "mesh": "dp=2 x tp=2", "reshard_mesh": "tp=4"}
     log("checkpoint: 4-rank mesh ...")
     try:
-        r = spawn_local_ranks(_worker, 4, {"config": config_values, "root": str(root), "repeats": max(1, args.repeats // 7)},
-                              timeout=args.timeout)[0]
+        r = spawn_local_ranks(
+            _worker,
+            4,
+            {"config": config_values, "root": str(root), "repeats": max(1, args.repeats // 7)},
+            timeout=args.timeout,
+        )[0]
         r["save_speedup"] = ratio(r["gathered_save"], r["dcp_save"])
         r["load_speedup"] = ratio(r["gathered_load"], r["dcp_load"])
         out.update(r)
@@ -178,17 +206,24 @@ def checkpoint_lines(r) -> list:
         return []
     if "error" in r:
         return ["## Sharded checkpoints", "", f"failed: {r['error']}", ""]
-    mb = 1024 ** 2
+    mb = 1024**2
     per_rank = ", ".join(f"{b / mb:.1f}" for b in r["dcp_bytes_per_rank"])
-    return [f"## Sharded checkpoints (Qwen3, {r['params'] / 1e6:.1f} M parameters + AdamW state, {r['mesh']})", "",
-            "DCP = `hypershard.checkpoint.save/load` (torch.distributed.checkpoint, each rank its shards); "
-            "gathered = `full_tensor()` of every tensor and `torch.save` on rank 0, loaded by `torch.load` on "
-            "every rank and cut into shards. Seconds, medians.", "",
-            "| | DCP | gathered | gathered / DCP |", "|---|---:|---:|---:|",
-            f"| save s | {r['dcp_save']:.3f} | {r['gathered_save']:.3f} | {r['save_speedup']:.2f}x |",
-            f"| load s | {r['dcp_load']:.3f} | {r['gathered_load']:.3f} | {r['load_speedup']:.2f}x |",
-            f"| load into {r['reshard_mesh']} (reshard) s | {r['dcp_reshard_load']:.3f} | — | — |",
-            f"| MB written per rank | {per_rank} | {r['gathered_file_bytes'] / mb:.1f} on rank 0, 0 elsewhere | — |",
-            f"| rank 0 peak RSS growth over a save, MB | {r['dcp_rank0_peak_bytes'] / mb:.1f} "
-            f"| {r['gathered_rank0_peak_bytes'] / mb:.1f} | — |",
-            "", f"Model parameters alone: {r['model_bytes'] / mb:.1f} MB (with AdamW's two states, 3x that).", ""]
+    return [
+        f"## Sharded checkpoints (Qwen3, {r['params'] / 1e6:.1f} M parameters + AdamW state, {r['mesh']})",
+        "",
+        "DCP = `hypershard.checkpoint.save/load` (torch.distributed.checkpoint, each rank its shards); "
+        "gathered = `full_tensor()` of every tensor and `torch.save` on rank 0, loaded by `torch.load` on "
+        "every rank and cut into shards. Seconds, medians.",
+        "",
+        "| | DCP | gathered | gathered / DCP |",
+        "|---|---:|---:|---:|",
+        f"| save s | {r['dcp_save']:.3f} | {r['gathered_save']:.3f} | {r['save_speedup']:.2f}x |",
+        f"| load s | {r['dcp_load']:.3f} | {r['gathered_load']:.3f} | {r['load_speedup']:.2f}x |",
+        f"| load into {r['reshard_mesh']} (reshard) s | {r['dcp_reshard_load']:.3f} | — | — |",
+        f"| MB written per rank | {per_rank} | {r['gathered_file_bytes'] / mb:.1f} on rank 0, 0 elsewhere | — |",
+        f"| rank 0 peak RSS growth over a save, MB | {r['dcp_rank0_peak_bytes'] / mb:.1f} "
+        f"| {r['gathered_rank0_peak_bytes'] / mb:.1f} | — |",
+        "",
+        f"Model parameters alone: {r['model_bytes'] / mb:.1f} MB (with AdamW's two states, 3x that).",
+        "",
+    ]

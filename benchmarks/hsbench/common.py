@@ -38,6 +38,7 @@ def mesh_text(spec) -> str:
 # _grouped_mm's offs); a placement is a Shard dim or None (Replicate). The Replicate variant makes
 # every argument Replicate.
 
+
 def global_args(spec: list, seed: int) -> list:
     import torch
 
@@ -92,8 +93,9 @@ def same_values(a, b, atol: float = 1e-5) -> bool:
     return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=atol)
 
 
-def rank0_per_world(section: str, worker: Callable, worlds, args, log: Callable, extra: dict,
-                    worker_args: Optional[dict] = None) -> dict:
+def rank0_per_world(
+    section: str, worker: Callable, worlds, args, log: Callable, extra: dict, worker_args: Optional[dict] = None
+) -> dict:
     """{world: rank 0's result of worker} for each world size, the ranks spawned with the section's
     timing settings (and worker_args); a launch that fails is logged and recorded as
     extra["<world>rank_error"], the seconds each took as extra["<world>rank_seconds"]."""
@@ -106,9 +108,12 @@ def rank0_per_world(section: str, worker: Callable, worlds, args, log: Callable,
         log(f"{section}: {world}-rank mesh ...")
         start = time.perf_counter()
         try:
-            ranks = spawn_local_ranks(worker, world, {"sample_s": args.sample_s, "repeats": args.repeats,
-                                                      **(worker_args or {})},
-                                      timeout=args.timeout)
+            ranks = spawn_local_ranks(
+                worker,
+                world,
+                {"sample_s": args.sample_s, "repeats": args.repeats, **(worker_args or {})},
+                timeout=args.timeout,
+            )
         except Exception as exc:  # noqa: BLE001 -- reported in the results, the other worlds still run
             extra[f"{world}rank_error"] = error_text(exc)
             log(f"  failed: {error_text(exc)}")

@@ -22,11 +22,26 @@ from .common import error_text, ratio
 from .memory import malloc_trim, reset_peak_rss, set_mmap_threshold, vm_kib
 from .trainers import lr_at, state_bytes
 
-FSDP_CONFIG = dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                   num_attention_heads=8, num_key_value_heads=8, head_dim=32, max_position_embeddings=128,
-                   tie_word_embeddings=False)
-FSDP_QUICK_CONFIG = dict(FSDP_CONFIG, vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4)
+FSDP_CONFIG = dict(
+    vocab_size=8192,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=32,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
+FSDP_QUICK_CONFIG = dict(
+    FSDP_CONFIG,
+    vocab_size=2048,
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+)
 MESH = ((4,), ("dp",))
 IMPLS = ("hypershard_fully_shard", "hypershard_dp", "torch_fsdp2")
 BATCH, SEQ = 8, 64
@@ -65,7 +80,7 @@ def _step(impl: str, model, params, optimizer, ids, labels, lr: float, rank: int
 
     if impl == "torch_fsdp2":  # torch's FSDP takes each rank's own batch rows
         rows = ids.shape[0] // 4
-        ids, labels = ids[rank * rows:(rank + 1) * rows], labels[rank * rows:(rank + 1) * rows]
+        ids, labels = ids[rank * rows : (rank + 1) * rows], labels[rank * rows : (rank + 1) * rows]
         # the loss over the GLOBAL token count, as the hypershard runs compute it
         local = (labels[:, 1:] != -100).sum()
         total = local.clone()
@@ -86,7 +101,6 @@ def _step(impl: str, model, params, optimizer, ids, labels, lr: float, rank: int
 
 
 def _worker(rank: int, world: int, settings: dict) -> dict:
-    import torch
     import torch.distributed as dist
 
     import hypershard as hs
@@ -144,10 +158,14 @@ def _worker(rank: int, world: int, settings: dict) -> dict:
     # the model's size: a DTensor parameter's numel is its GLOBAL one in every implementation
     model_params = next(iter(built.values()))[1] if built else []
     for impl, (model, params, optimizer) in built.items():
-        out[impl] = {"step_s": statistics.median(times[impl]), "state": state_bytes(params, [optimizer]),
-                     "peak_rss_mb": statistics.median(peaks[impl]) / 2**20,
-                     "bytes_per_step": statistics.median(sent[impl]), "losses": losses[impl],
-                     "wait_s_per_step": waits[impl] / max(1, len(times[impl]))}
+        out[impl] = {
+            "step_s": statistics.median(times[impl]),
+            "state": state_bytes(params, [optimizer]),
+            "peak_rss_mb": statistics.median(peaks[impl]) / 2**20,
+            "bytes_per_step": statistics.median(sent[impl]),
+            "losses": losses[impl],
+            "wait_s_per_step": waits[impl] / max(1, len(times[impl])),
+        }
     out["param_bytes"] = sum(p.numel() * p.element_size() for p in model_params)
     out["params"] = sum(p.numel() for p in model_params)
     return out
@@ -159,8 +177,9 @@ def run_fully_shard(args, log: Callable) -> dict:
     config = FSDP_QUICK_CONFIG if args.quick else FSDP_CONFIG
     log("fully_shard: 4-rank mesh dp=4 ...")
     try:
-        ranks = spawn_local_ranks(_worker, 4, {"config": config, "warmup": args.warmup, "timed": args.timed},
-                                  timeout=args.timeout)
+        ranks = spawn_local_ranks(
+            _worker, 4, {"config": config, "warmup": args.warmup, "timed": args.timed}, timeout=args.timeout
+        )
     except Exception as exc:  # noqa: BLE001
         log(f"  failed: {error_text(exc)}")
         return {"error": error_text(exc)}
@@ -175,11 +194,16 @@ def run_fully_shard(args, log: Callable) -> dict:
             out["impls"][impl] = e
             continue
         total = e["state"]["total_mb"]
-        out["impls"][impl] = {**e, "state_vs_ideal": ratio(total, ddp_state / dp) if ddp_state else None,
-                              "bytes_vs_ideal": ratio(e["bytes_per_step"], ideal_bytes),
-                              "max_loss_diff_vs_hypershard_dp": max(
-                                  (abs(a - b) / abs(b) for a, b in zip(e["losses"], r["hypershard_dp"]["losses"])),
-                                  default=None) if "hypershard_dp" in r and "losses" in r["hypershard_dp"] else None}
+        out["impls"][impl] = {
+            **e,
+            "state_vs_ideal": ratio(total, ddp_state / dp) if ddp_state else None,
+            "bytes_vs_ideal": ratio(e["bytes_per_step"], ideal_bytes),
+            "max_loss_diff_vs_hypershard_dp": max(
+                (abs(a - b) / abs(b) for a, b in zip(e["losses"], r["hypershard_dp"]["losses"])), default=None
+            )
+            if "hypershard_dp" in r and "losses" in r["hypershard_dp"]
+            else None,
+        }
     fs, torch_fs = out["impls"].get("hypershard_fully_shard", {}), out["impls"].get("torch_fsdp2", {})
     out["step_time_vs_torch_fsdp2"] = ratio(fs.get("step_s"), torch_fs.get("step_s"))
     out["ideal_bytes_per_step"] = ideal_bytes
@@ -192,27 +216,40 @@ def fully_shard_lines(r) -> list:
         return []
     if "error" in r:
         return ["## Fully sharded data parallelism", "", f"failed: {r['error']}", ""]
-    names = {"hypershard_fully_shard": "hypershard fully_shard", "hypershard_dp": "hypershard data parallel",
-             "torch_fsdp2": "torch FSDP2"}
-    lines = [f"## Fully sharded data parallelism (Qwen3, {r['params'] / 1e6:.1f} M parameters, {r['mesh']}, "
-             f"batch {r['batch'][0]} x {r['batch'][1]})", "",
-             "State = parameters + gradients + AdamW states held per rank after a step (rank 0); ideal = "
-             "data parallel's / dp. Bytes = sent per rank per step; ideal = 3 x parameter bytes x (dp-1)/dp. "
-             "Wait = time forward/backward spent waiting for all-gathers.", "",
-             "| implementation | step s | state MB | state / ideal | peak RSS growth MB | MB sent / step "
-             "| bytes / ideal | gather wait s / step | loss vs data parallel |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    names = {
+        "hypershard_fully_shard": "hypershard fully_shard",
+        "hypershard_dp": "hypershard data parallel",
+        "torch_fsdp2": "torch FSDP2",
+    }
+    lines = [
+        f"## Fully sharded data parallelism (Qwen3, {r['params'] / 1e6:.1f} M parameters, {r['mesh']}, "
+        f"batch {r['batch'][0]} x {r['batch'][1]})",
+        "",
+        "State = parameters + gradients + AdamW states held per rank after a step (rank 0); ideal = "
+        "data parallel's / dp. Bytes = sent per rank per step; ideal = 3 x parameter bytes x (dp-1)/dp. "
+        "Wait = time forward/backward spent waiting for all-gathers.",
+        "",
+        "| implementation | step s | state MB | state / ideal | peak RSS growth MB | MB sent / step "
+        "| bytes / ideal | gather wait s / step | loss vs data parallel |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for impl, e in r["impls"].items():
         if "error" in e or not e:
             lines.append(f"| {names[impl]} | failed: {e.get('error', 'not run')[:120]} |||||||")
             continue
         diff = e.get("max_loss_diff_vs_hypershard_dp")
-        lines.append(f"| {names[impl]} | {e['step_s']:.3f} | {e['state']['total_mb']:.1f} "
-                     f"| {e['state_vs_ideal']:.2f}x | {e['peak_rss_mb']:.1f} | {e['bytes_per_step'] / 2**20:.2f} "
-                     f"| {e['bytes_vs_ideal']:.2f}x | {e['wait_s_per_step']:.3f} "
-                     f"| {'—' if diff is None else f'{diff:.1e}'} |")
-    lines += ["", f"hypershard fully_shard / torch FSDP2 step time: "
-                  f"{r['step_time_vs_torch_fsdp2']:.2f}x" if r.get("step_time_vs_torch_fsdp2") else "",
-              f"All-gathers issued ahead (prefetched) in a timed step: {r.get('prefetched')} of {r.get('gathers')}.",
-              ""]
+        lines.append(
+            f"| {names[impl]} | {e['step_s']:.3f} | {e['state']['total_mb']:.1f} "
+            f"| {e['state_vs_ideal']:.2f}x | {e['peak_rss_mb']:.1f} | {e['bytes_per_step'] / 2**20:.2f} "
+            f"| {e['bytes_vs_ideal']:.2f}x | {e['wait_s_per_step']:.3f} "
+            f"| {'—' if diff is None else f'{diff:.1e}'} |"
+        )
+    lines += [
+        "",
+        f"hypershard fully_shard / torch FSDP2 step time: {r['step_time_vs_torch_fsdp2']:.2f}x"
+        if r.get("step_time_vs_torch_fsdp2")
+        else "",
+        f"All-gathers issued ahead (prefetched) in a timed step: {r.get('prefetched')} of {r.get('gathers')}.",
+        "",
+    ]
     return lines

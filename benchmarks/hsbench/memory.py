@@ -10,8 +10,15 @@ import gc
 from .common import error_text, mesh_text, ratio
 from .trainers import HypershardTrainer, SingleTrainer, TorchTPTrainer, lr_at, state_bytes
 
-MEMORY_CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
-                     num_attention_heads=8, num_key_value_heads=8, head_dim=32)
+MEMORY_CONFIG = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=1024,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=32,
+)
 
 
 def vm_kib(field: str) -> int:
@@ -83,9 +90,12 @@ def measure_memory(rank: int, mesh_spec, steps: int) -> dict:
             for step in range(steps):
                 trainer.step(*batches[step % len(batches)], lr_at(step, steps))
             peak = vm_kib("VmHWM")
-            out[impl] = {"rss_after_build_mb": baseline / 1024, "peak_rss_mb": peak / 1024,
-                         "peak_growth_mb": (peak - baseline) / 1024 if exact else None,
-                         "state": state_bytes(trainer.params, trainer.optimizers)}
+            out[impl] = {
+                "rss_after_build_mb": baseline / 1024,
+                "peak_rss_mb": peak / 1024,
+                "peak_growth_mb": (peak - baseline) / 1024 if exact else None,
+                "state": state_bytes(trainer.params, trainer.optimizers),
+            }
         except Exception as exc:  # noqa: BLE001 (every rank raises alike)
             out[impl] = {"error": error_text(exc)}
         finally:
@@ -118,4 +128,3 @@ def memory_summary(ranks: list, mesh_spec) -> dict:
         entry[f"{impl}_peak_vs_single"] = ratio(entry.get(f"{impl}_peak_mb"), entry["single_device_peak_mb"])
         entry[f"{impl}_state_vs_single"] = ratio(entry.get(f"{impl}_state_mb"), entry["single_device_state_mb"])
     return entry
-

@@ -26,9 +26,9 @@ from .common import error_text, full_value, geomean, rank0_per_world, ratio, sum
 from .memory import malloc_trim, reset_peak_rss, set_mmap_threshold, vm_kib
 from .timing import calibrate_one_call, time_interleaved
 
-ROTARY_SHAPE = (4, 16, 512, 128)        # x: B, N (heads), S, D
+ROTARY_SHAPE = (4, 16, 512, 128)  # x: B, N (heads), S, D
 ROTARY_QUICK_SHAPE = (2, 8, 256, 128)
-ROTARY_MODES = (0, 1, 3)                # half (GPT-NeoX), interleave (GPT-J), interleave-half
+ROTARY_MODES = (0, 1, 3)  # half (GPT-NeoX), interleave (GPT-J), interleave-half
 MODE_NAMES = {0: "half", 1: "interleave", 2: "quarter", 3: "interleave-half"}
 ROTARY_DTYPES = ("float32", "bfloat16")
 ROTARY_PASSES = ("forward", "forward_backward")
@@ -36,9 +36,15 @@ ROTARY_PASSES = ("forward", "forward_backward")
 ROTARY_VARIANTS = {"1device": None, "2rank_tp": 1, "2rank_dp": 0}
 SINGLE_IMPLS = ("fused", "composed")
 SHARDED_IMPLS = ("hypershard_fused", "hypershard_composed", "torch_dtensor_composed", "plain_fused", "plain_composed")
-IMPL_TEXT = {"fused": "fused", "composed": "composed", "hypershard_fused": "hypershard fused",
-             "hypershard_composed": "hypershard composed", "torch_dtensor_composed": "torch DTensor composed",
-             "plain_fused": "plain fused (local shard)", "plain_composed": "plain composed (local shard)"}
+IMPL_TEXT = {
+    "fused": "fused",
+    "composed": "composed",
+    "hypershard_fused": "hypershard fused",
+    "hypershard_composed": "hypershard composed",
+    "torch_dtensor_composed": "torch DTensor composed",
+    "plain_fused": "plain fused (local shard)",
+    "plain_composed": "plain composed (local shard)",
+}
 # max |result - float64 reference| / max |reference| allowed (bf16: the composed form rounds after
 # every op, the fused one once)
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -105,7 +111,8 @@ def rotary_worker(rank: int, world: int, args: dict) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh as torch_mesh
-    from torch.distributed.tensor import Replicate as TReplicate, Shard as TShard
+    from torch.distributed.tensor import Replicate as TReplicate
+    from torch.distributed.tensor import Shard as TShard
     from torch.distributed.tensor import distribute_tensor as tdistribute
 
     import hypershard as hs
@@ -141,6 +148,7 @@ def rotary_worker(rank: int, world: int, args: dict) -> dict:
 
         def forward_backward():
             return torch.autograd.grad(op(x, cos, sin, mode), x, g)[0]
+
         return forward_backward
 
     def agreed(values: list, op) -> list:
@@ -157,8 +165,17 @@ def rotary_worker(rank: int, world: int, args: dict) -> dict:
                 for variant, dim in ROTARY_VARIANTS.items():
                     impls = SINGLE_IMPLS if dim is None else SHARDED_IMPLS
                     for p, pass_ in enumerate(ROTARY_PASSES):
-                        yield (variant, f"mode{mode}_{dtype_name}_{pass_}", mode, dtype_name, pass_, inputs,
-                               reference[p], impls, dim)
+                        yield (
+                            variant,
+                            f"mode{mode}_{dtype_name}_{pass_}",
+                            mode,
+                            dtype_name,
+                            pass_,
+                            inputs,
+                            reference[p],
+                            impls,
+                            dim,
+                        )
 
     phase_start = time.perf_counter()
     seconds: dict = {}
@@ -176,8 +193,9 @@ def rotary_worker(rank: int, world: int, args: dict) -> dict:
                 hs._C.reset_traffic()
                 with CollectiveBytes() as counter:
                     result = fn()
-                collectives[impl] = (hs._C.traffic()["collectives"] if impl.startswith("hypershard")
-                                     else counter.collectives)
+                collectives[impl] = (
+                    hs._C.traffic()["collectives"] if impl.startswith("hypershard") else counter.collectives
+                )
                 want = expected if not impl.startswith("plain") else expected.chunk(world, dim)[rank]
                 got = full_value(result)
                 errors[impl] = _rel_err(got, want) if got.shape == want.shape else float("inf")
@@ -201,30 +219,37 @@ def rotary_worker(rank: int, world: int, args: dict) -> dict:
         ms = {i: entry[f"{i}_ms"] for i in impls}
         if dim is None:
             entry["fused_vs_composed"] = ratio(ms["fused"], ms["composed"])
-            entry["fused_vs_composed_best"] = ratio(stats.get("fused", {}).get("min"),
-                                                    stats.get("composed", {}).get("min"))
+            entry["fused_vs_composed_best"] = ratio(
+                stats.get("fused", {}).get("min"), stats.get("composed", {}).get("min")
+            )
         else:
-            entry.update({
-                "fused_vs_composed": ratio(ms["hypershard_fused"], ms["hypershard_composed"]),
-                "fused_vs_composed_best": ratio(stats.get("hypershard_fused", {}).get("min"),
-                                                stats.get("hypershard_composed", {}).get("min")),
-                "fused_vs_torch_dtensor_composed": ratio(ms["hypershard_fused"], ms["torch_dtensor_composed"]),
-                "composed_vs_torch_dtensor_composed": ratio(ms["hypershard_composed"],
-                                                            ms["torch_dtensor_composed"]),
-                # hypershard's overhead on this size: DTensor vs plain eager on the same local shard
-                "fused_vs_plain_fused": ratio(ms["hypershard_fused"], ms["plain_fused"]),
-                "composed_vs_plain_composed": ratio(ms["hypershard_composed"], ms["plain_composed"]),
-                "plain_fused_vs_plain_composed": ratio(ms["plain_fused"], ms["plain_composed"]),
-            })
-        entry.update({
-            "matches_reference": check,
-            "max_rel_err": errors,
-            "samples_ms": {i: {"min": s["min"], "max": s["max"], "n": s["n"]} for i, s in stats.items()},
-            "calls_per_sample": counts,
-            "collectives_per_call": collectives,
-            "timed_on": {i: "rank 0 alone" if solo[i] else "every rank" for i in solo},
-            "seconds": time.perf_counter() - case_start,
-        })
+            entry.update(
+                {
+                    "fused_vs_composed": ratio(ms["hypershard_fused"], ms["hypershard_composed"]),
+                    "fused_vs_composed_best": ratio(
+                        stats.get("hypershard_fused", {}).get("min"), stats.get("hypershard_composed", {}).get("min")
+                    ),
+                    "fused_vs_torch_dtensor_composed": ratio(ms["hypershard_fused"], ms["torch_dtensor_composed"]),
+                    "composed_vs_torch_dtensor_composed": ratio(
+                        ms["hypershard_composed"], ms["torch_dtensor_composed"]
+                    ),
+                    # hypershard's overhead on this size: DTensor vs plain eager on the same local shard
+                    "fused_vs_plain_fused": ratio(ms["hypershard_fused"], ms["plain_fused"]),
+                    "composed_vs_plain_composed": ratio(ms["hypershard_composed"], ms["plain_composed"]),
+                    "plain_fused_vs_plain_composed": ratio(ms["plain_fused"], ms["plain_composed"]),
+                }
+            )
+        entry.update(
+            {
+                "matches_reference": check,
+                "max_rel_err": errors,
+                "samples_ms": {i: {"min": s["min"], "max": s["max"], "n": s["n"]} for i, s in stats.items()},
+                "calls_per_sample": counts,
+                "collectives_per_call": collectives,
+                "timed_on": {i: "rank 0 alone" if solo[i] else "every rank" for i in solo},
+                "seconds": time.perf_counter() - case_start,
+            }
+        )
         variants[variant][key] = entry
 
     # peak extra memory of one call, after all timing (the fixed mmap threshold makes freed
@@ -253,10 +278,11 @@ def rotary_worker(rank: int, world: int, args: dict) -> dict:
     seconds["memory"] = time.perf_counter() - phase_start
     if rank != 0:
         return {}
-    local = {v: list(shape) if dim is None else [s // world if i == dim else s for i, s in enumerate(shape)]
-             for v, dim in ROTARY_VARIANTS.items()}
-    return {"variants": variants, "x_local_shape": local, "peak_reset_supported": reset_peak_rss(),
-            "seconds": seconds}
+    local = {
+        v: list(shape) if dim is None else [s // world if i == dim else s for i, s in enumerate(shape)]
+        for v, dim in ROTARY_VARIANTS.items()
+    }
+    return {"variants": variants, "x_local_shape": local, "peak_reset_supported": reset_peak_rss(), "seconds": seconds}
 
 
 def run_rotary(args: argparse.Namespace, log: Callable) -> dict:
@@ -264,8 +290,13 @@ def run_rotary(args: argparse.Namespace, log: Callable) -> dict:
     extra: dict = {}
     worker_args = {"shape": shape, "modes": ROTARY_MODES, "dtypes": ROTARY_DTYPES}
     r0 = rank0_per_world("rotary", rotary_worker, (2,), args, log, extra, worker_args=worker_args).get(2)
-    out: dict = {"x_shape": list(shape), "cos_sin_shape": [1, 1, shape[2], shape[3]], "modes": list(ROTARY_MODES),
-                 "dtypes": list(ROTARY_DTYPES), "info": extra}
+    out: dict = {
+        "x_shape": list(shape),
+        "cos_sin_shape": [1, 1, shape[2], shape[3]],
+        "modes": list(ROTARY_MODES),
+        "dtypes": list(ROTARY_DTYPES),
+        "info": extra,
+    }
     if r0 is None:
         return out
     out.update(variants=r0["variants"], x_local_shape=r0["x_local_shape"])
@@ -275,11 +306,18 @@ def run_rotary(args: argparse.Namespace, log: Callable) -> dict:
         g: dict = {}
         for pass_ in ROTARY_PASSES:
             rows = [e for e in entries.values() if e["pass"] == pass_]
-            g[pass_] = {k: geomean([e.get(k) for e in rows])
-                        for k in ("fused_vs_composed", "fused_vs_composed_best", "peak_fused_vs_composed",
-                                  "fused_vs_torch_dtensor_composed", "composed_vs_torch_dtensor_composed",
-                                  "fused_vs_plain_fused")
-                        if any(k in e for e in rows)}
+            g[pass_] = {
+                k: geomean([e.get(k) for e in rows])
+                for k in (
+                    "fused_vs_composed",
+                    "fused_vs_composed_best",
+                    "peak_fused_vs_composed",
+                    "fused_vs_torch_dtensor_composed",
+                    "composed_vs_torch_dtensor_composed",
+                    "fused_vs_plain_fused",
+                )
+                if any(k in e for e in rows)
+            }
         summaries[variant] = g
     out["summary"] = summaries
     return out
@@ -295,8 +333,11 @@ def _pass_text(pass_: str) -> str:
 
 def _flags(e: dict) -> str:
     """⚠ for each implementation whose result missed the reference or that raised."""
-    bad = [f"{IMPL_TEXT[i]} {'≠ reference' if c is False else 'raised: ' + str(c)[:80]}"
-           for i, c in e.get("matches_reference", {}).items() if c is not True]
+    bad = [
+        f"{IMPL_TEXT[i]} {'≠ reference' if c is False else 'raised: ' + str(c)[:80]}"
+        for i, c in e.get("matches_reference", {}).items()
+        if c is not True
+    ]
     return "".join(f" ⚠ {b}" for b in bad)
 
 
@@ -305,36 +346,48 @@ def rotary_lines(r) -> list:
     if not r:
         return []
     x, cs = r["x_shape"], r["cos_sin_shape"]
-    lines = [f"## Rotary position embedding: fused op vs composed form (ms per call; x {x}, cos/sin {cs})", "",
-             "fused = `hypershard.ops.rotary_position_embedding` (one C++ pass, its own backward); composed = "
-             "`rotary_position_embedding_composed` (cat/neg/mul/stack). fwd: x without grad; fwd+bwd: the "
-             "forward, then `torch.autograd.grad` for dx (cos/sin without grad, as buffers in training). "
-             "Peak = growth of the RSS high-water mark over one call, MB (result included). "
-             "Ratios < 1: the fused op is faster / smaller.", ""]
+    lines = [
+        f"## Rotary position embedding: fused op vs composed form (ms per call; x {x}, cos/sin {cs})",
+        "",
+        "fused = `hypershard.ops.rotary_position_embedding` (one C++ pass, its own backward); composed = "
+        "`rotary_position_embedding_composed` (cat/neg/mul/stack). fwd: x without grad; fwd+bwd: the "
+        "forward, then `torch.autograd.grad` for dx (cos/sin without grad, as buffers in training). "
+        "Peak = growth of the RSS high-water mark over one call, MB (result included). "
+        "Ratios < 1: the fused op is faster / smaller.",
+        "",
+    ]
     v = r.get("variants", {})
     one = v.get("1device", {})
     if one:
-        lines += ["One device, plain tensors:", "",
-                  "| mode | dtype | pass | fused | composed | fused / composed | peak MB fused / composed |",
-                  "|---|---|---|---:|---:|---:|---:|"]
+        lines += [
+            "One device, plain tensors:",
+            "",
+            "| mode | dtype | pass | fused | composed | fused / composed | peak MB fused / composed |",
+            "|---|---|---|---:|---:|---:|---:|",
+        ]
         for e in one.values():
             p = e.get("peak_extra_mb", {})
-            lines.append(f"| {e['mode']} {e['mode_name']}{_flags(e)} | {e['dtype']} | {_pass_text(e['pass'])} "
-                         f"| {_fmt(e.get('fused_ms'))} | {_fmt(e.get('composed_ms'))} "
-                         f"| {_fmt(e.get('fused_vs_composed'), '{:.2f}x')} "
-                         f"| {_fmt(p.get('fused'), '{:.1f}')} / {_fmt(p.get('composed'), '{:.1f}')} |")
+            lines.append(
+                f"| {e['mode']} {e['mode_name']}{_flags(e)} | {e['dtype']} | {_pass_text(e['pass'])} "
+                f"| {_fmt(e.get('fused_ms'))} | {_fmt(e.get('composed_ms'))} "
+                f"| {_fmt(e.get('fused_vs_composed'), '{:.2f}x')} "
+                f"| {_fmt(p.get('fused'), '{:.1f}')} / {_fmt(p.get('composed'), '{:.1f}')} |"
+            )
         lines.append("")
     sharded = {k: es for k, es in v.items() if k != "1device" and es}
     if sharded:
         local = r.get("x_local_shape", {})
-        lines += ["2-rank CPU mesh, strict mode, cos/sin Replicate; tp = x Shard(1) (heads), dp = x Shard(0) "
-                  "(batch); local x " + ", ".join(f"{k.split('_')[1]} {local.get(k)}" for k in sharded) + ". "
-                  "hypershard runs both forms on its DTensors, torch DTensor the composed form (it has no fused "
-                  "rotary op), plain eager both on this rank's local shard.", "",
-                  "| mesh | mode | dtype | pass | hypershard fused | hypershard composed | torch DTensor composed "
-                  "| plain fused | plain composed | fused / composed | fused / torch DTensor "
-                  "| composed / torch DTensor | hypershard fused / plain fused | peak MB fused / composed / torch |",
-                  "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "2-rank CPU mesh, strict mode, cos/sin Replicate; tp = x Shard(1) (heads), dp = x Shard(0) "
+            "(batch); local x " + ", ".join(f"{k.split('_')[1]} {local.get(k)}" for k in sharded) + ". "
+            "hypershard runs both forms on its DTensors, torch DTensor the composed form (it has no fused "
+            "rotary op), plain eager both on this rank's local shard.",
+            "",
+            "| mesh | mode | dtype | pass | hypershard fused | hypershard composed | torch DTensor composed "
+            "| plain fused | plain composed | fused / composed | fused / torch DTensor "
+            "| composed / torch DTensor | hypershard fused / plain fused | peak MB fused / composed / torch |",
+            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for key, es in sharded.items():
             for e in es.values():
                 p = e.get("peak_extra_mb", {})
@@ -348,23 +401,28 @@ def rotary_lines(r) -> list:
                     f"| {_fmt(e.get('composed_vs_torch_dtensor_composed'), '{:.2f}x')} "
                     f"| {_fmt(e.get('fused_vs_plain_fused'), '{:.2f}x')} "
                     f"| {_fmt(p.get('hypershard_fused'), '{:.1f}')} / {_fmt(p.get('hypershard_composed'), '{:.1f}')}"
-                    f" / {_fmt(p.get('torch_dtensor_composed'), '{:.1f}')} |")
+                    f" / {_fmt(p.get('torch_dtensor_composed'), '{:.1f}')} |"
+                )
         lines.append("")
     if r.get("summary"):
-        lines += ["Geometric means over modes and dtypes (fused / composed also from each implementation's "
-                  "fastest sample):", "",
-                  "| variant | pass | fused / composed | (fastest) | fused / torch DTensor composed "
-                  "| composed / torch DTensor composed | hypershard fused / plain fused | peak fused / composed |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "Geometric means over modes and dtypes (fused / composed also from each implementation's fastest sample):",
+            "",
+            "| variant | pass | fused / composed | (fastest) | fused / torch DTensor composed "
+            "| composed / torch DTensor composed | hypershard fused / plain fused | peak fused / composed |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for key, g in r["summary"].items():
             for pass_, s in g.items():
-                lines.append(f"| {key.replace('1device', '1 device').replace('2rank_', '2 ranks, ')} "
-                             f"| {_pass_text(pass_)} | {_fmt(s.get('fused_vs_composed'), '{:.2f}x')} "
-                             f"| {_fmt(s.get('fused_vs_composed_best'), '{:.2f}x')} "
-                             f"| {_fmt(s.get('fused_vs_torch_dtensor_composed'), '{:.2f}x')} "
-                             f"| {_fmt(s.get('composed_vs_torch_dtensor_composed'), '{:.2f}x')} "
-                             f"| {_fmt(s.get('fused_vs_plain_fused'), '{:.2f}x')} "
-                             f"| {_fmt(s.get('peak_fused_vs_composed'), '{:.2f}x')} |")
+                lines.append(
+                    f"| {key.replace('1device', '1 device').replace('2rank_', '2 ranks, ')} "
+                    f"| {_pass_text(pass_)} | {_fmt(s.get('fused_vs_composed'), '{:.2f}x')} "
+                    f"| {_fmt(s.get('fused_vs_composed_best'), '{:.2f}x')} "
+                    f"| {_fmt(s.get('fused_vs_torch_dtensor_composed'), '{:.2f}x')} "
+                    f"| {_fmt(s.get('composed_vs_torch_dtensor_composed'), '{:.2f}x')} "
+                    f"| {_fmt(s.get('fused_vs_plain_fused'), '{:.2f}x')} "
+                    f"| {_fmt(s.get('peak_fused_vs_composed'), '{:.2f}x')} |"
+                )
         lines.append("")
     for key, err in r.get("info", {}).items():
         if key.endswith("_error"):

@@ -48,9 +48,16 @@ def slowest_rank(elapsed: float) -> float:
     return float(t)
 
 
-def time_interleaved(fns: dict, solo: dict, rank: int, sample_s: float, repeats: int,
-                     setting: Callable = lambda impl: contextlib.nullcontext(),
-                     warm_first: bool = False, calibration: Callable = calibrate) -> tuple:
+def time_interleaved(
+    fns: dict,
+    solo: dict,
+    rank: int,
+    sample_s: float,
+    repeats: int,
+    setting: Callable = lambda impl: contextlib.nullcontext(),
+    warm_first: bool = False,
+    calibration: Callable = calibrate,
+) -> tuple:
     """Times every implementation in fns ({impl: fn}) -> (calls per sample, {impl: [µs per call]}).
 
     solo[impl]: the implementation runs no collective, so it is timed on rank 0 alone while the
@@ -73,7 +80,7 @@ def time_interleaved(fns: dict, solo: dict, rank: int, sample_s: float, repeats:
     samples: dict = {impl: [] for impl in fns}
     order = list(fns)
     for rep in range(repeats):
-        for impl in order[rep % len(order):] + order[:rep % len(order)]:  # rotate the order
+        for impl in order[rep % len(order) :] + order[: rep % len(order)]:  # rotate the order
             gc.collect(0)
             dist.barrier()
             if solo[impl] and rank != 0:

@@ -131,10 +131,13 @@ class TorchTPTrainer:
         self.params = list(self.model.parameters())
         self.dtensor_params = [p for p in self.params if isinstance(p, DTensor)]
         self.plain_params = [p for p in self.params if not isinstance(p, DTensor)]
-        self.tp_reduced = [p for n, p in self.model.named_parameters() if n.endswith(("q_norm.weight", "k_norm.weight"))]
+        self.tp_reduced = [
+            p for n, p in self.model.named_parameters() if n.endswith(("q_norm.weight", "k_norm.weight"))
+        ]
         # torch's foreach kernels refuse lists mixing DTensors and plain tensors: one AdamW each
-        self.optimizers = [torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01)
-                           for ps in (self.dtensor_params, self.plain_params) if ps]
+        self.optimizers = [
+            torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01) for ps in (self.dtensor_params, self.plain_params) if ps
+        ]
 
     def step(self, ids, labels, lr: float) -> float:
         import torch
@@ -150,8 +153,10 @@ class TorchTPTrainer:
         loss.backward()
         self._sum_grads([p.grad for p in self.tp_reduced], self.tp_group)
         if self.dp > 1:
-            self._sum_grads([p.grad._local_tensor if isinstance(p.grad, TorchDTensor) else p.grad
-                             for p in self.params], self.dp_group)
+            self._sum_grads(
+                [p.grad._local_tensor if isinstance(p.grad, TorchDTensor) else p.grad for p in self.params],
+                self.dp_group,
+            )
         # clip_grad_norm_(max_norm=1.0) over both lists with one global norm
         norms = []
         for grads in ([p.grad for p in self.dtensor_params], [p.grad for p in self.plain_params]):
@@ -186,7 +191,5 @@ class TorchTPTrainer:
             dist.all_reduce(flat, group=group)
             offset = 0
             for g in same:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
-
-

@@ -22,8 +22,16 @@ from .trainers import HypershardPerParamTrainer, HypershardTrainer, SingleTraine
 STEP_MESHES = {"dp2xtp2": ((2, 2), ("dp", "tp")), "tp4": ((4,), ("tp",))}
 # A size where compute, not collective latency, dominates a step (one more dp2 x tp2 run, with
 # hypershard and torch DTensor only): about 17 M parameters, global batch 8 x 128 tokens.
-COMPUTE_CONFIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=2048, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=256)
+COMPUTE_CONFIG = dict(
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=2048,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=64,
+    max_position_embeddings=256,
+)
 COMPUTE_BATCH = (8, 128)
 # The step's implementations; the two variants show what data-parallel gradient buckets change:
 # hypershard with every gradient reduced in its own hook (bucket cap 0), and the torch baseline
@@ -45,10 +53,12 @@ def step_worker(rank: int, world: int, args: dict) -> dict:
     batches = make_batches(config.vocab_size, 4, batch=args["batch"], seq=args["seq"])
     out: dict = {"errors": {}}
 
-    makers = {"hypershard": lambda: HypershardTrainer(config, mesh_spec),
-              "hypershard_per_param": lambda: HypershardPerParamTrainer(config, mesh_spec),
-              "torch_dtensor": lambda: TorchTPTrainer(config, mesh_spec),
-              "torch_dtensor_bucketed": lambda: TorchTPTrainer(config, mesh_spec, bucketed=True)}
+    makers = {
+        "hypershard": lambda: HypershardTrainer(config, mesh_spec),
+        "hypershard_per_param": lambda: HypershardPerParamTrainer(config, mesh_spec),
+        "torch_dtensor": lambda: TorchTPTrainer(config, mesh_spec),
+        "torch_dtensor_bucketed": lambda: TorchTPTrainer(config, mesh_spec, bucketed=True),
+    }
     impls = args["impls"]
     trainers: dict = {}
     for name in impls:
@@ -67,7 +77,7 @@ def step_worker(rank: int, world: int, args: dict) -> dict:
     for step in range(total):
         ids, labels = batches[step % len(batches)]
         lr = lr_at(step, cache_steps)
-        for name in impls[step % len(impls):] + impls[:step % len(impls)]:  # rotate who goes first
+        for name in impls[step % len(impls) :] + impls[: step % len(impls)]:  # rotate who goes first
             trainer = trainers.get(name)
             if trainer is None:
                 continue
@@ -132,15 +142,20 @@ def step_worker(rank: int, world: int, args: dict) -> dict:
         try:
             with CollectiveBytes() as counter:
                 t.step(*batches[0], lr_at(0, cache_steps))
-            out["torch_traffic"] = {"collectives": counter.collectives, "bytes_sent": counter.bytes_sent,
-                                    "by_op": counter.by_op, "unaccounted": counter.unaccounted}
+            out["torch_traffic"] = {
+                "collectives": counter.collectives,
+                "bytes_sent": counter.bytes_sent,
+                "by_op": counter.by_op,
+                "unaccounted": counter.unaccounted,
+            }
         except Exception as exc:  # noqa: BLE001
             out["errors"]["torch_dtensor_bytes"] = error_text(exc)
     out.update(times=times, losses=losses, hypershard_traffic=traffic, hypershard_calls=calls)
     # reference: a bare gloo all_reduce of 16 KiB over the world (a row-parallel output here)
     out["gloo_all_reduce_16KiB_us"] = time_all_reduce(4096, 5, calls=20)
-    out["config"] = {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
-                                                     "num_hidden_layers")}
+    out["config"] = {
+        k: getattr(config, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+    }
     out["parameters"] = sum(p.numel() for p in single.params) if single is not None else None
     if args["memory"]:
         trainers.clear()
@@ -149,32 +164,58 @@ def step_worker(rank: int, world: int, args: dict) -> dict:
     return out
 
 
-
 def run_steps(args: argparse.Namespace, log: Callable, with_memory: bool) -> tuple:
     """The step, bytes and rule-cache sections (and memory when asked) for every mesh: one launch
     of 4 ranks per mesh."""
     step_out, bytes_out, cache_out = {}, {}, {}
     memory_out: dict = {}
-    runs = {key: (spec, {}, (4, 32), STEP_IMPLS, args.warmup, args.timed, args.cache_steps, with_memory)
-            for key, spec in STEP_MESHES.items()}
-    runs["dp2xtp2_compute"] = (STEP_MESHES["dp2xtp2"], COMPUTE_CONFIG, COMPUTE_BATCH, ("hypershard", "torch_dtensor"),
-                               1, max(2, args.timed // 3), 0, False)
+    runs = {
+        key: (spec, {}, (4, 32), STEP_IMPLS, args.warmup, args.timed, args.cache_steps, with_memory)
+        for key, spec in STEP_MESHES.items()
+    }
+    runs["dp2xtp2_compute"] = (
+        STEP_MESHES["dp2xtp2"],
+        COMPUTE_CONFIG,
+        COMPUTE_BATCH,
+        ("hypershard", "torch_dtensor"),
+        1,
+        max(2, args.timed // 3),
+        0,
+        False,
+    )
     for key, (spec, config, (batch, seq), impls, warmup, timed, cache_steps, memory) in runs.items():
         log(f"step: Qwen3 {'compute-bound size' if config else 'tiny'} on {mesh_text(spec)} ...")
         start = time.perf_counter()
         try:
-            ranks = spawn_local_ranks(step_worker, 4, {"mesh": spec, "config": config, "impls": impls,
-                                                        "warmup": warmup, "timed": timed, "cache_steps": cache_steps,
-                                                        "batch": batch, "seq": seq, "memory": memory,
-                                                        "memory_steps": args.memory_steps},
-                                      timeout=args.timeout)
+            ranks = spawn_local_ranks(
+                step_worker,
+                4,
+                {
+                    "mesh": spec,
+                    "config": config,
+                    "impls": impls,
+                    "warmup": warmup,
+                    "timed": timed,
+                    "cache_steps": cache_steps,
+                    "batch": batch,
+                    "seq": seq,
+                    "memory": memory,
+                    "memory_steps": args.memory_steps,
+                },
+                timeout=args.timeout,
+            )
         except Exception as exc:  # noqa: BLE001
             step_out[key] = {"error": error_text(exc)}
             log(f"  failed: {error_text(exc)}")
             continue
         r0 = ranks[0]
-        entry: dict = {"mesh": mesh_text(spec), "errors": r0["errors"], "config": r0["config"],
-                       "parameters": r0["parameters"], "global_batch": [batch, seq]}
+        entry: dict = {
+            "mesh": mesh_text(spec),
+            "errors": r0["errors"],
+            "config": r0["config"],
+            "parameters": r0["parameters"],
+            "global_batch": [batch, seq],
+        }
         med = {}
         for name in (*impls, "single_device"):
             samples = r0["times"][name]
@@ -194,8 +235,9 @@ def run_steps(args: argparse.Namespace, log: Callable, with_memory: bool) -> tup
         for name in impls:
             got = r0["losses"][name]
             if got and single:
-                entry[f"{name}_loss_max_rel_diff_vs_single"] = max(abs(a - b) / max(abs(b), 1e-12)
-                                                                   for a, b in zip(got, single))
+                entry[f"{name}_loss_max_rel_diff_vs_single"] = max(
+                    abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, single)
+                )
         entry["gloo_all_reduce_16KiB_us"] = r0["gloo_all_reduce_16KiB_us"]["median"]
         entry["losses"] = r0["losses"]
         entry["timed_steps"] = len(r0["times"]["hypershard"])
@@ -214,11 +256,13 @@ def run_steps(args: argparse.Namespace, log: Callable, with_memory: bool) -> tup
         b: dict = {"per_rank": []}
         for r in ranks:
             traffic = r["hypershard_traffic"]
-            row = {"hypershard": traffic[-1]["bytes_sent"] if traffic else None,
-                   "hypershard_collectives": traffic[-1]["collectives"] if traffic else None,
-                   "hypershard_constant_over_steps": len({t["bytes_sent"] for t in traffic[1:]}) <= 1,
-                   "torch_dtensor": r.get("torch_traffic", {}).get("bytes_sent"),
-                   "torch_dtensor_collectives": r.get("torch_traffic", {}).get("collectives")}
+            row = {
+                "hypershard": traffic[-1]["bytes_sent"] if traffic else None,
+                "hypershard_collectives": traffic[-1]["collectives"] if traffic else None,
+                "hypershard_constant_over_steps": len({t["bytes_sent"] for t in traffic[1:]}) <= 1,
+                "torch_dtensor": r.get("torch_traffic", {}).get("bytes_sent"),
+                "torch_dtensor_collectives": r.get("torch_traffic", {}).get("collectives"),
+            }
             b["per_rank"].append(row)
         for k in ("hypershard", "torch_dtensor", "hypershard_collectives", "torch_dtensor_collectives"):
             b[k] = b["per_rank"][0][k]
@@ -247,8 +291,7 @@ def run_steps(args: argparse.Namespace, log: Callable, with_memory: bool) -> tup
                 "redistribute_plans_after_1_step": per_step[0]["cached_plans"],
                 "redistribute_plans_after_steps": per_step[-1]["cached_plans"],
                 "ops_with_plans": len(c["cached_op_plans_after_last_step"]),
-                "largest_plan_counts": sorted(c["cached_op_plans_after_last_step"].items(),
-                                              key=lambda kv: -kv[1])[:8],
+                "largest_plan_counts": sorted(c["cached_op_plans_after_last_step"].items(), key=lambda kv: -kv[1])[:8],
                 "aten_ops_per_step": c["op_counts_extra_step"],
             }
             # bounded: no new plans over the second half of the steps (the learning rate kept changing)
@@ -258,4 +301,3 @@ def run_steps(args: argparse.Namespace, log: Callable, with_memory: bool) -> tup
             memory_out[key] = memory_summary(ranks, spec)
         log(f"  done in {entry['seconds']:.0f} s")
     return step_out, bytes_out, cache_out, memory_out
-

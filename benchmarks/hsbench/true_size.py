@@ -29,17 +29,34 @@ from .bf16_bound import loss_bounds
 from .common import error_text, ratio
 from .memory import malloc_trim, reset_peak_rss, set_mmap_threshold, vm_kib
 
-DENSE = "qwen3_5_0_8b"            # hypershard.planner.step.PUBLISHED
-MOE = "qwen3_5_moe_text"          # transformers' default = Qwen3.5-35B-A3B
+DENSE = "qwen3_5_0_8b"  # hypershard.planner.step.PUBLISHED
+MOE = "qwen3_5_moe_text"  # transformers' default = Qwen3.5-35B-A3B
 MOE_LAYERS = 2
 # --true-size-scale smoke (and --quick): the same model types and layer patterns, small widths,
 # for checking the code path in seconds; the figures mean nothing at that size.
 SMOKE = {
-    DENSE: dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=4, linear_num_value_heads=4),
-    MOE: dict(vocab_size=4096, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-              linear_num_key_heads=4, linear_num_value_heads=4, num_experts=16, num_experts_per_tok=4,
-              moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    DENSE: dict(
+        vocab_size=4096,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        linear_num_key_heads=4,
+        linear_num_value_heads=4,
+    ),
+    MOE: dict(
+        vocab_size=4096,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        linear_num_key_heads=4,
+        linear_num_value_heads=4,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    ),
 }
 # meshes of the dense model: (name, shape, axis names, fully_shard over dp)
 # dp2 x tp2 is fully sharded over dp too: tp2 alone leaves each rank half of 0.75 B parameters'
@@ -79,8 +96,17 @@ def checkpoint(name: str, smoke: bool, out: Path, log: Callable, timeout: float)
     folder = out / "true_size_ckpt" / (name + ("_smoke" if smoke else ""))
     config = _config(name, smoke)
     key = config.to_json_string(use_diff=False)
-    shape = {k: getattr(config, k, None) for k in ("hidden_size", "num_hidden_layers", "vocab_size", "num_experts",
-                                                    "num_experts_per_tok", "tie_word_embeddings")}
+    shape = {
+        k: getattr(config, k, None)
+        for k in (
+            "hidden_size",
+            "num_hidden_layers",
+            "vocab_size",
+            "num_experts",
+            "num_experts_per_tok",
+            "tie_word_embeddings",
+        )
+    }
     marker = folder / "hs_bench_config.json"
     if marker.is_file() and json.loads(marker.read_text()).get("config") == key:
         info = json.loads(marker.read_text())["info"]
@@ -161,9 +187,13 @@ def _rank(rank: int, world: int, s: dict) -> dict:
         bytes_read = model.hs_load_report.bytes_read
     load_s = time.perf_counter() - t0
     dist.barrier()
-    out = {"load_s": load_s, "bytes_read": bytes_read, "start_rss_mb": _mb(start_kib),
-           "load_peak_growth_mb": _mb(vm_kib("VmHWM") - start_kib),
-           "after_load_growth_mb": _mb(vm_kib("VmRSS") - start_kib)}
+    out = {
+        "load_s": load_s,
+        "bytes_read": bytes_read,
+        "start_rss_mb": _mb(start_kib),
+        "load_peak_growth_mb": _mb(vm_kib("VmHWM") - start_kib),
+        "after_load_growth_mb": _mb(vm_kib("VmRSS") - start_kib),
+    }
     config = model.config
     ids, labels = _batch(config, s["batch"], s["seq"])
     model.train()
@@ -176,8 +206,12 @@ def _rank(rank: int, world: int, s: dict) -> dict:
         t1 = time.perf_counter()
         loss.backward()
         dist.barrier()
-        out.update(forward_s=t1 - t0, backward_s=time.perf_counter() - t1, losses=[float(loss.detach().item())],
-                   state=state_bytes(params, []))
+        out.update(
+            forward_s=t1 - t0,
+            backward_s=time.perf_counter() - t1,
+            losses=[float(loss.detach().item())],
+            state=state_bytes(params, []),
+        )
     else:
         model = hs.mixed_precision(model)  # bf16 compute from the fp32 masters
         optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
@@ -199,8 +233,7 @@ def _rank(rank: int, world: int, s: dict) -> dict:
             losses.append(float(loss.detach().item()))
             dist.barrier()
             times.append(time.perf_counter() - t0)
-        out.update(step_s=times, losses=losses, state=state_bytes(params, [optimizer]),
-                   first_order_decreases=decreases)
+        out.update(step_s=times, losses=losses, state=state_bytes(params, [optimizer]), first_order_decreases=decreases)
     out["step_peak_growth_mb"] = _mb(vm_kib("VmHWM") - start_kib)
     out["peak_growth_mb"] = max(out["load_peak_growth_mb"], out["step_peak_growth_mb"])
     out["sent_bytes"] = hs._C.traffic()["bytes_sent"]
@@ -250,11 +283,18 @@ def _launch(world: int, settings: dict, log: Callable, label: str, timeout: floa
         log(f"    failed: {error_text(exc)}")
         return {"error": error_text(exc)}
     r0 = ranks[0]
-    log(f"    {time.perf_counter() - t0:.0f} s; rank 0: load {r0['load_s']:.1f} s, peak growth "
-        f"{r0['peak_growth_mb']:.0f} MB, losses {['%.4f' % x for x in r0['losses']]}")
-    return {"ranks": ranks, "peak_growth_mb_max": max(r["peak_growth_mb"] for r in ranks),
-            "load_s_max": max(r["load_s"] for r in ranks), "bytes_read_max": max(r["bytes_read"] for r in ranks),
-            "losses": r0["losses"], "first_order_decreases": r0.get("first_order_decreases")}
+    log(
+        f"    {time.perf_counter() - t0:.0f} s; rank 0: load {r0['load_s']:.1f} s, peak growth "
+        f"{r0['peak_growth_mb']:.0f} MB, losses {['%.4f' % x for x in r0['losses']]}"
+    )
+    return {
+        "ranks": ranks,
+        "peak_growth_mb_max": max(r["peak_growth_mb"] for r in ranks),
+        "load_s_max": max(r["load_s"] for r in ranks),
+        "bytes_read_max": max(r["bytes_read"] for r in ranks),
+        "losses": r0["losses"],
+        "first_order_decreases": r0.get("first_order_decreases"),
+    }
 
 
 def _compare(run: dict, single: dict) -> None:
@@ -271,8 +311,9 @@ def _check_bf16_losses(run: dict, single: dict, config, tokens: int, log: Callab
     """Each step's loss difference against the bound argued in bf16_bound.py (the dense runs)."""
     if "error" in run or not single or "error" in single or not single.get("first_order_decreases"):
         return
-    bounds = loss_bounds(config.num_hidden_layers, config.hidden_size, config.initializer_range, tokens,
-                         single["first_order_decreases"])
+    bounds = loss_bounds(
+        config.num_hidden_layers, config.hidden_size, config.initializer_range, tokens, single["first_order_decreases"]
+    )
     diffs = [abs(a - b) for a, b in zip(run["losses"], single["losses"])]
     run["loss_diffs_vs_single"], run["loss_bounds"] = diffs, bounds
     run["losses_within_bound"] = all(d <= b for d, b in zip(diffs, bounds))
@@ -297,14 +338,19 @@ def run_true_size(args, log: Callable) -> dict:
         return {**result, "error": f"checkpoint: {error_text(exc)}"}
     dense = {"checkpoint": {**info, "folder": str(folder)}, "meshes": {}}
     common = dict(base, folder=str(folder), kind="dense")
-    dense["single"] = _launch(1, dict(common, shape=None, names=None, fully_shard=False), log,
-                              "Qwen3.5-0.8B one device (transformers from_pretrained)", timeout)
+    dense["single"] = _launch(
+        1,
+        dict(common, shape=None, names=None, fully_shard=False),
+        log,
+        "Qwen3.5-0.8B one device (transformers from_pretrained)",
+        timeout,
+    )
     for name, shape, names, fsdp in DENSE_MESHES:
-        run = _launch(4, dict(common, shape=shape, names=names, fully_shard=fsdp), log,
-                      f"Qwen3.5-0.8B {name}", timeout)
+        run = _launch(4, dict(common, shape=shape, names=names, fully_shard=fsdp), log, f"Qwen3.5-0.8B {name}", timeout)
         _compare(run, dense["single"])
-        _check_bf16_losses(run, dense["single"], _config(DENSE, smoke), args.true_size_batch * (args.true_size_seq - 1),
-                           log)
+        _check_bf16_losses(
+            run, dense["single"], _config(DENSE, smoke), args.true_size_batch * (args.true_size_seq - 1), log
+        )
         dense["meshes"][name] = run
     result["dense"] = dense
 
@@ -321,12 +367,22 @@ def run_true_size(args, log: Callable) -> dict:
     common = dict(base, batch=args.true_size_moe_batch, folder=str(folder), kind="moe")
     moe["batch"] = [args.true_size_moe_batch, args.true_size_seq]
     if args.true_size_moe_single:
-        moe["single"] = _launch(1, dict(common, shape=None, names=None, fully_shard=False), log,
-                                "Qwen3.5-35B-A3B 2 layers one device", timeout)
+        moe["single"] = _launch(
+            1,
+            dict(common, shape=None, names=None, fully_shard=False),
+            log,
+            "Qwen3.5-35B-A3B 2 layers one device",
+            timeout,
+        )
     else:
         moe["single"] = {"skipped": "--no-true-size-moe-single"}
-    run = _launch(4, dict(common, shape=(4,), names=("ep",), fully_shard=False,
-                          plan=_ep_plan_same_axis(str(folder))), log, "Qwen3.5-35B-A3B 2 layers ep4", timeout)
+    run = _launch(
+        4,
+        dict(common, shape=(4,), names=("ep",), fully_shard=False, plan=_ep_plan_same_axis(str(folder))),
+        log,
+        "Qwen3.5-35B-A3B 2 layers ep4",
+        timeout,
+    )
     _compare(run, moe["single"])
     moe["ep4"] = run
     result["moe"] = moe
@@ -335,10 +391,12 @@ def run_true_size(args, log: Callable) -> dict:
 
 def _span(r: dict) -> Callable:
     """A cell maker: a figure's min - max over the run's ranks (one number when equal as shown)."""
+
     def span(key, fmt, scale=1.0):
         vals = [x[key] * scale for x in r["ranks"]]
         lo, hi = fmt.format(min(vals)), fmt.format(max(vals))
         return lo if lo == hi else f"{lo} - {hi}"
+
     return span
 
 
@@ -351,31 +409,40 @@ def true_size_lines(r) -> list:
     lines = [title + (" (SMOKE configs: the figures mean nothing)" if r["scale"] == "smoke" else ""), ""]
     d = r.get("dense", {})
     ck = d.get("checkpoint", {})
-    lines += [f"Qwen3.5-0.8B, {ck.get('params', 0) / 1e9:.3f} B parameters, random weights, bf16 safetensors "
-              f"({ck.get('file_bytes', 0) / 1e9:.2f} GB); loaded as fp32 masters, `hs.mixed_precision` (bf16 compute), "
-              f"{len(d.get('single', {}).get('losses', [])) or 2} AdamW steps on batch {r['batch'][0]} x {r['batch'][1]}. "
-              "4 ranks on gloo, each process measured on its own: peak = growth of VmHWM over the process's "
-              "RSS before the load (load and steps); ranges are min - max over ranks. One device = transformers' "
-              "`from_pretrained` + `hs.mixed_precision` in one process.", "",
-              "| run | load s | GB read | RSS after load GB | peak GB | peak / one device | state GB "
-              "| step s | losses | loss diff vs one device |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    rows = [("one device", d.get("single"))] + [(name.replace("_fsdp", " + fully_shard(dp)").replace("xtp", " x tp"), run)
-                                                 for name, run in d.get("meshes", {}).items()]
+    lines += [
+        f"Qwen3.5-0.8B, {ck.get('params', 0) / 1e9:.3f} B parameters, random weights, bf16 safetensors "
+        f"({ck.get('file_bytes', 0) / 1e9:.2f} GB); loaded as fp32 masters, `hs.mixed_precision` (bf16 compute), "
+        f"{len(d.get('single', {}).get('losses', [])) or 2} AdamW steps on batch {r['batch'][0]} x {r['batch'][1]}. "
+        "4 ranks on gloo, each process measured on its own: peak = growth of VmHWM over the process's "
+        "RSS before the load (load and steps); ranges are min - max over ranks. One device = transformers' "
+        "`from_pretrained` + `hs.mixed_precision` in one process.",
+        "",
+        "| run | load s | GB read | RSS after load GB | peak GB | peak / one device | state GB "
+        "| step s | losses | loss diff vs one device |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    rows = [("one device", d.get("single"))] + [
+        (name.replace("_fsdp", " + fully_shard(dp)").replace("xtp", " x tp"), run)
+        for name, run in d.get("meshes", {}).items()
+    ]
     lines += [_row(label, run) for label, run in rows]
     m = r.get("moe", {})
     if m and "skipped" not in m:
         ck = m.get("checkpoint", {})
         c = ck.get("config") or {}
-        lines += ["", f"Qwen3.5-35B-A3B cut to its first {m.get('layers')} layers ({ck.get('params', 0) / 1e9:.2f} B "
-                      f"parameters: {c.get('num_experts')} experts (top-{c.get('num_experts_per_tok')}), hidden "
-                      f"{c.get('hidden_size')}, vocab {c.get('vocab_size')}; bf16 files {ck.get('file_bytes', 0) / 1e9:.2f} GB), "
-                      f"loaded in bf16, one forward + backward on batch {m['batch'][0]} x {m['batch'][1]}. ep4: the experts "
-                      "over ep (the model's EP plan), linear attention, shared expert and lm_head tensor-parallel "
-                      "over the same 4 ranks (its TP plan, which leaves the 0.5 B input embedding whole on every rank).", "",
-                  "| run | load s | GB read | RSS after load GB | peak GB | peak / one device | params + grads GB "
-                  "| forward s | backward s | loss | loss diff vs one device |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"Qwen3.5-35B-A3B cut to its first {m.get('layers')} layers ({ck.get('params', 0) / 1e9:.2f} B "
+            f"parameters: {c.get('num_experts')} experts (top-{c.get('num_experts_per_tok')}), hidden "
+            f"{c.get('hidden_size')}, vocab {c.get('vocab_size')}; bf16 files {ck.get('file_bytes', 0) / 1e9:.2f} GB), "
+            f"loaded in bf16, one forward + backward on batch {m['batch'][0]} x {m['batch'][1]}. ep4: the experts "
+            "over ep (the model's EP plan), linear attention, shared expert and lm_head tensor-parallel "
+            "over the same 4 ranks (its TP plan, which leaves the 0.5 B input embedding whole on every rank).",
+            "",
+            "| run | load s | GB read | RSS after load GB | peak GB | peak / one device | params + grads GB "
+            "| forward s | backward s | loss | loss diff vs one device |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for label, run in (("one device", m.get("single")), ("ep4", m.get("ep4"))):
             lines.append(_row(label, run, moe=True))
     lines.append("")
@@ -393,15 +460,26 @@ def _row(label: str, run, moe: bool = False) -> str:
     diff = run.get("max_loss_diff_vs_single")
     diff_cell = "—" if diff is None else f"{diff:.1e}"
     if run.get("loss_bounds"):  # per step: difference <= its bound (bf16_bound.py), or over it
-        diff_cell = ", ".join(f"{d:.1e} {'≤' if d <= b else '> BOUND'} {b:.1e}"
-                              for d, b in zip(run["loss_diffs_vs_single"], run["loss_bounds"]))
+        diff_cell = ", ".join(
+            f"{d:.1e} {'≤' if d <= b else '> BOUND'} {b:.1e}"
+            for d, b in zip(run["loss_diffs_vs_single"], run["loss_bounds"])
+        )
     losses = ", ".join(f"{x:.4f}" for x in run["losses"])
-    cells = [label, span("load_s", "{:.1f}"), span("bytes_read", "{:.2f}", 1e-9),
-             span("after_load_growth_mb", "{:.2f}", 1e-3), span("peak_growth_mb", "{:.2f}", 1e-3), ratio_cell,
-             f"{max(x['state']['total_mb'] for x in run['ranks']) * 2**20 / 1e9:.2f}"]
+    cells = [
+        label,
+        span("load_s", "{:.1f}"),
+        span("bytes_read", "{:.2f}", 1e-9),
+        span("after_load_growth_mb", "{:.2f}", 1e-3),
+        span("peak_growth_mb", "{:.2f}", 1e-3),
+        ratio_cell,
+        f"{max(x['state']['total_mb'] for x in run['ranks']) * 2**20 / 1e9:.2f}",
+    ]
     if moe:
         cells += [span("forward_s", "{:.1f}"), span("backward_s", "{:.1f}"), losses, diff_cell]
     else:
-        cells += [", ".join(f"{max(x['step_s'][i] for x in run['ranks']):.1f}" for i in range(len(run["losses"]))),
-                  losses, diff_cell]
+        cells += [
+            ", ".join(f"{max(x['step_s'][i] for x in run['ranks']):.1f}" for i in range(len(run["losses"]))),
+            losses,
+            diff_cell,
+        ]
     return "| " + " | ".join(cells) + " |"

@@ -16,7 +16,8 @@ void forbid_second_derivative(const std::vector<at::Tensor>& outputs, const std:
           "create_graph=True, are",
       torch::autograd::collect_next_edges(inputs));
   for (const auto& out : outputs)
-    if (out.defined() && torch::autograd::isDifferentiableType(out.scalar_type())) torch::autograd::set_history(out, error);
+    if (out.defined() && torch::autograd::isDifferentiableType(out.scalar_type()))
+      torch::autograd::set_history(out, error);
 }
 
 }  // namespace hypershard::kernels

@@ -49,12 +49,11 @@ using torch::autograd::variable_list;
 // Calls ns::name (overload "") with `args`, the schema's defaults filling the trailing arguments
 // not given and an argument the schema lacks dropped (`optional_from`: the index from which args
 // may be absent from the schema, e.g. rotary_mode). Returns the outputs.
-std::vector<c10::IValue> call_op(const char* name, std::vector<c10::IValue> args,
-                                 size_t optional_from = SIZE_MAX) {
+std::vector<c10::IValue> call_op(const char* name, std::vector<c10::IValue> args, size_t optional_from = SIZE_MAX) {
   const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
   const auto& params = op.schema().arguments();
-  TORCH_CHECK(params.size() >= std::min(args.size(), optional_from), "hypershard: ", name, ": its schema ",
-              op.schema(), " takes fewer arguments than hypershard's autograd kernel passes");
+  TORCH_CHECK(params.size() >= std::min(args.size(), optional_from), "hypershard: ", name, ": its schema ", op.schema(),
+              " takes fewer arguments than hypershard's autograd kernel passes");
   if (args.size() > params.size()) args.resize(params.size());
   torch::jit::Stack stack(args.begin(), args.end());
   for (size_t i = stack.size(); i < params.size(); ++i) {
@@ -134,8 +133,7 @@ class NpuRotaryMul : public torch::autograd::Function<NpuRotaryMul> {
     const auto saved = ctx->get_saved_variables();
     const auto out = call_op("npu::npu_rotary_mul_backward",
                              {grads[0], saved[0], saved[1], saved[2], ctx->saved_data["rotary_mode"]}, 4);
-    return {grad_if(ctx, 0, out.at(0)), grad_if(ctx, 1, out.at(1)),
-            grad_if(ctx, 2, out.at(2)), at::Tensor()};
+    return {grad_if(ctx, 0, out.at(0)), grad_if(ctx, 1, out.at(1)), grad_if(ctx, 2, out.at(2)), at::Tensor()};
   }
 };
 
@@ -212,8 +210,7 @@ void register_external_autograd_kernels() {
   npu->impl("npu_rotary_mul_backward", torch::CppFunction::makeFromBoxedFunction<&backward_op_autograd>());
   static auto* transformers = new torch::Library(torch::Library::IMPL, "transformers",
                                                  c10::DispatchKey::AutogradPrivateUse2, __FILE__, __LINE__);
-  transformers->impl("grouped_mm_fallback",
-                     torch::CppFunction::makeFromBoxedFunction<&grouped_mm_fallback_autograd>());
+  transformers->impl("grouped_mm_fallback", torch::CppFunction::makeFromBoxedFunction<&grouped_mm_fallback_autograd>());
 }
 
 }  // namespace hypershard::kernels

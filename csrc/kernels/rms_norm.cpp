@@ -44,7 +44,6 @@ std::vector<int64_t> stats_shape(const at::Tensor& x, int64_t k) {
   return shape;
 }
 
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
@@ -73,8 +72,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x_in, const at
         rp[r] = inv;
         if (direct) {
           scalar_t* yr = y_work.mutable_data_ptr<scalar_t>() + r * n;
-          for (int64_t i = 0; i < n; ++i)
-            yr[i] = static_cast<scalar_t>(static_cast<acc_t>(xr[i]) * inv * wp[i]);
+          for (int64_t i = 0; i < n; ++i) yr[i] = static_cast<scalar_t>(static_cast<acc_t>(xr[i]) * inv * wp[i]);
         } else {
           acc_t* yr = y_work.mutable_data_ptr<acc_t>() + r * n;
           for (int64_t i = 0; i < n; ++i) yr[i] = static_cast<acc_t>(xr[i]) * inv * wp[i];
@@ -117,8 +115,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
           const acc_t inv = rp[r];
           if (dxp) {
             acc_t dot = 0;
-            for (int64_t i = 0; i < n; ++i)
-              dot += gr[i] * wp[i] * static_cast<acc_t>(xr[i]) * inv;
+            for (int64_t i = 0; i < n; ++i) dot += gr[i] * wp[i] * static_cast<acc_t>(xr[i]) * inv;
             const acc_t mean = dot / static_cast<acc_t>(n);
             for (int64_t i = 0; i < n; ++i) {
               const acc_t h = static_cast<acc_t>(xr[i]) * inv;
@@ -162,9 +159,9 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                                                 const at::Tensor& weight, double eps) {
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [y, rstd] = forward_op()
-                         .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, double)>()
-                         .call(x, weight, eps);
+    auto [y, rstd] =
+        forward_op().typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, double)>().call(
+            x, weight, eps);
     ctx->save_for_backward({x, weight, rstd});
     ctx->mark_non_differentiable({rstd});
     return {y, rstd};
@@ -193,8 +190,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_autograd(const at::Tensor& 
     at::AutoDispatchBelowADInplaceOrView below;
     out = backward_op().typed<Backward>().call(grad, x, weight, rstd, output_mask);
   }
-  forbid_second_derivative({std::get<0>(out), std::get<1>(out)}, {grad, x, weight},
-                           "hypershard::rms_norm_backward");
+  forbid_second_derivative({std::get<0>(out), std::get<1>(out)}, {grad, x, weight}, "hypershard::rms_norm_backward");
   return out;
 }
 
@@ -216,8 +212,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_meta(const at::Tensor&, con
 void register_rms_norm_kernels() {
   static auto* def = new torch::Library(torch::Library::FRAGMENT, "hypershard", std::nullopt, __FILE__, __LINE__);
   def->def("rms_norm(Tensor x, Tensor weight, float eps=1e-06) -> (Tensor, Tensor)");
-  def->def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, Tensor rstd, bool[2] output_mask) -> "
-           "(Tensor, Tensor)");
+  def->def(
+      "rms_norm_backward(Tensor grad, Tensor x, Tensor weight, Tensor rstd, bool[2] output_mask) -> "
+      "(Tensor, Tensor)");
   static auto* cpu = new torch::Library(torch::Library::IMPL, "hypershard", c10::DispatchKey::CPU, __FILE__, __LINE__);
   cpu->impl("rms_norm", TORCH_FN(rms_norm_cpu));
   cpu->impl("rms_norm_backward", TORCH_FN(rms_norm_backward_cpu));
@@ -225,7 +222,8 @@ void register_rms_norm_kernels() {
       new torch::Library(torch::Library::IMPL, "hypershard", c10::DispatchKey::Autograd, __FILE__, __LINE__);
   autograd->impl("rms_norm", TORCH_FN(rms_norm_autograd));
   autograd->impl("rms_norm_backward", TORCH_FN(rms_norm_backward_autograd));
-  static auto* meta = new torch::Library(torch::Library::IMPL, "hypershard", c10::DispatchKey::Meta, __FILE__, __LINE__);
+  static auto* meta =
+      new torch::Library(torch::Library::IMPL, "hypershard", c10::DispatchKey::Meta, __FILE__, __LINE__);
   meta->impl("rms_norm", TORCH_FN(rms_norm_meta));
   meta->impl("rms_norm_backward", TORCH_FN(rms_norm_backward_meta));
 }

@@ -64,7 +64,6 @@ struct RowOffsets {
   }
 };
 
-
 }  // namespace
 
 void check_rotary_arguments(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t mode) {
@@ -254,8 +253,8 @@ at::Tensor rotary_position_embedding_cpu(const at::Tensor& x_in, const at::Tenso
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_position_embedding_backward_cpu(
-    const at::Tensor& grad_in, const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
-    int64_t mode, std::array<bool, 3> output_mask) {
+    const at::Tensor& grad_in, const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, int64_t mode,
+    std::array<bool, 3> output_mask) {
   check_rotary_arguments(x_in, cos_in, sin_in, mode);
   TORCH_CHECK(grad_in.sizes() == x_in.sizes(), "hypershard::rotary_position_embedding_backward: grad has shape ",
               grad_in.sizes(), " and x ", x_in.sizes(), "; allowed: grad shaped like x");
@@ -333,12 +332,11 @@ class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
     const int64_t mode = ctx->saved_data["mode"].toInt();
     if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     const std::array<bool, 3> mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2)};
-    auto [dx, dcos, dsin] =
-        backward_op()
-            .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                  const at::Tensor&, const at::Tensor&, int64_t,
-                                                                  std::array<bool, 3>)>()
-            .call(grads[0], saved[0], saved[1], saved[2], mode, mask);
+    auto [dx, dcos, dsin] = backward_op()
+                                .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                                    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                    std::array<bool, 3>)>()
+                                .call(grads[0], saved[0], saved[1], saved[2], mode, mask);
     return {dx, dcos, dsin, at::Tensor()};
   }
 };
@@ -387,8 +385,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_position_embedding_backwar
 void register_rotary_kernels() {
   static auto* def = new torch::Library(torch::Library::FRAGMENT, "hypershard", std::nullopt, __FILE__, __LINE__);
   def->def("rotary_position_embedding(Tensor x, Tensor cos, Tensor sin, int mode=0) -> Tensor");
-  def->def("rotary_position_embedding_backward(Tensor grad, Tensor x, Tensor cos, Tensor sin, int mode, "
-           "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  def->def(
+      "rotary_position_embedding_backward(Tensor grad, Tensor x, Tensor cos, Tensor sin, int mode, "
+      "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
   static auto* cpu = new torch::Library(torch::Library::IMPL, "hypershard", c10::DispatchKey::CPU, __FILE__, __LINE__);
   cpu->impl("rotary_position_embedding", TORCH_FN(rotary_position_embedding_cpu));
   cpu->impl("rotary_position_embedding_backward", TORCH_FN(rotary_position_embedding_backward_cpu));
@@ -397,7 +396,8 @@ void register_rotary_kernels() {
   autograd->impl("rotary_position_embedding", TORCH_FN(rotary_position_embedding_autograd));
   autograd->impl("rotary_position_embedding_backward", TORCH_FN(rotary_position_embedding_backward_autograd));
   // Shapes only (fake tensors, torch.compile, and the meta shadows of hypershard's dispatch).
-  static auto* meta = new torch::Library(torch::Library::IMPL, "hypershard", c10::DispatchKey::Meta, __FILE__, __LINE__);
+  static auto* meta =
+      new torch::Library(torch::Library::IMPL, "hypershard", c10::DispatchKey::Meta, __FILE__, __LINE__);
   meta->impl("rotary_position_embedding", TORCH_FN(rotary_position_embedding_meta));
   meta->impl("rotary_position_embedding_backward", TORCH_FN(rotary_position_embedding_backward_meta));
 }

@@ -41,9 +41,9 @@ std::string str_cat(const Args&... args) {
 
 // Checked in release builds too: a violated check is a user error or a broken invariant,
 // and either must surface as a clear message, never as undefined behaviour.
-#define HS_CHECK(cond, context, ...)                                            \
-  do {                                                                          \
-    if (!(cond)) {                                                              \
+#define HS_CHECK(cond, context, ...)                                                     \
+  do {                                                                                   \
+    if (!(cond)) {                                                                       \
       ::hypershard::layout::fail((context), ::hypershard::layout::str_cat(__VA_ARGS__)); \
-    }                                                                           \
+    }                                                                                    \
   } while (false)

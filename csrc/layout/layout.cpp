@@ -14,11 +14,16 @@ constexpr const char* kContext = "layout";
 
 const char* reduce_op_name(ReduceOp op) {
   switch (op) {
-    case ReduceOp::Sum: return "sum";
-    case ReduceOp::Avg: return "avg";
-    case ReduceOp::Max: return "max";
-    case ReduceOp::Min: return "min";
-    case ReduceOp::Prod: return "prod";
+    case ReduceOp::Sum:
+      return "sum";
+    case ReduceOp::Avg:
+      return "avg";
+    case ReduceOp::Max:
+      return "max";
+    case ReduceOp::Min:
+      return "min";
+    case ReduceOp::Prod:
+      return "prod";
   }
   return "?";
 }
@@ -51,41 +56,36 @@ std::string shape_string(const std::vector<int64_t>& shape) {
   return out + "]";
 }
 
-Layout Layout::create(MeshPtr mesh, std::vector<int64_t> global_shape, DimAxes dim_axes,
-                      PartialOps partial) {
+Layout Layout::create(MeshPtr mesh, std::vector<int64_t> global_shape, DimAxes dim_axes, PartialOps partial) {
   HS_CHECK(mesh != nullptr, kContext, "no mesh given");
   const int64_t mesh_ndim = mesh->ndim();
   for (size_t d = 0; d < global_shape.size(); ++d)
-    HS_CHECK(global_shape[d] >= 0, kContext, "dim ", d, " has size ", global_shape[d],
-             "; allowed: sizes >= 0");
+    HS_CHECK(global_shape[d] >= 0, kContext, "dim ", d, " has size ", global_shape[d], "; allowed: sizes >= 0");
   if (dim_axes.empty()) dim_axes.resize(global_shape.size());
-  HS_CHECK(dim_axes.size() == global_shape.size(), kContext, "sharding given for ",
-           dim_axes.size(), " dims but the tensor ", shape_string(global_shape), " has ",
-           global_shape.size());
+  HS_CHECK(dim_axes.size() == global_shape.size(), kContext, "sharding given for ", dim_axes.size(),
+           " dims but the tensor ", shape_string(global_shape), " has ", global_shape.size());
   if (partial.empty()) partial.resize(mesh_ndim);
-  HS_CHECK(static_cast<int64_t>(partial.size()) == mesh_ndim, kContext, "Partial given for ",
-           partial.size(), " mesh axes but mesh ", mesh->to_string(), " has ", mesh_ndim);
+  HS_CHECK(static_cast<int64_t>(partial.size()) == mesh_ndim, kContext, "Partial given for ", partial.size(),
+           " mesh axes but mesh ", mesh->to_string(), " has ", mesh_ndim);
   std::vector<int64_t> owner(mesh_ndim, -1);
   for (size_t d = 0; d < dim_axes.size(); ++d) {
     for (int64_t axis : dim_axes[d]) {
-      HS_CHECK(axis >= 0 && axis < mesh_ndim, kContext, "dim ", d, " is sharded on mesh axis ",
-               axis, " but mesh ", mesh->to_string(), " has axes 0..", mesh_ndim - 1);
+      HS_CHECK(axis >= 0 && axis < mesh_ndim, kContext, "dim ", d, " is sharded on mesh axis ", axis, " but mesh ",
+               mesh->to_string(), " has axes 0..", mesh_ndim - 1);
       const std::string& name = mesh->axis_names()[axis];
-      HS_CHECK(owner[axis] < 0, kContext, "mesh axis '", name, "' shards dims ",
-               owner[axis], " and ", d, "; allowed: an axis shards at most one dim");
+      HS_CHECK(owner[axis] < 0, kContext, "mesh axis '", name, "' shards dims ", owner[axis], " and ", d,
+               "; allowed: an axis shards at most one dim");
       owner[axis] = static_cast<int64_t>(d);
-      HS_CHECK(!partial[axis].has_value(), kContext, "mesh axis '", name, "' shards dim ", d,
-               " and is Partial(", reduce_op_name(*partial[axis]),
-               "); allowed: an axis is either sharding or Partial");
+      HS_CHECK(!partial[axis].has_value(), kContext, "mesh axis '", name, "' shards dim ", d, " and is Partial(",
+               reduce_op_name(*partial[axis]), "); allowed: an axis is either sharding or Partial");
     }
   }
   std::optional<ReduceOp> shared_op;
   for (int64_t axis = 0; axis < mesh_ndim; ++axis) {
     if (!partial[axis]) continue;
-    HS_CHECK(!shared_op || *shared_op == *partial[axis], kContext, "mesh axis '",
-             mesh->axis_names()[axis], "' is Partial(", reduce_op_name(*partial[axis]),
-             ") but another axis is Partial(", reduce_op_name(*shared_op),
-             "); allowed: one reduce op for all Partial axes");
+    HS_CHECK(!shared_op || *shared_op == *partial[axis], kContext, "mesh axis '", mesh->axis_names()[axis],
+             "' is Partial(", reduce_op_name(*partial[axis]), ") but another axis is Partial(",
+             reduce_op_name(*shared_op), "); allowed: one reduce op for all Partial axes");
     shared_op = partial[axis];
   }
   Layout layout;
@@ -122,8 +122,8 @@ std::optional<ReduceOp> Layout::partial_op() const {
 }
 
 void Layout::check_position(int64_t position) const {
-  HS_CHECK(position >= 0 && position < mesh_->size(), kContext, "position ", position,
-           " is outside mesh ", mesh_->to_string());
+  HS_CHECK(position >= 0 && position < mesh_->size(), kContext, "position ", position, " is outside mesh ",
+           mesh_->to_string());
 }
 
 std::vector<int64_t> Layout::local_shape_at(int64_t position) const {
@@ -149,13 +149,9 @@ std::vector<int64_t> Layout::global_offset_at(int64_t position) const {
   return offset;
 }
 
-std::vector<int64_t> Layout::local_shape(int64_t rank) const {
-  return local_shape_at(mesh_->position_of(rank));
-}
+std::vector<int64_t> Layout::local_shape(int64_t rank) const { return local_shape_at(mesh_->position_of(rank)); }
 
-std::vector<int64_t> Layout::global_offset(int64_t rank) const {
-  return global_offset_at(mesh_->position_of(rank));
-}
+std::vector<int64_t> Layout::global_offset(int64_t rank) const { return global_offset_at(mesh_->position_of(rank)); }
 
 Layout Layout::with_partial(int64_t axis, std::optional<ReduceOp> op) const {
   PartialOps partial = partial_;
@@ -176,8 +172,7 @@ Layout Layout::without_axis(int64_t axis) const {
 }
 
 Layout Layout::with_minor_shard(int64_t axis, int64_t dim) const {
-  HS_CHECK(dim >= 0 && dim < ndim(), kContext, "dim ", dim, " is out of range for a ",
-           ndim(), "-d tensor");
+  HS_CHECK(dim >= 0 && dim < ndim(), kContext, "dim ", dim, " is out of range for a ", ndim(), "-d tensor");
   DimAxes dims = dim_axes_;
   dims[dim].push_back(axis);
   return create(mesh_, global_shape_, std::move(dims), partial_);
@@ -191,8 +186,6 @@ bool Layout::operator==(const Layout& other) const {
 
 std::string Layout::sharding_string() const { return to_alias(*this).to_string(); }
 
-std::string Layout::to_string() const {
-  return shape_string(global_shape_) + " " + sharding_string();
-}
+std::string Layout::to_string() const { return shape_string(global_shape_) + " " + sharding_string(); }
 
 }  // namespace hypershard::layout

@@ -39,15 +39,14 @@ struct Span {
 };
 Span chunk_span(int64_t size, int64_t parts, int64_t index);
 
-using DimAxes = std::vector<std::vector<int64_t>>;            // per tensor dim
-using PartialOps = std::vector<std::optional<ReduceOp>>;       // per mesh axis
+using DimAxes = std::vector<std::vector<int64_t>>;        // per tensor dim
+using PartialOps = std::vector<std::optional<ReduceOp>>;  // per mesh axis
 
 class Layout {
  public:
   Layout() = default;
   // Validates the invariants listed above; raises LayoutError naming the dim or axis at fault.
-  static Layout create(MeshPtr mesh, std::vector<int64_t> global_shape, DimAxes dim_axes,
-                       PartialOps partial = {});
+  static Layout create(MeshPtr mesh, std::vector<int64_t> global_shape, DimAxes dim_axes, PartialOps partial = {});
   // Every dim whole, no Partial.
   static Layout replicate(MeshPtr mesh, std::vector<int64_t> global_shape);
 
@@ -77,7 +76,7 @@ class Layout {
   // Copies with one thing changed; each result is validated.
   Layout with_partial(int64_t axis, std::optional<ReduceOp> op) const;
   Layout with_global_shape(std::vector<int64_t> global_shape) const;
-  Layout without_axis(int64_t axis) const;               // axis becomes Replicate
+  Layout without_axis(int64_t axis) const;                   // axis becomes Replicate
   Layout with_minor_shard(int64_t axis, int64_t dim) const;  // append axis as dim's minor-most
 
   bool operator==(const Layout& other) const;

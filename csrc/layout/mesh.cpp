@@ -18,38 +18,36 @@ std::string join_names(const std::vector<std::string>& names) {
 
 }  // namespace
 
-MeshPtr Mesh::create(std::vector<int64_t> shape, std::vector<std::string> axis_names,
-                     std::vector<int64_t> ranks) {
+MeshPtr Mesh::create(std::vector<int64_t> shape, std::vector<std::string> axis_names, std::vector<int64_t> ranks) {
   HS_CHECK(!shape.empty(), kContext, "a mesh needs at least one axis");
-  HS_CHECK(shape.size() == axis_names.size(), kContext, "shape has ", shape.size(),
-           " axes but ", axis_names.size(), " axis names were given");
+  HS_CHECK(shape.size() == axis_names.size(), kContext, "shape has ", shape.size(), " axes but ", axis_names.size(),
+           " axis names were given");
   int64_t size = 1;
   for (size_t i = 0; i < shape.size(); ++i) {
-    HS_CHECK(shape[i] >= 1, kContext, "axis '", axis_names[i], "' has size ", shape[i],
-             "; allowed: sizes >= 1");
+    HS_CHECK(shape[i] >= 1, kContext, "axis '", axis_names[i], "' has size ", shape[i], "; allowed: sizes >= 1");
     size *= shape[i];
   }
   std::unordered_set<std::string> seen_names;
   for (const auto& name : axis_names) {
     HS_CHECK(!name.empty(), kContext, "an axis name is empty; allowed: non-empty unique names");
     HS_CHECK(name != "None", kContext, "'None' is reserved for an unsplit dim and cannot name an axis");
-    HS_CHECK(name.find('"') == std::string::npos || name.find('\'') == std::string::npos, kContext,
-             "axis name '", name, "' holds both quote characters; allowed: names the alias notation "
+    HS_CHECK(name.find('"') == std::string::npos || name.find('\'') == std::string::npos, kContext, "axis name '", name,
+             "' holds both quote characters; allowed: names the alias notation "
              "can quote (no \" or no ')");
-    HS_CHECK(seen_names.insert(name).second, kContext, "axis name '", name,
-             "' is used twice; allowed: unique names");
+    HS_CHECK(seen_names.insert(name).second, kContext, "axis name '", name, "' is used twice; allowed: unique names");
   }
   if (ranks.empty()) {
     ranks.resize(size);
     for (int64_t i = 0; i < size; ++i) ranks[i] = i;
   }
-  HS_CHECK(static_cast<int64_t>(ranks.size()) == size, kContext, "shape ", "(",
-           [&] {
-             std::string s;
-             for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-             return s;
-           }(),
-           ") holds ", size, " ranks but ", ranks.size(), " ranks were given");
+  HS_CHECK(
+      static_cast<int64_t>(ranks.size()) == size, kContext, "shape ", "(",
+      [&] {
+        std::string s;
+        for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+        return s;
+      }(),
+      ") holds ", size, " ranks but ", ranks.size(), " ranks were given");
   std::unordered_set<int64_t> seen_ranks;
   for (int64_t r : ranks) {
     HS_CHECK(r >= 0, kContext, "rank ", r, " is negative; allowed: ranks >= 0");
@@ -60,21 +58,17 @@ MeshPtr Mesh::create(std::vector<int64_t> shape, std::vector<std::string> axis_n
   mesh->axis_names_ = std::move(axis_names);
   mesh->ranks_ = std::move(ranks);
   mesh->strides_.assign(mesh->shape_.size(), 1);
-  for (int64_t i = mesh->ndim() - 2; i >= 0; --i)
-    mesh->strides_[i] = mesh->strides_[i + 1] * mesh->shape_[i + 1];
+  for (int64_t i = mesh->ndim() - 2; i >= 0; --i) mesh->strides_[i] = mesh->strides_[i + 1] * mesh->shape_[i + 1];
   return MeshPtr(mesh);
 }
 
 int64_t Mesh::axis_index(const std::string& name) const {
   for (size_t i = 0; i < axis_names_.size(); ++i)
     if (axis_names_[i] == name) return static_cast<int64_t>(i);
-  fail(kContext, str_cat("no axis named '", name, "' in mesh ", to_string(),
-                         "; allowed: ", join_names(axis_names_)));
+  fail(kContext, str_cat("no axis named '", name, "' in mesh ", to_string(), "; allowed: ", join_names(axis_names_)));
 }
 
-bool Mesh::contains(int64_t rank) const {
-  return std::find(ranks_.begin(), ranks_.end(), rank) != ranks_.end();
-}
+bool Mesh::contains(int64_t rank) const { return std::find(ranks_.begin(), ranks_.end(), rank) != ranks_.end(); }
 
 int64_t Mesh::position_of(int64_t rank) const {
   auto it = std::find(ranks_.begin(), ranks_.end(), rank);
@@ -83,8 +77,7 @@ int64_t Mesh::position_of(int64_t rank) const {
 }
 
 std::vector<int64_t> Mesh::coordinate_at(int64_t position) const {
-  HS_CHECK(position >= 0 && position < size(), kContext, "position ", position,
-           " is outside mesh ", to_string());
+  HS_CHECK(position >= 0 && position < size(), kContext, "position ", position, " is outside mesh ", to_string());
   std::vector<int64_t> coord(shape_.size());
   for (size_t i = 0; i < shape_.size(); ++i) coord[i] = (position / strides_[i]) % shape_[i];
   return coord;
@@ -95,8 +88,8 @@ int64_t Mesh::position_at(const std::vector<int64_t>& coordinate) const {
            " values given for a mesh of ", shape_.size(), " axes");
   int64_t pos = 0;
   for (size_t i = 0; i < shape_.size(); ++i) {
-    HS_CHECK(coordinate[i] >= 0 && coordinate[i] < shape_[i], kContext, "coordinate ",
-             coordinate[i], " is outside axis '", axis_names_[i], "' of size ", shape_[i]);
+    HS_CHECK(coordinate[i] >= 0 && coordinate[i] < shape_[i], kContext, "coordinate ", coordinate[i],
+             " is outside axis '", axis_names_[i], "' of size ", shape_[i]);
     pos += coordinate[i] * strides_[i];
   }
   return pos;
@@ -137,7 +130,11 @@ MeshPtr Mesh::submesh(const std::vector<std::string>& names, int64_t rank) const
   for (int64_t a : axes) sub_shape.push_back(shape_[a]);
   std::vector<int64_t> sub_ranks;
   std::vector<int64_t> sub_coord(axes.size(), 0);
-  const int64_t count = [&] { int64_t n = 1; for (int64_t s : sub_shape) n *= s; return n; }();
+  const int64_t count = [&] {
+    int64_t n = 1;
+    for (int64_t s : sub_shape) n *= s;
+    return n;
+  }();
   for (int64_t i = 0; i < count; ++i) {
     auto coord = base;
     int64_t rest = i;
@@ -152,8 +149,7 @@ MeshPtr Mesh::submesh(const std::vector<std::string>& names, int64_t rank) const
 
 std::string Mesh::to_string() const {
   std::string out = "(";
-  for (size_t i = 0; i < shape_.size(); ++i)
-    out += (i ? ", " : "") + axis_names_[i] + "=" + std::to_string(shape_[i]);
+  for (size_t i = 0; i < shape_.size(); ++i) out += (i ? ", " : "") + axis_names_[i] + "=" + std::to_string(shape_[i]);
   out += ")";
   bool identity = true;
   for (size_t i = 0; i < ranks_.size(); ++i) identity = identity && ranks_[i] == static_cast<int64_t>(i);

@@ -17,8 +17,7 @@ class Mesh {
   // Validates: at least one axis, every axis size >= 1, axis names non-empty and unique,
   // ranks unique and non-negative, ranks.size() == product(shape). Empty `ranks` means
   // 0..size-1.
-  static std::shared_ptr<const Mesh> create(std::vector<int64_t> shape,
-                                            std::vector<std::string> axis_names,
+  static std::shared_ptr<const Mesh> create(std::vector<int64_t> shape, std::vector<std::string> axis_names,
                                             std::vector<int64_t> ranks = {});
 
   const std::vector<int64_t>& shape() const { return shape_; }
@@ -37,9 +36,7 @@ class Mesh {
   std::vector<int64_t> coordinate_at(int64_t position) const;
   std::vector<int64_t> coordinate(int64_t rank) const { return coordinate_at(position_of(rank)); }
   // One coordinate of the rank at `position` (unchecked: hot path of the shard geometry).
-  int64_t coordinate_on(int64_t position, int64_t axis) const {
-    return (position / strides_[axis]) % shape_[axis];
-  }
+  int64_t coordinate_on(int64_t position, int64_t axis) const { return (position / strides_[axis]) % shape_[axis]; }
   int64_t position_at(const std::vector<int64_t>& coordinate) const;
 
   // The ranks that differ from `rank` only along `axis`, ordered by their coordinate on it:

@@ -17,9 +17,8 @@ std::string quoted(const std::string& name) {
 
 // Whether the lexer reads `name` as one bare word (partial(...) prints such names unquoted).
 bool is_bare_word(const std::string& name) {
-  return !name.empty() && std::all_of(name.begin(), name.end(), [](char c) {
-    return std::isalnum(static_cast<unsigned char>(c)) || c == '_';
-  });
+  return !name.empty() && std::all_of(name.begin(), name.end(),
+                                      [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
 }
 
 std::string dim_alias_string(const std::vector<std::string>& names) {
@@ -31,9 +30,8 @@ std::string dim_alias_string(const std::vector<std::string>& names) {
 }
 
 int64_t normalize_dim(int64_t dim, int64_t ndim, const std::string& context, const std::string& what) {
-  HS_CHECK(dim >= -ndim && dim < ndim, context, what, " names dim ", dim, " of a ", ndim,
-           "-d tensor; allowed: ", (ndim == 0 ? std::string("none (a 0-d tensor cannot be sharded)")
-                                              : str_cat(-ndim, "..", ndim - 1)));
+  HS_CHECK(dim >= -ndim && dim < ndim, context, what, " names dim ", dim, " of a ", ndim, "-d tensor; allowed: ",
+           (ndim == 0 ? std::string("none (a 0-d tensor cannot be sharded)") : str_cat(-ndim, "..", ndim - 1)));
   return dim < 0 ? dim + ndim : dim;
 }
 
@@ -69,8 +67,7 @@ class AliasLexer {
       return token;
     }
     const size_t start = pos_;
-    while (pos_ < text_.size() && (std::isalnum(static_cast<unsigned char>(text_[pos_])) || text_[pos_] == '_'))
-      ++pos_;
+    while (pos_ < text_.size() && (std::isalnum(static_cast<unsigned char>(text_[pos_])) || text_[pos_] == '_')) ++pos_;
     if (pos_ == start) error(str_cat("unexpected character '", c, "'"));
     return text_.substr(start, pos_ - start);
   }
@@ -92,9 +89,7 @@ class AliasLexer {
   size_t pos_ = 0;
 };
 
-bool is_quoted(const std::string& token) {
-  return token.size() >= 2 && (token[0] == '"' || token[0] == '\'');
-}
+bool is_quoted(const std::string& token) { return token.size() >= 2 && (token[0] == '"' || token[0] == '\''); }
 
 std::string unquote(AliasLexer& lexer, const std::string& token) {
   if (!is_quoted(token)) lexer.error(str_cat("expected a quoted axis name but found '", token, "'"));
@@ -113,8 +108,10 @@ std::vector<std::string> parse_dim(AliasLexer& lexer) {
       std::string name = unquote(lexer, lexer.next());
       if (name == "None") lexer.error("\"None\" cannot appear inside a multi-axis tuple");
       names.push_back(std::move(name));
-      if (lexer.peek() == ",") lexer.next();
-      else if (lexer.peek() != ")") lexer.error(str_cat("expected ',' or ')' but found '", lexer.peek(), "'"));
+      if (lexer.peek() == ",")
+        lexer.next();
+      else if (lexer.peek() != ")")
+        lexer.error(str_cat("expected ',' or ')' but found '", lexer.peek(), "'"));
     }
     lexer.next();
     if (names.empty()) lexer.error("an empty tuple is not a dim; use \"None\" for an unsplit dim");
@@ -131,9 +128,12 @@ std::vector<std::string> parse_dim(AliasLexer& lexer) {
 
 std::string Placement::to_string() const {
   switch (kind) {
-    case Kind::Replicate: return "Replicate()";
-    case Kind::Shard: return str_cat("Shard(", dim, ")");
-    case Kind::Partial: return str_cat("Partial(", reduce_op_name(op), ")");
+    case Kind::Replicate:
+      return "Replicate()";
+    case Kind::Shard:
+      return str_cat("Shard(", dim, ")");
+    case Kind::Partial:
+      return str_cat("Partial(", reduce_op_name(op), ")");
   }
   return "?";
 }
@@ -146,8 +146,7 @@ std::string Placements::to_string() const {
     out += " order{";
     for (size_t i = 0; i < shard_order.size(); ++i) {
       out += str_cat(i ? ", " : "", shard_order[i].first, ": [");
-      for (size_t j = 0; j < shard_order[i].second.size(); ++j)
-        out += str_cat(j ? ", " : "", shard_order[i].second[j]);
+      for (size_t j = 0; j < shard_order[i].second.size(); ++j) out += str_cat(j ? ", " : "", shard_order[i].second[j]);
       out += "]";
     }
     out += "}";
@@ -159,16 +158,16 @@ Layout from_placements(MeshPtr mesh, std::vector<int64_t> global_shape, const Pl
   const std::string context = "placements";
   HS_CHECK(mesh != nullptr, context, "no mesh given");
   const int64_t ndim = static_cast<int64_t>(global_shape.size());
-  HS_CHECK(static_cast<int64_t>(placements.per_axis.size()) == mesh->ndim(), context,
-           placements.per_axis.size(), " placements given for mesh ", mesh->to_string(),
-           " with ", mesh->ndim(), " axes; allowed: one placement per mesh axis");
+  HS_CHECK(static_cast<int64_t>(placements.per_axis.size()) == mesh->ndim(), context, placements.per_axis.size(),
+           " placements given for mesh ", mesh->to_string(), " with ", mesh->ndim(),
+           " axes; allowed: one placement per mesh axis");
   DimAxes dim_axes(ndim);
   PartialOps partial(mesh->ndim());
   for (int64_t axis = 0; axis < mesh->ndim(); ++axis) {
     const Placement& p = placements.per_axis[axis];
     if (p.kind == Placement::Kind::Shard) {
-      const int64_t dim = normalize_dim(p.dim, ndim, context,
-                                        str_cat("Shard on mesh axis '", mesh->axis_names()[axis], "'"));
+      const int64_t dim =
+          normalize_dim(p.dim, ndim, context, str_cat("Shard on mesh axis '", mesh->axis_names()[axis], "'"));
       dim_axes[dim].push_back(axis);  // ascending mesh-axis order by default
     } else if (p.kind == Placement::Kind::Partial) {
       partial[axis] = p.op;
@@ -181,15 +180,15 @@ Layout from_placements(MeshPtr mesh, std::vector<int64_t> global_shape, const Pl
     ordered[dim] = true;
     std::vector<int64_t> sorted = axes;
     std::sort(sorted.begin(), sorted.end());
-    HS_CHECK(sorted == dim_axes[dim], context, "shard order for dim ", dim,
-             " must list exactly the mesh axes with Shard(", dim, ") (",
-             [&] {
-               std::string s;
-               for (size_t i = 0; i < dim_axes[dim].size(); ++i)
-                 s += (i ? ", " : "") + mesh->axis_names()[dim_axes[dim][i]];
-               return s.empty() ? std::string("none") : s;
-             }(),
-             ")");
+    HS_CHECK(
+        sorted == dim_axes[dim], context, "shard order for dim ", dim, " must list exactly the mesh axes with Shard(",
+        dim, ") (",
+        [&] {
+          std::string s;
+          for (size_t i = 0; i < dim_axes[dim].size(); ++i) s += (i ? ", " : "") + mesh->axis_names()[dim_axes[dim][i]];
+          return s.empty() ? std::string("none") : s;
+        }(),
+        ")");
     dim_axes[dim] = axes;
   }
   return Layout::create(std::move(mesh), std::move(global_shape), std::move(dim_axes), std::move(partial));
@@ -233,9 +232,12 @@ AliasLayout parse_alias(const std::string& text) {
   while (lexer.peek() != ")") {
     if (lexer.peek().empty()) lexer.error("missing ')'");
     alias.dims.push_back(parse_dim(lexer));
-    if (lexer.peek() == ",") lexer.next();
-    else if (lexer.peek().empty()) lexer.error("missing ')'");
-    else if (lexer.peek() != ")") lexer.error(str_cat("expected ',' or ')' but found '", lexer.peek(), "'"));
+    if (lexer.peek() == ",")
+      lexer.next();
+    else if (lexer.peek().empty())
+      lexer.error("missing ')'");
+    else if (lexer.peek() != ")")
+      lexer.error(str_cat("expected ',' or ')' but found '", lexer.peek(), "'"));
   }
   lexer.next();
   if (!lexer.at_end()) {
@@ -265,9 +267,9 @@ AliasLayout parse_alias(const std::string& text) {
 Layout from_alias(MeshPtr mesh, std::vector<int64_t> global_shape, const AliasLayout& alias) {
   const std::string context = "alias layout";
   HS_CHECK(mesh != nullptr, context, "no mesh given");
-  HS_CHECK(alias.dims.size() == global_shape.size(), context, alias.to_string(), " names ",
-           alias.dims.size(), " dims but the tensor ", shape_string(global_shape), " has ",
-           global_shape.size(), "; allowed: one entry per tensor dim");
+  HS_CHECK(alias.dims.size() == global_shape.size(), context, alias.to_string(), " names ", alias.dims.size(),
+           " dims but the tensor ", shape_string(global_shape), " has ", global_shape.size(),
+           "; allowed: one entry per tensor dim");
   DimAxes dim_axes(global_shape.size());
   for (size_t d = 0; d < alias.dims.size(); ++d)
     for (const auto& name : alias.dims[d]) dim_axes[d].push_back(mesh->axis_index(name));
@@ -296,18 +298,16 @@ Layout from_tensor_map(MeshPtr mesh, std::vector<int64_t> global_shape, const Te
   const std::string context = "tensor_map";
   HS_CHECK(mesh != nullptr, context, "no mesh given");
   const int64_t mesh_ndim = mesh->ndim();
-  HS_CHECK(map.size() == global_shape.size(), context, "tensor_map has ", map.size(),
-           " entries but the tensor ", shape_string(global_shape), " has ", global_shape.size(),
-           " dims; allowed: one entry per tensor dim");
+  HS_CHECK(map.size() == global_shape.size(), context, "tensor_map has ", map.size(), " entries but the tensor ",
+           shape_string(global_shape), " has ", global_shape.size(), " dims; allowed: one entry per tensor dim");
   DimAxes dim_axes(global_shape.size());
   for (size_t d = 0; d < map.size(); ++d) {
-    HS_CHECK(!map[d].empty(), context, "entry for dim ", d, " is empty; allowed: -1 or mesh axes 0..",
-             mesh_ndim - 1, " counted from the right");
+    HS_CHECK(!map[d].empty(), context, "entry for dim ", d, " is empty; allowed: -1 or mesh axes 0..", mesh_ndim - 1,
+             " counted from the right");
     if (map[d].size() == 1 && map[d][0] == -1) continue;
     for (int64_t v : map[d]) {
       HS_CHECK(v >= 0 && v < mesh_ndim, context, "entry ", v, " for dim ", d,
-               " is out of range; allowed: -1 alone, or mesh axes 0..", mesh_ndim - 1,
-               " counted from the right");
+               " is out of range; allowed: -1 alone, or mesh axes 0..", mesh_ndim - 1, " counted from the right");
       dim_axes[d].push_back(mesh_ndim - 1 - v);
     }
   }

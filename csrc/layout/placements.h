@@ -26,15 +26,14 @@ namespace hypershard::layout {
 struct Placement {
   enum class Kind : int8_t { Replicate, Shard, Partial };
   Kind kind = Kind::Replicate;
-  int64_t dim = 0;               // Shard only
-  ReduceOp op = ReduceOp::Sum;   // Partial only
+  int64_t dim = 0;              // Shard only
+  ReduceOp op = ReduceOp::Sum;  // Partial only
 
   static Placement replicate() { return {}; }
   static Placement shard(int64_t dim) { return {Kind::Shard, dim, ReduceOp::Sum}; }
   static Placement partial(ReduceOp op = ReduceOp::Sum) { return {Kind::Partial, 0, op}; }
   bool operator==(const Placement& o) const {
-    return kind == o.kind && (kind != Kind::Shard || dim == o.dim) &&
-           (kind != Kind::Partial || op == o.op);
+    return kind == o.kind && (kind != Kind::Shard || dim == o.dim) && (kind != Kind::Partial || op == o.op);
   }
   std::string to_string() const;  // "Shard(0)", "Replicate()", "Partial(sum)"
 };
@@ -45,15 +44,12 @@ using ShardOrder = std::vector<std::pair<int64_t, std::vector<int64_t>>>;
 struct Placements {
   std::vector<Placement> per_axis;
   ShardOrder shard_order;  // empty: ascending mesh-axis order for every dim
-  bool operator==(const Placements& o) const {
-    return per_axis == o.per_axis && shard_order == o.shard_order;
-  }
+  bool operator==(const Placements& o) const { return per_axis == o.per_axis && shard_order == o.shard_order; }
   std::string to_string() const;  // "(Shard(0), Replicate())" + " order{0: [1, 0]}"
 };
 
 // Shard dims may be negative (counted from the end, as torch allows); they are normalised.
-Layout from_placements(MeshPtr mesh, std::vector<int64_t> global_shape,
-                       const Placements& placements);
+Layout from_placements(MeshPtr mesh, std::vector<int64_t> global_shape, const Placements& placements);
 Placements to_placements(const Layout& layout);
 
 // Alias notation: per tensor dim, the axis names (empty = "None").

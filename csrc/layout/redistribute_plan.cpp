@@ -48,28 +48,27 @@ std::vector<Edge> edges_from(const Layout& state, const Layout& dst) {
     const int64_t dim = state.sharded_dim(axis);
     if (state.is_replicate(axis)) {
       if (target_dim >= 0)
-        edges.push_back({StepKind::LocalChunk, axis, -1, target_dim, ReduceOp::Sum,
-                         state.with_minor_shard(axis, target_dim)});
+        edges.push_back(
+            {StepKind::LocalChunk, axis, -1, target_dim, ReduceOp::Sum, state.with_minor_shard(axis, target_dim)});
       if (target_op) {
         const auto current_op = state.partial_op();
         if (!current_op || *current_op == *target_op)
-          edges.push_back({StepKind::PartialFill, axis, -1, -1, *target_op,
-                           state.with_partial(axis, target_op)});
+          edges.push_back({StepKind::PartialFill, axis, -1, -1, *target_op, state.with_partial(axis, target_op)});
       }
     } else if (dim >= 0) {
       if (!is_minor_most(state, axis, dim)) continue;  // minor axes must leave first
       const Layout gathered = state.without_axis(axis);
       edges.push_back({StepKind::AllGather, axis, dim, -1, ReduceOp::Sum, gathered});
       if (target_dim >= 0 && target_dim != dim)
-        edges.push_back({StepKind::AllToAll, axis, dim, target_dim, ReduceOp::Sum,
-                         gathered.with_minor_shard(axis, target_dim)});
+        edges.push_back(
+            {StepKind::AllToAll, axis, dim, target_dim, ReduceOp::Sum, gathered.with_minor_shard(axis, target_dim)});
     } else {
       const ReduceOp op = *state.partial()[axis];
       const Layout reduced = state.with_partial(axis, std::nullopt);
       edges.push_back({StepKind::AllReduce, axis, -1, -1, op, reduced});
       if (target_dim >= 0)
-        edges.push_back({StepKind::ReduceScatter, axis, -1, target_dim, op,
-                         reduced.with_minor_shard(axis, target_dim)});
+        edges.push_back(
+            {StepKind::ReduceScatter, axis, -1, target_dim, op, reduced.with_minor_shard(axis, target_dim)});
     }
   }
   return edges;
@@ -85,18 +84,24 @@ int64_t sum_of(const std::vector<int64_t>& values) {
 
 const char* step_kind_name(StepKind kind) {
   switch (kind) {
-    case StepKind::LocalChunk: return "local_chunk";
-    case StepKind::PartialFill: return "partial_fill";
-    case StepKind::AllGather: return "all_gather";
-    case StepKind::AllToAll: return "all_to_all";
-    case StepKind::AllReduce: return "all_reduce";
-    case StepKind::ReduceScatter: return "reduce_scatter";
+    case StepKind::LocalChunk:
+      return "local_chunk";
+    case StepKind::PartialFill:
+      return "partial_fill";
+    case StepKind::AllGather:
+      return "all_gather";
+    case StepKind::AllToAll:
+      return "all_to_all";
+    case StepKind::AllReduce:
+      return "all_reduce";
+    case StepKind::ReduceScatter:
+      return "reduce_scatter";
   }
   return "?";
 }
 
-std::vector<int64_t> step_elements_sent(StepKind kind, int64_t axis, int64_t src_dim,
-                                        int64_t dst_dim, const Layout& from) {
+std::vector<int64_t> step_elements_sent(StepKind kind, int64_t axis, int64_t src_dim, int64_t dst_dim,
+                                        const Layout& from) {
   const Mesh& mesh = *from.mesh();
   const int64_t parts = mesh.shape()[axis];
   std::vector<int64_t> sent(mesh.size(), 0);
@@ -136,9 +141,12 @@ int64_t RedistributeStep::total_elements() const { return sum_of(elements_sent);
 
 std::string RedistributeStep::to_string() const {
   std::string out = str_cat(step_kind_name(kind), " on axis '", from.mesh()->axis_names()[axis], "'");
-  if (src_dim >= 0 && dst_dim >= 0) out += str_cat(" dim ", src_dim, " -> dim ", dst_dim);
-  else if (src_dim >= 0) out += str_cat(" dim ", src_dim);
-  else if (dst_dim >= 0) out += str_cat(" dim ", dst_dim);
+  if (src_dim >= 0 && dst_dim >= 0)
+    out += str_cat(" dim ", src_dim, " -> dim ", dst_dim);
+  else if (src_dim >= 0)
+    out += str_cat(" dim ", src_dim);
+  else if (dst_dim >= 0)
+    out += str_cat(" dim ", dst_dim);
   if (kind == StepKind::AllReduce || kind == StepKind::ReduceScatter || kind == StepKind::PartialFill)
     out += str_cat(" (", reduce_op_name(op), ")");
   return out + ": " + from.sharding_string() + " -> " + to.sharding_string();
@@ -162,19 +170,20 @@ std::string RedistributePlan::to_string(int64_t element_size) const {
   for (size_t i = 0; i < steps.size(); ++i) {
     out += str_cat(i ? "\n" : "", i + 1, ". ", steps[i].to_string());
     const int64_t total = steps[i].total_elements();
-    if (element_size > 0) out += str_cat("  [", total * element_size, " bytes sent in all]");
-    else out += str_cat("  [", total, " elements sent in all]");
+    if (element_size > 0)
+      out += str_cat("  [", total * element_size, " bytes sent in all]");
+    else
+      out += str_cat("  [", total, " elements sent in all]");
   }
   return out;
 }
 
 RedistributePlan plan_redistribute(const Layout& src, const Layout& dst) {
-  HS_CHECK(src.mesh() && dst.mesh() && *src.mesh() == *dst.mesh(), kContext,
-           "source mesh ", src.mesh() ? src.mesh()->to_string() : "none", " differs from target mesh ",
+  HS_CHECK(src.mesh() && dst.mesh() && *src.mesh() == *dst.mesh(), kContext, "source mesh ",
+           src.mesh() ? src.mesh()->to_string() : "none", " differs from target mesh ",
            dst.mesh() ? dst.mesh()->to_string() : "none", "; allowed: the same mesh");
-  HS_CHECK(src.global_shape() == dst.global_shape(), kContext, "source shape ",
-           shape_string(src.global_shape()), " differs from target shape ",
-           shape_string(dst.global_shape()), "; allowed: the same global shape");
+  HS_CHECK(src.global_shape() == dst.global_shape(), kContext, "source shape ", shape_string(src.global_shape()),
+           " differs from target shape ", shape_string(dst.global_shape()), "; allowed: the same global shape");
   const auto target = state_key(dst);
 
   // Dijkstra over layouts; (elements, steps, key) orders the frontier deterministically.
@@ -201,8 +210,11 @@ RedistributePlan plan_redistribute(const Layout& src, const Layout& dst) {
     for (Edge& edge : edges_from(current, dst)) {
       auto next_key = state_key(edge.to);
       if (done.count(next_key)) continue;
-      RedistributeStep step{edge.kind, edge.axis, edge.src_dim, edge.dst_dim, edge.op, current, edge.to,
-                            step_elements_sent(edge.kind, edge.axis, edge.src_dim, edge.dst_dim, current)};
+      RedistributeStep step{
+          edge.kind,    edge.axis,
+          edge.src_dim, edge.dst_dim,
+          edge.op,      current,
+          edge.to,      step_elements_sent(edge.kind, edge.axis, edge.src_dim, edge.dst_dim, current)};
       const int64_t next_cost = cost + step.total_elements();
       auto it = visits.find(next_key);
       if (it != visits.end() &&
@@ -214,8 +226,7 @@ RedistributePlan plan_redistribute(const Layout& src, const Layout& dst) {
       frontier.emplace(next_cost, steps + 1, std::move(next_key));
     }
   }
-  HS_CHECK(done.count(target), kContext, "internal error: no plan from ", src.to_string(), " to ",
-           dst.to_string());
+  HS_CHECK(done.count(target), kContext, "internal error: no plan from ", src.to_string(), " to ", dst.to_string());
   RedistributePlan plan;
   for (auto key = target; key != start;) {
     Visit& visit = visits.at(key);

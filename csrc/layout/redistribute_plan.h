@@ -35,10 +35,10 @@ const char* step_kind_name(StepKind kind);
 
 struct RedistributeStep {
   StepKind kind;
-  int64_t axis;        // mesh axis the step runs along
-  int64_t src_dim;     // AllGather / AllToAll: the dim the axis leaves; else -1
-  int64_t dst_dim;     // LocalChunk / AllToAll / ReduceScatter: the dim it joins; else -1
-  ReduceOp op;         // AllReduce / ReduceScatter / PartialFill
+  int64_t axis;     // mesh axis the step runs along
+  int64_t src_dim;  // AllGather / AllToAll: the dim the axis leaves; else -1
+  int64_t dst_dim;  // LocalChunk / AllToAll / ReduceScatter: the dim it joins; else -1
+  ReduceOp op;      // AllReduce / ReduceScatter / PartialFill
   Layout from;
   Layout to;
   std::vector<int64_t> elements_sent;  // per row-major mesh position
@@ -55,8 +55,8 @@ struct RedistributePlan {
 };
 
 // Elements each rank (row-major mesh position) sends for `step` run from `from`.
-std::vector<int64_t> step_elements_sent(StepKind kind, int64_t axis, int64_t src_dim,
-                                        int64_t dst_dim, const Layout& from);
+std::vector<int64_t> step_elements_sent(StepKind kind, int64_t axis, int64_t src_dim, int64_t dst_dim,
+                                        const Layout& from);
 
 // Raises when the meshes or global shapes differ.
 RedistributePlan plan_redistribute(const Layout& src, const Layout& dst);

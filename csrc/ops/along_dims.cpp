@@ -69,10 +69,10 @@ namespace hypershard::ops {
 namespace {
 
 enum class Along : int8_t {
-  kDimArg,   // the "dim" argument: an int, an int list, or None / [] for every dim
-  kAll,      // every dim
-  kMatrix,   // the last two dims
-  kLastDim,  // the last dim
+  kDimArg,     // the "dim" argument: an int, an int list, or None / [] for every dim
+  kAll,        // every dim
+  kMatrix,     // the last two dims
+  kLastDim,    // the last dim
   kAllButDim,  // every dim but the "dim" argument (renorm: one norm per slice of dim)
   kChannel,    // dim 1 (channel_shuffle)
   kLastThree,  // the last three dims (pixel_shuffle: channels and the two spatial dims)
@@ -98,8 +98,9 @@ std::vector<int64_t> named_dims(const OpCall& call, AlongSpec spec, int64_t ndim
   }
   if (spec.along == Along::kChannel || spec.along == Along::kLastThree) {
     const int64_t first = spec.along == Along::kChannel ? 1 : ndim - 3;
-    if (first < 0 || ndim < 2) fail_argument(call, 0, layout::str_cat("has ", ndim, " dims"),
-                                             spec.along == Along::kChannel ? "at least 2 dims" : "at least 3 dims");
+    if (first < 0 || ndim < 2)
+      fail_argument(call, 0, layout::str_cat("has ", ndim, " dims"),
+                    spec.along == Along::kChannel ? "at least 2 dims" : "at least 3 dims");
     if (spec.along == Along::kChannel) return {1};
     return {ndim - 3, ndim - 2, ndim - 1};
   }
@@ -112,7 +113,8 @@ std::vector<int64_t> named_dims(const OpCall& call, AlongSpec spec, int64_t ndim
     // diag_embed puts the diagonal in the output's last two dims by default; other positions
     // would move the batch dims: every dim whole then.
     const int64_t out_ndim = ndim + 1;
-    const int64_t d1 = wrap_dim(call, call.arg(2).toInt(), out_ndim), d2 = wrap_dim(call, call.arg(3).toInt(), out_ndim);
+    const int64_t d1 = wrap_dim(call, call.arg(2).toInt(), out_ndim),
+                  d2 = wrap_dim(call, call.arg(3).toInt(), out_ndim);
     if (std::min(d1, d2) != ndim - 1 || std::max(d1, d2) != ndim) return all;
     return {ndim - 1};
   }
@@ -188,8 +190,7 @@ OpPlan along_dims_rule(const OpCall& call) {
 
   layout::PartialOps partial = in.partial();
   const auto op = in.partial_op();
-  if (!(kLinear && op && is_sum_like(*op)) &&
-      refuse_sum_partial(call, 0, redistribute_partial_first()))
+  if (!(kLinear && op && is_sum_like(*op)) && refuse_sum_partial(call, 0, redistribute_partial_first()))
     partial.assign(partial.size(), std::nullopt);  // reduced first: exact
   layout::DimAxes kept = in.dim_axes();
   for (int64_t d : named) kept[d].clear();
@@ -225,8 +226,9 @@ OpPlan along_dims_rule(const OpCall& call) {
   plan.inputs.push_back(make_layout(in, in.global_shape(), kept, partial));
   for (size_t t = 1; t < call.tensors.size(); ++t) {
     const Layout& other = call.layout(static_cast<int64_t>(t));
-    plan.inputs.push_back(aligned[t] ? make_layout(other, other.global_shape(), kept, {})
-                                     : other_operand(call, static_cast<int64_t>(t), A == Along::kMatrix ? n - 2 : -1, kept));
+    plan.inputs.push_back(aligned[t]
+                              ? make_layout(other, other.global_shape(), kept, {})
+                              : other_operand(call, static_cast<int64_t>(t), A == Along::kMatrix ? n - 2 : -1, kept));
   }
   // Integer outputs (indices, counts) carry no Partial; a linear op's values keep it.
   for (size_t o = 0; o < shapes.size(); ++o)
@@ -260,7 +262,8 @@ Indexing plan_indexing(const OpCall& call) {
     const c10::IValue item = list.get(i);
     if (!item.isTensor() || !item.toTensor().defined()) continue;
     const auto type = item.toTensor().scalar_type();
-    if (type == at::kBool || type == at::kByte) not_covered(call, "a boolean mask index selects a data-dependent number of elements");
+    if (type == at::kBool || type == at::kByte)
+      not_covered(call, "a boolean mask index selects a data-dependent number of elements");
     ix.dims.push_back(static_cast<int64_t>(i));
     const auto shape = call.layout(call.tensor_index(1, static_cast<int64_t>(i))).global_shape();
     // broadcast the index shapes (right-aligned)
@@ -310,7 +313,8 @@ OpPlan index_rule(const OpCall& call) {
   OpPlan plan;
   plan.inputs.push_back(make_layout(self, self.global_shape(), ix.self_dims, partial));
   for (size_t t = 1; t < call.tensors.size(); ++t)
-    plan.inputs.push_back(replicate_like(call.layout(static_cast<int64_t>(t)), call.layout(static_cast<int64_t>(t)).global_shape()));
+    plan.inputs.push_back(
+        replicate_like(call.layout(static_cast<int64_t>(t)), call.layout(static_cast<int64_t>(t)).global_shape()));
   plan.outputs.push_back(make_layout(self, ix.result_shape, ix.result_dims, partial));
   return plan;
 }
@@ -337,7 +341,8 @@ layout::PartialOps summed_axes(const OpCall& call, const Indexing& ix, int64_t v
       const bool shards = std::any_of(ix.self_dims.begin(), ix.self_dims.end(), [&](const std::vector<int64_t>& axes) {
         return std::find(axes.begin(), axes.end(), axis) != axes.end();
       });
-      if (linear && !shards) out[axis] = ReduceOp::Sum;
+      if (linear && !shards)
+        out[axis] = ReduceOp::Sum;
       else if (!linear && !call.in_backward)
         fail_argument(call, static_cast<int64_t>(t), "a Partial operand of an indexed write",
                       "Replicate or Shard; Partial(sum) self and values of an accumulating write (accumulate=True)");
@@ -441,8 +446,8 @@ struct OwnedIndex {
 };
 
 template <typename T>
-OwnedIndex localize_cpu_index(const OpCall& call, const at::Tensor& index, int64_t dim, int64_t begin,
-                              int64_t length, int64_t global) {
+OwnedIndex localize_cpu_index(const OpCall& call, const at::Tensor& index, int64_t dim, int64_t begin, int64_t length,
+                              int64_t global) {
   const T* in = index.const_data_ptr<T>();
   const int64_t n = index.numel();
   int64_t owned_count = 0;
@@ -498,8 +503,10 @@ OpPlan owned_indexing_rule(const OpCall& call) {
       for (int64_t axis = 0; axis < self.mesh()->ndim(); ++axis) {
         const auto& op = t.layout->partial()[axis];
         if (!op) continue;
-        if (*op == ReduceOp::Sum) summed[axis] = ReduceOp::Sum, any = true;
-        else other = true;
+        if (*op == ReduceOp::Sum)
+          summed[axis] = ReduceOp::Sum, any = true;
+        else
+          other = true;
       }
     }
     if (any && !other) return summing_partial_plan(call, summed);
@@ -579,8 +586,10 @@ OpPlan owned_indexing_rule(const OpCall& call) {
       c.op->callBoxed(stack);
       if (read && owned.foreign.defined()) {
         at::Tensor result = stack.back().toTensor();
-        if (owned.all_foreign) result.zero_();
-        else result.masked_fill_(rows_index ? along_dim(owned.foreign, result) : owned.foreign, 0);
+        if (owned.all_foreign)
+          result.zero_();
+        else
+          result.masked_fill_(rows_index ? along_dim(owned.foreign, result) : owned.foreign, 0);
       }
       return;
     }
@@ -669,11 +678,11 @@ void register_along_dims(Registry& r) {
     r.add(op, &index_put_rule, KeyScalars::kAll);
   // Discrete Fourier transforms along their dims (linear: a sum Partial passes)
   add<Along::kDimArg, true>(r, {"aten::_fft_c2c", "aten::_fft_c2r", "aten::_fft_r2c"});
-  add<Along::kDimArg>(r, {"aten::kthvalue", "aten::mode", "aten::median.dim", "aten::nanmedian.dim",
-                          "aten::logsumexp", "aten::nansum", "aten::norm.ScalarOpt_dim",
-                          "aten::std_mean.correction", "aten::var_mean.correction", "aten::aminmax",
-                          "aten::count_nonzero", "aten::count_nonzero.dim_IntList", "aten::unfold",
-                          "aten::unfold_copy", "aten::glu", "aten::glu_backward", "aten::hash_tensor"});
+  add<Along::kDimArg>(
+      r, {"aten::kthvalue", "aten::mode", "aten::median.dim", "aten::nanmedian.dim", "aten::logsumexp", "aten::nansum",
+          "aten::norm.ScalarOpt_dim", "aten::std_mean.correction", "aten::var_mean.correction", "aten::aminmax",
+          "aten::count_nonzero", "aten::count_nonzero.dim_IntList", "aten::unfold", "aten::unfold_copy", "aten::glu",
+          "aten::glu_backward", "aten::hash_tensor"});
   r.add("aten::unfold_backward", &unfold_backward_rule, KeyScalars::kAll);
   // renorm: one norm per slice of dim, so dim keeps its sharding and the others are whole
   add<Along::kAllButDim>(r, {"aten::renorm", "aten::renorm_"});
@@ -684,17 +693,33 @@ void register_along_dims(Registry& r) {
   add<Along::kLastThree, true>(r, {"aten::pixel_shuffle", "aten::pixel_unshuffle"});
   // Indexing along dim: the indices are GLOBAL coordinates of that dim, which is made whole.
   // A self sharded along dim alone is indexed by ownership (owned_indexing_rule).
-  for (const char* op : {"aten::gather", "aten::scatter.src", "aten::scatter.value", "aten::scatter.reduce",
-                         "aten::scatter.value_reduce", "aten::scatter_add", "aten::scatter_reduce.two",
-                         "aten::index_select", "aten::index_add", "aten::index_copy", "aten::index_fill.int_Scalar",
-                         "aten::index_fill.int_Tensor", "aten::scatter_.src", "aten::scatter_.value",
-                         "aten::scatter_add_", "aten::scatter_reduce_.two", "aten::scatter_.reduce",
-                         "aten::scatter_.value_reduce", "aten::index_add_", "aten::index_copy_",
-                         "aten::index_fill_.int_Scalar", "aten::index_fill_.int_Tensor", "aten::index_reduce",
+  for (const char* op : {"aten::gather",
+                         "aten::scatter.src",
+                         "aten::scatter.value",
+                         "aten::scatter.reduce",
+                         "aten::scatter.value_reduce",
+                         "aten::scatter_add",
+                         "aten::scatter_reduce.two",
+                         "aten::index_select",
+                         "aten::index_add",
+                         "aten::index_copy",
+                         "aten::index_fill.int_Scalar",
+                         "aten::index_fill.int_Tensor",
+                         "aten::scatter_.src",
+                         "aten::scatter_.value",
+                         "aten::scatter_add_",
+                         "aten::scatter_reduce_.two",
+                         "aten::scatter_.reduce",
+                         "aten::scatter_.value_reduce",
+                         "aten::index_add_",
+                         "aten::index_copy_",
+                         "aten::index_fill_.int_Scalar",
+                         "aten::index_fill_.int_Tensor",
+                         "aten::index_reduce",
                          "aten::index_reduce_"})
     r.add(op, &owned_indexing_rule, KeyScalars::kAll);
   // The diagonal is shifted per rank by a constant of the plan (OpPlan::shifted_int_arg): its value
-// does not change the plan.
+  // does not change the plan.
   for (const char* op : {"aten::tril", "aten::tril_", "aten::triu", "aten::triu_"})
     r.add(op, &triangle_rule, KeyScalars::kNone);
   add<Along::kAll>(r, {"aten::median", "aten::nanmedian", "aten::_linalg_check_errors"});
@@ -708,15 +733,30 @@ void register_along_dims(Registry& r) {
     r.add(op, &pool2d_rule<false>, KeyScalars::kAll);
   add<Along::kDimArg>(r, {"aten::linalg_cross"});
   add<Along::kLastDim>(r, {"aten::diag_embed"});
-  add<Along::kMatrix>(r, {"aten::linalg_inv_ex", "aten::linalg_cholesky_ex", "aten::linalg_lu_factor_ex",
-                          "aten::linalg_lu", "aten::linalg_qr", "aten::linalg_eig", "aten::_linalg_eigh",
-                          "aten::_linalg_svd", "aten::_linalg_slogdet", "aten::_linalg_det",
-                          "aten::linalg_matrix_exp", "aten::linalg_pinv.atol_rtol_tensor",
-                          "aten::linalg_lu_solve", "aten::linalg_solve_triangular", "aten::cholesky",
-                          "aten::cholesky_inverse", "aten::cholesky_solve",
-                          "aten::linalg_ldl_factor_ex", "aten::linalg_ldl_solve", "aten::_linalg_solve_ex",
-                          "aten::_linalg_eigvals", "aten::linalg_householder_product",
-                          "aten::triangular_solve", "aten::lu_unpack"});
+  add<Along::kMatrix>(r, {"aten::linalg_inv_ex",
+                          "aten::linalg_cholesky_ex",
+                          "aten::linalg_lu_factor_ex",
+                          "aten::linalg_lu",
+                          "aten::linalg_qr",
+                          "aten::linalg_eig",
+                          "aten::_linalg_eigh",
+                          "aten::_linalg_svd",
+                          "aten::_linalg_slogdet",
+                          "aten::_linalg_det",
+                          "aten::linalg_matrix_exp",
+                          "aten::linalg_pinv.atol_rtol_tensor",
+                          "aten::linalg_lu_solve",
+                          "aten::linalg_solve_triangular",
+                          "aten::cholesky",
+                          "aten::cholesky_inverse",
+                          "aten::cholesky_solve",
+                          "aten::linalg_ldl_factor_ex",
+                          "aten::linalg_ldl_solve",
+                          "aten::_linalg_solve_ex",
+                          "aten::_linalg_eigvals",
+                          "aten::linalg_householder_product",
+                          "aten::triangular_solve",
+                          "aten::lu_unpack"});
 }
 
 }  // namespace hypershard::ops

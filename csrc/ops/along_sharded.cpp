@@ -110,8 +110,8 @@ void fold_scan_totals(Scan scan, const OpCall& call, const ScanFold& fold, int64
     return at::zeros(shape, t.options());
   };
   const at::Tensor totals = runtime::all_gather_in_chunk_order(last(values), mesh, axes, dim);
-  const at::Tensor total_indices = indexed ? runtime::all_gather_in_chunk_order(last(indices), mesh, axes, dim)
-                                           : at::Tensor();
+  const at::Tensor total_indices =
+      indexed ? runtime::all_gather_in_chunk_order(last(indices), mesh, axes, dim) : at::Tensor();
   // Is `candidate` (later in the dim) the scan's pick over `current`?
   auto later_wins = [&](const at::Tensor& candidate, const at::Tensor& current) {
     const at::Tensor better = scan == Scan::kMax ? candidate.ge(current) : candidate.le(current);
@@ -126,9 +126,15 @@ void fold_scan_totals(Scan scan, const OpCall& call, const ScanFold& fold, int64
       continue;
     }
     switch (scan) {
-      case Scan::kSum: prefix = prefix + total; break;
-      case Scan::kProd: prefix = prefix * total; break;
-      case Scan::kLogSumExp: prefix = at::logaddexp(prefix, total); break;
+      case Scan::kSum:
+        prefix = prefix + total;
+        break;
+      case Scan::kProd:
+        prefix = prefix * total;
+        break;
+      case Scan::kLogSumExp:
+        prefix = at::logaddexp(prefix, total);
+        break;
       case Scan::kMax:
       case Scan::kMin: {
         const at::Tensor take = later_wins(total, prefix);
@@ -140,9 +146,15 @@ void fold_scan_totals(Scan scan, const OpCall& call, const ScanFold& fold, int64
   }
   if (!prefix.defined() || length == 0) return;
   switch (scan) {
-    case Scan::kSum: values.add_(prefix); break;
-    case Scan::kProd: values.mul_(prefix); break;
-    case Scan::kLogSumExp: values.copy_(at::logaddexp(prefix, values)); break;
+    case Scan::kSum:
+      values.add_(prefix);
+      break;
+    case Scan::kProd:
+      values.mul_(prefix);
+      break;
+    case Scan::kLogSumExp:
+      values.copy_(at::logaddexp(prefix, values));
+      break;
     case Scan::kMax:
     case Scan::kMin: {
       const at::Tensor keep = later_wins(values, prefix);
@@ -157,8 +169,7 @@ template <Scan S>
 OpPlan scan_rule(const OpCall& call) {
   const Layout& in = call.layout(0);
   const bool linear = S == Scan::kSum;
-  const layout::PartialOps partial =
-      kept_partial(call, linear);
+  const layout::PartialOps partial = kept_partial(call, linear);
   const int64_t dim = in.ndim() == 0 ? 0 : wrap_dim(call, call.arg(1).toInt(), in.ndim());
   layout::DimAxes dims = in.dim_axes();
   // complex logcumsumexp: no complex logaddexp to fold with; the dim is made whole
@@ -168,8 +179,7 @@ OpPlan scan_rule(const OpCall& call) {
   plan.outputs.push_back(plan.inputs[0]);
   if (S == Scan::kMax || S == Scan::kMin) plan.outputs.push_back(make_layout(in, in.global_shape(), dims, {}));
   if (in.ndim() > 0 && dim_parts(*plan.inputs[0], dim) > 1) {
-    plan.expand = [fold = scan_fold(*plan.inputs[0], *call.mesh, dim), dim](const OpCall& c,
-                                                                            torch::jit::Stack& stack) {
+    plan.expand = [fold = scan_fold(*plan.inputs[0], *call.mesh, dim), dim](const OpCall& c, torch::jit::Stack& stack) {
       c.op->callBoxed(stack);
       fold_scan_totals(S, c, fold, dim, stack);
     };
@@ -207,7 +217,8 @@ OpPlan move_rule(const OpCall& call) {
   const layout::PartialOps partial = kept_partial(call, true);
   const int64_t dims_index = call.arg_index("dims");
   std::vector<int64_t> moved;
-  for (int64_t d : call.arg(dims_index).toIntList()) moved.push_back(wrap_dim(call, d, std::max<int64_t>(in.ndim(), 1)));
+  for (int64_t d : call.arg(dims_index).toIntList())
+    moved.push_back(wrap_dim(call, d, std::max<int64_t>(in.ndim(), 1)));
   layout::DimAxes dims = in.dim_axes();
   if (is_roll && moved.empty()) dims.assign(dims.size(), {});
   std::vector<int64_t> exchanged;  // positions in `moved`
@@ -230,8 +241,8 @@ OpPlan move_rule(const OpCall& call) {
   for (size_t i = 0; i < moved.size(); ++i) {
     const bool exchange = std::find(exchanged.begin(), exchanged.end(), static_cast<int64_t>(i)) != exchanged.end();
     if (exchange)
-      fetches.push_back(move_plan(*plan.inputs[0], *call.mesh, moved[i],
-                                  is_roll ? std::optional<int64_t>(shifts[i]) : std::nullopt));
+      fetches.push_back(
+          move_plan(*plan.inputs[0], *call.mesh, moved[i], is_roll ? std::optional<int64_t>(shifts[i]) : std::nullopt));
     if (!exchange || !is_roll) {
       rest_dims.push_back(moved[i]);
       if (is_roll) rest_shifts.push_back(shifts[i]);
@@ -242,7 +253,7 @@ OpPlan move_rule(const OpCall& call) {
     c10::IValue* args = stack.data() + (stack.size() - num);
     at::Tensor local = args[0].toTensor();
     for (const SpanPlan& fetch : fetches) local = runtime::fetch_spans(local, fetch, *c.mesh);
-    if (rest_dims.empty()) {  // a roll whose every dim was exchanged
+    if (rest_dims.empty()) {                                             // a roll whose every dim was exchanged
       if (local.is_alias_of(args[0].toTensor())) local = local.clone();  // a roll by whole turns
       torch::jit::drop(stack, num);
       stack.emplace_back(std::move(local));
@@ -286,8 +297,8 @@ OpPlan topk_rule(const OpCall& call) {
   // sorted=False: torch's kernel returns the k best in an order of its own; the dim is gathered
   const bool merge = in.ndim() > 0 && dim_parts(in, dim) > 1 && call.arg(4).toBool();
   OpPlan plan;
-  plan.inputs.push_back(make_layout(in, in.global_shape(), merge ? in.dim_axes() : out_dims,
-                                    layout::PartialOps(partial.size())));
+  plan.inputs.push_back(
+      make_layout(in, in.global_shape(), merge ? in.dim_axes() : out_dims, layout::PartialOps(partial.size())));
   for (const auto& shape : shapes) plan.outputs.push_back(make_layout(in, shape, out_dims));
   if (!merge) return plan;
   const LayoutPtr layout = plan.inputs[0];
@@ -367,8 +378,8 @@ at::Tensor transposed_blocks(const at::Tensor& flat, const at::Tensor& counts) {
   const at::Tensor old_start = (c.cumsum(0) - c).view(counts.sizes());
   const at::Tensor ct = counts.t().contiguous().view(-1);
   const at::Tensor new_start = (ct.cumsum(0) - ct).view({counts.size(1), counts.size(0)}).t();
-  const at::Tensor to = at::arange(flat.size(0), c.options()) +
-                        at::repeat_interleave((new_start - old_start).contiguous().view(-1), c);
+  const at::Tensor to =
+      at::arange(flat.size(0), c.options()) + at::repeat_interleave((new_start - old_start).contiguous().view(-1), c);
   return at::empty_like(flat).index_copy_(0, to, flat);
 }
 
@@ -386,8 +397,8 @@ c10::Scalar sorts_last(at::ScalarType type, bool descending) {
 
 // What a sort along a dim sharded over ONE mesh axis needs of the layout, made with the plan.
 struct SortExchange {
-  SpanPlan spans;        // every member's GLOBAL span of the dim (the output's are the same)
-  LayoutPtr layout;      // the input's, and whole_layout the dim made whole (the tie fallback)
+  SpanPlan spans;    // every member's GLOBAL span of the dim (the output's are the same)
+  LayoutPtr layout;  // the input's, and whole_layout the dim made whole (the tie fallback)
   LayoutPtr whole_layout;
 };
 
@@ -433,8 +444,8 @@ std::pair<at::Tensor, at::Tensor> sharded_sort(const at::Tensor& local, int64_t 
   // 1. splitters: k-1 regular samples of each non-empty block, their k-1 quantiles
   std::vector<int64_t> sample_at;
   for (int64_t j = 1; j < k; ++j) sample_at.push_back(n > 0 ? j * n / k : 0);
-  const at::Tensor samples = n > 0 ? values.index_select(1, at::tensor(sample_at, long_options))
-                                   : at::zeros({rows, k - 1}, values.options());
+  const at::Tensor samples =
+      n > 0 ? values.index_select(1, at::tensor(sample_at, long_options)) : at::zeros({rows, k - 1}, values.options());
   const at::Tensor all_samples = runtime::all_gather_along(samples, mesh, axis, 1);
   std::vector<int64_t> valid;
   for (int64_t c = 0; c < k; ++c)
@@ -451,9 +462,9 @@ std::pair<at::Tensor, at::Tensor> sharded_sort(const at::Tensor& local, int64_t 
   // bucket-major); counts[s][row][c]: what member s sends member c of each row
   const at::Tensor counts = at::zeros({rows, k}, long_options).scatter_add_(1, bucket, at::ones_like(bucket));
   const at::Tensor all_counts = runtime::all_gather_along(counts.unsqueeze(0), mesh, axis, 0);
-  auto [got_values, got_global] = exchange_pairs(
-      transposed_blocks(values.reshape(-1), counts), transposed_blocks(global.reshape(-1), counts), wide,
-      counts.sum(0), all_counts.select(2, me).sum(1), mesh, axis);
+  auto [got_values, got_global] =
+      exchange_pairs(transposed_blocks(values.reshape(-1), counts), transposed_blocks(global.reshape(-1), counts), wide,
+                     counts.sum(0), all_counts.select(2, me).sum(1), mesh, axis);
   // what arrived, [source][row] blocks, row-major, each row padded to the longest with a value
   // that sorts last; one stable sort per row merges the sources' runs (they arrive in member
   // order, so equal values stay in GLOBAL index order: a stable sort's order)
@@ -508,8 +519,8 @@ std::pair<at::Tensor, at::Tensor> sharded_sort(const at::Tensor& local, int64_t 
     to_member.push_back(overlap(me, c));
     from_member.push_back(overlap(c, me));
   }
-  const at::Tensor sends = at::stack(to_member, 1);    // [row, member]
-  const at::Tensor arrives = at::stack(from_member);   // [source, row]
+  const at::Tensor sends = at::stack(to_member, 1);   // [row, member]
+  const at::Tensor arrives = at::stack(from_member);  // [source, row]
   auto [final_values, final_global] =
       exchange_pairs(transposed_blocks(got_values, sends), transposed_blocks(got_global, sends), wide, sends.sum(0),
                      arrives.sum(1), mesh, axis);
@@ -536,8 +547,8 @@ OpPlan sort_rule(const OpCall& call) {
     stable = call.arg(*s).toBool();
   if (const auto d = call.schema().argumentIndexWithName("descending")) descending = call.arg(*d).toBool();
   const bool repeats = !stable && !c10::isFloatingType(call.tensors[0].dtype);
-  const bool exchange = in.ndim() > 0 && dims[dim].size() == 1 && dim_parts(in, dim) > 1 &&
-                        in.global_shape()[dim] > 0 && !repeats;
+  const bool exchange =
+      in.ndim() > 0 && dims[dim].size() == 1 && dim_parts(in, dim) > 1 && in.global_shape()[dim] > 0 && !repeats;
   if (!exchange && in.ndim() > 0) dims[dim].clear();
   OpPlan plan;
   plan.inputs.push_back(make_layout(in, in.global_shape(), dims, layout::PartialOps(in.partial().size())));
@@ -550,7 +561,7 @@ OpPlan sort_rule(const OpCall& call) {
                   make_layout(in, in.global_shape(), whole)};
   const bool values_out = name != "aten::argsort", indices_out = !msort;
   plan.expand = [ex = std::move(ex), dim, descending, stable, values_out, indices_out](const OpCall& c,
-                                                                                        torch::jit::Stack& stack) {
+                                                                                       torch::jit::Stack& stack) {
     const size_t num = c.schema().arguments().size();
     auto [values, indices] = sharded_sort(stack[stack.size() - num].toTensor(), dim, descending, stable, ex, *c.mesh);
     torch::jit::drop(stack, num);

@@ -44,8 +44,10 @@ layout::PartialOps joint_partial(const OpCall& call, const std::vector<bool>& ex
     for (size_t t = 0; t < call.tensors.size(); ++t) {
       const auto& op = call.layout(static_cast<int64_t>(t)).partial()[axis];
       if (!op) continue;
-      if (!is_sum_like(*op) || (out[axis] && *out[axis] != *op)) agree = false;
-      else out[axis] = op;
+      if (!is_sum_like(*op) || (out[axis] && *out[axis] != *op))
+        agree = false;
+      else
+        out[axis] = op;
     }
     if (!agree) out[axis] = std::nullopt;
   }

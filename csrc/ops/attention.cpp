@@ -184,9 +184,14 @@ std::string broadcast_labels(const OpCall& call, int64_t t, const Attention& a) 
 
 const char* describe(char label) {
   switch (label) {
-    case 'L': case 'S': return " (sequence)";
-    case 'E': case 'F': return " (head_dim)";
-    default: return " (broadcast)";
+    case 'L':
+    case 'S':
+      return " (sequence)";
+    case 'E':
+    case 'F':
+      return " (head_dim)";
+    default:
+      return " (broadcast)";
   }
 }
 
@@ -200,19 +205,21 @@ Attention bind(const OpCall& call, const DimOrder& order, int64_t head_num = 0) 
   a.mask = call.tensor_named({"attn_mask", "attn_bias", "atten_mask"});
   a.pse = call.tensor_named({"pse"});
   a.sink = call.tensor_named({"sink"});
-  const std::array<std::pair<int64_t, const char*>, 3> qkv{{{a.query, order.query}, {a.key, order.key},
-                                                            {a.value, order.value}}};
+  const std::array<std::pair<int64_t, const char*>, 3> qkv{
+      {{a.query, order.query}, {a.key, order.key}, {a.value, order.value}}};
   for (const auto& [t, labels] : qkv)
     if (call.layout(t).ndim() != static_cast<int64_t>(std::strlen(labels)))
       fail_argument(call, t, "has " + std::to_string(call.layout(t).ndim()) + " dims",
-                    &order == &kTorchOrder ? std::string("4-D (batch, heads, sequence, head_dim)")
-                                           : layout::str_cat(std::strlen(labels), "-D (input_layout ", order.name, ")"));
+                    &order == &kTorchOrder
+                        ? std::string("4-D (batch, heads, sequence, head_dim)")
+                        : layout::str_cat(std::strlen(labels), "-D (input_layout ", order.name, ")"));
   const auto& q = call.layout(a.query).global_shape();
   const auto& k = call.layout(a.key).global_shape();
   a.heads_dim = dim_of(order.query, kHeads);
   if (order.merged) {
     if (head_num <= 0 || q[a.heads_dim] % head_num != 0)
-      fail_argument(call, a.query, layout::str_cat("H = ", q[a.heads_dim], " is not head_num = ", head_num, " whole heads"),
+      fail_argument(call, a.query,
+                    layout::str_cat("H = ", q[a.heads_dim], " is not head_num = ", head_num, " whole heads"),
                     "head_num > 0 dividing query's H");
     a.unit = q[a.heads_dim] / head_num;
     if (a.unit == 0 || k[a.heads_dim] % a.unit != 0)
@@ -239,10 +246,14 @@ Attention bind(const OpCall& call, const DimOrder& order, int64_t head_num = 0) 
   std::string allowed;
   for (size_t i = 0; i < dims.size(); ++i) allowed += (i == 0 ? "" : i + 1 == dims.size() ? " or " : ", ") + dims[i];
   allowed += " sharded";
-  const char* needs = a.sequences() ? "; attention needs whole head dims" : "; attention needs whole sequences and head dims";
-  const std::array<std::pair<int64_t, std::string>, 6> checked{{{a.query, order.query}, {a.key, order.key},
-                                                                {a.value, order.value}, {a.mask, a.mask_labels},
-                                                                {a.pse, a.pse_labels}, {a.sink, a.sink_labels}}};
+  const char* needs =
+      a.sequences() ? "; attention needs whole head dims" : "; attention needs whole sequences and head dims";
+  const std::array<std::pair<int64_t, std::string>, 6> checked{{{a.query, order.query},
+                                                                {a.key, order.key},
+                                                                {a.value, order.value},
+                                                                {a.mask, a.mask_labels},
+                                                                {a.pse, a.pse_labels},
+                                                                {a.sink, a.sink_labels}}};
   for (const auto& [t, labels] : checked) {
     if (t < 0) continue;
     const Layout& l = call.layout(t);
@@ -291,8 +302,9 @@ void check_grouped_heads(const OpCall& call, const Attention& a, const FactorPla
   if (a.query_heads == a.kv_heads) return;
   const int64_t parts = head_parts(call, f);
   if (parts > 1 && a.kv_heads % parts != 0)
-    fail_argument(call, a.key, layout::str_cat(a.kv_heads, " key/value heads (grouped under ", a.query_heads,
-                                                " query heads) cannot be split evenly over ", parts, " shards"),
+    fail_argument(call, a.key,
+                  layout::str_cat(a.kv_heads, " key/value heads (grouped under ", a.query_heads,
+                                  " query heads) cannot be split evenly over ", parts, " shards"),
                   "heads sharded over a number of shards that divides the key/value heads, or batch sharding");
 }
 
@@ -359,8 +371,9 @@ double dropout_of(const OpCall& call) {
 void refuse_uncovered(const OpCall& call, const FactorPlan& f) {
   const bool sharded = std::any_of(f.shard_label.begin(), f.shard_label.end(), [](char l) { return l != 0; });
   if (sharded && dropout_of(call) > 0)
-    not_covered(call, "dropout inside the attention kernel with sharded inputs: each rank would draw its own "
-                      "mask, not its slice of one device's draw");
+    not_covered(call,
+                "dropout inside the attention kernel with sharded inputs: each rank would draw its own "
+                "mask, not its slice of one device's draw");
   const bool batch_sharded = std::find(f.shard_label.begin(), f.shard_label.end(), kBatch) != f.shard_label.end();
   if (const auto i = call.schema().argumentIndexWithName("prefix"); i && batch_sharded && !call.arg(*i).isNone())
     not_covered(call, "a per-batch prefix list with the batch sharded");
@@ -375,7 +388,7 @@ at::Tensor stored_positions(int64_t begin, int64_t count, int64_t length, int64_
   if (chunks == 0) return stored;
   const int64_t chunk = length / chunks;
   const at::Tensor block = stored.div(2 * chunk, "floor"), within = stored.remainder(2 * chunk);
-  const at::Tensor head = block * chunk + within;                             // chunk `block`
+  const at::Tensor head = block * chunk + within;                           // chunk `block`
   const at::Tensor tail = (chunks - 1 - block) * chunk + (within - chunk);  // chunk 2n-1-block
   return at::where(within < chunk, head, tail);
 }
@@ -417,9 +430,8 @@ at::Tensor causal_mask(const OpCall& c, const SequencePlan& p, int64_t local_row
     fail_call(c, layout::str_cat("a causal mask over a sequence stored in head-tail order of ", chunks,
                                  " chunks (load-balanced axis '",
                                  c.mesh->mesh()->axis_names()[c.mesh->load_balanced_sequence_axis()],
-                                 "') needs equal query and key lengths divisible by ", chunks, "; got L=",
-                                 p.length_q, ", S=", p.length_k,
-                                 "; allowed: sequences padded to a multiple of 2 x the axis size"));
+                                 "') needs equal query and key lengths divisible by ", chunks, "; got L=", p.length_q,
+                                 ", S=", p.length_k, "; allowed: sequences padded to a multiple of 2 x the axis size"));
   const int64_t begin = p.query->global_offset_at(c.mesh->position())[2];
   const at::Tensor rows = stored_positions(begin, local_rows, p.length_q, chunks);
   const at::Tensor cols = stored_positions(0, p.length_k, p.length_k, chunks);
@@ -457,11 +469,13 @@ void check_sequence_kernel(const OpCall& call, const SequencePlan& p, int64_t ca
   // Keyed on its scalars (KeyScalars::kAll): is_causal is this plan's.
   if (causal && mask_arg < 0) {
     if (head_tail_chunks(*call.mesh) > 0)
-      fail_call(call, "is_causal over a sequence stored in head-tail order: this kernel takes no mask to hold "
-                      "the global positions (gathering keeps the stored order); allowed: the efficient or cuDNN "
-                      "kernel (an attn_mask), or a mesh without a load-balanced sequence axis");
-    not_covered(call, "is_causal with the query's sequence sharded: the flash kernel takes no mask to hold the "
-                      "global positions of this rank's rows");
+      fail_call(call,
+                "is_causal over a sequence stored in head-tail order: this kernel takes no mask to hold "
+                "the global positions (gathering keeps the stored order); allowed: the efficient or cuDNN "
+                "kernel (an attn_mask), or a mesh without a load-balanced sequence axis");
+    not_covered(call,
+                "is_causal with the query's sequence sharded: the flash kernel takes no mask to hold the "
+                "global positions of this rank's rows");
   }
   // The efficient kernel pads logsumexp's rows to a multiple of 32 per call.
   if (!p.query_sharded || call.schema().name().find("efficient") == std::string::npos) return;
@@ -550,8 +564,8 @@ OpPlan finish(const OpCall& call, const Attention& a, const FactorSpec& spec, bo
       torch::jit::drop(stack, n);
       if (!backward) {
         stack.emplace_back(at::empty({query.size(0), query.size(1), 0, value_used.size(3)}, query.options()));
-        stack.emplace_back(at::empty({query.size(0), query.size(1), 0},
-                                     query.options().dtype(at::toOpMathType(query.scalar_type()))));
+        stack.emplace_back(
+            at::empty({query.size(0), query.size(1), 0}, query.options().dtype(at::toOpMathType(query.scalar_type()))));
         return;
       }
       stack.emplace_back(at::zeros_like(query));

@@ -40,8 +40,10 @@ at::Tensor max_pool1d_kernel(const at::Tensor& self, c10::IntArrayRef kernel_siz
 
 std::vector<at::Tensor> tensor_split_kernel(const at::Tensor& self, const at::Tensor& indices_or_sections,
                                             int64_t dim) {
-  TORCH_CHECK(indices_or_sections.dim() <= 1, "tensor_split expected tensor_indices_or_sections to be a "
-              "zero-dimensional or one-dimensional tensor, but got a tensor with ", indices_or_sections.dim(), " dims");
+  TORCH_CHECK(indices_or_sections.dim() <= 1,
+              "tensor_split expected tensor_indices_or_sections to be a "
+              "zero-dimensional or one-dimensional tensor, but got a tensor with ",
+              indices_or_sections.dim(), " dims");
   if (indices_or_sections.dim() == 0) return at::tensor_split(self, int_list(indices_or_sections).at(0), dim);
   return at::tensor_split(self, int_list(indices_or_sections), dim);
 }

@@ -256,7 +256,8 @@ OpPlan convolution_backward_rule(const OpCall& call) {
       stack.pop_back();
       grad_input = stack.back().toTensor();
       stack.pop_back();
-      if (mask[0]) grad_input = grad_input.narrow(dim, h.zeros_before, padded.size(dim) - h.zeros_before - h.zeros_after);
+      if (mask[0])
+        grad_input = grad_input.narrow(dim, h.zeros_before, padded.size(dim) - h.zeros_before - h.zeros_after);
     }
     // each fetched position's gradient goes back to its owner, which adds them up
     if (mask[0]) grad_input = runtime::return_spans_summed(grad_input, h.input_length, h.spans, *c.mesh);

@@ -22,7 +22,8 @@ inline std::pair<std::vector<int64_t>, layout::DimAxes> diagonal_view(const std:
       view_shape.push_back(shape[d]);
       view_dims.push_back(dims[d]);
     }
-  const int64_t length = offset >= 0 ? std::min(shape[d1], shape[d2] - offset) : std::min(shape[d1] + offset, shape[d2]);
+  const int64_t length =
+      offset >= 0 ? std::min(shape[d1], shape[d2] - offset) : std::min(shape[d1] + offset, shape[d2]);
   view_shape.push_back(std::max<int64_t>(length, 0));
   view_dims.emplace_back();
   return {std::move(view_shape), std::move(view_dims)};

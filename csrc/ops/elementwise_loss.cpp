@@ -93,7 +93,8 @@ void sum_then_scale(int64_t reduction_arg, int64_t reduction, double count, cons
 template <bool kBackward>
 OpPlan elementwise_loss_rule(const OpCall& call) {
   const Operands o = operands_of(call, kBackward);
-  for (int64_t t : {o.self, o.target, o.weight, o.pos_weight}) reject_partial(call, t, "the loss term is not linear in it");
+  for (int64_t t : {o.self, o.target, o.weight, o.pos_weight})
+    reject_partial(call, t, "the loss term is not linear in it");
   const Layout& self = call.layout(o.self);
   const Layout& target = call.layout(o.target);
   const auto& shape = self.global_shape();
@@ -114,8 +115,9 @@ OpPlan elementwise_loss_rule(const OpCall& call) {
   if (kBackward) {
     const Layout& grad = call.layout(o.grad);
     // grad_output: the loss's shape (none) in the same sharding, or a scalar, whole.
-    plan.inputs[o.grad] = reduction == kNone ? broadcast_into(grad, shape, dims)
-                                             : layout::intern_layout(Layout::replicate(grad.mesh(), grad.global_shape()));
+    plan.inputs[o.grad] = reduction == kNone
+                              ? broadcast_into(grad, shape, dims)
+                              : layout::intern_layout(Layout::replicate(grad.mesh(), grad.global_shape()));
     plan.outputs = {full};
     if (reduction == kMean && !axes.empty()) {
       const double count = static_cast<double>(layout::numel(shape));

@@ -81,7 +81,8 @@ void embedding_vocab_expand(const VocabShard& v, const OpCall& call, Stack& stac
   const int64_t vocab = v.weight->global_shape()[0];
   TORCH_CHECK(!at::isFloatingType(indices.scalar_type()) && indices.scalar_type() != at::kBool,
               "Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, Int; "
-              "but got ", indices.scalar_type(), " instead (while checking arguments for embedding)");
+              "but got ",
+              indices.scalar_type(), " instead (while checking arguments for embedding)");
   if (indices.numel() > 0) {
     const auto [low, high] = at::aminmax(indices);
     TORCH_CHECK_INDEX(low.item<int64_t>() >= 0 && high.item<int64_t>() < vocab, "index out of range in self");
@@ -123,7 +124,6 @@ OpPlan embedding_rule(const OpCall& call) {
 }
 
 // ------------------------------------------------------------------ embedding_dense_backward
-
 
 // The factors both embedding backwards share: grad [indices..., H], indices [...] -> [V, H].
 // Frequencies (scale_grad_by_freq) count every occurrence of an index: they need all indices.
@@ -243,15 +243,16 @@ at::Tensor embedding_autograd(const at::Tensor& weight, const at::Tensor& indice
 
 void register_embedding_kernels() {
   static auto* def = new torch::Library(torch::Library::FRAGMENT, "hypershard", std::nullopt, __FILE__, __LINE__);
-  def->def("embedding_vocab_backward(Tensor grad_output, Tensor indices, SymInt num_weights, SymInt padding_idx, "
-           "bool scale_grad_by_freq, int[] vocab_axes) -> Tensor");
-  static auto* impl = new torch::Library(torch::Library::IMPL, "hypershard", c10::DispatchKey::CompositeExplicitAutograd,
-                                         __FILE__, __LINE__);
+  def->def(
+      "embedding_vocab_backward(Tensor grad_output, Tensor indices, SymInt num_weights, SymInt padding_idx, "
+      "bool scale_grad_by_freq, int[] vocab_axes) -> Tensor");
+  static auto* impl = new torch::Library(torch::Library::IMPL, "hypershard",
+                                         c10::DispatchKey::CompositeExplicitAutograd, __FILE__, __LINE__);
   impl->impl("embedding_vocab_backward", TORCH_FN(embedding_vocab_backward_plain));
   aten_autograd_kernels().impl("embedding", TORCH_FN(embedding_autograd));
   // The vocab backward is only called from a backward: no autograd of its own.
-  static auto* below = new torch::Library(torch::Library::IMPL, "hypershard", c10::DispatchKey::AutogradPrivateUse2,
-                                          __FILE__, __LINE__);
+  static auto* below =
+      new torch::Library(torch::Library::IMPL, "hypershard", c10::DispatchKey::AutogradPrivateUse2, __FILE__, __LINE__);
   below->impl("embedding_vocab_backward", torch::CppFunction::makeFallthrough());
 }
 

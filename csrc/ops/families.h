@@ -12,25 +12,25 @@ namespace hypershard::ops {
 torch::Library& aten_autograd_kernels();
 
 void register_all(Registry& r);
-void register_pointwise(Registry& r);    // pointwise.cpp
+void register_pointwise(Registry& r);  // pointwise.cpp
 // pointwise.cpp: every op torch tags pointwise that no family has a rule for (registered last).
 void register_tagged_pointwise(Registry& r);
-void register_tensor_ops(Registry& r);   // tensor_ops.cpp: identity views, factories, scalars
-void register_views(Registry& r);        // views.cpp: views and shape ops
+void register_tensor_ops(Registry& r);  // tensor_ops.cpp: identity views, factories, scalars
+void register_views(Registry& r);       // views.cpp: views and shape ops
 // views.cpp: hypershard's own reshape kernel on AutogradPrivateUse2 (installed through the registry).
 void register_reshape_kernel();
 // tensor_ops.cpp: one_hot on AutogradPrivateUse2 (its composite kernel would escape the DTensor).
 void register_one_hot_kernel();
-void register_matmul(Registry& r);       // matmul.cpp: mm, bmm, addmm, baddbmm, mv, addmv, dot
-void register_masked(Registry& r);       // masked.cpp: masked_scatter (and boolean-mask indexing) in GLOBAL order
-void register_along_dims(Registry& r);   // along_dims.cpp: sorts, dim-wise reductions, indexing, linalg
+void register_matmul(Registry& r);      // matmul.cpp: mm, bmm, addmm, baddbmm, mv, addmv, dot
+void register_masked(Registry& r);      // masked.cpp: masked_scatter (and boolean-mask indexing) in GLOBAL order
+void register_along_dims(Registry& r);  // along_dims.cpp: sorts, dim-wise reductions, indexing, linalg
 // along_sharded.cpp: scans (exchange of shard totals), flip and roll (span exchange) along a sharded dim
 void register_along_sharded(Registry& r);
 // along_sharded.cpp: cummaxmin_backward on AutogradPrivateUse2 (its composite writes into a plain tensor).
 void register_along_sharded_kernels();
 // assembly.cpp: select/slice/diagonal_scatter (a base with a view replaced), block_diag, _chunk_cat
 void register_assembly(Registry& r);
-void register_lookups(Registry& r);      // lookups.cpp: searchsorted, bucketize, take (the query keeps its sharding)
+void register_lookups(Registry& r);  // lookups.cpp: searchsorted, bucketize, take (the query keeps its sharding)
 // resampling.cpp: reflect/replicate pads (a sharded padded dim stays sharded: span exchange),
 // upsampling and 3-d area (the spatial dims whole)
 void register_resampling(Registry& r);
@@ -44,7 +44,7 @@ void register_reductions(Registry& r);   // reductions.cpp: sum, mean, amax, max
 // reductions.cpp: max.dim/min.dim backward on AutogradPrivateUse2 (its composite kernel would
 // scatter into a plain tensor).
 void register_reduction_kernels();
-void register_loss(Registry& r);         // loss.cpp: softmax, log_softmax, nll_loss(2d), backwards
+void register_loss(Registry& r);  // loss.cpp: softmax, log_softmax, nll_loss(2d), backwards
 // elementwise_loss.cpp: mse, smooth_l1, huber, soft_margin, binary_cross_entropy(_with_logits),
 // their backward ops: mean over the GLOBAL element count.
 void register_elementwise_loss(Registry& r);
@@ -52,7 +52,7 @@ void register_elementwise_loss(Registry& r);
 void register_cross_entropy_kernel();
 // foreach.cpp: _foreach_* list ops, _fused_adam(w)_/_fused_sgd_, GradScaler's _amp_* ops
 void register_foreach(Registry& r);
-void register_embedding(Registry& r);    // embedding.cpp: embedding (vocab-parallel too) and its backward
+void register_embedding(Registry& r);  // embedding.cpp: embedding (vocab-parallel too) and its backward
 // embedding.cpp: aten::embedding on AutogradPrivateUse2 and hypershard::embedding_vocab_backward
 // (a row-sharded table's gradient stays on its rows).
 void register_embedding_kernels();
@@ -60,7 +60,7 @@ void register_normalization(Registry& r);  // normalization.cpp: layer/group nor
 // attention.cpp: scaled dot-product attention (the CPU, CUDA and PrivateUse1 kernels) and torch_npu's
 // fusion attention
 void register_attention(Registry& r);
-void register_random(Registry& r);       // random.cpp: random fills, *_like draws, dropout
+void register_random(Registry& r);  // random.cpp: random fills, *_like draws, dropout
 // rotary.cpp: hypershard::rotary_position_embedding (and its backward) and torch_npu's rotary ops.
 void register_rotary(Registry& r);
 // composites.cpp: max_pool1d, tensor_split(tensor), ctc_loss(tensor lengths) on AutogradPrivateUse2

@@ -78,8 +78,8 @@ int64_t list_length(const OpCall& call) {
       n = size;
       first = a;
     } else if (size != n) {
-      fail_call(call, layout::str_cat("the lists ", arg_name(call, first), " (", n, " tensors) and ",
-                                      arg_name(call, a), " (", size, " tensors) must have the same length"));
+      fail_call(call, layout::str_cat("the lists ", arg_name(call, first), " (", n, " tensors) and ", arg_name(call, a),
+                                      " (", size, " tensors) must have the same length"));
     }
   }
   return std::max<int64_t>(n, 0);
@@ -97,17 +97,20 @@ OpPlan foreach_rule(const OpCall& call) {
   for (size_t i = 0; i < call.tensors.size(); ++i) {
     const auto t = static_cast<int64_t>(i);
     const auto& ta = call.tensors[t];
-    if (ta.item >= 0) items[ta.item].push_back(t);
-    else if (arg_name(call, ta.arg) == "scalars") plan.inputs[t] = replicate_like(*ta.layout, ta.layout->global_shape());
-    else shared.push_back(t);
+    if (ta.item >= 0)
+      items[ta.item].push_back(t);
+    else if (arg_name(call, ta.arg) == "scalars")
+      plan.inputs[t] = replicate_like(*ta.layout, ta.layout->global_shape());
+    else
+      shared.push_back(t);
   }
   const bool returns_list = !call.schema().returns().empty();
   for (int64_t p = 0; p < n; ++p) {
     auto operands = items[p];
     operands.insert(operands.end(), shared.begin(), shared.end());
     std::sort(operands.begin(), operands.end());  // schema order
-    const bool any_dtensor = std::any_of(operands.begin(), operands.end(),
-                                         [&](int64_t t) { return call.tensors[t].is_dtensor; });
+    const bool any_dtensor =
+        std::any_of(operands.begin(), operands.end(), [&](int64_t t) { return call.tensors[t].is_dtensor; });
     auto layouts = elementwise_layouts(call, A, kNoMask, operands);
     for (size_t k = 0; k < operands.size(); ++k) {
       const int64_t t = operands[k];
@@ -115,8 +118,9 @@ OpPlan foreach_rule(const OpCall& call) {
       auto& required = layouts.inputs[k];
       if (ta.item < 0) {
         if (plan.inputs[t] && plan.inputs[t] != required)
-          fail_argument(call, t, "the list elements need it in different layouts (" + plan.inputs[t]->to_string() +
-                        " and " + required->to_string() + ")",
+          fail_argument(call, t,
+                        "the list elements need it in different layouts (" + plan.inputs[t]->to_string() + " and " +
+                            required->to_string() + ")",
                         "list elements that agree on it (redistribute the Partial elements or this tensor first)");
         plan.inputs[t] = std::move(required);
         continue;
@@ -126,8 +130,10 @@ OpPlan foreach_rule(const OpCall& call) {
           fail_argument(call, t, "a plain tensor cannot take DTensor data in place (it would hold one rank's piece)",
                         "a DTensor element (distribute it first)");
         if (required != ta.layout)
-          fail_argument(call, t, "an in-place list op keeps every element's layout, and this op would have to "
-                        "redistribute it first", "a layout this op keeps (redistribute the element first)");
+          fail_argument(call, t,
+                        "an in-place list op keeps every element's layout, and this op would have to "
+                        "redistribute it first",
+                        "a layout this op keeps (redistribute the element first)");
       }
       plan.inputs[t] = std::move(required);
     }
@@ -174,7 +180,8 @@ void fused_optimizer_expand(const FusedTargets& targets, const OpCall& call, Sta
   call.op->callBoxed(&stack);
   for (auto& w : write_back) {
     const auto& ta = call.tensors[w.tensor];
-    w.own.copy_(targets[w.tensor] ? runtime::redistribute_local(w.work, targets[w.tensor], ta.layout, *call.mesh) : w.work);
+    w.own.copy_(targets[w.tensor] ? runtime::redistribute_local(w.work, targets[w.tensor], ta.layout, *call.mesh)
+                                  : w.work);
   }
 }
 
@@ -315,8 +322,8 @@ void register_foreach(Registry& r) {
   for (const char* op : {"atan", "ceil", "erf", "exp", "expm1", "floor", "log", "log10", "log1p", "log2", "round",
                          "sigmoid", "sign", "sinh", "sqrt", "tanh", "trunc"})
     add_foreach<A::kMonotone>(r, op, {""});
-  for (const char* op : {"abs", "acos", "asin", "cos", "cosh", "erfc", "frac", "lgamma", "reciprocal", "rsqrt",
-                         "sin", "tan"})
+  for (const char* op :
+       {"abs", "acos", "asin", "cos", "cosh", "erfc", "frac", "lgamma", "reciprocal", "rsqrt", "sin", "tan"})
     add_foreach<A::kReject>(r, op, {""});
   for (const char* op : {"aten::_fused_adam_", "aten::_fused_adam_.tensor_lr", "aten::_fused_adamw_",
                          "aten::_fused_adamw_.tensor_lr", "aten::_fused_sgd_", "aten::_fused_sgd_.tensor_lr"})

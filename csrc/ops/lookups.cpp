@@ -58,7 +58,8 @@ OpPlan bucketize_rule(const OpCall& call) {
   OpPlan plan;
   plan.inputs.push_back(make_layout(q, q.global_shape(), q.dim_axes()));
   for (size_t t = 1; t < call.tensors.size(); ++t)
-    plan.inputs.push_back(replicate_like(call.layout(static_cast<int64_t>(t)), call.layout(static_cast<int64_t>(t)).global_shape()));
+    plan.inputs.push_back(
+        replicate_like(call.layout(static_cast<int64_t>(t)), call.layout(static_cast<int64_t>(t)).global_shape()));
   plan.outputs.push_back(query_output(q, q.global_shape()));
   return plan;
 }
@@ -73,7 +74,8 @@ OpPlan take_rule(const OpCall& call) {
   for (int64_t axis = 0; axis < self.mesh()->ndim(); ++axis)
     if (index.is_sharded(axis)) partial[axis] = std::nullopt;  // an axis shards the output or sums it, not both
   OpPlan plan;
-  plan.inputs.push_back(make_layout(self, self.global_shape(), layout::DimAxes(static_cast<size_t>(self.ndim())), partial));
+  plan.inputs.push_back(
+      make_layout(self, self.global_shape(), layout::DimAxes(static_cast<size_t>(self.ndim())), partial));
   plan.inputs.push_back(call.tensors[1].layout);
   plan.outputs.push_back(query_output(index, index.global_shape(), partial));
   return plan;
@@ -99,15 +101,15 @@ OpPlan put_rule(const OpCall& call) {
   const Layout& self = call.layout(0);
   const Layout& index = call.layout(1);
   const Layout& source = call.layout(2);
-  for (int64_t t = 0; t < 3; ++t)
-    refuse_sum_partial(call, t, redistribute_partial_first());
+  for (int64_t t = 0; t < 3; ++t) refuse_sum_partial(call, t, redistribute_partial_first());
   const bool summing = call.arg(3).toBool() && index.global_shape() == source.global_shape();
   layout::PartialOps summed(static_cast<size_t>(self.mesh()->ndim()));
   for (int64_t axis = 0; axis < self.mesh()->ndim() && summing; ++axis)
     if (index.is_sharded(axis)) summed[axis] = ReduceOp::Sum;
   const layout::DimAxes kept = summing ? index.dim_axes() : layout::DimAxes(static_cast<size_t>(index.ndim()));
   OpPlan plan;
-  plan.inputs.push_back(make_layout(self, self.global_shape(), layout::DimAxes(static_cast<size_t>(self.ndim())), summed));
+  plan.inputs.push_back(
+      make_layout(self, self.global_shape(), layout::DimAxes(static_cast<size_t>(self.ndim())), summed));
   plan.inputs.push_back(make_layout(index, index.global_shape(), kept));
   plan.inputs.push_back(make_layout(source, source.global_shape(), kept));
   plan.outputs.push_back(plan.inputs[0]);

@@ -77,8 +77,6 @@ using Stack = torch::jit::Stack;
 
 constexpr int64_t kNone = 0, kMean = 1, kSum = 2;  // at::Reduction
 
-
-
 bool uses_axis(const layout::DimAxes& dims, int64_t axis) {
   for (const auto& d : dims)
     if (std::find(d.begin(), d.end(), axis) != d.end()) return true;
@@ -180,8 +178,10 @@ OpPlan softmax_backward_rule(const OpCall& call) {
   const Layout& gl = call.layout(g);
   const Layout& ol = call.layout(o);
   if (gl.global_shape() != ol.global_shape())
-    fail_argument(call, g, "shape " + layout::shape_string(gl.global_shape()) + " differs from output's " +
-                  layout::shape_string(ol.global_shape()), "grad_output of the output's shape");
+    fail_argument(call, g,
+                  "shape " + layout::shape_string(gl.global_shape()) + " differs from output's " +
+                      layout::shape_string(ol.global_shape()),
+                  "grad_output of the output's shape");
   const int64_t dim = wrap_dim(call, call.arg(2).toInt(), ol.ndim());
   struct Scored {
     OpPlan plan;
@@ -189,25 +189,23 @@ OpPlan softmax_backward_rule(const OpCall& call) {
     SearchScore score;
   };
   const Layout* sources[] = {&gl, &ol};
-  auto best = search_candidates(
-      2,
-      [&](size_t i) -> std::optional<Scored> {
-        layout::DimAxes dims = sources[i]->dim_axes();
-        bool conflict = false;
-        auto partial = kept_grad_partial(call, g, dims, &conflict);
-        if (conflict) return std::nullopt;  // grad's own sharding never conflicts: the first candidate stays
-        Scored s;
-        auto grad_in = make_layout(gl, gl.global_shape(), dims, partial);
-        auto out_in = make_layout(ol, ol.global_shape(), dims);
-        s.score.add_input(call.tensors[g].layout, grad_in);
-        s.score.add_input(call.tensors[o].layout, out_in);
-        s.plan.inputs.resize(call.tensors.size());
-        s.plan.inputs[g] = grad_in;
-        s.plan.inputs[o] = out_in;
-        s.plan.outputs.push_back(grad_in);
-        if (ol.ndim() > 0) s.axes = dims[dim];
-        return s;
-      });
+  auto best = search_candidates(2, [&](size_t i) -> std::optional<Scored> {
+    layout::DimAxes dims = sources[i]->dim_axes();
+    bool conflict = false;
+    auto partial = kept_grad_partial(call, g, dims, &conflict);
+    if (conflict) return std::nullopt;  // grad's own sharding never conflicts: the first candidate stays
+    Scored s;
+    auto grad_in = make_layout(gl, gl.global_shape(), dims, partial);
+    auto out_in = make_layout(ol, ol.global_shape(), dims);
+    s.score.add_input(call.tensors[g].layout, grad_in);
+    s.score.add_input(call.tensors[o].layout, out_in);
+    s.plan.inputs.resize(call.tensors.size());
+    s.plan.inputs[g] = grad_in;
+    s.plan.inputs[o] = out_in;
+    s.plan.outputs.push_back(grad_in);
+    if (ol.ndim() > 0) s.axes = dims[dim];
+    return s;
+  });
   if (!best) fail_call(call, "internal error: no layout for the softmax backward");  // grad's never conflicts
   if (!best->axes.empty())
     best->plan.expand = [axes = best->axes](const OpCall& c, Stack& s) { softmax_backward_expand<kLog>(axes, c, s); };
@@ -217,7 +215,7 @@ OpPlan softmax_backward_rule(const OpCall& call) {
 // ------------------------------------------------------------------ nll_loss, nll_loss2d
 
 struct Nll {
-  LayoutPtr self;                   // self's layout for the local call
+  LayoutPtr self;  // self's layout for the local call
   int64_t class_dim = 1;
   int64_t reduction = kMean;
   std::vector<int64_t> class_axes;  // the axes sharding the class dim (vocab-parallel)
@@ -227,7 +225,7 @@ struct Nll {
 // Schema positions: forward (self, target, weight, reduction, ignore_index); backward
 // (grad_output, self, target, weight, reduction, ignore_index, total_weight).
 struct NllArgs {
-  int64_t first = 0;  // 1 for the backward ops
+  int64_t first = 0;                                                          // 1 for the backward ops
   int64_t self = -1, target = -1, weight = -1, grad = -1, total_weight = -1;  // tensor indices
 };
 
@@ -263,7 +261,8 @@ void check_nll_shapes(const OpCall& call, const NllArgs& a, bool two_d) {
   if (target != rows)
     fail_argument(call, a.target, "shape does not match input " + layout::shape_string(self),
                   "target of shape " + layout::shape_string(rows));
-  if (a.weight >= 0 && (call.layout(a.weight).ndim() != 1 || call.layout(a.weight).global_shape()[0] != self[class_dim]))
+  if (a.weight >= 0 &&
+      (call.layout(a.weight).ndim() != 1 || call.layout(a.weight).global_shape()[0] != self[class_dim]))
     fail_argument(call, a.weight, "is not defined for all classes",
                   layout::str_cat("a 1-d weight of ", self[class_dim], " elements"));
 }
@@ -282,7 +281,8 @@ layout::DimAxes nll_self_dims(const Layout& self, const Layout& target, int64_t 
 
 // Targets in this rank's vocab range -> local class ids; every other target (and the ignored
 // ones) -> -1, passed as the ignore_index (never a local class).
-at::Tensor local_targets(const Nll& n, const OpCall& call, const at::Tensor& self, const at::Tensor& target, int64_t ignore) {
+at::Tensor local_targets(const Nll& n, const OpCall& call, const at::Tensor& self, const at::Tensor& target,
+                         int64_t ignore) {
   const int64_t n_classes = n.self->global_shape()[n.class_dim];
   // Byte targets widen (-1 must be representable); other dtypes stay, so the local kernel
   // raises torch's own dtype error.
@@ -379,52 +379,54 @@ OpPlan nll_rule(const OpCall& call) {
     SearchScore score;
   };
   // Candidates: self as it is, then self's rows chunked like target.
-  auto best = search_candidates(
-      2,
-      [&](size_t from_target) -> std::optional<Scored> {
-        const NllLayouts l = nll_layouts(nll_self_dims(self, target, class_dim, from_target != 0), class_dim);
-        Scored s;
-        OpPlan& plan = s.plan;
-        plan.inputs.resize(call.tensors.size());
-        plan.inputs[a.self] = make_layout(self, self.global_shape(), l.self_dims);
-        plan.inputs[a.target] = make_layout(target, row_shape, l.row_dims);
-        if (a.weight >= 0) {
-          const Layout& w = call.layout(a.weight);
-          plan.inputs[a.weight] = make_layout(w, w.global_shape(), {l.class_axes});
-        }
-        layout::PartialOps all_sum(mesh_ndim);  // sum: Partial over every sharding axis
-        for (int64_t axis : l.class_axes) all_sum[axis] = ReduceOp::Sum;
-        for (int64_t axis : l.row_axes) all_sum[axis] = ReduceOp::Sum;
-        if (!kBackward) {
-          plan.outputs.push_back(reduction == kNone ? make_layout(self, row_shape, l.row_dims)
-                                 : reduction == kSum ? make_layout(self, {}, {}, all_sum)
-                                                     : replicate_like(self, {}));
-          plan.outputs.push_back(reduction == kSum ? make_layout(self, {}, {}, all_sum) : replicate_like(self, {}));
-        } else {
-          const Layout& g = call.layout(a.grad);
-          bool conflict = false;
-          const auto kept = kept_grad_partial(call, a.grad, l.self_dims, &conflict);
-          if (conflict) return std::nullopt;
-          const bool none = reduction == kNone;
-          if (!none && g.ndim() != 0) fail_argument(call, a.grad, "is not a scalar", "a 0-d grad_output");
-          if (none && g.global_shape() != row_shape)
-            fail_argument(call, a.grad, "shape differs from target's", "grad_output of shape " + layout::shape_string(row_shape));
-          plan.inputs[a.grad] = make_layout(g, g.global_shape(), none ? l.row_dims : layout::DimAxes{}, kept);
-          // total_weight: read only by mean, which needs the GLOBAL total (Replicate).
-          const auto& tw = call.tensors[a.total_weight].layout;
-          if (reduction == kMean && tw->has_partial() && is_sum_like(*tw->partial_op()))
-            fail_argument(call, a.total_weight, partial_name(*tw) + " total weight with reduction mean",
-                          "the Replicate total weight nll_loss_forward returns");
-          plan.inputs[a.total_weight] = reduction == kMean ? replicate_like(*tw, tw->global_shape()) : tw;
-          plan.outputs.push_back(make_layout(self, self.global_shape(), l.self_dims, kept));
-        }
-        for (size_t t = 0; t < call.tensors.size(); ++t) s.score.add_input(call.tensors[t].layout, plan.inputs[t]);
-        s.nll = Nll{plan.inputs[a.self], class_dim, reduction, l.class_axes, l.row_axes};
-        return s;
-      });
+  auto best = search_candidates(2, [&](size_t from_target) -> std::optional<Scored> {
+    const NllLayouts l = nll_layouts(nll_self_dims(self, target, class_dim, from_target != 0), class_dim);
+    Scored s;
+    OpPlan& plan = s.plan;
+    plan.inputs.resize(call.tensors.size());
+    plan.inputs[a.self] = make_layout(self, self.global_shape(), l.self_dims);
+    plan.inputs[a.target] = make_layout(target, row_shape, l.row_dims);
+    if (a.weight >= 0) {
+      const Layout& w = call.layout(a.weight);
+      plan.inputs[a.weight] = make_layout(w, w.global_shape(), {l.class_axes});
+    }
+    layout::PartialOps all_sum(mesh_ndim);  // sum: Partial over every sharding axis
+    for (int64_t axis : l.class_axes) all_sum[axis] = ReduceOp::Sum;
+    for (int64_t axis : l.row_axes) all_sum[axis] = ReduceOp::Sum;
+    if (!kBackward) {
+      plan.outputs.push_back(reduction == kNone  ? make_layout(self, row_shape, l.row_dims)
+                             : reduction == kSum ? make_layout(self, {}, {}, all_sum)
+                                                 : replicate_like(self, {}));
+      plan.outputs.push_back(reduction == kSum ? make_layout(self, {}, {}, all_sum) : replicate_like(self, {}));
+    } else {
+      const Layout& g = call.layout(a.grad);
+      bool conflict = false;
+      const auto kept = kept_grad_partial(call, a.grad, l.self_dims, &conflict);
+      if (conflict) return std::nullopt;
+      const bool none = reduction == kNone;
+      if (!none && g.ndim() != 0) fail_argument(call, a.grad, "is not a scalar", "a 0-d grad_output");
+      if (none && g.global_shape() != row_shape)
+        fail_argument(call, a.grad, "shape differs from target's",
+                      "grad_output of shape " + layout::shape_string(row_shape));
+      plan.inputs[a.grad] = make_layout(g, g.global_shape(), none ? l.row_dims : layout::DimAxes{}, kept);
+      // total_weight: read only by mean, which needs the GLOBAL total (Replicate).
+      const auto& tw = call.tensors[a.total_weight].layout;
+      if (reduction == kMean && tw->has_partial() && is_sum_like(*tw->partial_op()))
+        fail_argument(call, a.total_weight, partial_name(*tw) + " total weight with reduction mean",
+                      "the Replicate total weight nll_loss_forward returns");
+      plan.inputs[a.total_weight] = reduction == kMean ? replicate_like(*tw, tw->global_shape()) : tw;
+      plan.outputs.push_back(make_layout(self, self.global_shape(), l.self_dims, kept));
+    }
+    for (size_t t = 0; t < call.tensors.size(); ++t) s.score.add_input(call.tensors[t].layout, plan.inputs[t]);
+    s.nll = Nll{plan.inputs[a.self], class_dim, reduction, l.class_axes, l.row_axes};
+    return s;
+  });
   if (!best)
-    fail_argument(call, a.grad, partial_name(call.layout(a.grad)) + " on a mesh axis that shards self (every shard "
-                  "needs the whole gradient)", "Partial only on mesh axes that shard no dim of self");
+    fail_argument(call, a.grad,
+                  partial_name(call.layout(a.grad)) +
+                      " on a mesh axis that shards self (every shard "
+                      "needs the whole gradient)",
+                  "Partial only on mesh axes that shard no dim of self");
   Nll& best_nll = best->nll;
   // Axes of one rank split nothing: no collective, no target mapping (offset 0) along them.
   auto split_axes = [&](std::vector<int64_t>& axes) {
@@ -461,14 +463,15 @@ std::tuple<at::Tensor, at::Tensor> nll_nd(const at::Tensor& input, const at::Ten
   const auto in = input.contiguous().view_symint(empty ? std::vector<c10::SymInt>{n, c, 0, 0}
                                                        : std::vector<c10::SymInt>{n, c, 1, -1});
   const auto tg = target.contiguous().view_symint(target.sym_numel() == 0 ? std::vector<c10::SymInt>{n, 0, 0}
-                                                                         : std::vector<c10::SymInt>{n, 1, -1});
+                                                                          : std::vector<c10::SymInt>{n, 1, -1});
   auto [out, total] = at::nll_loss2d_forward_symint(in, tg, weight, reduction, ignore_index);
   if (reduction == kNone) out = out.view_symint(out_size);
   return {out, total};
 }
 
-at::Tensor cross_entropy_kernel(const at::Tensor& self, const at::Tensor& target, const std::optional<at::Tensor>& weight,
-                                int64_t reduction, c10::SymInt ignore_index, double label_smoothing) {
+at::Tensor cross_entropy_kernel(const at::Tensor& self, const at::Tensor& target,
+                                const std::optional<at::Tensor>& weight, int64_t reduction, c10::SymInt ignore_index,
+                                double label_smoothing) {
   if (label_smoothing <= 0.0 || self.sym_sizes() == target.sym_sizes())  // no smoothing, or class probabilities
     return at::compositeimplicitautograd::cross_entropy_loss_symint(self, target, weight, reduction,
                                                                     std::move(ignore_index), label_smoothing);
@@ -492,7 +495,8 @@ at::Tensor cross_entropy_kernel(const at::Tensor& self, const at::Tensor& target
   // The result takes nll's layout (reduces the smoothing term's class-axis Partial).
   auto* nll_impl = runtime::dtensor_impl(nll);
   auto* out_impl = runtime::dtensor_impl(out);
-  if (nll_impl && out_impl && nll_impl->layout() != out_impl->layout()) out = runtime::redistribute(out, nll_impl->layout());
+  if (nll_impl && out_impl && nll_impl->layout() != out_impl->layout())
+    out = runtime::redistribute(out, nll_impl->layout());
   return out;
 }
 

@@ -56,7 +56,8 @@ struct GlobalOrder {
 };
 
 GlobalOrder global_order(const at::Tensor& mask, const OpCall& call, const std::vector<int64_t>& axes) {
-  const auto counts = runtime::all_gather_in_chunk_order(mask.sum().reshape({1}).to(at::kLong), *call.mesh, axes, 0).cpu();
+  const auto counts =
+      runtime::all_gather_in_chunk_order(mask.sum().reshape({1}).to(at::kLong), *call.mesh, axes, 0).cpu();
   GlobalOrder order;
   order.counts.assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + counts.numel());
   const int64_t mine = call.mesh->chunk_index(axes);
@@ -68,8 +69,8 @@ GlobalOrder global_order(const at::Tensor& mask, const OpCall& call, const std::
 void check_mask_shape(const OpCall& call, int64_t mask, const std::vector<int64_t>& self_shape) {
   const auto& shape = call.layout(mask).global_shape();
   if (shape.size() > self_shape.size() || !std::equal(shape.begin(), shape.end(), self_shape.begin()))
-    not_covered(call, "a boolean mask index of shape " + layout::shape_string(shape) + " that is not self's leading dims " +
-                          layout::shape_string(self_shape));
+    not_covered(call, "a boolean mask index of shape " + layout::shape_string(shape) +
+                          " that is not self's leading dims " + layout::shape_string(self_shape));
 }
 
 // A write's operand that may not be Partial (forward: the house error; backward: reduced).
@@ -115,8 +116,8 @@ OpPlan masked_scatter_rule(const OpCall& call) {
   const auto axes = dim0_only_axes(self);
   const bool mask_dim0 = lead == 0 && !mshape.empty() && mshape[0] == shape[0];  // not broadcast there
   plan.inputs.push_back(whole_or_refused(call, 0, dims_with_dim0(self.ndim(), axes)));
-  plan.inputs.push_back(whole_or_refused(call, 1, dims_with_dim0(static_cast<int64_t>(mshape.size()),
-                                                                 mask_dim0 ? axes : std::nullopt)));
+  plan.inputs.push_back(
+      whole_or_refused(call, 1, dims_with_dim0(static_cast<int64_t>(mshape.size()), mask_dim0 ? axes : std::nullopt)));
   plan.inputs.push_back(whole_or_refused(call, 2, layout::DimAxes(call.layout(2).ndim())));
   plan.outputs.push_back(plan.inputs[0]);
   if (axes) plan.expand = [a = *axes](const OpCall& c, Stack& s) { masked_scatter_expand(a, c, s); };
@@ -151,7 +152,8 @@ at::Tensor gather_rows(const at::Tensor& local, const std::vector<int64_t>& coun
   const auto padded = sizes[0] > 0 ? at::cat({local, at::zeros(sizes, local.options())}, 0) : local;
   const at::Tensor all = runtime::all_gather_in_chunk_order(padded.contiguous(), *call.mesh, axes, 0);
   std::vector<at::Tensor> pieces;
-  for (size_t c = 0; c < counts.size(); ++c) pieces.push_back(all.narrow(0, static_cast<int64_t>(c) * longest, counts[c]));
+  for (size_t c = 0; c < counts.size(); ++c)
+    pieces.push_back(all.narrow(0, static_cast<int64_t>(c) * longest, counts[c]));
   return at::cat(pieces, 0);
 }
 
@@ -178,9 +180,12 @@ void bool_index_put_expand(const std::vector<int64_t>& axes, bool per_position, 
   indices.push_back(mask);
   at::Tensor out;
   const auto name = call.name();
-  if (name == "aten::index_put") out = at::index_put(self, indices, values, accumulate);
-  else if (name == "aten::index_put_") out = self.index_put_(indices, values, accumulate);
-  else out = at::_index_put_impl_(self, indices, values, accumulate, call.arg(4).toBool());
+  if (name == "aten::index_put")
+    out = at::index_put(self, indices, values, accumulate);
+  else if (name == "aten::index_put_")
+    out = self.index_put_(indices, values, accumulate);
+  else
+    out = at::_index_put_impl_(self, indices, values, accumulate, call.arg(4).toBool());
   torch::jit::drop(stack, call.num_args());
   stack.emplace_back(out);
 }
@@ -242,18 +247,23 @@ OpPlan bool_mask_index_put_rule(const OpCall& call) {
   const auto& vshape = call.layout(values).global_shape();
   const std::vector<int64_t> rest(self.global_shape().begin() + m.k, self.global_shape().end());
   // One row per selected position (in order), or values that broadcast to every selected row.
-  const bool per_position = vshape.size() == rest.size() + 1 && vshape[0] != 1 &&
-                            std::equal(rest.begin(), rest.end(), vshape.begin() + 1);
+  const bool per_position =
+      vshape.size() == rest.size() + 1 && vshape[0] != 1 && std::equal(rest.begin(), rest.end(), vshape.begin() + 1);
   OpPlan plan;
   for (size_t t = 0; t < call.tensors.size(); ++t) {
     const int64_t i = static_cast<int64_t>(t);
-    if (i == 0) plan.inputs.push_back(whole_or_refused(call, 0, m.self_dims));
-    else if (i == m.mask) plan.inputs.push_back(whole_or_refused(call, i, m.mask_dims));
-    else plan.inputs.push_back(whole_or_refused(call, i, layout::DimAxes(call.layout(i).ndim())));
+    if (i == 0)
+      plan.inputs.push_back(whole_or_refused(call, 0, m.self_dims));
+    else if (i == m.mask)
+      plan.inputs.push_back(whole_or_refused(call, i, m.mask_dims));
+    else
+      plan.inputs.push_back(whole_or_refused(call, i, layout::DimAxes(call.layout(i).ndim())));
   }
   plan.outputs.push_back(plan.inputs[0]);
   if (m.axes)
-    plan.expand = [a = *m.axes, per_position](const OpCall& c, Stack& s) { bool_index_put_expand(a, per_position, c, s); };
+    plan.expand = [a = *m.axes, per_position](const OpCall& c, Stack& s) {
+      bool_index_put_expand(a, per_position, c, s);
+    };
   return plan;
 }
 

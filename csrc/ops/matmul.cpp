@@ -111,8 +111,9 @@ FactorSpec bind(const OpCall& call, const EinsumSpec& spec, const LabelSizes& re
     for (size_t d = 0; d < labels.size(); ++d) {
       int64_t& s = size[static_cast<unsigned char>(labels[d])];
       if (s >= 0 && s != shape[d])
-        fail_argument(call, operand.tensor, std::string("size ") + std::to_string(shape[d]) + " of dim '" +
-                      labels[d] + "' differs from " + std::to_string(s) + " in another operand",
+        fail_argument(call, operand.tensor,
+                      std::string("size ") + std::to_string(shape[d]) + " of dim '" + labels[d] + "' differs from " +
+                          std::to_string(s) + " in another operand",
                       "equal sizes per label of \"" + eq + "\"");
       s = shape[d];
     }
@@ -127,10 +128,15 @@ FactorSpec bind(const OpCall& call, const EinsumSpec& spec, const LabelSizes& re
     std::string labels;
     for (int64_t d = 0; d < m; ++d) {
       const int64_t o = n - m + d;
-      if (o >= 0 && shape[d] == out_shape[o]) labels += output[o];
-      else if (o >= 0 && shape[d] == 1) labels += kWhole;
-      else fail_argument(call, bias, "shape " + layout::shape_string(shape) + " does not broadcast to the result " +
-                         layout::shape_string(out_shape), "a shape that broadcasts to the result");
+      if (o >= 0 && shape[d] == out_shape[o])
+        labels += output[o];
+      else if (o >= 0 && shape[d] == 1)
+        labels += kWhole;
+      else
+        fail_argument(call, bias,
+                      "shape " + layout::shape_string(shape) + " does not broadcast to the result " +
+                          layout::shape_string(out_shape),
+                      "a shape that broadcasts to the result");
     }
     f.operands.push_back({bias, labels, /*linear=*/false, /*additive=*/true});
   }
@@ -205,10 +211,14 @@ OpPlan grouped_mm_rule(const OpCall& call) {
   if (bias >= 0) not_covered(call, "a bias");
   const int64_t a = call.layout(self).ndim(), b = call.layout(mat2).ndim();
   const EinsumSpec* spec = nullptr;
-  if (offs >= 0 && a == 2 && b == 3) spec = &kGroupedRows;
-  else if (offs >= 0 && a == 2 && b == 2) spec = &kGroupedContraction;
-  else if (offs < 0 && a == 3 && b == 3) spec = &kGroupedBatch;
-  else not_covered(call, layout::str_cat("a ", a, "-d by ", b, "-d product", offs >= 0 ? " with offs" : " without offs"));
+  if (offs >= 0 && a == 2 && b == 3)
+    spec = &kGroupedRows;
+  else if (offs >= 0 && a == 2 && b == 2)
+    spec = &kGroupedContraction;
+  else if (offs < 0 && a == 3 && b == 3)
+    spec = &kGroupedBatch;
+  else
+    not_covered(call, layout::str_cat("a ", a, "-d by ", b, "-d product", offs >= 0 ? " with offs" : " without offs"));
   if (offs >= 0) {
     const Layout& o = call.layout(offs);
     const int64_t groups = spec == &kGroupedRows ? call.layout(mat2).global_shape()[0] : -1;
@@ -262,8 +272,10 @@ OpPlan grouped_mm_rule(const OpCall& call) {
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t begin = g == 0 ? 0 : ends[g - 1], end = ends[g];
         at::Tensor block = out[g];
-        if (end > begin) at::mm_out(block, x.narrow(1, begin, end - begin), w.narrow(0, begin, end - begin));
-        else block.zero_();
+        if (end > begin)
+          at::mm_out(block, x.narrow(1, begin, end - begin), w.narrow(0, begin, end - begin));
+        else
+          block.zero_();
       }
     }
     torch::jit::drop(stack, n);

@@ -39,9 +39,9 @@
 //
 // Batch norm (F.batch_norm, BatchNorm1d/2d/3d, and instance_norm after its [1, N*C, *] view:
 // that view keeps whole shards only for N sharded in equal blocks; with channels sharded or an
-// uneven N the views family refuses it in strict mode). The input keeps its sharding on every dim; the [C] tensors follow its channel axes (a channel-
-// sharded input: purely local, the ATen call on the block). Inference (training=False, running
-// stats given) is pointwise per channel: local for any sharding. Training with N or spatial
+// uneven N the views family refuses it in strict mode). The input keeps its sharding on every dim; the [C] tensors
+// follow its channel axes (a channel- sharded input: purely local, the ATen call on the block). Inference
+// (training=False, running stats given) is pointwise per channel: local for any sharding. Training with N or spatial
 // dims sharded needs the GLOBAL statistics: the expand all-gathers each rank's (count, mean,
 // M2) per channel (Welford on its block, an empty block contributes zeros) in float64 over the
 // axes sharding those dims, and every rank combines them in the same order (mean = sum n_i m_i
@@ -76,8 +76,8 @@
 // gradient (the saved tensors whole on that axis).
 //
 // Excluded: batch norm's out= and _functional variants and the CUDA sync-BN ops (batch_norm_stats, ...; not
-// reached by F.batch_norm on a DTensor), cudnn's non-empty reserve, _softmax/_log_softmax and their backward (the loss family),
-// _safe_softmax over a sharded dim (gathered here), group norm with sharded channels.
+// reached by F.batch_norm on a DTensor), cudnn's non-empty reserve, _softmax/_log_softmax and their backward (the loss
+// family), _safe_softmax over a sharded dim (gathered here), group norm with sharded channels.
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -91,7 +91,6 @@
 
 namespace hypershard::ops {
 namespace {
-
 
 // A sum/avg-Partial input to a non-linear op is an error (a missing redistribution upstream).
 void reject_sum_partial(const OpCall& call, int64_t tensor) {
@@ -114,9 +113,9 @@ constexpr char kNormalized = 'N';
 
 struct LayerNormDims {
   int64_t leading = 0;
-  std::string input;  // labels of the input
-  std::string stats;  // labels of mean / rstd
-  std::string params; // labels of weight / bias
+  std::string input;   // labels of the input
+  std::string stats;   // labels of mean / rstd
+  std::string params;  // labels of weight / bias
   std::vector<int64_t> normalized;
   std::vector<int64_t> stats_shape;
 };
@@ -128,8 +127,10 @@ LayerNormDims layer_norm_dims(const OpCall& call, int64_t input) {
   const int64_t k = static_cast<int64_t>(d.normalized.size());
   d.leading = in.ndim() - k;
   if (d.leading < 0 || !std::equal(d.normalized.begin(), d.normalized.end(), in.global_shape().begin() + d.leading))
-    fail_argument(call, input, "shape " + layout::shape_string(in.global_shape()) + " does not end with normalized_shape " +
-                  layout::shape_string(d.normalized), "an input whose trailing dims are normalized_shape");
+    fail_argument(call, input,
+                  "shape " + layout::shape_string(in.global_shape()) + " does not end with normalized_shape " +
+                      layout::shape_string(d.normalized),
+                  "an input whose trailing dims are normalized_shape");
   d.input = leading_labels(d.leading) + std::string(k, kNormalized);
   d.stats = leading_labels(d.leading) + std::string(k, kWhole);
   d.params = std::string(k, kNormalized);
@@ -181,8 +182,9 @@ LayerNormDims rms_norm_dims(const OpCall& call, int64_t input, int64_t weight) {
   if (call.schema().argumentIndexWithName("normalized_shape")) {
     auto d = layer_norm_dims(call, input);
     if (weight >= 0 && call.layout(weight).global_shape() != d.normalized)
-      fail_argument(call, weight, "shape " + layout::shape_string(call.layout(weight).global_shape()) +
-                                      " is not normalized_shape " + layout::shape_string(d.normalized),
+      fail_argument(call, weight,
+                    "shape " + layout::shape_string(call.layout(weight).global_shape()) + " is not normalized_shape " +
+                        layout::shape_string(d.normalized),
                     "a weight shaped like normalized_shape");
     return d;
   }
@@ -193,8 +195,9 @@ LayerNormDims rms_norm_dims(const OpCall& call, int64_t input, int64_t weight) {
   d.leading = in.ndim() - k;
   if (k < 1 || d.leading < 0 ||
       !std::equal(d.normalized.begin(), d.normalized.end(), in.global_shape().begin() + d.leading))
-    fail_argument(call, weight, "shape " + layout::shape_string(d.normalized) + " is not the end of x's shape " +
-                                    layout::shape_string(in.global_shape()),
+    fail_argument(call, weight,
+                  "shape " + layout::shape_string(d.normalized) + " is not the end of x's shape " +
+                      layout::shape_string(in.global_shape()),
                   "a weight of rank >= 1 shaped like x's trailing dims");
   d.input = leading_labels(d.leading) + std::string(k, kNormalized);
   d.stats = leading_labels(d.leading) + std::string(k, kWhole);
@@ -425,20 +428,19 @@ void batch_norm_expand(const BatchNormExpand& e, const OpCall& call, torch::jit:
   auto invstd = (var + eps).rsqrt();
   if (eps == 0) invstd = at::where(var == 0, at::zeros_like(invstd), invstd);  // torch's guard
 
-  const auto save_dtype = weight.defined() ? weight.scalar_type()
-                          : running_mean.defined() ? running_mean.scalar_type() : x.scalar_type();
+  const auto save_dtype = weight.defined()         ? weight.scalar_type()
+                          : running_mean.defined() ? running_mean.scalar_type()
+                                                   : x.scalar_type();
   const auto math = opmath_dtype(x);
-  const at::Tensor out = std::get<0>(at::native_batch_norm(
-      x, weight.defined() ? weight.to(math) : weight, bias.defined() ? bias.to(math) : bias, mean.to(math),
-      var.to(math), /*training=*/false, momentum, eps));
+  const at::Tensor out = std::get<0>(at::native_batch_norm(x, weight.defined() ? weight.to(math) : weight,
+                                                           bias.defined() ? bias.to(math) : bias, mean.to(math),
+                                                           var.to(math), /*training=*/false, momentum, eps));
   if (running_mean.defined() || running_var.defined()) {
     // The batch mean and unbiased variance (GLOBAL count), made whole where the stats are.
     auto batch = at::stack({mean, m2 / (n - 1)});
     if (e.channel) batch = runtime::redistribute_local(batch, e.channel, e.whole, *call.mesh);
-    if (running_mean.defined())
-      running_mean.copy_(batch[0] * momentum + running_mean.to(at::kDouble) * (1 - momentum));
-    if (running_var.defined())
-      running_var.copy_(batch[1] * momentum + running_var.to(at::kDouble) * (1 - momentum));
+    if (running_mean.defined()) running_mean.copy_(batch[0] * momentum + running_mean.to(at::kDouble) * (1 - momentum));
+    if (running_var.defined()) running_var.copy_(batch[1] * momentum + running_var.to(at::kDouble) * (1 - momentum));
   }
   torch::jit::drop(stack, call.num_args());
   stack.emplace_back(out);
@@ -456,8 +458,8 @@ OpPlan batch_norm_rule(const OpCall& call) {
   const int64_t channels = in.global_shape()[kChannelDim];
   for (int64_t t : {weight, bias, rmean, rvar}) check_channel_param(call, t, channels);
   check_batch_norm_dtypes(call, input, {weight, bias, rmean, rvar});
-  const bool training = kMode == BatchNormMode::kArg ? call.arg(call.arg_index("training")).toBool()
-                                                     : kMode == BatchNormMode::kTrain;
+  const bool training =
+      kMode == BatchNormMode::kArg ? call.arg(call.arg_index("training")).toBool() : kMode == BatchNormMode::kTrain;
   if (!training && (rmean < 0 || rvar < 0))
     fail_call(call, "running_mean and running_var must be defined in evaluation mode");
   if (training && global_numel(in) == 0)
@@ -483,9 +485,11 @@ OpPlan batch_norm_rule(const OpCall& call) {
     } else if (stat_axes != channel_axes) {
       channel_axes = stat_axes;
       for (auto& d : dims)
-        d.erase(std::remove_if(d.begin(), d.end(), [&](int64_t a) {
-                  return std::find(channel_axes.begin(), channel_axes.end(), a) != channel_axes.end();
-                }), d.end());
+        d.erase(std::remove_if(d.begin(), d.end(),
+                               [&](int64_t a) {
+                                 return std::find(channel_axes.begin(), channel_axes.end(), a) != channel_axes.end();
+                               }),
+                d.end());
       dims[kChannelDim] = channel_axes;
     }
   }
@@ -589,8 +593,10 @@ OpPlan batch_norm_backward_rule(const OpCall& call) {
     if (!op || !is_sum_like(*op)) continue;
     bool sharding = false;
     for (const auto& d : dims) sharding |= std::find(d.begin(), d.end(), static_cast<int64_t>(a)) != d.end();
-    if (sharding) refuse_sum_partial(call, grad, "grad_out Partial only on mesh axes that shard no dim of input");
-    else kept[a] = op;
+    if (sharding)
+      refuse_sum_partial(call, grad, "grad_out Partial only on mesh axes that shard no dim of input");
+    else
+      kept[a] = op;
   }
   const auto& channel_axes = dims[kChannelDim];
   OpPlan plan;
@@ -601,7 +607,7 @@ OpPlan batch_norm_backward_rule(const OpCall& call) {
     if (t < 0) continue;
     const Layout& l = call.layout(t);
     plan.inputs[t] = l.global_shape() == std::vector<int64_t>{channels} ? channel_layout(l, channels, channel_axes)
-                                                                         : replicate_like(l, l.global_shape());
+                                                                        : replicate_like(l, l.global_shape());
   }
   for (size_t t = 0; t < call.tensors.size(); ++t)  // reserve
     if (!plan.inputs[t]) plan.inputs[t] = replicate_like(call.layout(t), call.layout(t).global_shape());

@@ -29,8 +29,8 @@
 namespace hypershard::ops {
 
 using layout::Layout;
-using layout::ReduceOp;
 using layout::LayoutPtr;
+using layout::ReduceOp;
 
 struct TensorArg {
   int64_t arg = 0;    // schema argument index
@@ -42,7 +42,7 @@ struct TensorArg {
 
 struct OpCall {
   const c10::OperatorHandle* op = nullptr;
-  const c10::IValue* args = nullptr;  // the schema's arguments, in order
+  const c10::IValue* args = nullptr;       // the schema's arguments, in order
   c10::SmallVector<TensorArg, 4> tensors;  // on the stack for the usual op
   runtime::DeviceMeshPtr mesh;
   // Set while autograd's engine runs a backward pass: the formulas there are torch's, not the

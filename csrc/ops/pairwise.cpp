@@ -36,9 +36,9 @@
 namespace hypershard::ops {
 namespace {
 
-
 void refuse_partials(const OpCall& call) {
-  for (size_t t = 0; t < call.tensors.size(); ++t) refuse_sum_partial(call, static_cast<int64_t>(t), redistribute_partial_first());
+  for (size_t t = 0; t < call.tensors.size(); ++t)
+    refuse_sum_partial(call, static_cast<int64_t>(t), redistribute_partial_first());
 }
 
 // ------------------------------------------------------------------ cdist
@@ -64,7 +64,8 @@ OpPlan cdist_rule(const OpCall& call) {
   std::vector<int64_t> used;
   layout::DimAxes batch(static_cast<size_t>(std::max<int64_t>(n - 2, 0)));
   if (alike)
-    for (int64_t d = 0; d < n - 2; ++d) batch[d] = take_axes({dim_of(x1_t, d), dim_of(x2_t, d), dim_of(grad_t, d)}, used);
+    for (int64_t d = 0; d < n - 2; ++d)
+      batch[d] = take_axes({dim_of(x1_t, d), dim_of(x2_t, d), dim_of(grad_t, d)}, used);
   const auto rows1 = take_axes({dim_of(x1_t, n - 2), kBackward ? dim_of(grad_t, n - 2) : nullptr}, used);
   const auto rows2 = take_axes({dim_of(x2_t, x2.ndim() - 2), kBackward ? dim_of(grad_t, n - 1) : nullptr}, used);
 
@@ -128,7 +129,9 @@ OpPlan trilinear_rule(const OpCall& call) {
   for (int t = 0; t < 3; ++t) expand[t] = int_list(call.arg(3 + t));
   const auto sumdim = int_list(call.arg(6));
   const int64_t rank = call.layout(0).ndim() + static_cast<int64_t>(expand[0].size());
-  auto in = [](const std::vector<int64_t>& list, int64_t v) { return std::find(list.begin(), list.end(), v) != list.end(); };
+  auto in = [](const std::vector<int64_t>& list, int64_t v) {
+    return std::find(list.begin(), list.end(), v) != list.end();
+  };
   // where[t][v]: operand t's dim at the common dim v, -1 where t is unsqueezed
   std::vector<std::vector<int64_t>> where(3, std::vector<int64_t>(static_cast<size_t>(rank), -1));
   for (int t = 0; t < 3; ++t) {

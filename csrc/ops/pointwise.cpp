@@ -61,17 +61,22 @@ bool cast_keeps_partial(const OpCall& call, int64_t input) {
 std::optional<ReduceOp> output_partial(Algebra algebra, ReduceOp op, const OpCall& call, int64_t source,
                                        int64_t first_data) {
   switch (algebra) {
-    case Algebra::kReject: return std::nullopt;
+    case Algebra::kReject:
+      return std::nullopt;
     case Algebra::kLinear:
     case Algebra::kBilinear:
     case Algebra::kScale:
       return is_sum_like(op) ? std::optional<ReduceOp>(op) : std::nullopt;
     case Algebra::kNumerator:
       return source == first_data && is_sum_like(op) ? std::optional<ReduceOp>(op) : std::nullopt;
-    case Algebra::kNegate: return swap_max_min(op);
-    case Algebra::kMonotone: return is_max_like(op) ? std::optional<ReduceOp>(op) : std::nullopt;
-    case Algebra::kCast: return cast_keeps_partial(call, source) ? std::optional<ReduceOp>(op) : std::nullopt;
-    case Algebra::kIdentity: return op;
+    case Algebra::kNegate:
+      return swap_max_min(op);
+    case Algebra::kMonotone:
+      return is_max_like(op) ? std::optional<ReduceOp>(op) : std::nullopt;
+    case Algebra::kCast:
+      return cast_keeps_partial(call, source) ? std::optional<ReduceOp>(op) : std::nullopt;
+    case Algebra::kIdentity:
+      return op;
   }
   return std::nullopt;
 }
@@ -80,11 +85,15 @@ std::optional<ReduceOp> output_partial(Algebra algebra, ReduceOp op, const OpCal
 std::optional<ReduceOp> input_partial(Algebra algebra, ReduceOp out_op, int64_t t, int64_t source, bool is_mask) {
   if (is_mask) return std::nullopt;
   switch (algebra) {
-    case Algebra::kLinear: return out_op;                      // every data operand
+    case Algebra::kLinear:
+      return out_op;  // every data operand
     case Algebra::kBilinear:
-    case Algebra::kNumerator: return t == source ? std::optional<ReduceOp>(out_op) : std::nullopt;
-    case Algebra::kNegate: return swap_max_min(out_op);
-    default: return out_op;                                    // unary: the one operand
+    case Algebra::kNumerator:
+      return t == source ? std::optional<ReduceOp>(out_op) : std::nullopt;
+    case Algebra::kNegate:
+      return swap_max_min(out_op);
+    default:
+      return out_op;  // unary: the one operand
   }
 }
 
@@ -107,7 +116,7 @@ struct Candidate {
   layout::DimAxes dims;  // per output dim
   std::optional<ReduceOp> partial;
   std::vector<int64_t> partial_axes;
-  int64_t source = -1;   // the operand the candidate copies (an index into call.tensors)
+  int64_t source = -1;  // the operand the candidate copies (an index into call.tensors)
 };
 
 struct ScoredLayouts {
@@ -136,7 +145,9 @@ void add(Registry& r, const char* name) {
 }
 
 // Casts: the dtype decides whether a Partial survives, so it joins the key.
-void add_cast(Registry& r, const char* name) { r.add(name, &elementwise_rule<Algebra::kCast, kNoMask>, KeyScalars::kAll); }
+void add_cast(Registry& r, const char* name) {
+  r.add(name, &elementwise_rule<Algebra::kCast, kNoMask>, KeyScalars::kAll);
+}
 
 }  // namespace
 
@@ -156,8 +167,10 @@ ElementwiseLayouts elementwise_layouts(const OpCall& call, Algebra algebra, int6
     const auto& t = call.tensors[operands[k]];
     const auto& arg = args[t.arg];
     const bool written = arg.alias_info() && arg.alias_info()->isWrite();
-    if (written && t.arg == 0) inplace_self = operands[k];
-    else if (written) is_out[k] = true;
+    if (written && t.arg == 0)
+      inplace_self = operands[k];
+    else if (written)
+      is_out[k] = true;
     is_mask[k] = t.arg == mask_arg;
     if (!is_out[k] && !is_mask[k] && first_data < 0) first_data = operands[k];
   }
@@ -222,58 +235,56 @@ ElementwiseLayouts elementwise_layouts(const OpCall& call, Algebra algebra, int6
 
   // Each operand's sharding as the output's, scored by the one search (sharding_search.h).
   const Layout& any = call.layout(candidates[0].source);
-  auto best = search_candidates(
-      candidates.size(),
-      [&](size_t i) {
-        const Candidate& c = candidates[i];
-        std::optional<ScoredLayouts> plan(std::in_place);
-        for (size_t k = 0; k < n; ++k) {
-          const int64_t t = operands[k];
-          const auto& current = call.tensors[t].layout;
-          if (is_out[k]) {
-            plan->layouts.inputs.push_back(current);
-            continue;
-          }
-          const auto& shape = current->global_shape();
-          layout::DimAxes dims(shape.size());
-          for (int64_t o = 0; o < out_ndim; ++o) {
-            const int64_t d = input_dim(t, o);
-            if (d >= 0) dims[d] = c.dims[o];
-          }
-          layout::PartialOps partial(mesh_ndim);
-          if (c.partial)  // a reduce-first operand is reduced, then filled where the algebra needs it
-            if (auto op = input_partial(algebra, *c.partial, t, c.source, is_mask[k]))
-              for (int64_t a : c.partial_axes) partial[a] = *op;
-          auto required = make_layout(*current, shape, std::move(dims), std::move(partial));
-          plan->score.add_input(current, required);
-          plan->layouts.inputs.push_back(std::move(required));
-        }
-        layout::PartialOps out_partial(mesh_ndim);
-        if (c.partial)
-          for (int64_t a : c.partial_axes) out_partial[a] = *c.partial;
-        plan->score.partial_axes = static_cast<int64_t>(c.partial ? c.partial_axes.size() : 0);
-        plan->layouts.output = make_layout(any, out_shape, c.dims, std::move(out_partial));
-        return plan;
-      });
+  auto best = search_candidates(candidates.size(), [&](size_t i) {
+    const Candidate& c = candidates[i];
+    std::optional<ScoredLayouts> plan(std::in_place);
+    for (size_t k = 0; k < n; ++k) {
+      const int64_t t = operands[k];
+      const auto& current = call.tensors[t].layout;
+      if (is_out[k]) {
+        plan->layouts.inputs.push_back(current);
+        continue;
+      }
+      const auto& shape = current->global_shape();
+      layout::DimAxes dims(shape.size());
+      for (int64_t o = 0; o < out_ndim; ++o) {
+        const int64_t d = input_dim(t, o);
+        if (d >= 0) dims[d] = c.dims[o];
+      }
+      layout::PartialOps partial(mesh_ndim);
+      if (c.partial)  // a reduce-first operand is reduced, then filled where the algebra needs it
+        if (auto op = input_partial(algebra, *c.partial, t, c.source, is_mask[k]))
+          for (int64_t a : c.partial_axes) partial[a] = *op;
+      auto required = make_layout(*current, shape, std::move(dims), std::move(partial));
+      plan->score.add_input(current, required);
+      plan->layouts.inputs.push_back(std::move(required));
+    }
+    layout::PartialOps out_partial(mesh_ndim);
+    if (c.partial)
+      for (int64_t a : c.partial_axes) out_partial[a] = *c.partial;
+    plan->score.partial_axes = static_cast<int64_t>(c.partial ? c.partial_axes.size() : 0);
+    plan->layouts.output = make_layout(any, out_shape, c.dims, std::move(out_partial));
+    return plan;
+  });
   return std::move(best->layouts);
 }
 
 void register_pointwise(Registry& r) {
   using A = Algebra;
   // Linear in all data operands.
-  for (const char* op : {"aten::add.Tensor", "aten::add_.Tensor", "aten::add.out", "aten::sub.Tensor",
-                         "aten::sub_.Tensor", "aten::sub.out", "aten::rsub.Tensor", "aten::lerp.Scalar",
-                         "aten::lerp_.Scalar", "aten::copy_"})
+  for (const char* op :
+       {"aten::add.Tensor", "aten::add_.Tensor", "aten::add.out", "aten::sub.Tensor", "aten::sub_.Tensor",
+        "aten::sub.out", "aten::rsub.Tensor", "aten::lerp.Scalar", "aten::lerp_.Scalar", "aten::copy_"})
     add<A::kLinear>(r, op);
   add<A::kLinear, 0>(r, "aten::where.self");
   add<A::kLinear, 0>(r, "aten::where.self_out");
   // Bilinear / numerator.
   for (const char* op : {"aten::mul.Tensor", "aten::mul_.Tensor", "aten::mul.out"}) add<A::kBilinear>(r, op);
-  for (const char* op : {"aten::div.Tensor", "aten::div_.Tensor", "aten::div.out", "aten::div.Tensor_mode",
-                         "aten::threshold_backward", "aten::gelu_backward", "aten::silu_backward",
-                         "aten::sigmoid_backward", "aten::tanh_backward", "aten::softplus_backward",
-                         "aten::native_dropout_backward", "aten::hardswish_backward", "aten::log_sigmoid_backward",
-                         "aten::_prelu_kernel_backward"})
+  for (const char* op :
+       {"aten::div.Tensor", "aten::div_.Tensor", "aten::div.out", "aten::div.Tensor_mode", "aten::threshold_backward",
+        "aten::gelu_backward", "aten::silu_backward", "aten::sigmoid_backward", "aten::tanh_backward",
+        "aten::softplus_backward", "aten::native_dropout_backward", "aten::hardswish_backward",
+        "aten::log_sigmoid_backward", "aten::_prelu_kernel_backward"})
     add<A::kNumerator>(r, op);
   // polar(abs, angle) = abs * e^(i angle): linear in abs only (the numerator row).
   add<A::kNumerator>(r, "aten::polar");
@@ -286,32 +297,87 @@ void register_pointwise(Registry& r) {
   add<A::kNegate>(r, "aten::neg");
   add<A::kNegate>(r, "aten::neg_");
   // Monotone non-decreasing unary ops.
-  for (const char* op : {"aten::exp", "aten::exp_", "aten::exp2", "aten::expm1", "aten::log", "aten::log_",
-                         "aten::log1p", "aten::log2", "aten::log10", "aten::sqrt", "aten::sqrt_",
-                         "aten::relu", "aten::relu_", "aten::sigmoid", "aten::sigmoid_", "aten::tanh",
-                         "aten::tanh_", "aten::erf", "aten::floor", "aten::ceil", "aten::round", "aten::trunc",
-                         "aten::sign", "aten::softplus", "aten::clamp", "aten::clamp_", "aten::clamp_min",
-                         "aten::clamp_min_", "aten::clamp_max", "aten::clamp_max_", "aten::hardtanh",
-                         "aten::atan", "aten::asinh", "aten::sinh"})
+  for (const char* op :
+       {"aten::exp",      "aten::exp_",    "aten::exp2",      "aten::expm1",      "aten::log",       "aten::log_",
+        "aten::log1p",    "aten::log2",    "aten::log10",     "aten::sqrt",       "aten::sqrt_",     "aten::relu",
+        "aten::relu_",    "aten::sigmoid", "aten::sigmoid_",  "aten::tanh",       "aten::tanh_",     "aten::erf",
+        "aten::floor",    "aten::ceil",    "aten::round",     "aten::trunc",      "aten::sign",      "aten::softplus",
+        "aten::clamp",    "aten::clamp_",  "aten::clamp_min", "aten::clamp_min_", "aten::clamp_max", "aten::clamp_max_",
+        "aten::hardtanh", "aten::atan",    "aten::asinh",     "aten::sinh"})
     add<A::kMonotone>(r, op);
   // Everything else pointwise: no Partial.
-  for (const char* op : {"aten::abs", "aten::abs_", "aten::rsqrt", "aten::rsqrt_", "aten::reciprocal",
-                         "aten::reciprocal_", "aten::sin", "aten::cos", "aten::tan", "aten::gelu", "aten::gelu_",
-                         "aten::silu", "aten::silu_", "aten::square", "aten::pow.Tensor_Scalar",
-                         "aten::pow_.Scalar", "aten::pow.Tensor_Tensor", "aten::pow.Scalar", "aten::add.Scalar",
-                         "aten::add_.Scalar", "aten::sub.Scalar", "aten::sub_.Scalar", "aten::rsub.Scalar",
-                         "aten::eq.Tensor", "aten::eq.Scalar", "aten::ne.Tensor", "aten::ne.Scalar",
-                         "aten::lt.Tensor", "aten::lt.Scalar", "aten::le.Tensor", "aten::le.Scalar",
-                         "aten::gt.Tensor", "aten::gt.Scalar", "aten::ge.Tensor", "aten::ge.Scalar",
-                         "aten::maximum", "aten::minimum", "aten::logical_not", "aten::logical_and",
-                         "aten::logical_or", "aten::logical_xor", "aten::logical_and_", "aten::logical_or_", "aten::bitwise_not", "aten::bitwise_and.Tensor",
-                         "aten::bitwise_or.Tensor", "aten::isnan", "aten::isinf", "aten::addcmul",
-                         "aten::addcmul_", "aten::addcdiv", "aten::addcdiv_", "aten::fill_.Scalar",
-                         "aten::fill_.Tensor", "aten::lerp.Tensor", "aten::lerp_.Tensor", "aten::sgn",
-                         "aten::nan_to_num", "aten::remainder.Scalar", "aten::remainder.Tensor",
-                         "aten::fmod.Scalar", "aten::floor_divide", "aten::xlogy.Tensor", "aten::erfinv",
-                         "aten::hardtanh_backward", "aten::logit", "aten::frac", "aten::atan2",
-                         "aten::hardswish", "aten::hardswish_", "aten::log_sigmoid_forward", "aten::_prelu_kernel"})
+  for (const char* op : {"aten::abs",
+                         "aten::abs_",
+                         "aten::rsqrt",
+                         "aten::rsqrt_",
+                         "aten::reciprocal",
+                         "aten::reciprocal_",
+                         "aten::sin",
+                         "aten::cos",
+                         "aten::tan",
+                         "aten::gelu",
+                         "aten::gelu_",
+                         "aten::silu",
+                         "aten::silu_",
+                         "aten::square",
+                         "aten::pow.Tensor_Scalar",
+                         "aten::pow_.Scalar",
+                         "aten::pow.Tensor_Tensor",
+                         "aten::pow.Scalar",
+                         "aten::add.Scalar",
+                         "aten::add_.Scalar",
+                         "aten::sub.Scalar",
+                         "aten::sub_.Scalar",
+                         "aten::rsub.Scalar",
+                         "aten::eq.Tensor",
+                         "aten::eq.Scalar",
+                         "aten::ne.Tensor",
+                         "aten::ne.Scalar",
+                         "aten::lt.Tensor",
+                         "aten::lt.Scalar",
+                         "aten::le.Tensor",
+                         "aten::le.Scalar",
+                         "aten::gt.Tensor",
+                         "aten::gt.Scalar",
+                         "aten::ge.Tensor",
+                         "aten::ge.Scalar",
+                         "aten::maximum",
+                         "aten::minimum",
+                         "aten::logical_not",
+                         "aten::logical_and",
+                         "aten::logical_or",
+                         "aten::logical_xor",
+                         "aten::logical_and_",
+                         "aten::logical_or_",
+                         "aten::bitwise_not",
+                         "aten::bitwise_and.Tensor",
+                         "aten::bitwise_or.Tensor",
+                         "aten::isnan",
+                         "aten::isinf",
+                         "aten::addcmul",
+                         "aten::addcmul_",
+                         "aten::addcdiv",
+                         "aten::addcdiv_",
+                         "aten::fill_.Scalar",
+                         "aten::fill_.Tensor",
+                         "aten::lerp.Tensor",
+                         "aten::lerp_.Tensor",
+                         "aten::sgn",
+                         "aten::nan_to_num",
+                         "aten::remainder.Scalar",
+                         "aten::remainder.Tensor",
+                         "aten::fmod.Scalar",
+                         "aten::floor_divide",
+                         "aten::xlogy.Tensor",
+                         "aten::erfinv",
+                         "aten::hardtanh_backward",
+                         "aten::logit",
+                         "aten::frac",
+                         "aten::atan2",
+                         "aten::hardswish",
+                         "aten::hardswish_",
+                         "aten::log_sigmoid_forward",
+                         "aten::_prelu_kernel"})
     add<A::kReject>(r, op);
   add<A::kReject, 1>(r, "aten::masked_fill.Scalar");
   add<A::kReject, 1>(r, "aten::masked_fill.Tensor");

@@ -45,7 +45,6 @@ namespace {
 
 using Stack = torch::jit::Stack;
 
-
 // ------------------------------------------------------------------ the global draw
 
 // An uninitialised tensor of the GLOBAL shape whose memory order is the local's (as the wrapper
@@ -157,8 +156,7 @@ OpPlan random_rule(const OpCall& call) {
   for (size_t t = 1; t < call.tensors.size(); ++t) plan.inputs.push_back(probabilities(call, static_cast<int64_t>(t)));
   plan.outputs.push_back(spec.out);
   // Nothing sharded: the local call IS the one-device draw (same generator, shape and memory).
-  if (spec.out->is_sharded_anywhere())
-    plan.expand = [spec](const OpCall& c, Stack& s) { random_expand(spec, c, s); };
+  if (spec.out->is_sharded_anywhere()) plan.expand = [spec](const OpCall& c, Stack& s) { random_expand(spec, c, s); };
   return plan;
 }
 
@@ -209,11 +207,11 @@ void register_random(Registry& r) {
   r.add("aten::geometric_", &random_rule<D::kFill>, KeyScalars::kNone);
   r.add("aten::log_normal_", &random_rule<D::kFill>, KeyScalars::kNone);
   r.add("aten::multinomial", &random_rule<D::kFromValues>, KeyScalars::kAll);  // num_samples: a shape
-  r.add("aten::native_dropout", &native_dropout_rule, KeyScalars::kAll);  // train decides the expand
+  r.add("aten::native_dropout", &native_dropout_rule, KeyScalars::kAll);       // train decides the expand
   r.add("aten::normal_", &random_rule<D::kFill>, KeyScalars::kNone);
-  r.add("aten::normal.Tensor_float", &random_rule<D::kFromValues>, KeyScalars::kNone);  // self: the means
+  r.add("aten::normal.Tensor_float", &random_rule<D::kFromValues>, KeyScalars::kNone);   // self: the means
   r.add("aten::normal.Tensor_Tensor", &random_rule<D::kFromValues>, KeyScalars::kNone);  // std read whole
-  r.add("aten::poisson", &random_rule<D::kFromValues>, KeyScalars::kNone);  // self: the rates
+  r.add("aten::poisson", &random_rule<D::kFromValues>, KeyScalars::kNone);               // self: the rates
   r.add("aten::rand_like", &random_rule<D::kLike>, KeyScalars::kNone);
   r.add("aten::rand_like.generator", &random_rule<D::kLike>, KeyScalars::kNone);
   r.add("aten::randint_like", &random_rule<D::kLike>, KeyScalars::kNone);

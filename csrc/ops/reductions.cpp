@@ -177,9 +177,12 @@ c10::Scalar extreme(c10::ScalarType type, bool lowest) {
   c10::Scalar value;
   AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, type, "hypershard_extreme", [&] {
     using L = std::numeric_limits<scalar_t>;
-    if constexpr (L::has_infinity) value = lowest ? -INFINITY : INFINITY;
-    else if constexpr (std::is_same_v<scalar_t, bool>) value = !lowest;
-    else value = static_cast<int64_t>(lowest ? L::lowest() : L::max());
+    if constexpr (L::has_infinity)
+      value = lowest ? -INFINITY : INFINITY;
+    else if constexpr (std::is_same_v<scalar_t, bool>)
+      value = !lowest;
+    else
+      value = static_cast<int64_t>(lowest ? L::lowest() : L::max());
   });
   return value;
 }
@@ -210,8 +213,8 @@ void mean_expand(const Reduced& r, const OpCall& call, Stack& stack) {
   const auto dtype_index = call.schema().argumentIndexWithName("dtype");
   const auto& dtype_arg = call.arg(*dtype_index);
   const auto dtype = dtype_arg.isNone() ? x.scalar_type() : static_cast<c10::ScalarType>(dtype_arg.toInt());
-  TORCH_CHECK(at::isFloatingType(dtype) || at::isComplexType(dtype),
-              "mean(): could not infer output dtype. ", (dtype_arg.isNone() ? "Input" : "Optional"),
+  TORCH_CHECK(at::isFloatingType(dtype) || at::isComplexType(dtype), "mean(): could not infer output dtype. ",
+              (dtype_arg.isNone() ? "Input" : "Optional"),
               " dtype must be either a floating point or complex dtype. Got: ", dtype);
   // As torch's CPU mean: half types sum in float32, then divide and cast back.
   const bool half = dtype == at::kHalf || dtype == at::kBFloat16;
@@ -234,12 +237,13 @@ OpPlan linear_rule(const OpCall& call) {
   // out= (sum.IntList_out): the buffer takes the output's layout; its old values do not matter.
   for (size_t t = 1; t < call.tensors.size(); ++t) {
     if (!call.tensors[t].is_dtensor || call.layout(t).global_shape() != plan.outputs[0]->global_shape())
-      fail_argument(call, static_cast<int64_t>(t), "out= must be a DTensor of the result's shape " +
-                    layout::shape_string(plan.outputs[0]->global_shape()), "a DTensor out of the result's shape");
+      fail_argument(
+          call, static_cast<int64_t>(t),
+          "out= must be a DTensor of the result's shape " + layout::shape_string(plan.outputs[0]->global_shape()),
+          "a DTensor out of the result's shape");
     plan.inputs.push_back(plan.outputs[0]);
   }
-  if (K == Kind::kMean && !r.axes.empty())
-    plan.expand = [r](const OpCall& c, Stack& s) { mean_expand(r, c, s); };
+  if (K == Kind::kMean && !r.axes.empty()) plan.expand = [r](const OpCall& c, Stack& s) { mean_expand(r, c, s); };
   return plan;
 }
 
@@ -251,23 +255,32 @@ double norm_ord(const OpCall& call) { return call.arg(call.arg_index("ord")).toS
 at::Tensor local_reduce(Kind k, const OpCall& call, const at::Tensor& x, const std::vector<int64_t>& dims) {
   const auto dtype_index = call.schema().argumentIndexWithName("dtype");
   std::optional<c10::ScalarType> dtype;
-  if (dtype_index && !call.arg(*dtype_index).isNone()) dtype = static_cast<c10::ScalarType>(call.arg(*dtype_index).toInt());
+  if (dtype_index && !call.arg(*dtype_index).isNone())
+    dtype = static_cast<c10::ScalarType>(call.arg(*dtype_index).toInt());
   const bool all = static_cast<int64_t>(dims.size()) == x.dim();
   switch (k) {
-    case Kind::kMax: return at::amax(x, dims, true);
-    case Kind::kMin: return at::amin(x, dims, true);
-    case Kind::kProd: return all ? at::prod(x, dtype).reshape(keepdim_shape(x, dims)) : at::prod(x, dims[0], true, dtype);
-    case Kind::kAny: return at::any(x, at::OptionalIntArrayRef(dims), true);
-    case Kind::kAll: return at::all(x, at::OptionalIntArrayRef(dims), true);
-    case Kind::kNorm: return at::linalg_vector_norm(x, norm_ord(call), dims, true, dtype);
-    default: TORCH_CHECK(false, "hypershard: internal error: local_reduce of a linear kind");
+    case Kind::kMax:
+      return at::amax(x, dims, true);
+    case Kind::kMin:
+      return at::amin(x, dims, true);
+    case Kind::kProd:
+      return all ? at::prod(x, dtype).reshape(keepdim_shape(x, dims)) : at::prod(x, dims[0], true, dtype);
+    case Kind::kAny:
+      return at::any(x, at::OptionalIntArrayRef(dims), true);
+    case Kind::kAll:
+      return at::all(x, at::OptionalIntArrayRef(dims), true);
+    case Kind::kNorm:
+      return at::linalg_vector_norm(x, norm_ord(call), dims, true, dtype);
+    default:
+      TORCH_CHECK(false, "hypershard: internal error: local_reduce of a linear kind");
   }
 }
 
 // What ranks combine: amax/amin as they are, finite non-zero p-norms as sum |x|^p.
 bool norm_is_power(double p) { return std::isfinite(p) && p != 0; }
 
-at::Tensor collective_local(Kind k, const OpCall& call, const at::Tensor& x, const std::vector<int64_t>& dims, int64_t global_count) {
+at::Tensor collective_local(Kind k, const OpCall& call, const at::Tensor& x, const std::vector<int64_t>& dims,
+                            int64_t global_count) {
   const bool extremum = k == Kind::kMax || k == Kind::kMin || k == Kind::kNorm;
   if (!extremum || local_count(x, dims) > 0 || global_count == 0) {
     auto out = local_reduce(k, call, x, dims);
@@ -292,8 +305,10 @@ void collective_expand(const Reduced& r, const OpCall& call, Stack& stack) {
     out = all_reduce_extremum(out, call, r.axes, K == Kind::kAny);
   } else {
     const double p = norm_ord(call);
-    if (std::isinf(p)) out = all_reduce_extremum(out, call, r.axes, p > 0);
-    else out = all_reduce_axes(out, call, r.axes, ReduceOp::Sum);
+    if (std::isinf(p))
+      out = all_reduce_extremum(out, call, r.axes, p > 0);
+    else
+      out = all_reduce_axes(out, call, r.axes, ReduceOp::Sum);
     if (norm_is_power(p)) out = out.pow(1.0 / p);
   }
   replace_args(call, stack, {squeeze_reduced(out, r.dims, r.keepdim)});
@@ -303,11 +318,15 @@ void collective_expand(const Reduced& r, const OpCall& call, Stack& stack) {
 std::optional<ReduceOp> kept_partial(Kind k) {
   switch (k) {
     case Kind::kMax:
-    case Kind::kAny: return ReduceOp::Max;
+    case Kind::kAny:
+      return ReduceOp::Max;
     case Kind::kMin:
-    case Kind::kAll: return ReduceOp::Min;
-    case Kind::kProd: return ReduceOp::Prod;
-    default: return std::nullopt;
+    case Kind::kAll:
+      return ReduceOp::Min;
+    case Kind::kProd:
+      return ReduceOp::Prod;
+    default:
+      return std::nullopt;
   }
 }
 
@@ -382,15 +401,18 @@ std::pair<at::Tensor, at::Tensor> local_candidate(const Select& s, const at::Ten
 void select_expand(const Select& s, const OpCall& call, Stack& stack) {
   const at::Tensor x = call.arg(0).toTensor();
   auto [value, index] = local_candidate(s, x, call.mesh->position());
-  auto [best, winner] = select_winner(gather_candidates(value, call, s.axes), gather_candidates(index, call, s.axes), s.is_max);
+  auto [best, winner] =
+      select_winner(gather_candidates(value, call, s.axes), gather_candidates(index, call, s.axes), s.is_max);
   if (s.dim >= 0 && !s.keepdim) {
     best = best.squeeze(s.dim);
     winner = winner.squeeze(s.dim);
   } else if (s.dim < 0 && s.keepdim) {
     winner = winner.reshape(std::vector<int64_t>(x.dim(), 1));
   }
-  if (s.values) replace_args(call, stack, {best, winner});
-  else replace_args(call, stack, {winner});
+  if (s.values)
+    replace_args(call, stack, {best, winner});
+  else
+    replace_args(call, stack, {winner});
 }
 
 template <bool kIsMax, bool kValues>
@@ -404,10 +426,9 @@ OpPlan select_rule(const OpCall& call) {
   const auto out = reduced_layout(in, r, {});
   for (size_t i = 0; i < call.schema().returns().size(); ++i) plan.outputs.push_back(out);
   const bool flat = call.arg(call.arg_index("dim")).isNone();
-  Select s{call.tensors[0].layout, flat ? -1 : (r.dims.empty() ? 0 : r.dims[0]), r.keepdim, kIsMax, kValues,
+  Select s{call.tensors[0].layout,           flat ? -1 : (r.dims.empty() ? 0 : r.dims[0]), r.keepdim, kIsMax, kValues,
            flat ? sharding_axes(in) : r.axes};
-  if (!s.axes.empty() && in.ndim() > 0)
-    plan.expand = [s](const OpCall& c, Stack& st) { select_expand(s, c, st); };
+  if (!s.axes.empty() && in.ndim() > 0) plan.expand = [s](const OpCall& c, Stack& st) { select_expand(s, c, st); };
   return plan;
 }
 
@@ -430,7 +451,8 @@ void moments_expand(const Reduced& r, const OpCall& call, Stack& stack) {
     mean = at::zeros(keepdim_shape(x, r.dims), x.options().dtype(at::kDouble));
     m2 = at::zeros_like(mean);
   }
-  const auto stats = gather_candidates(at::stack({at::full_like(mean, static_cast<double>(n)), mean, m2}), call, r.axes);
+  const auto stats =
+      gather_candidates(at::stack({at::full_like(mean, static_cast<double>(n)), mean, m2}), call, r.axes);
   const auto counts = stats.select(1, 0), means = stats.select(1, 1), m2s = stats.select(1, 2);
   // Chan et al.: M2 = sum M2_k + sum n_k (mean_k - mean)^2.
   const auto total_mean = counts.mul(means).sum(0) / static_cast<double>(r.count);
@@ -447,7 +469,8 @@ OpPlan moments_rule(const OpCall& call) {
     fail_partial(call, redistribute_partial_first("the variance of a sum is not the sum of variances"));
   const Reduced r = reduced_dims(call, true);
   if (!r.axes.empty() && at::isComplexType(call.tensors[0].dtype))
-    fail_argument(call, 0, "a complex variance over a sharded dim is not supported", "real dtypes, or an unsharded dim");
+    fail_argument(call, 0, "a complex variance over a sharded dim is not supported",
+                  "real dtypes, or an unsharded dim");
   OpPlan plan;
   plan.inputs.push_back(call.tensors[0].layout);
   plan.outputs.push_back(reduced_layout(in, r, {}));
@@ -543,7 +566,8 @@ at::Tensor value_selecting_reduction_backward_kernel(const at::Tensor& grad, int
 }  // namespace
 
 void register_reduction_kernels() {
-  aten_autograd_kernels().impl("value_selecting_reduction_backward", TORCH_FN(value_selecting_reduction_backward_kernel));
+  aten_autograd_kernels().impl("value_selecting_reduction_backward",
+                               TORCH_FN(value_selecting_reduction_backward_kernel));
 }
 
 // ------------------------------------------------------------------ counts
@@ -571,8 +595,10 @@ OpPlan histc_rule(const OpCall& call) {
       const at::Tensor local = stack[stack.size() - c.num_args()].toTensor();
       const int64_t bins = c.arg(1).toInt();
       // An empty shard contributes the identity of each extreme.
-      auto lo = local.numel() ? local.min().reshape({1}) : at::full({1}, extreme(local.scalar_type(), /*lowest=*/false), local.options());
-      auto hi = local.numel() ? local.max().reshape({1}) : at::full({1}, extreme(local.scalar_type(), /*lowest=*/true), local.options());
+      auto lo = local.numel() ? local.min().reshape({1})
+                              : at::full({1}, extreme(local.scalar_type(), /*lowest=*/false), local.options());
+      auto hi = local.numel() ? local.max().reshape({1})
+                              : at::full({1}, extreme(local.scalar_type(), /*lowest=*/true), local.options());
       lo = all_reduce_extremum(lo, c, axes, /*is_max=*/false);
       hi = all_reduce_extremum(hi, c, axes, /*is_max=*/true);
       // No data on any rank: one device's empty histogram (its range rule sees min = max = 0).
@@ -618,8 +644,8 @@ OpPlan bincount_rule(const OpCall& call) {
     largest = all_reduce_extremum(largest, c, axes, /*is_max=*/true);
     const int64_t minlength = std::max(stack[stack.size() - 1].toInt(), largest.item<int64_t>() + 1);
     torch::jit::drop(stack, num);
-    stack.emplace_back(at::bincount(local, weights.isNone() ? std::optional<at::Tensor>() : weights.toTensor(),
-                                    minlength));
+    stack.emplace_back(
+        at::bincount(local, weights.isNone() ? std::optional<at::Tensor>() : weights.toTensor(), minlength));
   };
   return plan;
 }

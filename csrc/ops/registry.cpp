@@ -43,8 +43,9 @@ std::string OpCall::describe_inputs() const {
       out += " " + t.layout->to_string();
     } else {  // a plain tensor before its Replicate layout is made
       const auto& v = args[t.arg];
-      const at::Tensor tensor = t.item < 0 ? v.toTensor()
-                                           : (v.isTensorList() ? v.toTensorList().get(t.item) : v.toList().get(t.item).toTensor());
+      const at::Tensor tensor =
+          t.item < 0 ? v.toTensor()
+                     : (v.isTensorList() ? v.toTensorList().get(t.item) : v.toList().get(t.item).toTensor());
       out += " " + layout::shape_string(tensor.sizes().vec());
     }
     if (!t.is_dtensor) out += " (plain tensor)";
@@ -102,8 +103,8 @@ int64_t wrap_dim(const OpCall& call, int64_t dim, int64_t ndim) {
 }
 
 torch::Library& aten_autograd_kernels() {
-  static auto* library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::AutogradPrivateUse2,
-                                            __FILE__, __LINE__);
+  static auto* library =
+      new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::AutogradPrivateUse2, __FILE__, __LINE__);
   return *library;
 }
 
@@ -132,7 +133,8 @@ std::vector<std::vector<int64_t>> meta_output_shapes(const OpCall& call) {
   return out;
 }
 
-LayoutPtr make_layout(const Layout& like, std::vector<int64_t> shape, layout::DimAxes dims, layout::PartialOps partial) {
+LayoutPtr make_layout(const Layout& like, std::vector<int64_t> shape, layout::DimAxes dims,
+                      layout::PartialOps partial) {
   return intern(Layout::create(like.mesh(), std::move(shape), std::move(dims), std::move(partial)));
 }
 
@@ -163,7 +165,8 @@ void skip_empty_blocks(OpPlan& plan, std::vector<c10::ScalarType> dtypes, int64_
     const c10::IValue* args = stack.data() + (stack.size() - num);
     at::Tensor empty;
     for (size_t i = 0; i < num && !empty.defined(); ++i)
-      if (args[i].isTensor() && args[i].toTensor().defined() && args[i].toTensor().numel() == 0) empty = args[i].toTensor();
+      if (args[i].isTensor() && args[i].toTensor().defined() && args[i].toTensor().numel() == 0)
+        empty = args[i].toTensor();
     if (!empty.defined()) {
       c.op->callBoxed(stack);
       return;

@@ -113,15 +113,16 @@ PadExchange pad_exchange(Pad mode, const PaddedDim& pd, const Layout& in, const 
   for (int64_t c = 0; c < static_cast<int64_t>(ex.plan.owned.size()); ++c) {
     const Span block = runtime::member_span(out, mesh, axis, c, pd.dim);
     std::vector<int64_t> sources;
-    for (int64_t p = block.begin; p < block.end; ++p)
-      sources.push_back(pad_source(mode, p, pd.left, pd.in_length));
+    for (int64_t p = block.begin; p < block.end; ++p) sources.push_back(pad_source(mode, p, pd.left, pd.in_length));
     std::vector<int64_t> distinct = sources;
     std::sort(distinct.begin(), distinct.end());
     distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
     std::vector<Span> spans;
     for (int64_t s : distinct) {
-      if (!spans.empty() && spans.back().end == s) ++spans.back().end;
-      else spans.push_back({s, s + 1});
+      if (!spans.empty() && spans.back().end == s)
+        ++spans.back().end;
+      else
+        spans.push_back({s, s + 1});
     }
     if (c == me) {
       for (int64_t s : sources) {  // the place of s in the concatenated spans
@@ -163,7 +164,8 @@ OpPlan pad_rule(const OpCall& call) {
   const auto pads = padded_dims(call, in_shape);
   const auto shapes = meta_output_shapes(call);  // torch's own argument checks, on every rank alike
   const std::vector<int64_t> out_shape = kBackward ? first.global_shape() : shapes.at(0);
-  if (static_cast<int64_t>(out_shape.size()) != unpadded.ndim()) fail_call(call, "the padded tensor's rank differs from the unpadded one's");
+  if (static_cast<int64_t>(out_shape.size()) != unpadded.ndim())
+    fail_call(call, "the padded tensor's rank differs from the unpadded one's");
 
   // Every dim keeps the sharding of the tensor the op reads; a padded dim over two axes is whole.
   layout::DimAxes dims = first.dim_axes();
@@ -207,7 +209,8 @@ OpPlan pad_rule(const OpCall& call) {
     step.exchange = dim_parts(*in, pd.dim) > 1;
     if (step.exchange) {
       step.ex = pad_exchange(M, pd, *in, *out, *call.mesh);
-      for (const Span& w : step.ex.plan.wanted[call.mesh->coordinate(step.ex.plan.axis)]) step.fetched_length += w.length();
+      for (const Span& w : step.ex.plan.wanted[call.mesh->coordinate(step.ex.plan.axis)])
+        step.fetched_length += w.length();
     } else {
       step.sources = whole_sources(M, pd, out->global_shape()[pd.dim]);
     }
@@ -238,7 +241,8 @@ OpPlan pad_rule(const OpCall& call) {
         auto shape = local.sizes().vec();
         if (it->exchange) {
           shape[d] = it->fetched_length;
-          const at::Tensor summed = at::zeros(shape, local.options()).index_add_(d, index_tensor(it->ex.index, local), local);
+          const at::Tensor summed =
+              at::zeros(shape, local.options()).index_add_(d, index_tensor(it->ex.index, local), local);
           local = runtime::return_spans_summed(summed, in_local[d], it->ex.plan, mesh);
         } else {
           shape[d] = it->pd.in_length;
@@ -319,18 +323,12 @@ void register_resampling(Registry& r) {
   // The padding and the sizes/scales change the plan (the output shape, the exchanged spans).
   for (const PadRow& row : pads) r.add(row.name, row.rule, KeyScalars::kAll);
   const SpatialRow spatial[] = {
-      {"aten::_adaptive_avg_pool3d", &spatial_rule<3>},
-      {"aten::_upsample_bicubic2d_aa", &spatial_rule<2>},
-      {"aten::_upsample_bilinear2d_aa", &spatial_rule<2>},
-      {"aten::_upsample_nearest_exact1d", &spatial_rule<1>},
-      {"aten::_upsample_nearest_exact2d", &spatial_rule<2>},
-      {"aten::_upsample_nearest_exact3d", &spatial_rule<3>},
-      {"aten::upsample_bicubic2d", &spatial_rule<2>},
-      {"aten::upsample_bilinear2d", &spatial_rule<2>},
-      {"aten::upsample_linear1d", &spatial_rule<1>},
-      {"aten::upsample_nearest1d", &spatial_rule<1>},
-      {"aten::upsample_nearest2d", &spatial_rule<2>},
-      {"aten::upsample_nearest3d", &spatial_rule<3>},
+      {"aten::_adaptive_avg_pool3d", &spatial_rule<3>},      {"aten::_upsample_bicubic2d_aa", &spatial_rule<2>},
+      {"aten::_upsample_bilinear2d_aa", &spatial_rule<2>},   {"aten::_upsample_nearest_exact1d", &spatial_rule<1>},
+      {"aten::_upsample_nearest_exact2d", &spatial_rule<2>}, {"aten::_upsample_nearest_exact3d", &spatial_rule<3>},
+      {"aten::upsample_bicubic2d", &spatial_rule<2>},        {"aten::upsample_bilinear2d", &spatial_rule<2>},
+      {"aten::upsample_linear1d", &spatial_rule<1>},         {"aten::upsample_nearest1d", &spatial_rule<1>},
+      {"aten::upsample_nearest2d", &spatial_rule<2>},        {"aten::upsample_nearest3d", &spatial_rule<3>},
       {"aten::upsample_trilinear3d", &spatial_rule<3>},
   };
   for (const SpatialRow& row : spatial) {

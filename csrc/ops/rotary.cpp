@@ -81,8 +81,9 @@ void check_shapes(const OpCall& call, const RotaryOperands& o) {
       fits = size == x.global_shape()[i] || (size == 1 && i != n - 1);
     }
     if (!fits)
-      fail_argument(call, t, "shape " + layout::shape_string(table.global_shape()) + " does not broadcast to x " +
-                                 layout::shape_string(x.global_shape()),
+      fail_argument(call, t,
+                    "shape " + layout::shape_string(table.global_shape()) + " does not broadcast to x " +
+                        layout::shape_string(x.global_shape()),
                     "the rank of x, each dim equal to x's or 1, the last dim D");
   }
   if (o.grad >= 0 && call.layout(o.grad).global_shape() != x.global_shape())
@@ -108,25 +109,29 @@ TablePlan plan_table(const OpCall& call, const Layout& x, int64_t t, std::string
     const bool broadcast = table.global_shape()[i] == 1;
     if (i == n - 1) {
       if (!t_axes.empty())
-        fail_argument(call, t, "the last dim (D) is sharded on " + axis_names(table, t_axes) +
-                                   "; the rotation pairs positions across D", kAllowedLayouts);
+        fail_argument(
+            call, t,
+            "the last dim (D) is sharded on " + axis_names(table, t_axes) + "; the rotation pairs positions across D",
+            kAllowedLayouts);
     } else if (broadcast) {
       if (!t_axes.empty())
-        fail_argument(call, t, layout::str_cat("its size-1 (broadcast) dim ", i, " is sharded on ",
-                                               axis_names(table, t_axes)), kAllowedLayouts);
+        fail_argument(call, t,
+                      layout::str_cat("its size-1 (broadcast) dim ", i, " is sharded on ", axis_names(table, t_axes)),
+                      kAllowedLayouts);
       for (int64_t axis : x_axes) summed[axis] = ReduceOp::Sum;
     } else if (!t_axes.empty() && t_axes != x_axes) {
-      fail_argument(call, t, layout::str_cat("dim ", i, " is sharded on ", axis_names(table, t_axes), " but x's dim ",
-                                             i, " on ", axis_names(x, x_axes)),
+      fail_argument(call, t,
+                    layout::str_cat("dim ", i, " is sharded on ", axis_names(table, t_axes), " but x's dim ", i, " on ",
+                                    axis_names(x, x_axes)),
                     kAllowedLayouts);
     } else {
       if (t_axes.empty() && !x_axes.empty() && refused.empty())
-        refused = argument_error(call, t,
-                                 layout::str_cat("full-size dim ", i, " is whole where x is sharded on ",
-                                                 axis_names(x, x_axes),
-                                                 " (every rank would hold the whole table; default mode cuts "
-                                                 "this rank's rows locally)"),
-                                 "the table sharded like x on that dim, or of size 1 there (broadcast)");
+        refused = argument_error(
+            call, t,
+            layout::str_cat("full-size dim ", i, " is whole where x is sharded on ", axis_names(x, x_axes),
+                            " (every rank would hold the whole table; default mode cuts "
+                            "this rank's rows locally)"),
+            "the table sharded like x on that dim, or of size 1 there (broadcast)");
       dims[i] = x_axes;
     }
   }
@@ -152,15 +157,15 @@ const Layout& checked_x(const OpCall& call, const RotaryOperands& o, int64_t ref
   for (int64_t t : {o.x, o.cos, o.sin}) {
     if (t < 0) continue;
     if (const auto op = call.layout(t).partial_op())
-      fail_argument(call, t,
-                    partial_name(*op) + " input: the rotation is not linear in x and cos/sin together",
+      fail_argument(call, t, partial_name(*op) + " input: the rotation is not linear in x and cos/sin together",
                     redistribute_partial_first({}, kAllowedLayouts));
   }
   const Layout& x = call.layout(reference);
   const auto& d_axes = x.dim_axes().back();
   if (!d_axes.empty() && reference == o.x)
-    fail_argument(call, o.x, "the last dim (D) is sharded on " + axis_names(x, d_axes) +
-                                 "; the rotation pairs positions across D", kAllowedLayouts);
+    fail_argument(call, o.x,
+                  "the last dim (D) is sharded on " + axis_names(x, d_axes) + "; the rotation pairs positions across D",
+                  kAllowedLayouts);
   return x;
 }
 

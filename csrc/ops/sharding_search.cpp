@@ -86,8 +86,10 @@ std::optional<FactorPlan> evaluate(const OpCall& call, const FactorSpec& spec, c
     std::optional<ReduceOp> shared;
     for (int64_t a = 0; a < mesh_ndim; ++a) {
       auto& p = out_partial[r][a];
-      if (roles[a].carry) p = roles[a].carry;
-      else if (roles[a].label && spec.outputs[r].find(roles[a].label) == std::string::npos) p = ReduceOp::Sum;
+      if (roles[a].carry)
+        p = roles[a].carry;
+      else if (roles[a].label && spec.outputs[r].find(roles[a].label) == std::string::npos)
+        p = ReduceOp::Sum;
       if (!p) continue;
       if (shared && *shared != *p) return std::nullopt;  // one Partial op per layout
       shared = p;
@@ -108,8 +110,10 @@ std::optional<FactorPlan> evaluate(const OpCall& call, const FactorSpec& spec, c
     for (char label : operand.labels) dims.push_back(label_axes(label));
     layout::PartialOps partial(mesh_ndim);
     for (int64_t a = 0; a < mesh_ndim; ++a) {
-      if (operand.additive && !out_partial.empty()) partial[a] = out_partial[0][a];
-      else if (roles[a].carrier == static_cast<int>(i)) partial[a] = roles[a].carry;
+      if (operand.additive && !out_partial.empty())
+        partial[a] = out_partial[0][a];
+      else if (roles[a].carrier == static_cast<int>(i))
+        partial[a] = roles[a].carry;
     }
     auto required = make_layout(*current, current->global_shape(), std::move(dims), std::move(partial));
     plan.score.add_input(current, required);

@@ -114,8 +114,10 @@ OpPlan pool_rule(const OpCall& call) {
     if (static_cast<int64_t>(shape.size()) != n) fail_call(call, "the result's rank differs from the input's");
     layout::DimAxes dims(static_cast<size_t>(n));
     for (int64_t d = 0; d < lead; ++d)
-      if (shape[d] == first.global_shape()[d]) dims[d] = kept[d];
-      else if (!kept[d].empty()) fail_call(call, "internal error: a leading dim's size changed");
+      if (shape[d] == first.global_shape()[d])
+        dims[d] = kept[d];
+      else if (!kept[d].empty())
+        fail_call(call, "internal error: a leading dim's size changed");
     // integer indices carry no Partial; a linear op's single result keeps it
     plan.outputs.push_back(make_layout(first, shape, std::move(dims), o == 0 ? partial : layout::PartialOps{}));
   }

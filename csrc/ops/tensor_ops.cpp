@@ -139,9 +139,7 @@ OpPlan spaced_values_rule(const OpCall& call) {
 
 }  // namespace
 
-void register_one_hot_kernel() {
-  aten_autograd_kernels().impl("one_hot", TORCH_FN(one_hot_kernel));
-}
+void register_one_hot_kernel() { aten_autograd_kernels().impl("one_hot", TORCH_FN(one_hot_kernel)); }
 
 void register_tensor_ops(Registry& r) {
   r.kernels(&register_one_hot_kernel);
@@ -151,10 +149,11 @@ void register_tensor_ops(Registry& r) {
     r.add(op, &same_layout_rule, KeyScalars::kNone);
   // Random *_like ops are not here: they need the random-op rules (same draw on every replica).
   // fill.Scalar: a fresh tensor of self's layout filled with one value, as full_like
-  for (const char* op : {"aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like", "aten::fill.Scalar"})
+  for (const char* op :
+       {"aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like", "aten::fill.Scalar"})
     r.add(op, &like_rule, KeyScalars::kNone);
-  for (const char* op : {"aten::new_empty_strided", "aten::new_empty", "aten::new_zeros", "aten::new_ones",
-                         "aten::new_full"})
+  for (const char* op :
+       {"aten::new_empty_strided", "aten::new_empty", "aten::new_zeros", "aten::new_ones", "aten::new_full"})
     r.add(op, &new_sized_rule, KeyScalars::kAll);
   r.add("aten::_local_scalar_dense", &gather_scalar_rule, KeyScalars::kNone);
   r.add("aten::masked_select", &gathered_data_shaped_rule, KeyScalars::kNone);
@@ -165,9 +164,9 @@ void register_tensor_ops(Registry& r) {
   r.add("aten::masked_scatter_backward", &gathered_data_shaped_rule, KeyScalars::kNone);
   r.add("aten::repeat_interleave.Tensor", &gathered_data_shaped_rule, KeyScalars::kNone);
   r.add("aten::nonzero", &gathered_data_shaped_rule, KeyScalars::kNone);
-  for (const char* op : {"aten::linspace.Tensor_Tensor", "aten::linspace.Tensor_Scalar",
-                         "aten::linspace.Scalar_Tensor", "aten::logspace.Tensor_Tensor",
-                         "aten::logspace.Tensor_Scalar", "aten::logspace.Scalar_Tensor"})
+  for (const char* op :
+       {"aten::linspace.Tensor_Tensor", "aten::linspace.Tensor_Scalar", "aten::linspace.Scalar_Tensor",
+        "aten::logspace.Tensor_Tensor", "aten::logspace.Tensor_Scalar", "aten::logspace.Scalar_Tensor"})
     r.add(op, &spaced_values_rule, KeyScalars::kAll);  // steps: the result's shape
 }
 

@@ -58,7 +58,6 @@
 namespace hypershard::ops {
 namespace {
 
-
 // The input with `dims` made whole (their axes removed), other dims and Partial unchanged.
 LayoutPtr whole_dims(const Layout& l, const std::vector<int64_t>& dims) {
   auto axes = l.dim_axes();
@@ -100,10 +99,12 @@ OpPlan permute_rule(const OpCall& call) {
   auto order = int_list(call.arg(1));
   std::vector<bool> seen(ndim, false);
   if (static_cast<int64_t>(order.size()) != ndim)
-    fail_call(call, layout::str_cat("dims has ", order.size(), " entries for a ", ndim, "-d tensor; allowed: a permutation of its dims"));
+    fail_call(call, layout::str_cat("dims has ", order.size(), " entries for a ", ndim,
+                                    "-d tensor; allowed: a permutation of its dims"));
   for (auto& d : order) {
     d = wrap_dim(call, d, ndim);
-    if (seen[d]) fail_call(call, layout::str_cat("dim ", d, " appears twice in dims; allowed: a permutation of its dims"));
+    if (seen[d])
+      fail_call(call, layout::str_cat("dim ", d, " appears twice in dims; allowed: a permutation of its dims"));
     seen[d] = true;
   }
   return permute_with(call, order);
@@ -183,7 +184,8 @@ OpPlan squeeze_rule(const OpCall& call) {
   // whose shard has size 1 on some rank would be squeezed there too.
   bool shard_of_one = false;
   for (int64_t d : candidates) {
-    if (d >= in.ndim() || in.dim_axes()[d].empty() || std::find(squeezed.begin(), squeezed.end(), d) != squeezed.end()) continue;
+    if (d >= in.ndim() || in.dim_axes()[d].empty() || std::find(squeezed.begin(), squeezed.end(), d) != squeezed.end())
+      continue;
     for (int64_t p = 0; p < in.mesh()->size() && !shard_of_one; ++p) shard_of_one = in.local_shape_at(p)[d] == 1;
   }
   if (shard_of_one) {
@@ -209,8 +211,10 @@ OpPlan expand_rule(const OpCall& call) {
     const int64_t d = o - lead;
     const int64_t from = in.global_shape()[d];
     if (size[o] == -1) size[o] = from;
-    if (from == size[o]) dims[o] = in.dim_axes()[d];
-    else whole.push_back(d);  // size 1 broadcast: must be whole on every rank
+    if (from == size[o])
+      dims[o] = in.dim_axes()[d];
+    else
+      whole.push_back(d);  // size 1 broadcast: must be whole on every rank
   }
   auto out = make_layout(in, size, dims, in.partial());
   auto plan = single(call, whole_dims(in, whole), out);
@@ -245,9 +249,12 @@ std::vector<DimGroup> dim_groups(const std::vector<int64_t>& in, const std::vect
     DimGroup g{int64_t(i), 0, int64_t(j), 0};
     int64_t pin = in[i++], pout = out[j++];
     while (pin != pout) {
-      if (pin < pout && i < in.size()) pin *= in[i++];
-      else if (j < out.size()) pout *= out[j++];
-      else break;
+      if (pin < pout && i < in.size())
+        pin *= in[i++];
+      else if (j < out.size())
+        pout *= out[j++];
+      else
+        break;
     }
     g.in_end = int64_t(i);
     g.out_end = int64_t(j);
@@ -257,9 +264,9 @@ std::vector<DimGroup> dim_groups(const std::vector<int64_t>& in, const std::vect
 }
 
 struct ViewPlan {
-  LayoutPtr input;   // the input layout the local view needs
+  LayoutPtr input;  // the input layout the local view needs
   LayoutPtr output;
-  bool exact;        // the current input layout already works
+  bool exact;  // the current input layout already works
 };
 
 // Whether `in` viewed as `out_shape` keeps every shard a whole block; which dims to gather if not.
@@ -311,8 +318,7 @@ ViewPlan plan_view(const Layout& in, const std::vector<int64_t>& out_shape) {
         }
         const int64_t out_length = candidate.local_shape_at(p)[g.out_begin];
         exact = exact || count == 0;
-        exact = exact && count == out_length &&
-                (count == 0 || begin == candidate.global_offset_at(p)[g.out_begin]);
+        exact = exact && count == out_length && (count == 0 || begin == candidate.global_offset_at(p)[g.out_begin]);
       }
       if (!exact) {
         for (int64_t d = g.in_begin; d < g.in_end; ++d)
@@ -356,8 +362,9 @@ OpPlan view_rule(const OpCall& call) {
   const auto out_shape = view_shape(call, in);
   const auto view = plan_view(in, out_shape);
   if (!view.exact && !kMayGather)
-    fail_argument(call, 0, "viewing as " + layout::shape_string(out_shape) +
-                               " would cut through a sharded dim (the local shards are not whole blocks of the result)",
+    fail_argument(call, 0,
+                  "viewing as " + layout::shape_string(out_shape) +
+                      " would cut through a sharded dim (the local shards are not whole blocks of the result)",
                   "a view that keeps every shard whole; use reshape, which redistributes first");
   OpPlan plan = single(call, view.input, view.output);
   plan.local_shape_arg = call.arg_index("size");
@@ -415,8 +422,10 @@ OpPlan exchanged_slice_plan(const OpCall& call, int64_t dim, SliceBounds b) {
   const Layout& output = *plan.outputs[0];
   for (size_t m = 0; m < spans.owned.size(); ++m) {
     const runtime::Span out = runtime::member_span(output, *call.mesh, spans.axis, static_cast<int64_t>(m), dim);
-    if (out.length() == 0) spans.wanted.emplace_back();
-    else spans.wanted.push_back({{b.start + b.step * out.begin, b.start + b.step * (out.end - 1) + 1}});
+    if (out.length() == 0)
+      spans.wanted.emplace_back();
+    else
+      spans.wanted.push_back({{b.start + b.step * out.begin, b.start + b.step * (out.end - 1) + 1}});
   }
   plan.expand = [spans, dim, b](const OpCall& c, torch::jit::Stack& stack) {
     const size_t num = c.schema().arguments().size();
@@ -632,8 +641,7 @@ OpPlan cat_rule(const OpCall& call) {
       const auto& op = t.partial()[a];
       if (!op) continue;
       if (*op != ReduceOp::Sum && *op != ReduceOp::Avg)
-        fail_argument(call, int64_t(i), partial_name(*op) + " input",
-                      "Partial(sum), Partial(avg), Replicate or Shard");
+        fail_argument(call, int64_t(i), partial_name(*op) + " input", "Partial(sum), Partial(avg), Replicate or Shard");
       if (partial[a] && *partial[a] != *op)
         fail_argument(call, int64_t(i), "a Partial operand that the others do not share", "operands Partial alike");
       partial[a] = op;
@@ -651,10 +659,11 @@ OpPlan cat_rule(const OpCall& call) {
     // Checked here, before the inputs are gathered, so the error comes before any collective.
     for (int64_t d = 0; d < t.ndim(); ++d)
       if ((is_stack || d != dim) && t.global_shape()[d] != r.global_shape()[d])
-        fail_argument(call, int64_t(i), layout::str_cat("size ", t.global_shape()[d], " at dim ", d, " differs from ",
-                                                        r.global_shape()[d], " in another operand"),
-                      is_stack ? std::string("operands of equal shape")
-                               : layout::str_cat("equal sizes except along dim ", dim));
+        fail_argument(
+            call, int64_t(i),
+            layout::str_cat("size ", t.global_shape()[d], " at dim ", d, " differs from ", r.global_shape()[d],
+                            " in another operand"),
+            is_stack ? std::string("operands of equal shape") : layout::str_cat("equal sizes except along dim ", dim));
     plan.inputs.push_back(make_layout(t, t.global_shape(), dims, partial));
     total += is_stack ? 1 : t.global_shape()[dim];
   }
@@ -724,31 +733,39 @@ at::Tensor reshape_kernel(const at::Tensor& self, c10::SymIntArrayRef proposed) 
   const auto local_shape = view.output->local_shape_at(impl->device_mesh()->position());
   if (!at::detail::computeStride(local.sizes(), local.strides(), local_shape).has_value() ||
       !at::detail::computeStride(source.sizes(), source.strides(), out_shape).has_value())
-    return at::_ops::_unsafe_view::call(source.clone(at::MemoryFormat::Contiguous), c10::fromIntArrayRefSlow(out_shape));
+    return at::_ops::_unsafe_view::call(source.clone(at::MemoryFormat::Contiguous),
+                                        c10::fromIntArrayRefSlow(out_shape));
   return at::_ops::view::call(source, c10::fromIntArrayRefSlow(out_shape));
 }
 
 }  // namespace
 
-void register_reshape_kernel() {
-  aten_autograd_kernels().impl("reshape", TORCH_FN(reshape_kernel));
-}
+void register_reshape_kernel() { aten_autograd_kernels().impl("reshape", TORCH_FN(reshape_kernel)); }
 
 void register_views(Registry& r) {
   r.kernels(&register_reshape_kernel);
   // The *_copy ops (what functionalization emits: the view's values in a new tensor) plan as their
   // view; a copy need not alias, so view_copy may gather where view would raise.
   const std::pair<const char*, Rule> copies[] = {
-      {"aten::view_copy", &view_rule<true>},          {"aten::expand_copy", &expand_rule},
-      {"aten::diagonal_copy", &diagonal_rule},        {"aten::permute_copy", &permute_rule},
-      {"aten::transpose_copy.int", &transpose_rule},  {"aten::unsqueeze_copy", &unsqueeze_rule},
-      {"aten::squeeze_copy", &squeeze_rule},          {"aten::squeeze_copy.dim", &squeeze_rule},
-      {"aten::squeeze_copy.dims", &squeeze_rule},     {"aten::view_as_real_copy", &view_as_real_rule},
+      {"aten::view_copy", &view_rule<true>},
+      {"aten::expand_copy", &expand_rule},
+      {"aten::diagonal_copy", &diagonal_rule},
+      {"aten::permute_copy", &permute_rule},
+      {"aten::transpose_copy.int", &transpose_rule},
+      {"aten::unsqueeze_copy", &unsqueeze_rule},
+      {"aten::squeeze_copy", &squeeze_rule},
+      {"aten::squeeze_copy.dim", &squeeze_rule},
+      {"aten::squeeze_copy.dims", &squeeze_rule},
+      {"aten::view_as_real_copy", &view_as_real_rule},
       {"aten::view_as_complex_copy", &view_as_complex_rule},
-      {"aten::t_copy", &transpose_rule},              {"aten::as_strided_copy", &as_strided_rule},
-      {"aten::narrow_copy", &along_dim_rule},         {"aten::select_copy.int", &along_dim_rule},
-      {"aten::slice_copy.Tensor", &along_dim_rule},   {"aten::split_copy.Tensor", &along_dim_rule},
-      {"aten::split_with_sizes_copy", &along_dim_rule}, {"aten::unbind_copy.int", &along_dim_rule},
+      {"aten::t_copy", &transpose_rule},
+      {"aten::as_strided_copy", &as_strided_rule},
+      {"aten::narrow_copy", &along_dim_rule},
+      {"aten::select_copy.int", &along_dim_rule},
+      {"aten::slice_copy.Tensor", &along_dim_rule},
+      {"aten::split_copy.Tensor", &along_dim_rule},
+      {"aten::split_with_sizes_copy", &along_dim_rule},
+      {"aten::unbind_copy.int", &along_dim_rule},
   };
   for (const auto& [op, rule] : copies) r.add(op, rule);
   r.add("aten::_reshape_alias", &view_rule<false>);

@@ -32,17 +32,13 @@ using PyMeshPtr = std::shared_ptr<Mesh>;
 
 PyMeshPtr to_py(const MeshPtr& mesh) { return std::const_pointer_cast<Mesh>(mesh); }
 
-void bind_errors(py::module_& m) {
-  py::register_exception<LayoutError>(m, "LayoutError", PyExc_ValueError);
-}
+void bind_errors(py::module_& m) { py::register_exception<LayoutError>(m, "LayoutError", PyExc_ValueError); }
 
 void bind_mesh(py::module_& m) {
-  py::class_<Mesh, PyMeshPtr>(m, "Mesh",
-                              "An N-dimensional arrangement of ranks with named axes (immutable).")
+  py::class_<Mesh, PyMeshPtr>(m, "Mesh", "An N-dimensional arrangement of ranks with named axes (immutable).")
       .def_static(
           "create",
-          [](std::vector<int64_t> shape, std::vector<std::string> axis_names,
-             std::vector<int64_t> ranks) {
+          [](std::vector<int64_t> shape, std::vector<std::string> axis_names, std::vector<int64_t> ranks) {
             return to_py(Mesh::create(std::move(shape), std::move(axis_names), std::move(ranks)));
           },
           py::arg("shape"), py::arg("axis_names"), py::arg("ranks") = std::vector<int64_t>{},
@@ -68,8 +64,10 @@ void bind_mesh(py::module_& m) {
             return to_py(self.submesh(names, rank));
           },
           py::arg("names"), py::arg("rank"))
-      .def("__eq__", [](const Mesh& a, const Mesh& b) { return a == b; }, py::is_operator())
-      .def("__ne__", [](const Mesh& a, const Mesh& b) { return a != b; }, py::is_operator())
+      .def(
+          "__eq__", [](const Mesh& a, const Mesh& b) { return a == b; }, py::is_operator())
+      .def(
+          "__ne__", [](const Mesh& a, const Mesh& b) { return a != b; }, py::is_operator())
       // Equal meshes print the same, so the text's hash is consistent with ==.
       .def("__hash__", [](const Mesh& self) { return std::hash<std::string>()(self.to_string()); })
       .def("to_string", &Mesh::to_string)
@@ -90,9 +88,7 @@ void bind_layout(py::module_& m) {
   py::class_<Span>(m, "Span")
       .def_readonly("begin", &Span::begin)
       .def_readonly("length", &Span::length)
-      .def("__repr__", [](const Span& s) {
-        return str_cat("Span(begin=", s.begin, ", length=", s.length, ")");
-      });
+      .def("__repr__", [](const Span& s) { return str_cat("Span(begin=", s.begin, ", length=", s.length, ")"); });
   m.def("chunk_span", &chunk_span, py::arg("size"), py::arg("parts"), py::arg("index"));
   m.def("numel", &numel, py::arg("shape"));
   m.def("shape_string", &shape_string, py::arg("shape"));
@@ -100,13 +96,10 @@ void bind_layout(py::module_& m) {
   py::class_<Layout>(m, "Layout", "How one global tensor is spread over a mesh (canonical form).")
       .def_static(
           "create",
-          [](const PyMeshPtr& mesh, std::vector<int64_t> global_shape, DimAxes dim_axes,
-             PartialOps partial) {
-            return Layout::create(mesh, std::move(global_shape), std::move(dim_axes),
-                                  std::move(partial));
+          [](const PyMeshPtr& mesh, std::vector<int64_t> global_shape, DimAxes dim_axes, PartialOps partial) {
+            return Layout::create(mesh, std::move(global_shape), std::move(dim_axes), std::move(partial));
           },
-          py::arg("mesh"), py::arg("global_shape"), py::arg("dim_axes"),
-          py::arg("partial") = PartialOps{})
+          py::arg("mesh"), py::arg("global_shape"), py::arg("dim_axes"), py::arg("partial") = PartialOps{})
       .def_static(
           "replicate",
           [](const PyMeshPtr& mesh, std::vector<int64_t> global_shape) {
@@ -144,8 +137,7 @@ void bind_layout(py::module_& m) {
 }
 
 void bind_placements(py::module_& m) {
-  py::class_<Placement> placement(m, "Placement",
-                                  "One mesh axis of a torch-style placement list.");
+  py::class_<Placement> placement(m, "Placement", "One mesh axis of a torch-style placement list.");
   py::enum_<Placement::Kind>(placement, "Kind")
       .value("Replicate", Placement::Kind::Replicate)
       .value("Shard", Placement::Kind::Shard)
@@ -188,8 +180,7 @@ void bind_placements(py::module_& m) {
   py::class_<AliasLayout>(m, "AliasLayout",
                           "Hyper-Parallel alias notation: per tensor dim the axis names "
                           "(major -> minor; empty = \"None\"), and the Partial axes by name.")
-      .def(py::init([](std::vector<std::vector<std::string>> dims,
-                       std::map<std::string, ReduceOp> partial) {
+      .def(py::init([](std::vector<std::vector<std::string>> dims, std::map<std::string, ReduceOp> partial) {
              return AliasLayout{std::move(dims), std::move(partial)};
            }),
            py::arg("dims"), py::arg("partial") = std::map<std::string, ReduceOp>{})
@@ -211,12 +202,10 @@ void bind_placements(py::module_& m) {
 
   m.def(
       "from_tensor_map",
-      [](const PyMeshPtr& mesh, std::vector<int64_t> global_shape, const TensorMap& map,
-         const PartialOps& partial) {
+      [](const PyMeshPtr& mesh, std::vector<int64_t> global_shape, const TensorMap& map, const PartialOps& partial) {
         return from_tensor_map(mesh, std::move(global_shape), map, partial);
       },
-      py::arg("mesh"), py::arg("global_shape"), py::arg("tensor_map"),
-      py::arg("partial") = PartialOps{});
+      py::arg("mesh"), py::arg("global_shape"), py::arg("tensor_map"), py::arg("partial") = PartialOps{});
   m.def("to_tensor_map", &to_tensor_map, py::arg("layout"));
 }
 
@@ -253,8 +242,8 @@ void bind_redistribute_plan(py::module_& m) {
       .def("__str__", [](const RedistributePlan& p) { return p.to_string(); })
       .def("__repr__", [](const RedistributePlan& p) { return p.to_string(); });
 
-  m.def("step_elements_sent", &step_elements_sent, py::arg("kind"), py::arg("axis"),
-        py::arg("src_dim"), py::arg("dst_dim"), py::arg("from_"));
+  m.def("step_elements_sent", &step_elements_sent, py::arg("kind"), py::arg("axis"), py::arg("src_dim"),
+        py::arg("dst_dim"), py::arg("from_"));
   m.def("plan_redistribute", &plan_redistribute, py::arg("src"), py::arg("dst"));
 }
 

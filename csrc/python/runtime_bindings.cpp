@@ -33,8 +33,7 @@ c10::DeviceType parse_device_type(const std::string& name) { return c10::Device(
 }  // namespace
 
 void bind_runtime(py::module_& m) {
-  py::class_<DeviceMesh, DeviceMeshPtr>(m, "DeviceMesh",
-                                        "A mesh with this rank's c10d process group for every axis.")
+  py::class_<DeviceMesh, DeviceMeshPtr>(m, "DeviceMesh", "A mesh with this rank's c10d process group for every axis.")
       .def(py::init([](std::shared_ptr<layout::Mesh> mesh, int64_t rank, const std::string& device_type,
                        std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups) {
              return std::make_shared<DeviceMesh>(std::const_pointer_cast<const layout::Mesh>(mesh), rank,
@@ -52,16 +51,19 @@ void bind_runtime(py::module_& m) {
           py::arg("mesh"), py::arg("rank") = 0, py::arg("device_type") = "cpu",
           "A mesh with no process groups: DTensors on it can be made (from_local) and planned for "
           "(infer_plan), but not redistributed.")
-      .def_property_readonly("mesh", [](const DeviceMesh& d) { return std::const_pointer_cast<layout::Mesh>(d.mesh()); })
+      .def_property_readonly("mesh",
+                             [](const DeviceMesh& d) { return std::const_pointer_cast<layout::Mesh>(d.mesh()); })
       .def_property_readonly("rank", &DeviceMesh::rank)
       .def_property_readonly("position", &DeviceMesh::position)
-      .def_property_readonly("device_type", [](const DeviceMesh& d) { return c10::DeviceTypeName(d.device_type(), true); })
+      .def_property_readonly("device_type",
+                             [](const DeviceMesh& d) { return c10::DeviceTypeName(d.device_type(), true); })
       .def("coordinate", &DeviceMesh::coordinate, py::arg("axis"))
-      .def("group",
-           [](const DeviceMesh& d, int64_t axis) {
-             return c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(&d.group(axis));
-           },
-           py::arg("axis"), "This rank's c10d process group along `axis`.")
+      .def(
+          "group",
+          [](const DeviceMesh& d, int64_t axis) {
+            return c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(&d.group(axis));
+          },
+          py::arg("axis"), "This rank's c10d process group along `axis`.")
       .def("submesh", &DeviceMesh::submesh, py::arg("names"))
       .def_property("load_balanced_sequence_axis", &DeviceMesh::load_balanced_sequence_axis,
                     &DeviceMesh::set_load_balanced_sequence_axis,
@@ -78,37 +80,41 @@ void bind_runtime(py::module_& m) {
   m.def("install_dispatch", &runtime::install_dispatch);
   m.def("sync_registrations", &runtime::sync_registrations);
   m.def("is_dtensor", [](const at::Tensor& t) { return runtime::is_dtensor(t); }, py::arg("tensor"));
-  m.def("layout_of", [](const at::Tensor& t) { return *runtime::checked_dtensor(t, "layout_of").layout(); },
-        py::arg("tensor"),
-        "hypershard's Layout of a DTensor (mesh, global shape, sharded dims, Partial axes); the same "
-        "as tensor.sharding. Raises for a plain tensor.");
-  m.def("device_mesh_of", [](const at::Tensor& t) { return runtime::checked_dtensor(t, "device_mesh_of").device_mesh(); },
-        py::arg("tensor"));
-  m.def("local_of", [](const at::Tensor& t) { return runtime::checked_dtensor(t, "local_of").local(); },
-        py::arg("tensor"), "This rank's local tensor, not differentiable (use to_local for autograd).");
-  m.def("from_local",
-        [](const at::Tensor& local, const DeviceMeshPtr& mesh, const layout::Layout& layout) {
-          runtime::sync_registrations();
-          return runtime::from_local(local, mesh, layout::intern_layout(layout));
-        },
-        py::arg("local"), py::arg("device_mesh"), py::arg("layout"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "layout_of", [](const at::Tensor& t) { return *runtime::checked_dtensor(t, "layout_of").layout(); },
+      py::arg("tensor"),
+      "hypershard's Layout of a DTensor (mesh, global shape, sharded dims, Partial axes); the same "
+      "as tensor.sharding. Raises for a plain tensor.");
+  m.def(
+      "device_mesh_of", [](const at::Tensor& t) { return runtime::checked_dtensor(t, "device_mesh_of").device_mesh(); },
+      py::arg("tensor"));
+  m.def(
+      "local_of", [](const at::Tensor& t) { return runtime::checked_dtensor(t, "local_of").local(); },
+      py::arg("tensor"), "This rank's local tensor, not differentiable (use to_local for autograd).");
+  m.def(
+      "from_local",
+      [](const at::Tensor& local, const DeviceMeshPtr& mesh, const layout::Layout& layout) {
+        runtime::sync_registrations();
+        return runtime::from_local(local, mesh, layout::intern_layout(layout));
+      },
+      py::arg("local"), py::arg("device_mesh"), py::arg("layout"), py::call_guard<py::gil_scoped_release>());
   m.def("to_local", &runtime::to_local, py::arg("tensor"), py::call_guard<py::gil_scoped_release>());
   // Collectives run without the GIL: a finished gloo work is destroyed on gloo's thread, and
   // its saved thread-local state may drop Python references (which needs the GIL) -- holding
   // the GIL while waiting for that work deadlocks (seen as a random hang in full_tensor).
-  m.def("redistribute",
-        [](const at::Tensor& t, const layout::Layout& layout) {
-          return runtime::redistribute(t, layout::intern_layout(layout));
-        },
-        py::arg("tensor"), py::arg("layout"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "redistribute",
+      [](const at::Tensor& t, const layout::Layout& layout) {
+        return runtime::redistribute(t, layout::intern_layout(layout));
+      },
+      py::arg("tensor"), py::arg("layout"), py::call_guard<py::gil_scoped_release>());
   m.def("dispatch_stats", [] {
     const auto s = runtime::dispatch_stats();
-    return py::dict(py::arg("calls") = s.calls, py::arg("cache_hits") = s.cache_hits,
-                    py::arg("cache_entries") = s.cache_entries, py::arg("fast_calls") = s.fast_calls,
-                    py::arg("fallback_calls") = s.fallback_calls, py::arg("fallback_bytes") = s.fallback_bytes,
-                    py::arg("implicit_calls") = s.implicit_calls,
-                    py::arg("interned_layouts") = layout::interned_count(),
-                    py::arg("cached_plans") = layout::cached_plan_count());
+    return py::dict(
+        py::arg("calls") = s.calls, py::arg("cache_hits") = s.cache_hits, py::arg("cache_entries") = s.cache_entries,
+        py::arg("fast_calls") = s.fast_calls, py::arg("fallback_calls") = s.fallback_calls,
+        py::arg("fallback_bytes") = s.fallback_bytes, py::arg("implicit_calls") = s.implicit_calls,
+        py::arg("interned_layouts") = layout::interned_count(), py::arg("cached_plans") = layout::cached_plan_count());
   });
   m.def("cached_op_plans", &runtime::cached_op_plans,
         "The number of cached op plans per op, as (name, count) pairs (ops without plans left out).");
@@ -191,7 +197,8 @@ void bind_runtime(py::module_& m) {
   m.def(
       "install_grad_hook",
       [](const at::Tensor& leaf) {
-        if (runtime::is_dtensor(leaf) && leaf.requires_grad() && leaf.is_leaf()) runtime::detail::install_grad_hook(leaf);
+        if (runtime::is_dtensor(leaf) && leaf.requires_grad() && leaf.is_leaf())
+          runtime::detail::install_grad_hook(leaf);
       },
       py::arg("leaf"),
       "hypershard's gradient-layout hook on a DTensor leaf (normally installed when the leaf reaches an op): "
@@ -238,11 +245,14 @@ void bind_runtime(py::module_& m) {
       "two calls share a cached plan exactly when these are equal.");
   m.def("set_key_check", &runtime::set_key_check, py::arg("on"),
         "Tests: every fast-path call also computes the boxed flow's plan key and raises unless the two are equal.");
-  m.def("op_counts", [] {
-    py::list out;
-    for (const auto& c : runtime::op_counts()) out.append(py::make_tuple(c.name, c.calls, c.has_rule));
-    return out;
-  }, "[(op name, calls since reset, has a rule)] for every op that reached hypershard");
+  m.def(
+      "op_counts",
+      [] {
+        py::list out;
+        for (const auto& c : runtime::op_counts()) out.append(py::make_tuple(c.name, c.calls, c.has_rule));
+        return out;
+      },
+      "[(op name, calls since reset, has a rule)] for every op that reached hypershard");
   m.def("reset_op_counts", &runtime::reset_op_counts);
   m.def("set_strict", &runtime::set_strict, py::arg("on"));
   m.def("strict", &runtime::strict);

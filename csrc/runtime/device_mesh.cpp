@@ -41,9 +41,9 @@ DeviceMesh::DeviceMesh(layout::MeshPtr mesh, int64_t rank, c10::DeviceType devic
     HS_CHECK(groups_[axis]->getSize() == mesh_->shape()[axis], "device mesh", "the process group of axis '",
              mesh_->axis_names()[axis], "' has ", groups_[axis]->getSize(), " ranks; the axis has ",
              mesh_->shape()[axis]);
-    HS_CHECK(groups_[axis]->getRank() == coordinate(axis), "device mesh", "rank ", rank_,
-             " is rank ", groups_[axis]->getRank(), " in the group of axis '", mesh_->axis_names()[axis],
-             "' but has coordinate ", coordinate(axis), " on it; the group must list the ranks in coordinate order");
+    HS_CHECK(groups_[axis]->getRank() == coordinate(axis), "device mesh", "rank ", rank_, " is rank ",
+             groups_[axis]->getRank(), " in the group of axis '", mesh_->axis_names()[axis], "' but has coordinate ",
+             coordinate(axis), " on it; the group must list the ranks in coordinate order");
   }
   std::lock_guard<std::mutex> lock(g_live_mutex);
   g_live->push_back(this);

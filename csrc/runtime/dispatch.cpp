@@ -27,16 +27,15 @@ namespace hypershard::runtime {
 namespace {
 
 using detail::arg_tensor;
+using detail::CachedPlan;
+using detail::collect_tensors;
+using detail::dtensor_fallback;
 using detail::g_calls;
 using detail::g_check_replicas;
 using detail::g_fallback_bytes;
 using detail::g_fallback_calls;
-using detail::g_implicit_calls;
-using detail::preprocess;
-using detail::CachedPlan;
-using detail::collect_tensors;
-using detail::dtensor_fallback;
 using detail::g_hits;
+using detail::g_implicit_calls;
 using detail::g_strict;
 using detail::infer;
 using detail::install_grad_hook;
@@ -45,10 +44,9 @@ using detail::layout_plain_tensors;
 using detail::missing_operator;
 using detail::op_info;
 using detail::OpInfo;
+using detail::preprocess;
 using detail::ReturnInfo;
 using detail::ReturnKind;
-
-
 
 std::shared_mutex g_infos_mutex;
 auto* g_infos = new std::unordered_map<const void*, OpInfo*>();  // never destroyed
@@ -108,7 +106,6 @@ OpInfo& detail::op_info(const c10::OperatorHandle& op) {
   recent.claim(hash) = {key, info};
   return *info;
 }
-
 
 namespace {
 
@@ -218,8 +215,8 @@ InferredPlan infer_plan(const c10::OperatorHandle& op, torch::jit::Stack& stack)
 void install_dispatch() {
   static std::once_flag once;
   std::call_once(once, [] {
-    static auto* library = new torch::Library(torch::Library::IMPL, "_", c10::DispatchKey::PrivateUse2,
-                                              __FILE__, __LINE__);
+    static auto* library =
+        new torch::Library(torch::Library::IMPL, "_", c10::DispatchKey::PrivateUse2, __FILE__, __LINE__);
     library->fallback(torch::CppFunction::makeFromBoxedFunction<&dtensor_fallback>());
     ops::registry().install_kernels();
     register_fast_paths();  // after the families' kernels: it skips an op that has one

@@ -23,8 +23,8 @@ void sync_registrations();
 struct DispatchStats {
   int64_t calls = 0;
   int64_t cache_hits = 0;
-  int64_t cache_entries = 0;  // op plans cached, all ops together
-  int64_t fast_calls = 0;     // calls the typed fast path ran without boxing (fast_path.cpp)
+  int64_t cache_entries = 0;   // op plans cached, all ops together
+  int64_t fast_calls = 0;      // calls the typed fast path ran without boxing (fast_path.cpp)
   int64_t fallback_calls = 0;  // calls of ops without a rule, run on gathered inputs
   int64_t fallback_bytes = 0;  // global bytes of the non-Replicate inputs those calls gathered
   int64_t implicit_calls = 0;  // calls whose rule refused the inputs' layouts, run on redistributed ones

@@ -52,9 +52,9 @@ struct OpInfo {
   std::vector<int8_t> written_args;  // per schema argument
   std::vector<int8_t> tensor_args;   // per schema argument: declared Tensor, Tensor? or a list of them
   bool is_view = false;
-  std::atomic<int64_t> calls{0};  // for coverage reports
+  std::atomic<int64_t> calls{0};             // for coverage reports
   std::atomic<bool> fallback_warned{false};  // the fallback's warning is given once per op
-  std::atomic<uint64_t> generation{0};  // bumped when the plan cache is cleared
+  std::atomic<uint64_t> generation{0};       // bumped when the plan cache is cleared
   std::shared_mutex mutex;
   std::unordered_multimap<uint64_t, CachedPlan> plans;
 };
@@ -137,8 +137,10 @@ struct LocalImpl {
   const c10::OperatorHandle* op = nullptr;
   const ops::ExpandFn* expand = nullptr;
   void operator()(const ops::OpCall& call, torch::jit::Stack& stack) const {
-    if (expand) (*expand)(call, stack);
-    else op->callBoxed(&stack);
+    if (expand)
+      (*expand)(call, stack);
+    else
+      op->callBoxed(&stack);
   }
 };
 LocalImpl get_expand_impl(const c10::OperatorHandle& op, const ops::OpPlan& plan);

@@ -46,8 +46,10 @@ DTensorImpl::DTensorImpl(at::Tensor local, LayoutPtr layout, DeviceMeshPtr mesh,
       layout_(std::move(layout)),
       mesh_(std::move(mesh)) {
   set_storage_access_should_throw();
-  if (geometry) set_geometry(geometry->strides, geometry->storage_offset);  // one refresh, not two
-  else set_dense_geometry();
+  if (geometry)
+    set_geometry(geometry->strides, geometry->storage_offset);  // one refresh, not two
+  else
+    set_dense_geometry();
 }
 
 void DTensorImpl::set_geometry(c10::IntArrayRef strides, int64_t storage_offset) {
@@ -71,9 +73,8 @@ void DTensorImpl::set_dense_geometry() {
     c10::SmallVector<int64_t, 6> order(ndim);
     std::iota(order.begin(), order.end(), 0);
     const auto local_strides = local_.strides();
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-      return local_strides[a] > local_strides[b];
-    });
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return local_strides[a] > local_strides[b]; });
     int64_t next = 1;
     for (int64_t i = ndim - 1; i >= 0; --i) {
       strides[order[i]] = next;
@@ -134,20 +135,21 @@ c10::intrusive_ptr<c10::TensorImpl> DTensorImpl::detached_copy(Version&& version
   return copy;
 }
 
-c10::intrusive_ptr<c10::TensorImpl> DTensorImpl::shallow_copy_and_detach(
-    const c10::VariableVersion& version_counter, bool allow_tensor_metadata_change) const {
+c10::intrusive_ptr<c10::TensorImpl> DTensorImpl::shallow_copy_and_detach(const c10::VariableVersion& version_counter,
+                                                                         bool allow_tensor_metadata_change) const {
   return detached_copy(version_counter, allow_tensor_metadata_change);
 }
 
-c10::intrusive_ptr<c10::TensorImpl> DTensorImpl::shallow_copy_and_detach(
-    c10::VariableVersion&& version_counter, bool allow_tensor_metadata_change) const {
+c10::intrusive_ptr<c10::TensorImpl> DTensorImpl::shallow_copy_and_detach(c10::VariableVersion&& version_counter,
+                                                                         bool allow_tensor_metadata_change) const {
   return detached_copy(std::move(version_counter), allow_tensor_metadata_change);
 }
 
 void DTensorImpl::shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>& impl) {
   // `x.data = y`: take y's local, layout and geometry.
   auto* other = dynamic_cast<DTensorImpl*>(impl.get());
-  HS_CHECK(other != nullptr, "DTensor", "cannot set a DTensor's data to a plain tensor; "
+  HS_CHECK(other != nullptr, "DTensor",
+           "cannot set a DTensor's data to a plain tensor; "
            "allowed: a DTensor (use hypershard.distribute_tensor first)");
   local_ = other->local_;
   layout_ = other->layout_;

@@ -69,10 +69,10 @@ class DTensorImpl final : public c10::TensorImpl {
   bool is_stale_view() const;
   ~DTensorImpl() override;
 
-  c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
-      const c10::VariableVersion& version_counter, bool allow_tensor_metadata_change) const override;
-  c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
-      c10::VariableVersion&& version_counter, bool allow_tensor_metadata_change) const override;
+  c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(const c10::VariableVersion& version_counter,
+                                                              bool allow_tensor_metadata_change) const override;
+  c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(c10::VariableVersion&& version_counter,
+                                                              bool allow_tensor_metadata_change) const override;
   void shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>& impl) override;
 
  private:
@@ -84,9 +84,9 @@ class DTensorImpl final : public c10::TensorImpl {
   LayoutPtr layout_;
   DeviceMeshPtr mesh_;
   bool detached_view_ = false;
-  int64_t detached_version_ = -1;                               // the family's version at creation
-  std::shared_ptr<std::atomic<int64_t>> base_live_views_;       // a detached view: its base's count
-  std::shared_ptr<std::atomic<int64_t>> live_detached_views_;   // a base: its live detached views
+  int64_t detached_version_ = -1;                              // the family's version at creation
+  std::shared_ptr<std::atomic<int64_t>> base_live_views_;      // a detached view: its base's count
+  std::shared_ptr<std::atomic<int64_t>> live_detached_views_;  // a base: its live detached views
 };
 
 inline DTensorImpl* dtensor_impl(const at::TensorBase& t) {

@@ -3,8 +3,8 @@
 // The boxed fallback copies every argument into an IValue stack, and copying a tensor that
 // Python holds (refcount 1 -> 2) makes torch take the GIL to incref its PyObject; the local call
 // is boxed and unboxed once more. For every op with a rule whose C++ signature is one of
-// `Signatures` (at the end), a typed kernel reads the arguments where they are instead. It runs the same operator flow, with the same plan (the
-// rule and its cache are the fallback's), for the calls where the flow has nothing to move:
+// `Signatures` (at the end), a typed kernel reads the arguments where they are instead. It runs the same operator flow,
+// with the same plan (the rule and its cache are the fallback's), for the calls where the flow has nothing to move:
 // every tensor operand a DTensor on one mesh (or a wrapped Python number), each already in the
 // layout the plan asks for, no argument rewrite but a view's size list, no expand
 // implementation, views whose geometry is the local's or the rule's. Every other call goes to
@@ -108,8 +108,10 @@ struct FastArgs {
       key.plain_tensor(t.scalar_type(), t.sizes());
       return;
     }
-    if (!mesh) mesh = &impl->device_mesh();
-    else if (impl->device_mesh() != *mesh) ok = false;  // two mesh objects: the fallback checks them
+    if (!mesh)
+      mesh = &impl->device_mesh();
+    else if (impl->device_mesh() != *mesh)
+      ok = false;  // two mesh objects: the fallback checks them
     tensors.push_back(&t);
     key.dtensor(impl->layout().get(), t.scalar_type());
   }
@@ -118,14 +120,18 @@ struct FastArgs {
 // Each reader writes one argument's chunk of the key (scalars only when the rule reads them).
 void read(FastArgs& a, const at::Tensor& t) { a.tensor(t); }
 void read(FastArgs& a, const std::optional<at::Tensor>& t) {
-  if (t) a.tensor(*t);
-  else a.key.none();
+  if (t)
+    a.tensor(*t);
+  else
+    a.key.none();
 }
 void read(FastArgs& a, at::TensorList list) {
   a.key.list(list.size());
   for (const at::Tensor& t : list) {
-    if (!t.defined()) a.ok = false;  // (an undefined list element: the fallback's case)
-    else a.tensor(t);
+    if (!t.defined())
+      a.ok = false;  // (an undefined list element: the fallback's case)
+    else
+      a.tensor(t);
   }
 }
 // Non-tensor values. `ok` turns false for a value this path does not run (a complex Scalar, a
@@ -135,14 +141,20 @@ void read_value(PlanKey& key, bool&, bool v) { key.boolean(v); }
 void read_value(PlanKey& key, bool&, double v) { key.real(v); }
 void read_value(PlanKey& key, bool& ok, const c10::Scalar& s) {
   // As the boxed stack holds a Scalar: a double, an int or a bool IValue.
-  if (s.isComplex()) ok = false;
-  else if (s.isFloatingPoint()) key.real(s.toDouble());
-  else if (s.isBoolean()) key.boolean(s.toBool());
-  else key.integer(s.toLong());
+  if (s.isComplex())
+    ok = false;
+  else if (s.isFloatingPoint())
+    key.real(s.toDouble());
+  else if (s.isBoolean())
+    key.boolean(s.toBool());
+  else
+    key.integer(s.toLong());
 }
 void read_value(PlanKey& key, bool& ok, const c10::SymInt& v) {
-  if (v.is_heap_allocated()) ok = false;
-  else key.integer(v.as_int_unchecked());
+  if (v.is_heap_allocated())
+    ok = false;
+  else
+    key.integer(v.as_int_unchecked());
 }
 void read_value(PlanKey& key, bool&, c10::IntArrayRef v) {
   key.list(v.size());
@@ -157,8 +169,10 @@ void read_value(PlanKey& key, bool& ok, at::ArrayRef<c10::Scalar> list) {
   for (const auto& x : list) read_value(key, ok, x);
 }
 void read_value(PlanKey& key, bool& ok, at::OptionalIntArrayRef v) {
-  if (v) read_value(key, ok, *v);
-  else key.none();
+  if (v)
+    read_value(key, ok, *v);
+  else
+    key.none();
 }
 void read_value(PlanKey& key, bool&, c10::Device d) { key.device(d); }
 template <typename T, typename = std::enable_if_t<std::is_enum_v<T>>>
@@ -167,18 +181,20 @@ void read_value(PlanKey& key, bool&, T v) {
 }
 template <typename T>
 void read_value(PlanKey& key, bool& ok, const std::optional<T>& v) {
-  if (!v) key.none();
-  else read_value(key, ok, *v);
+  if (!v)
+    key.none();
+  else
+    read_value(key, ok, *v);
 }
 
 // The kinds read_value keys; any other argument kind sends the call to the fallback.
 template <typename T>
 struct Keyable
     : std::bool_constant<std::is_enum_v<T> || std::is_same_v<T, int64_t> || std::is_same_v<T, bool> ||
-                         std::is_same_v<T, double> || std::is_same_v<T, c10::Scalar> || std::is_same_v<T, c10::SymInt> ||
-                         std::is_same_v<T, c10::IntArrayRef> || std::is_same_v<T, c10::SymIntArrayRef> ||
-                         std::is_same_v<T, at::ArrayRef<c10::Scalar>> || std::is_same_v<T, at::OptionalIntArrayRef> ||
-                         std::is_same_v<T, c10::Device>> {};
+                         std::is_same_v<T, double> || std::is_same_v<T, c10::Scalar> ||
+                         std::is_same_v<T, c10::SymInt> || std::is_same_v<T, c10::IntArrayRef> ||
+                         std::is_same_v<T, c10::SymIntArrayRef> || std::is_same_v<T, at::ArrayRef<c10::Scalar>> ||
+                         std::is_same_v<T, at::OptionalIntArrayRef> || std::is_same_v<T, c10::Device>> {};
 template <typename T>
 struct Keyable<std::optional<T>> : Keyable<T> {};
 
@@ -338,7 +354,8 @@ struct TypedKernel<Ret(Args...)> {
                                                                                      : Returns::kOne;
   static_assert(kReturns != Returns::kOne || std::is_same_v<Ret, at::Tensor>, "fast path: an unsupported return type");
   static constexpr std::array<bool, sizeof...(Args)> kIntListArgs = {
-      (std::is_same_v<std::decay_t<Args>, c10::SymIntArrayRef> || std::is_same_v<std::decay_t<Args>, c10::IntArrayRef>)...};
+      (std::is_same_v<std::decay_t<Args>, c10::SymIntArrayRef> ||
+       std::is_same_v<std::decay_t<Args>, c10::IntArrayRef>)...};
   static constexpr std::array<bool, sizeof...(Args)> kIntArgs = {
       (std::is_same_v<std::decay_t<Args>, int64_t> || std::is_same_v<std::decay_t<Args>, c10::SymInt>)...};
 
@@ -398,8 +415,8 @@ struct TypedKernel<Ret(Args...)> {
     const ops::OpPlan& plan = *slot->plan;
 
     // Per call: views that do not alias their base (any use) and writes into a base that has one
-    // are the fallback's to check (or refuse); a view's geometry is its local's when every operand's wrapper geometry is its
-    // local's, else the rule's.
+    // are the fallback's to check (or refuse); a view's geometry is its local's when every operand's wrapper geometry
+    // is its local's, else the rule's.
     const bool writes = kReturns == Returns::kWrittenSelf || kReturns == Returns::kNothing;
     bool geometry_from_local = info.is_view;
     for (const at::Tensor* t : fast.tensors) {
@@ -441,7 +458,8 @@ struct TypedKernel<Ret(Args...)> {
       std::vector<at::Tensor> locals = run_local();
       HS_CHECK(locals.size() == plan.outputs.size(), info.name, "internal error: ", locals.size(),
                " returned tensors for ", plan.outputs.size(), " planned layouts");
-      for (size_t i = 0; i < locals.size(); ++i) locals[i] = detail::wrap_local(std::move(locals[i]), plan.outputs[i], mesh, nullptr);
+      for (size_t i = 0; i < locals.size(); ++i)
+        locals[i] = detail::wrap_local(std::move(locals[i]), plan.outputs[i], mesh, nullptr);
       return locals;
     } else {
       at::Tensor local = run_local();
@@ -466,55 +484,55 @@ struct SignatureList {};
 namespace aop = at::_ops;
 using Signatures = SignatureList<
     // pointwise
-    aop::add_Tensor::schema,           // (Tensor, Tensor, Scalar) -> Tensor
-    aop::add__Tensor::schema,          // (Tensor!, Tensor, Scalar) -> Tensor!
-    aop::mul_Tensor::schema,           // (Tensor, Tensor) -> Tensor
-    aop::mul__Tensor::schema,          // (Tensor!, Tensor) -> Tensor!
-    aop::mul_Scalar::schema,           // (Tensor, Scalar) -> Tensor
-    aop::mul__Scalar::schema,          // (Tensor!, Scalar) -> Tensor!
-    aop::neg::schema,                  // (Tensor) -> Tensor
-    aop::where_self::schema,           // (Tensor, Tensor, Tensor) -> Tensor
-    aop::addcmul_::schema,             // (Tensor!, Tensor, Tensor, Scalar) -> Tensor!
-    aop::copy_::schema,                // (Tensor!, Tensor, bool) -> Tensor!
-    aop::zero_::schema,                // (Tensor!) -> Tensor!
-    aop::clone::schema,                // (Tensor, MemoryFormat?) -> Tensor
-    aop::_to_copy::schema,             // (Tensor, ScalarType?, Layout?, Device?, bool?, bool, MemoryFormat?)
+    aop::add_Tensor::schema,   // (Tensor, Tensor, Scalar) -> Tensor
+    aop::add__Tensor::schema,  // (Tensor!, Tensor, Scalar) -> Tensor!
+    aop::mul_Tensor::schema,   // (Tensor, Tensor) -> Tensor
+    aop::mul__Tensor::schema,  // (Tensor!, Tensor) -> Tensor!
+    aop::mul_Scalar::schema,   // (Tensor, Scalar) -> Tensor
+    aop::mul__Scalar::schema,  // (Tensor!, Scalar) -> Tensor!
+    aop::neg::schema,          // (Tensor) -> Tensor
+    aop::where_self::schema,   // (Tensor, Tensor, Tensor) -> Tensor
+    aop::addcmul_::schema,     // (Tensor!, Tensor, Tensor, Scalar) -> Tensor!
+    aop::copy_::schema,        // (Tensor!, Tensor, bool) -> Tensor!
+    aop::zero_::schema,        // (Tensor!) -> Tensor!
+    aop::clone::schema,        // (Tensor, MemoryFormat?) -> Tensor
+    aop::_to_copy::schema,     // (Tensor, ScalarType?, Layout?, Device?, bool?, bool, MemoryFormat?)
     // views and shapes
-    aop::view::schema,                 // (Tensor, SymInt[]) -> Tensor
-    aop::permute::schema,              // (Tensor, int[]) -> Tensor
-    aop::transpose_int::schema,        // (Tensor, int, int) -> Tensor
-    aop::select_int::schema,           // (Tensor, int, SymInt) -> Tensor
-    aop::unsqueeze::schema,            // (Tensor, int) -> Tensor
-    aop::tril::schema,                 // (Tensor, SymInt) -> Tensor
-    aop::expand::schema,               // (Tensor, SymInt[], bool) -> Tensor
-    aop::slice_Tensor::schema,         // (Tensor, int, SymInt?, SymInt?, SymInt) -> Tensor
+    aop::view::schema,           // (Tensor, SymInt[]) -> Tensor
+    aop::permute::schema,        // (Tensor, int[]) -> Tensor
+    aop::transpose_int::schema,  // (Tensor, int, int) -> Tensor
+    aop::select_int::schema,     // (Tensor, int, SymInt) -> Tensor
+    aop::unsqueeze::schema,      // (Tensor, int) -> Tensor
+    aop::tril::schema,           // (Tensor, SymInt) -> Tensor
+    aop::expand::schema,         // (Tensor, SymInt[], bool) -> Tensor
+    aop::slice_Tensor::schema,   // (Tensor, int, SymInt?, SymInt?, SymInt) -> Tensor
     // matmul, reductions, softmax, scans, indexing
-    aop::addmm::schema,                // (Tensor, Tensor, Tensor, Scalar, Scalar) -> Tensor
-    aop::sum_dim_IntList::schema,      // (Tensor, int[1]?, bool, ScalarType?) -> Tensor
-    aop::amax::schema,                 // (Tensor, int[], bool) -> Tensor
-    aop::_softmax::schema,             // (Tensor, int, bool) -> Tensor
-    aop::cumsum::schema,               // (Tensor, int, ScalarType?) -> Tensor
-    aop::gather::schema,               // (Tensor, int, Tensor, bool) -> Tensor
-    aop::index_select::schema,         // (Tensor, int, Tensor) -> Tensor
-    aop::roll::schema,                 // (Tensor, SymInt[], int[]) -> Tensor
-    aop::_fft_r2c::schema,             // (Tensor, int[], int, bool) -> Tensor
-    aop::avg_pool2d::schema,           // (Tensor, int[], int[], int[], bool, bool, int?) -> Tensor
-    aop::_grouped_mm::schema,          // (Tensor, Tensor, Tensor?, Tensor?, ScalarType?) -> Tensor
-    aop::convolution::schema,          // (Tensor, Tensor, Tensor?, SymInt[] x3, bool, SymInt[], SymInt)
-    aop::constant_pad_nd::schema,      // (Tensor, SymInt[], Scalar) -> Tensor
+    aop::addmm::schema,            // (Tensor, Tensor, Tensor, Scalar, Scalar) -> Tensor
+    aop::sum_dim_IntList::schema,  // (Tensor, int[1]?, bool, ScalarType?) -> Tensor
+    aop::amax::schema,             // (Tensor, int[], bool) -> Tensor
+    aop::_softmax::schema,         // (Tensor, int, bool) -> Tensor
+    aop::cumsum::schema,           // (Tensor, int, ScalarType?) -> Tensor
+    aop::gather::schema,           // (Tensor, int, Tensor, bool) -> Tensor
+    aop::index_select::schema,     // (Tensor, int, Tensor) -> Tensor
+    aop::roll::schema,             // (Tensor, SymInt[], int[]) -> Tensor
+    aop::_fft_r2c::schema,         // (Tensor, int[], int, bool) -> Tensor
+    aop::avg_pool2d::schema,       // (Tensor, int[], int[], int[], bool, bool, int?) -> Tensor
+    aop::_grouped_mm::schema,      // (Tensor, Tensor, Tensor?, Tensor?, ScalarType?) -> Tensor
+    aop::convolution::schema,      // (Tensor, Tensor, Tensor?, SymInt[] x3, bool, SymInt[], SymInt)
+    aop::constant_pad_nd::schema,  // (Tensor, SymInt[], Scalar) -> Tensor
     // list ops (optimizers with foreach=True, clip_grad_norm_, zero_grad)
-    aop::_foreach_add__List::schema,           // (Tensor[]!, Tensor[], Scalar)
-    aop::_foreach_add__Scalar::schema,         // (Tensor[]!, Scalar)
-    aop::_foreach_add_List::schema,            // (Tensor[], Tensor[], Scalar) -> Tensor[]
-    aop::_foreach_mul__List::schema,           // (Tensor[]!, Tensor[])
-    aop::_foreach_mul__Tensor::schema,         // (Tensor[]!, Tensor)
-    aop::_foreach_div__ScalarList::schema,     // (Tensor[]!, Scalar[])
-    aop::_foreach_addcmul__Scalar::schema,     // (Tensor[]!, Tensor[], Tensor[], Scalar)
-    aop::_foreach_addcdiv__ScalarList::schema, // (Tensor[]!, Tensor[], Tensor[], Scalar[])
-    aop::_foreach_sqrt::schema,                // (Tensor[]) -> Tensor[]
-    aop::_foreach_copy_::schema,               // (Tensor[]!, Tensor[], bool)
-    aop::_foreach_zero_::schema,               // (Tensor[]!)
-    aop::_foreach_norm_Scalar::schema>;        // (Tensor[], Scalar, ScalarType?) -> Tensor[]
+    aop::_foreach_add__List::schema,            // (Tensor[]!, Tensor[], Scalar)
+    aop::_foreach_add__Scalar::schema,          // (Tensor[]!, Scalar)
+    aop::_foreach_add_List::schema,             // (Tensor[], Tensor[], Scalar) -> Tensor[]
+    aop::_foreach_mul__List::schema,            // (Tensor[]!, Tensor[])
+    aop::_foreach_mul__Tensor::schema,          // (Tensor[]!, Tensor)
+    aop::_foreach_div__ScalarList::schema,      // (Tensor[]!, Scalar[])
+    aop::_foreach_addcmul__Scalar::schema,      // (Tensor[]!, Tensor[], Tensor[], Scalar)
+    aop::_foreach_addcdiv__ScalarList::schema,  // (Tensor[]!, Tensor[], Tensor[], Scalar[])
+    aop::_foreach_sqrt::schema,                 // (Tensor[]) -> Tensor[]
+    aop::_foreach_copy_::schema,                // (Tensor[]!, Tensor[], bool)
+    aop::_foreach_zero_::schema,                // (Tensor[]!)
+    aop::_foreach_norm_Scalar::schema>;         // (Tensor[], Scalar, ScalarType?) -> Tensor[]
 
 // Installs the typed kernel of the first signature `op` has; false when it has none of them.
 template <typename... Sigs>
@@ -526,8 +544,8 @@ bool install_typed(SignatureList<Sigs...>, torch::Library& library, const c10::O
 }  // namespace
 
 void register_fast_paths() {
-  static auto* library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse2, __FILE__,
-                                            __LINE__);
+  static auto* library =
+      new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse2, __FILE__, __LINE__);
   for (const std::string& name : ops::registry().names()) {
     if (name.rfind("aten::", 0) != 0) continue;  // the library is aten's
     const auto dot = name.find('.');

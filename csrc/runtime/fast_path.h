@@ -1,5 +1,5 @@
-// Typed PrivateUse2 kernels for every ruled op of a signature the fast path reads (fast_path.cpp): the operator flow without
-// boxing, for calls that need no redistribution; everything else goes to the boxed fallback.
+// Typed PrivateUse2 kernels for every ruled op of a signature the fast path reads (fast_path.cpp): the operator flow
+// without boxing, for calls that need no redistribution; everything else goes to the boxed fallback.
 #pragma once
 
 #include <string>

@@ -36,8 +36,7 @@ struct BelowAutograd {
 }  // namespace
 
 FullyShardGroup::FullyShardGroup(std::vector<at::Tensor> sharded, std::vector<LayoutPtr> unsharded, int64_t axis,
-                                 std::optional<at::ScalarType> param_dtype,
-                                 std::optional<at::ScalarType> reduce_dtype)
+                                 std::optional<at::ScalarType> param_dtype, std::optional<at::ScalarType> reduce_dtype)
     : axis_(axis) {
   HS_CHECK(!sharded.empty() && sharded.size() == unsharded.size(), kWhere,
            "a group needs one unsharded layout per parameter");
@@ -67,12 +66,12 @@ FullyShardGroup::FullyShardGroup(std::vector<at::Tensor> sharded, std::vector<La
       offset += rows;
       p.padded_rows = std::max(p.padded_rows, rows);
     }
-    HS_CHECK(offset == p.local_shape[0], kWhere, "the chunks of a parameter's dim 0 add up to ", offset,
-             " rows, not ", p.local_shape[0]);
+    HS_CHECK(offset == p.local_shape[0], kWhere, "the chunks of a parameter's dim 0 add up to ", offset, " rows, not ",
+             p.local_shape[0]);
     p.offset = flat_;
     flat_ += p.padded_rows * p.row_numel;
-    p.unsharded_local = at::empty(p.local_shape, sharded[i].options().dtype(param_dtype_).device(
-                                                      impl.local().device()));
+    p.unsharded_local =
+        at::empty(p.local_shape, sharded[i].options().dtype(param_dtype_).device(impl.local().device()));
     set_storage_bytes(p.unsharded_local, 0);
     params_.push_back(std::move(p));
   }
@@ -113,13 +112,16 @@ std::vector<at::Tensor> FullyShardGroup::finish_gather() {
     ++stats_.gathers;
     BelowAutograd below;
     for (auto& p : params_) {
-      set_storage_bytes(p.unsharded_local, static_cast<size_t>(p.unsharded_local.numel()) *
-                                               p.unsharded_local.element_size());
+      set_storage_bytes(p.unsharded_local,
+                        static_cast<size_t>(p.unsharded_local.numel()) * p.unsharded_local.element_size());
       for (int64_t c = 0; c < members_; ++c) {
         if (!p.rows[c]) continue;
         const auto piece = received_.narrow(0, c * flat_ + p.offset, p.rows[c] * p.row_numel);
-        p.unsharded_local.narrow(0, p.row_offsets[c], p.rows[c]).copy_(piece.view(
-            [&] { auto s = p.local_shape; s[0] = p.rows[c]; return s; }()));
+        p.unsharded_local.narrow(0, p.row_offsets[c], p.rows[c]).copy_(piece.view([&] {
+          auto s = p.local_shape;
+          s[0] = p.rows[c];
+          return s;
+        }()));
       }
     }
     send_ = at::Tensor();
@@ -176,7 +178,8 @@ std::vector<at::Tensor> FullyShardGroup::reduce_scatter(const std::vector<at::Te
     auto other = layout->partial();
     if (!other.empty()) other[axis_] = std::nullopt;
     if (p.pending.defined()) {
-      HS_CHECK(other == p.pending_partial, kWhere, "gradients of one parameter arrived Partial over other axes in "
+      HS_CHECK(other == p.pending_partial, kWhere,
+               "gradients of one parameter arrived Partial over other axes in "
                "two accumulated backward passes; allowed: the same layout in every pass");
     }
     p.pending_partial = other;
@@ -188,8 +191,8 @@ std::vector<at::Tensor> FullyShardGroup::reduce_scatter(const std::vector<at::Te
     for (size_t i = 0; i < params_.size(); ++i) {
       if (!locals[i].defined()) continue;
       auto& p = params_[i];
-      at::Tensor local = adds[i] ? locals[i].to(reduce_dtype_) : at::zeros_like(locals[i], locals[i].options().dtype(
-                                                                                             reduce_dtype_));
+      at::Tensor local =
+          adds[i] ? locals[i].to(reduce_dtype_) : at::zeros_like(locals[i], locals[i].options().dtype(reduce_dtype_));
       p.pending = p.pending.defined() ? p.pending.add_(local) : (adds[i] ? local.clone() : local);
     }
     return std::vector<at::Tensor>(params_.size());
@@ -243,8 +246,8 @@ std::vector<at::Tensor> FullyShardGroup::reduce_scatter(const std::vector<at::Te
     auto layout = p.sharded_layout;
     if (!p.pending_partial.empty() &&
         std::any_of(p.pending_partial.begin(), p.pending_partial.end(), [](const auto& op) { return op.has_value(); }))
-      layout = intern_layout(layout::Layout::create(layout->mesh(), layout->global_shape(), layout->dim_axes(),
-                                                    p.pending_partial));
+      layout = intern_layout(
+          layout::Layout::create(layout->mesh(), layout->global_shape(), layout->dim_axes(), p.pending_partial));
     out[i] = make_dtensor(local, layout, mesh_);
     // hypershard's gradient-layout hook on the parameter (normally installed when a leaf reaches
     // an op; a fully sharded one reaches only this group): it sums what is still Partial over

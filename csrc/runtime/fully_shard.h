@@ -53,32 +53,32 @@ class FullyShardGroup {
   std::vector<at::Tensor> reduce_scatter(const std::vector<at::Tensor>& grads, bool sync);
 
   struct Stats {
-    int64_t gathers = 0;          // all-gathers finished
-    int64_t prefetched = 0;       // of those, issued before they were needed (start_gather ahead)
+    int64_t gathers = 0;     // all-gathers finished
+    int64_t prefetched = 0;  // of those, issued before they were needed (start_gather ahead)
     int64_t reduce_scatters = 0;
-    int64_t bytes_sent = 0;       // by this rank, both kinds
-    double wait_seconds = 0;      // spent waiting for all-gathers in finish_gather
+    int64_t bytes_sent = 0;   // by this rank, both kinds
+    double wait_seconds = 0;  // spent waiting for all-gathers in finish_gather
   };
   const Stats& stats() const { return stats_; }
   void reset_stats() { stats_ = Stats(); }
 
   int64_t size() const { return static_cast<int64_t>(params_.size()); }
-  int64_t flat_numel() const { return flat_; }          // per member, padding included
-  int64_t unsharded_bytes() const;                      // bytes of the gathered U-local tensors
+  int64_t flat_numel() const { return flat_; }  // per member, padding included
+  int64_t unsharded_bytes() const;              // bytes of the gathered U-local tensors
 
  private:
   struct Param {
-    at::Tensor sharded;                  // the parameter (a DTensor)
+    at::Tensor sharded;  // the parameter (a DTensor)
     LayoutPtr unsharded_layout;
     LayoutPtr sharded_layout;
-    std::vector<int64_t> local_shape;    // U-local shape
-    std::vector<int64_t> rows;           // rows of each member's chunk of U-local dim 0
-    std::vector<int64_t> row_offsets;    // where each member's chunk starts
+    std::vector<int64_t> local_shape;  // U-local shape
+    std::vector<int64_t> rows;         // rows of each member's chunk of U-local dim 0
+    std::vector<int64_t> row_offsets;  // where each member's chunk starts
     int64_t padded_rows = 0;
     int64_t row_numel = 1;
-    int64_t offset = 0;                  // in the per-member flat buffer, elements
-    at::Tensor unsharded_local;          // kept; its storage is freed and refilled
-    at::Tensor pending;                  // accumulated unsynchronized gradient (U-local, reduce dtype)
+    int64_t offset = 0;          // in the per-member flat buffer, elements
+    at::Tensor unsharded_local;  // kept; its storage is freed and refilled
+    at::Tensor pending;          // accumulated unsynchronized gradient (U-local, reduce dtype)
     std::vector<std::optional<layout::ReduceOp>> pending_partial;
   };
 

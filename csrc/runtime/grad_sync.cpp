@@ -285,8 +285,7 @@ void detail::install_grad_hook(const at::Tensor& leaf) {
 }
 
 void set_grad_bucket_bytes(int64_t bytes) {
-  HS_CHECK(bytes >= 0, "set_grad_bucket_bytes", "bytes must be >= 0 (0 reduces each gradient on arrival), got ",
-           bytes);
+  HS_CHECK(bytes >= 0, "set_grad_bucket_bytes", "bytes must be >= 0 (0 reduces each gradient on arrival), got ", bytes);
   g_bucket_bytes.store(bytes, std::memory_order_relaxed);
 }
 

@@ -55,15 +55,19 @@ std::vector<std::pair<std::vector<int64_t>, int64_t>> view_geometry(const c10::O
   torch::jit::Stack meta;
   meta.reserve(original.size());
   for (const auto& v : original) {
-    if (v.isTensor() && v.toTensor().defined()) meta.emplace_back(meta_shadow(v.toTensor()));
-    else meta.push_back(v);
+    if (v.isTensor() && v.toTensor().defined())
+      meta.emplace_back(meta_shadow(v.toTensor()));
+    else
+      meta.push_back(v);
   }
   op.callBoxed(&meta);
   std::vector<std::pair<std::vector<int64_t>, int64_t>> out;
   for (const auto& r : meta) {
-    if (r.isTensor()) out.emplace_back(r.toTensor().strides().vec(), r.toTensor().storage_offset());
+    if (r.isTensor())
+      out.emplace_back(r.toTensor().strides().vec(), r.toTensor().storage_offset());
     else if (r.isTensorList())
-      for (const auto& t : r.toTensorList()) out.emplace_back(static_cast<at::Tensor>(t).strides().vec(), static_cast<at::Tensor>(t).storage_offset());
+      for (const auto& t : r.toTensorList())
+        out.emplace_back(static_cast<at::Tensor>(t).strides().vec(), static_cast<at::Tensor>(t).storage_offset());
   }
   return out;
 }
@@ -102,11 +106,15 @@ at::Tensor wrap_local(at::Tensor local, const LayoutPtr& layout, const DeviceMes
   const bool materialized = local.is_conj() || local.is_neg();
   if (materialized) local = local.resolve_conj().resolve_neg();
   std::optional<Geometry> geometry;
-  if (view && view->local_geometry) geometry = Geometry{local.strides(), local.storage_offset()};  // the local's impl outlives the call
-  else if (view && view->geometry) geometry = *view->geometry;
+  if (view && view->local_geometry)
+    geometry = Geometry{local.strides(), local.storage_offset()};  // the local's impl outlives the call
+  else if (view && view->geometry)
+    geometry = *view->geometry;
   auto wrapped = make_dtensor(std::move(local), layout, mesh, geometry ? &*geometry : nullptr);
-  if (view && view->detached) dtensor_impl(wrapped)->mark_detached_view(view->detached.impl, view->detached.version);
-  else if (view && materialized) dtensor_impl(wrapped)->mark_detached_view(nullptr, -1);
+  if (view && view->detached)
+    dtensor_impl(wrapped)->mark_detached_view(view->detached.impl, view->detached.version);
+  else if (view && materialized)
+    dtensor_impl(wrapped)->mark_detached_view(nullptr, -1);
   return wrapped;
 }
 
@@ -126,8 +134,10 @@ void write_back(const at::Tensor& wrapper, const at::Tensor& result, const Devic
   const auto full = intern_layout(layout::Layout::replicate(target->mesh(), target->global_shape()));
   at::Tensor local = redistribute_local(result, full, target, mesh);
   if (local.is_same(impl->local())) return;
-  if (local.sizes() == impl->local().sizes()) impl->local().copy_(local);  // keeps views of it aliased
-  else impl->replace(std::move(local), target);
+  if (local.sizes() == impl->local().sizes())
+    impl->local().copy_(local);  // keeps views of it aliased
+  else
+    impl->replace(std::move(local), target);
 }
 
 void write_back_value(const c10::IValue& caller, const c10::IValue& result, const DeviceMesh& mesh) {
@@ -136,7 +146,8 @@ void write_back_value(const c10::IValue& caller, const c10::IValue& result, cons
   } else if (caller.isTensorList() && result.isTensorList()) {
     const auto wrappers = caller.toTensorList();
     const auto results = result.toTensorList();
-    for (size_t i = 0; i < wrappers.size() && i < results.size(); ++i) write_back(wrappers.get(i), results.get(i), mesh);
+    for (size_t i = 0; i < wrappers.size() && i < results.size(); ++i)
+      write_back(wrappers.get(i), results.get(i), mesh);
   }
 }
 
@@ -165,7 +176,8 @@ void replicate_fallback(const c10::OperatorHandle& op, OpInfo& info, ops::OpCall
     auto full = intern_layout(layout::Layout::replicate(t.layout->mesh(), t.layout->global_shape()));
     if (info.is_view && !detached && (full != t.layout || dtensor_impl(value)->is_detached_view()))
       detached = DetachedBase::of(value);
-    if (full != t.layout) gathered_bytes += layout::numel(t.layout->global_shape()) * static_cast<int64_t>(value.element_size());
+    if (full != t.layout)
+      gathered_bytes += layout::numel(t.layout->global_shape()) * static_cast<int64_t>(value.element_size());
     set_arg_tensor(args, t, redistribute_local(dtensor_impl(value)->local(), t.layout, full, *call.mesh));
   }
   for (size_t a = 0; a < num_args; ++a)
@@ -173,8 +185,8 @@ void replicate_fallback(const c10::OperatorHandle& op, OpInfo& info, ops::OpCall
   if (counted) g_fallback_calls.fetch_add(1, std::memory_order_relaxed);
   g_fallback_bytes.fetch_add(gathered_bytes, std::memory_order_relaxed);
   if (counted && !info.fallback_warned.exchange(true))
-    TORCH_WARN("hypershard: ", call.name(), " ", why, ": computed on gathered inputs (",
-               call.describe_inputs(), "; ", gathered_bytes,
+    TORCH_WARN("hypershard: ", call.name(), " ", why, ": computed on gathered inputs (", call.describe_inputs(), "; ",
+               gathered_bytes,
                " bytes gathered this call), outputs Replicate. Warned once per op; "
                "hypershard.set_strict(True) makes it an error.");
   {
@@ -214,7 +226,8 @@ void check_plain_operands(const ops::OpCall& call) {
     at::Tensor scratch;
     const auto& tensor = arg_tensor(call.args, t, scratch);
     const std::string what = call.name() + ": argument " + call.schema().arguments()[t.arg].name() +
-                             (t.item >= 0 ? "[" + std::to_string(t.item) + "]" : "") + " (#" + std::to_string(t.arg) + ")";
+                             (t.item >= 0 ? "[" + std::to_string(t.item) + "]" : "") + " (#" + std::to_string(t.arg) +
+                             ")";
     try {
       check_same_on_every_rank(tensor, *call.mesh, what);
     } catch (const layout::LayoutError& e) {
@@ -271,12 +284,14 @@ PlainDestination plain_destination(const OpInfo& info, const ops::OpCall& call) 
     if (!info.written_args[a] || !v.isTensor() || !v.toTensor().defined() || is_dtensor(v.toTensor())) continue;
     bool whole = true;
     for (const auto& t : call.tensors)
-      if (t.is_dtensor && t.layout != intern_layout(layout::Layout::replicate(t.layout->mesh(), t.layout->global_shape())))
+      if (t.is_dtensor &&
+          t.layout != intern_layout(layout::Layout::replicate(t.layout->mesh(), t.layout->global_shape())))
         whole = false;
     if (whole) return PlainDestination::kWhole;
     TORCH_CHECK(!g_strict.load(std::memory_order_relaxed), "hypershard: ", info.name,
                 ": writes into the plain tensor argument ", call.schema().arguments()[a].name(),
-                " from DTensor inputs (", call.describe_inputs(), "); the result would hold one rank's shard; "
+                " from DTensor inputs (", call.describe_inputs(),
+                "); the result would hold one rank's shard; "
                 "allowed: a DTensor destination (create it with hypershard.distribute_tensor or a *_like op on a "
                 "DTensor)");
     return PlainDestination::kGathered;
@@ -289,7 +304,7 @@ struct LocalResult {
   c10::SmallVector<c10::IValue, 4> written;  // per schema argument: the caller's wrapper of a written one
   bool geometry_from_local = false;          // views: the local result's geometry is the wrapper's
   std::vector<std::pair<std::vector<int64_t>, int64_t>> geometry;  // views: else each output's, from the rule or meta
-  DetachedBase detached;                     // views of a redistributed input: the base they do not alias
+  DetachedBase detached;  // views of a redistributed input: the base they do not alias
 };
 
 }  // namespace
@@ -304,7 +319,8 @@ ops::OpCall preprocess(const c10::OperatorHandle& op, const OpInfo& info, const 
   } catch (const layout::LayoutError& e) {
     TORCH_CHECK(false, e.what());
   }
-  TORCH_CHECK(call.mesh != nullptr, "hypershard: ", info.name, ": reached the DTensor fallback without a DTensor argument");
+  TORCH_CHECK(call.mesh != nullptr, "hypershard: ", info.name,
+              ": reached the DTensor fallback without a DTensor argument");
   return call;
 }
 
@@ -340,8 +356,8 @@ namespace {
 // The local call: the inputs redistributed to the plan's layouts, arguments rewritten into local
 // terms, then `impl` below autograd. Keeps what the returns need (the wrappers of written
 // arguments; for views, where their geometry comes from).
-LocalResult execute_local(const c10::OperatorHandle& op, const OpInfo& info, ops::OpCall& call,
-                          const ops::OpPlan& plan, const LocalImpl& impl, torch::jit::Stack* stack) {
+LocalResult execute_local(const c10::OperatorHandle& op, const OpInfo& info, ops::OpCall& call, const ops::OpPlan& plan,
+                          const LocalImpl& impl, torch::jit::Stack* stack) {
   const size_t num_args = static_cast<size_t>(call.num_args());
   c10::IValue* args = stack->data() + (stack->size() - num_args);
   LocalResult result;
@@ -384,15 +400,18 @@ LocalResult execute_local(const c10::OperatorHandle& op, const OpInfo& info, ops
     }
   }
   if (plan.localize) plan.localize(call, args);
-  if (plan.shifted_int_arg >= 0) args[plan.shifted_int_arg] = c10::IValue(args[plan.shifted_int_arg].toInt() + plan.int_shift);
+  if (plan.shifted_int_arg >= 0)
+    args[plan.shifted_int_arg] = c10::IValue(args[plan.shifted_int_arg].toInt() + plan.int_shift);
   if (auto shape = planned_local_shape(plan, *call.mesh)) args[plan.local_shape_arg] = c10::IValue(*shape);
 
   LocalExecutionGuard local(info.is_view);
   if (info.is_view && !result.geometry_from_local) {
     std::optional<ops::ViewGeometry> cheap;
     if (plan.geometry) cheap = plan.geometry(original.at(call.tensors[0].arg).toTensor());
-    if (cheap) result.geometry.push_back(std::move(*cheap));
-    else result.geometry = view_geometry(op, original);
+    if (cheap)
+      result.geometry.push_back(std::move(*cheap));
+    else
+      result.geometry = view_geometry(op, original);
   }
   impl(call, *stack);
   return result;
@@ -421,13 +440,16 @@ void wrap_output(const OpInfo& info, const ops::OpCall& call, const ops::OpPlan&
   for (size_t r = 0; r < num_returns; ++r) {
     c10::IValue& v = rets[r];
     const ReturnInfo& ri = info.returns[r];
-    if (ri.kind == ReturnKind::kWritten && ri.arg >= 0 && !result.written.empty() && result.written[ri.arg].isTensor()) {
+    if (ri.kind == ReturnKind::kWritten && ri.arg >= 0 && !result.written.empty() &&
+        result.written[ri.arg].isTensor()) {
       const at::Tensor& wrapper = result.written[ri.arg].toTensor();
       if (auto* impl = dtensor_impl(wrapper)) {
         const at::Tensor local = v.toTensor();
         const auto& layout = plan.outputs.at(out_index);
-        if (layout != impl->layout() || local.sizes() != impl->local().sizes()) impl->replace(local, layout);
-        else if (!local.is_same(impl->local())) impl->replace(local, layout);
+        if (layout != impl->layout() || local.sizes() != impl->local().sizes())
+          impl->replace(local, layout);
+        else if (!local.is_same(impl->local()))
+          impl->replace(local, layout);
       }
       v = result.written[ri.arg];
       ++out_index;
@@ -462,7 +484,8 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
 
   ops::OpCall call = preprocess(op, info, args);
   if (const auto plain = plain_destination(info, call); plain != PlainDestination::kNone) {
-    replicate_fallback(op, info, call, stack, "writes into a plain tensor", /*counted=*/plain == PlainDestination::kGathered);
+    replicate_fallback(op, info, call, stack, "writes into a plain tensor",
+                       /*counted=*/plain == PlainDestination::kGathered);
     return;
   }
   if (g_check_replicas.load(std::memory_order_relaxed)) check_plain_operands(call);

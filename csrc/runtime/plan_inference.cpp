@@ -117,7 +117,8 @@ void collect_tensors(ops::OpCall& call) {
       add_tensor(call, v.toTensor(), static_cast<int64_t>(a), -1);
     } else if (v.isTensorList()) {
       auto list = v.toTensorList();
-      for (size_t i = 0; i < list.size(); ++i) add_tensor(call, list.get(i), static_cast<int64_t>(a), static_cast<int64_t>(i));
+      for (size_t i = 0; i < list.size(); ++i)
+        add_tensor(call, list.get(i), static_cast<int64_t>(a), static_cast<int64_t>(i));
     } else if (v.isList() && is_tensor_typed(args[a].type())) {
       auto list = v.toList();
       for (size_t i = 0; i < list.size(); ++i) {
@@ -136,8 +137,8 @@ const at::Tensor& arg_tensor(const c10::IValue* args, const ops::TensorArg& t, a
 }
 
 [[noreturn]] void missing_operator(const ops::OpCall& call) {
-  TORCH_CHECK(false, "hypershard: Missing operator ", call.name(), ": no distributed rule for this op; inputs: ",
-              call.describe_inputs());
+  TORCH_CHECK(false, "hypershard: Missing operator ", call.name(),
+              ": no distributed rule for this op; inputs: ", call.describe_inputs());
 }
 
 void layout_plain_tensors(ops::OpCall& call) {
@@ -169,9 +170,8 @@ std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call, bool r
   };
   thread_local ThreadCache<Entry, 256, 4> recent;
   const uint64_t generation = info.generation.load(std::memory_order_acquire);
-  if (const Entry* hit = recent.find(hash, [&](const Entry& e) {
-        return e.info == &info && e.generation == generation && e.cached.same(key);
-      })) {
+  if (const Entry* hit = recent.find(
+          hash, [&](const Entry& e) { return e.info == &info && e.generation == generation && e.cached.same(key); })) {
     if (record) g_hits.fetch_add(1, std::memory_order_relaxed);
     return hit->cached.plan;
   }
@@ -190,8 +190,8 @@ std::shared_ptr<const ops::OpPlan> infer(OpInfo& info, ops::OpCall& call, bool r
   // Miss: plain tensors become Replicate layouts, then the rule runs.
   layout_plain_tensors(call);
   auto plan = std::make_shared<ops::OpPlan>(run_rule(info, call));
-  HS_CHECK(plan->inputs.size() == call.tensors.size(), info.name,
-           "internal error: the rule returned ", plan->inputs.size(), " input layouts for ", call.tensors.size(), " tensors");
+  HS_CHECK(plan->inputs.size() == call.tensors.size(), info.name, "internal error: the rule returned ",
+           plan->inputs.size(), " input layouts for ", call.tensors.size(), " tensors");
   if (!record) return plan;
   std::unique_lock<std::shared_mutex> write(info.mutex);
   if (info.plans.size() >= kMaxPlansPerOp) {  // bounded, whatever the workload

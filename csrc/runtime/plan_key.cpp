@@ -24,8 +24,10 @@ void PlanKey::value(const c10::IValue& v) {
   } else if (v.isInt()) {
     integer(v.toInt());
   } else if (v.isSymInt()) {
-    if (auto concrete = v.toSymInt().maybe_as_int()) integer(*concrete);
-    else opaque("SymInt");  // symbolic: no eager rule sees one
+    if (auto concrete = v.toSymInt().maybe_as_int())
+      integer(*concrete);
+    else
+      opaque("SymInt");  // symbolic: no eager rule sees one
   } else if (v.isDouble()) {
     real(v.toDouble());
   } else if (v.isComplexDouble()) {

@@ -23,10 +23,14 @@ std::atomic<int64_t> g_bytes{0};
 c10d::ReduceOp to_c10d(ReduceOp op) {
   switch (op) {
     case ReduceOp::Sum:
-    case ReduceOp::Avg: return c10d::ReduceOp::SUM;  // avg = sum, then divide (portable)
-    case ReduceOp::Max: return c10d::ReduceOp::MAX;
-    case ReduceOp::Min: return c10d::ReduceOp::MIN;
-    case ReduceOp::Prod: return c10d::ReduceOp::PRODUCT;
+    case ReduceOp::Avg:
+      return c10d::ReduceOp::SUM;  // avg = sum, then divide (portable)
+    case ReduceOp::Max:
+      return c10d::ReduceOp::MAX;
+    case ReduceOp::Min:
+      return c10d::ReduceOp::MIN;
+    case ReduceOp::Prod:
+      return c10d::ReduceOp::PRODUCT;
   }
   return c10d::ReduceOp::SUM;
 }
@@ -42,8 +46,15 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
 
 bool carried_as_is(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16:
-    case at::kChar: case at::kByte: case at::kBool: case at::kInt: case at::kLong:
+    case at::kFloat:
+    case at::kDouble:
+    case at::kHalf:
+    case at::kBFloat16:
+    case at::kChar:
+    case at::kByte:
+    case at::kBool:
+    case at::kInt:
+    case at::kLong:
       return true;
     default:
       return false;
@@ -55,11 +66,16 @@ at::Tensor movable(const at::Tensor& t) {
   if (carried_as_is(t.scalar_type())) return t;
   if (t.is_complex()) return movable(at::view_as_real(t));
   switch (t.element_size()) {
-    case 1: return t.view(at::kByte);
-    case 2: return t.view(at::kHalf);
-    case 4: return t.view(at::kInt);
-    case 8: return t.view(at::kLong);
-    default: break;
+    case 1:
+      return t.view(at::kByte);
+    case 2:
+      return t.view(at::kHalf);
+    case 4:
+      return t.view(at::kInt);
+    case 8:
+      return t.view(at::kLong);
+    default:
+      break;
   }
   TORCH_CHECK(false, "hypershard: no collective can carry dtype ", t.scalar_type());
 }
@@ -181,8 +197,10 @@ at::Tensor reduce_scatter(const RedistributeStep& step, const at::Tensor& local_
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = to_c10d(step.op);
   mesh.group(step.axis)._reduce_scatter_base(received, send, opts)->wait();
-  if (at::isComplexType(original)) received = at::view_as_complex(received);
-  else received = received.to(original);
+  if (at::isComplexType(original))
+    received = at::view_as_complex(received);
+  else
+    received = received.to(original);
   const int64_t mine = chunk_span(length, k, mesh.coordinate(step.axis)).length;
   auto result = received.narrow(0, 0, mine).movedim(0, d);
   return reduce_op_finish((flagged ? without_nan_flag(result) : result).contiguous(), step.op, k);
@@ -242,10 +260,14 @@ at::Tensor run_step(const RedistributeStep& step, const at::Tensor& local, const
     case StepKind::PartialFill:
       if (me == 0 || step.op == ReduceOp::Max || step.op == ReduceOp::Min || step.op == ReduceOp::Avg) return local;
       return step.op == ReduceOp::Prod ? at::ones_like(local) : at::zeros_like(local);
-    case StepKind::AllGather: return all_gather(step, local, mesh);
-    case StepKind::AllReduce: return all_reduce(step, local, mesh);
-    case StepKind::ReduceScatter: return reduce_scatter(step, local, mesh);
-    case StepKind::AllToAll: return all_to_all(step, local, mesh);
+    case StepKind::AllGather:
+      return all_gather(step, local, mesh);
+    case StepKind::AllReduce:
+      return all_reduce(step, local, mesh);
+    case StepKind::ReduceScatter:
+      return reduce_scatter(step, local, mesh);
+    case StepKind::AllToAll:
+      return all_to_all(step, local, mesh);
   }
   return local;
 }
@@ -268,8 +290,8 @@ struct RedistributeFunction : torch::autograd::Function<RedistributeFunction> {
 };
 
 struct FromLocalFunction : torch::autograd::Function<FromLocalFunction> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& local,
-                            DeviceMeshPtr mesh, LayoutPtr layout) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& local, DeviceMeshPtr mesh,
+                            LayoutPtr layout) {
     ctx->saved_data["layout"] = c10::IValue(reinterpret_cast<int64_t>(layout.get()));
     // An alias of the local: in-place changes through either are seen by both, as in torch.
     return make_dtensor(local.alias(), std::move(layout), std::move(mesh));

@@ -62,7 +62,6 @@ at::Tensor all_to_all_rows(const at::Tensor& send, std::vector<int64_t> send_row
   return received;
 }
 
-
 Span member_span(const layout::Layout& l, const DeviceMesh& mesh, int64_t axis, int64_t c, int64_t dim) {
   const int64_t pos = mesh.member_position(axis, c);
   const int64_t begin = l.global_offset_at(pos)[dim];
@@ -73,7 +72,8 @@ SpanPlan owned_spans(const layout::Layout& l, const DeviceMesh& mesh, int64_t di
   SpanPlan plan;
   plan.dim = dim;
   plan.axis = l.dim_axes()[dim].at(0);
-  for (int64_t c = 0; c < mesh.mesh()->shape()[plan.axis]; ++c) plan.owned.push_back(member_span(l, mesh, plan.axis, c, dim));
+  for (int64_t c = 0; c < mesh.mesh()->shape()[plan.axis]; ++c)
+    plan.owned.push_back(member_span(l, mesh, plan.axis, c, dim));
   return plan;
 }
 
@@ -138,8 +138,10 @@ at::Tensor return_spans_summed(const at::Tensor& fetched, int64_t local_length, 
   for (const Span& w : plan.wanted[me])
     for (int64_t c = 0; c < k; ++c)
       if (const Span i = intersect(w, plan.owned[c]); i.length() > 0) {
-        if (c == me) result.narrow(dim, i.begin - mine.begin, i.length()).add_(fetched.narrow(dim, at_row, i.length()));
-        else pieces[c].push_back(rows.narrow(0, at_row, i.length()));
+        if (c == me)
+          result.narrow(dim, i.begin - mine.begin, i.length()).add_(fetched.narrow(dim, at_row, i.length()));
+        else
+          pieces[c].push_back(rows.narrow(0, at_row, i.length()));
         at_row += i.length();
       }
   if (!crosses_ranks(plan)) return result;
@@ -153,7 +155,8 @@ at::Tensor return_spans_summed(const at::Tensor& fetched, int64_t local_length, 
     if (c == me) continue;
     for (const Span& w : plan.wanted[c])
       if (const Span i = intersect(w, mine); i.length() > 0) {
-        result.narrow(dim, i.begin - mine.begin, i.length()).add_(received.narrow(0, offset, i.length()).movedim(0, dim));
+        result.narrow(dim, i.begin - mine.begin, i.length())
+            .add_(received.narrow(0, offset, i.length()).movedim(0, dim));
         offset += i.length();
       }
   }

@@ -39,9 +39,30 @@ from .samples import collect_samples
 from .siblings import sibling_calls
 from .staleness import DEFAULT_OUT, STALE, check
 
-__all__ = ["Call", "DEFAULT_OUT", "PROBES", "Probe", "Prober", "Row", "STALE", "TensorMeta", "check",
-           "collect_samples", "document", "family_header", "generate", "main", "op_key", "probe_rules",
-           "registrations", "registry", "render", "resolve", "sibling_calls", "tagged_pointwise"]
+__all__ = [
+    "Call",
+    "DEFAULT_OUT",
+    "PROBES",
+    "Probe",
+    "Prober",
+    "Row",
+    "STALE",
+    "TensorMeta",
+    "check",
+    "collect_samples",
+    "document",
+    "family_header",
+    "generate",
+    "main",
+    "op_key",
+    "probe_rules",
+    "registrations",
+    "registry",
+    "render",
+    "resolve",
+    "sibling_calls",
+    "tagged_pointwise",
+]
 
 
 def generate() -> str:
@@ -50,10 +71,13 @@ def generate() -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hypershard.operators_doc",
-                                     description=__doc__.split("\n\n")[1])
-    parser.add_argument("--out", default=str(DEFAULT_OUT), help="the file to write or check (default docs/operators.md)")
-    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when --out differs from a fresh run")
+    parser = argparse.ArgumentParser(prog="python -m hypershard.operators_doc", description=__doc__.split("\n\n")[1])
+    parser.add_argument(
+        "--out", default=str(DEFAULT_OUT), help="the file to write or check (default docs/operators.md)"
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 when --out differs from a fresh run"
+    )
     args = parser.parse_args(argv)
     text = generate()
     out = Path(args.out)

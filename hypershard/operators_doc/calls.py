@@ -13,20 +13,21 @@ import torch
 @dataclass(frozen=True)
 class TensorMeta:
     """A traced tensor argument: what the rule sees of it (no data)."""
+
     shape: tuple
     dtype: torch.dtype
 
 
 @dataclass
 class Call:
-    op: Any          # the OpOverload
-    bound: dict      # argument name -> value (TensorMeta for tensors), as passed
-    outs: list       # TensorMeta of each returned tensor (out= overloads borrow them)
-    source: str      # where the call came from (an OpInfo name, or a sibling overload)
+    op: Any  # the OpOverload
+    bound: dict  # argument name -> value (TensorMeta for tensors), as passed
+    outs: list  # TensorMeta of each returned tensor (out= overloads borrow them)
+    source: str  # where the call came from (an OpInfo name, or a sibling overload)
 
 
 def op_key(op) -> str:
-    """"aten::add.Tensor" / "aten::abs": the name the registry uses (rule_registrations())."""
+    """ "aten::add.Tensor" / "aten::abs": the name the registry uses (rule_registrations())."""
     schema = op._schema
     return schema.name + (f".{schema.overload_name}" if schema.overload_name else "")
 
@@ -81,6 +82,7 @@ def score(call: Call) -> int:
 def meta_outputs(op, bound: dict) -> list:
     """TensorMeta of what `op` returns for `bound` (meta tensors: no data); [] when it cannot
     run on meta."""
+
     def real(value):
         if isinstance(value, TensorMeta):
             return torch.empty(value.shape, dtype=value.dtype, device="meta")
@@ -96,7 +98,7 @@ def meta_outputs(op, bound: dict) -> list:
 
 
 PROBED_NAMESPACES = ("aten", "hypershard")  # always loaded here: the document is the same
-                                            # whether torch_npu or transformers is imported
+# whether torch_npu or transformers is imported
 
 
 def resolve(key: str):

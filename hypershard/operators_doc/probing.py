@@ -20,9 +20,9 @@ PROBES = ("S(0)", "S(last)", "P")
 class Probe:
     cells: dict = field(default_factory=dict)  # probe -> cell text
     kinds: dict = field(default_factory=dict)  # probe -> "local" | "moved" | "kept" | "refused" | ...
-    expands: bool = False                      # for any probe
+    expands: bool = False  # for any probe
     expanded: dict = field(default_factory=dict)  # probe -> the plan expands
-    sample: str = ""                           # the first tensor's shape and the call's source
+    sample: str = ""  # the first tensor's shape and the call's source
 
 
 def _house_clause(message: str) -> Optional[str]:
@@ -31,7 +31,7 @@ def _house_clause(message: str) -> Optional[str]:
     text = " ".join(message.split())
     if not text.startswith("hypershard: "):
         return None
-    text = text[len("hypershard: "):]
+    text = text[len("hypershard: ") :]
     missing = re.match(r"Missing operator \S+ for these arguments \((.*?)\): no distributed rule", text)
     if missing:
         return "not covered: " + missing.group(1)
@@ -55,8 +55,10 @@ def _spec_text(spec: Optional[list], ndim: Optional[int], negative: bool) -> str
 
 
 def _outputs_text(plan, negative: bool) -> str:
-    texts = [_spec_text(spec, len(layout.global_shape) if layout is not None else None, negative)
-             for spec, layout in zip(plan.output_specs, plan.outputs)]
+    texts = [
+        _spec_text(spec, len(layout.global_shape) if layout is not None else None, negative)
+        for spec, layout in zip(plan.output_specs, plan.outputs)
+    ]
     if not texts:
         return "—"
     runs = [(text, len(list(group))) for text, group in itertools.groupby(texts)]
@@ -83,7 +85,9 @@ def _tensor_items(call: Call) -> list:
         if isinstance(value, TensorMeta):
             items.append((argument.name, None, value, argument.is_out))
         elif isinstance(value, (list, tuple)):
-            items.extend((argument.name, i, v, argument.is_out) for i, v in enumerate(value) if isinstance(v, TensorMeta))
+            items.extend(
+                (argument.name, i, v, argument.is_out) for i, v in enumerate(value) if isinstance(v, TensorMeta)
+            )
     return items
 
 

@@ -10,18 +10,21 @@ from typing import NamedTuple
 
 
 class Registration(NamedTuple):
-    op: str            # "aten::add.Tensor"
-    family: str        # "pointwise"
-    key_scalars: str   # "all" | "none": the non-tensor arguments in the plan-cache key
-    from_tag: bool     # registered for torch's `pointwise` tag, not named in a table
+    op: str  # "aten::add.Tensor"
+    family: str  # "pointwise"
+    key_scalars: str  # "all" | "none": the non-tensor arguments in the plan-cache key
+    from_tag: bool  # registered for torch's `pointwise` tag, not named in a table
 
 
 @functools.lru_cache(maxsize=None)
 def registrations() -> tuple:
     from .. import _C
 
-    return tuple(sorted(Registration(str(op), str(family), str(key), bool(tag))
-                        for op, family, key, tag in _C.rule_registrations()))
+    return tuple(
+        sorted(
+            Registration(str(op), str(family), str(key), bool(tag)) for op, family, key, tag in _C.rule_registrations()
+        )
+    )
 
 
 def registry() -> list:

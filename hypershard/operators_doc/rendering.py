@@ -35,7 +35,7 @@ def _cell(text: str) -> str:
 
 
 def _short(op: str) -> str:
-    return op[len("aten::"):] if op.startswith("aten::") else op
+    return op[len("aten::") :] if op.startswith("aten::") else op
 
 
 def _braces(ops: list) -> str:
@@ -44,7 +44,7 @@ def _braces(ops: list) -> str:
     for op in ops:
         name = _short(op)
         base = stem(name)
-        groups.setdefault(base, []).append(name[len(base):])
+        groups.setdefault(base, []).append(name[len(base) :])
     parts = []
     for base in sorted(groups):
         suffixes = sorted(groups[base])
@@ -53,15 +53,20 @@ def _braces(ops: list) -> str:
 
 
 def _table(rows: list) -> list:
-    lines = ["| op | Shard(0) | Shard(last) | Partial(sum) | expands | probed on |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| op | Shard(0) | Shard(last) | Partial(sum) | expands | probed on |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for row in rows:
         if row.probe is None:
             lines.append(f"| `{_short(row.op)}` | {row.why} | | | | |")
             continue
         p = row.probe
-        lines.append(f"| `{_short(row.op)}` | " + " | ".join(_cell(p.cells[k]) for k in PROBES) +
-                     f" | {'yes' if p.expands else ''} | {_cell(p.sample)} |")
+        lines.append(
+            f"| `{_short(row.op)}` | "
+            + " | ".join(_cell(p.cells[k]) for k in PROBES)
+            + f" | {'yes' if p.expands else ''} | {_cell(p.sample)} |"
+        )
     return lines
 
 
@@ -76,8 +81,9 @@ def _grouped(rows: list) -> list:
         if len(key) == 1:
             head = f"**{key[0]}**"
         else:
-            head = " · ".join(f"{name}: {_cell(cell)}" for name, cell in zip(("Shard(0)", "Shard(last)", "Partial(sum)"),
-                                                                             key[:3]))
+            head = " · ".join(
+                f"{name}: {_cell(cell)}" for name, cell in zip(("Shard(0)", "Shard(last)", "Partial(sum)"), key[:3])
+            )
             head += " · expands" if key[3] else ""
         count = len(groups[key])
         lines.append(f"- {head} ({count} op{'' if count == 1 else 's'}): {_braces(groups[key])}")
@@ -183,20 +189,27 @@ def _cuda_section(rows: list) -> list:
     """The ops a CUDA training step reaches that the CPU one does not, with the family whose rule
     serves each (from `rows`)."""
     family = {row.op: row.family for row in rows}
-    lines = ["## Reached on CUDA\n",
-             "What one training step of a tiny Qwen3ForCausalLM (4 query, 2 key/value heads: forward, loss, backward, "
-             "clip_grad_norm_, AdamW) reaches when F.scaled_dot_product_attention is lowered as torch's CUDA kernel "
-             "lowers it and AdamW takes its foreach path (CUDA's default), and the coverage tool's CPU step "
-             "(float32, no mask, CPU SDPA kernel, AdamW per tensor) does not. Traced on CPU "
-             "(`hypershard.testing.cuda_lowering`: the CUDA attention ops get exact CPU kernels with their own "
-             "schemas), so the list does not depend on a GPU; tests/python/level1/test_cuda_lowering.py trains the "
-             "same model that way on CPU meshes in strict mode. Which SDPA kernel a GPU runs is torch's choice:\n",
-             "| scenario | SDPA kernel | when torch picks it |", "| --- | --- | --- |"]
+    lines = [
+        "## Reached on CUDA\n",
+        "What one training step of a tiny Qwen3ForCausalLM (4 query, 2 key/value heads: forward, loss, backward, "
+        "clip_grad_norm_, AdamW) reaches when F.scaled_dot_product_attention is lowered as torch's CUDA kernel "
+        "lowers it and AdamW takes its foreach path (CUDA's default), and the coverage tool's CPU step "
+        "(float32, no mask, CPU SDPA kernel, AdamW per tensor) does not. Traced on CPU "
+        "(`hypershard.testing.cuda_lowering`: the CUDA attention ops get exact CPU kernels with their own "
+        "schemas), so the list does not depend on a GPU; tests/python/level1/test_cuda_lowering.py trains the "
+        "same model that way on CPU meshes in strict mode. Which SDPA kernel a GPU runs is torch's choice:\n",
+        "| scenario | SDPA kernel | when torch picks it |",
+        "| --- | --- | --- |",
+    ]
     for scenario in scenarios():
         lines.append(f"| {scenario.name} | {scenario.backend} | {_cell(scenario.when)} |")
-    lines += ["", "*lowering*: the CUDA lowering brings the op (the same step lowered for CPU does not reach it); "
-              "otherwise the scenario does (its dtype, padding mask or GradScaler).\n",
-              "| op | scenarios | lowering | rule |", "| --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "*lowering*: the CUDA lowering brings the op (the same step lowered for CPU does not reach it); "
+        "otherwise the scenario does (its dtype, padding mask or GradScaler).\n",
+        "| op | scenarios | lowering | rule |",
+        "| --- | --- | --- | --- |",
+    ]
     every = [scenario.name for scenario in scenarios()]
     for op, names, lowered in cuda_step_ops():
         if op in family:
@@ -223,11 +236,13 @@ def document(rows: list, sources: bool = True) -> str:
 
     lines = [INTRO]
     lines.append("## Summary\n")
-    lines.append(f"{len(rows)} ops with a rule in {len(families)} families; {sum(r.probe is not None for r in rows)} "
-                 "probed. *local*: the given layout of the first argument kept, nothing communicated before "
-                 "or inside the op. *P kept*: a Partial(sum) first argument kept and a Partial output. "
-                 "*P refused*: the rule raises for it (default mode reduces it first). *expands*: the op runs "
-                 "collectives inside for at least one probe.\n")
+    lines.append(
+        f"{len(rows)} ops with a rule in {len(families)} families; {sum(r.probe is not None for r in rows)} "
+        "probed. *local*: the given layout of the first argument kept, nothing communicated before "
+        "or inside the op. *P kept*: a Partial(sum) first argument kept and a Partial output. "
+        "*P refused*: the rule raises for it (default mode reduces it first). *expands*: the op runs "
+        "collectives inside for at least one probe.\n"
+    )
     columns = ("ops", "probed", "S(0) local", "S(last) local", "P kept", "P refused", "expands")
     lines.append("| family | " + " | ".join(columns) + " |")
     lines.append("| --- |" + " ---: |" * len(columns))
@@ -255,9 +270,11 @@ def document(rows: list, sources: bool = True) -> str:
                 lines.extend(_table(table_rows))
                 lines.append("")
             if tag_rows:
-                lines.append(f"The other {len(tag_rows)} pointwise ops, registered by torch's `pointwise` tag "
-                             "(register_tagged_pointwise), grouped by what the probes found; `acos{,_,.out}` is "
-                             "`acos`, `acos_` and `acos.out`:\n")
+                lines.append(
+                    f"The other {len(tag_rows)} pointwise ops, registered by torch's `pointwise` tag "
+                    "(register_tagged_pointwise), grouped by what the probes found; `acos{,_,.out}` is "
+                    "`acos`, `acos_` and `acos.out`:\n"
+                )
                 lines.extend(_grouped(tag_rows))
                 lines.append("")
         else:

@@ -18,11 +18,11 @@ def _type_ok(jit_type: str, value: Any) -> bool:
     if jit_type.startswith("Optional["):
         if value is None:
             return True
-        jit_type = jit_type[len("Optional["):-1]
+        jit_type = jit_type[len("Optional[") : -1]
     if jit_type == "Tensor":
         return isinstance(value, TensorMeta)
     if jit_type.startswith("List["):
-        inner = jit_type[len("List["):-1]
+        inner = jit_type[len("List[") : -1]
         if not isinstance(value, (list, tuple)):
             return inner in ("int", "SymInt") and isinstance(value, int) and not isinstance(value, bool)
         return all(_type_ok(inner, v) for v in value)
@@ -66,8 +66,12 @@ def _rebind(call: Call, target, convert: bool) -> Optional[Call]:
                 return None
             if isinstance(value, TensorMeta) and jit_type in _SCALARS:
                 value = _SCALARS[jit_type]
-            elif (jit_type in ("Tensor", "Optional[Tensor]") and first is not None
-                  and isinstance(value, (int, float)) and not isinstance(value, bool)):
+            elif (
+                jit_type in ("Tensor", "Optional[Tensor]")
+                and first is not None
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+            ):
                 value = TensorMeta((), first.dtype)
             else:
                 return None

@@ -17,6 +17,12 @@ def check(text: str, path: Path) -> Optional[str]:
     current = path.read_text() if path.is_file() else ""
     if current == text:
         return None
-    diff = difflib.unified_diff(current.splitlines(), text.splitlines(), f"{path.name} (checked in)",
-                                f"{path.name} (generated)", lineterm="", n=1)
+    diff = difflib.unified_diff(
+        current.splitlines(),
+        text.splitlines(),
+        f"{path.name} (checked in)",
+        f"{path.name} (generated)",
+        lineterm="",
+        n=1,
+    )
     return "\n".join([*itertools.islice(diff, 40), STALE])

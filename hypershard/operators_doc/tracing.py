@@ -15,7 +15,7 @@ SAMPLES_PER_OPINFO = 4  # forward samples traced per OpInfo
 GRAD_SAMPLES_PER_OPINFO = 2  # of them traced forward and backward
 FOREACH_SAMPLES_FACTOR = 4
 DTYPES = (torch.float32, torch.int64, torch.bool)  # an OpInfo's samples: the first it supports
-CANDIDATES_PER_OP = 4   # traced calls kept per overload, best first
+CANDIDATES_PER_OP = 4  # traced calls kept per overload, best first
 
 
 class Recorder:
@@ -45,7 +45,9 @@ class Recorder:
         if key not in self.wanted:
             return
         outs = [t for t in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(t, torch.Tensor)]
-        call = Call(func, bind(func, to_meta(tuple(args)), to_meta(dict(kwargs))), [to_meta(t) for t in outs], self.source)
+        call = Call(
+            func, bind(func, to_meta(tuple(args)), to_meta(dict(kwargs))), [to_meta(t) for t in outs], self.source
+        )
         kept = self.calls.setdefault(key, [])
         kept.append((-score(call), next(self.order), call))
         kept.sort(key=lambda item: item[:2])
@@ -64,8 +66,11 @@ class Recorder:
 
 
 def backward(outputs: Any, inputs: list) -> None:
-    flat = [t for t in (outputs if isinstance(outputs, (list, tuple)) else [outputs])
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None and t.dtype.is_floating_point]
+    flat = [
+        t
+        for t in (outputs if isinstance(outputs, (list, tuple)) else [outputs])
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None and t.dtype.is_floating_point
+    ]
     if flat and inputs:
         torch.autograd.grad(flat, inputs, [torch.ones_like(t) for t in flat], allow_unused=True)
 
@@ -122,6 +127,7 @@ def saved_rng():
     python_state = random.getstate()
     try:
         import numpy
+
         numpy_state = numpy.random.get_state()
     except ImportError:
         numpy = numpy_state = None
@@ -140,8 +146,14 @@ def _opinfos() -> list:
     from torch.testing._internal import common_methods_invocations as cmi
 
     out = []
-    for op in [*cmi.op_db, *cmi.foreach_unary_op_db, *cmi.foreach_binary_op_db, *cmi.foreach_pointwise_op_db,
-               *cmi.foreach_reduce_op_db, *cmi.foreach_other_op_db]:
+    for op in [
+        *cmi.op_db,
+        *cmi.foreach_unary_op_db,
+        *cmi.foreach_binary_op_db,
+        *cmi.foreach_pointwise_op_db,
+        *cmi.foreach_reduce_op_db,
+        *cmi.foreach_other_op_db,
+    ]:
         supported = op.supported_dtypes("cpu")
         dtype = next((d for d in DTYPES if d in supported), None)
         if dtype is not None:
@@ -163,7 +175,8 @@ def _samples(op, dtype, requires_grad: bool, count: int) -> list:
 
 
 def trace_opinfo(recorder: Recorder) -> None:
-    from ..testing.opinfo_common import fresh_copy, op_key as opinfo_key
+    from ..testing.opinfo_common import fresh_copy
+    from ..testing.opinfo_common import op_key as opinfo_key
 
     for op, dtype in _opinfos():
         name = opinfo_key(op)
@@ -175,5 +188,10 @@ def trace_opinfo(recorder: Recorder) -> None:
                 recorder.trace(name, lambda: op.inplace_variant(*args, **kwargs))
         if op.supports_autograd and dtype.is_floating_point:
             for sample in _samples(op, dtype, True, GRAD_SAMPLES_PER_OPINFO):
-                recorder.trace(name, lambda: backward(op(sample.input, *sample.args, **sample.kwargs),
-                                                       _leaves([sample.input, sample.args, sample.kwargs])))
+                recorder.trace(
+                    name,
+                    lambda: backward(
+                        op(sample.input, *sample.args, **sample.kwargs),
+                        _leaves([sample.input, sample.args, sample.kwargs]),
+                    ),
+                )

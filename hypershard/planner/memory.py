@@ -72,8 +72,7 @@ def _replicate_plain(args, kwargs):
         # autograd's casts (ToCopyBackward: grad.to(input.options())) name the input's device: meta
         # here, the mesh's device in a real run, where hypershard keeps the result a DTensor.
         kwargs = {k: v for k, v in kwargs.items() if k != "device"}
-    if dtensor is None or not any(isinstance(t, torch.Tensor) and t.is_meta and not _C.is_dtensor(t)
-                                  for t in leaves):
+    if dtensor is None or not any(isinstance(t, torch.Tensor) and t.is_meta and not _C.is_dtensor(t) for t in leaves):
         return args, kwargs
     mesh = _C.device_mesh_of(dtensor)
 
@@ -82,6 +81,7 @@ def _replicate_plain(args, kwargs):
             layout = _C.Layout.create(mesh.mesh, list(t.shape), [[] for _ in t.shape], [])
             return _C.from_local(t, mesh, layout)
         return t
+
     return pytree.tree_map(wrap, (args, kwargs))
 
 
@@ -92,12 +92,12 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.known: set = set()     # storages alive before recording (never counted)
-        self.live: dict = {}        # key -> bytes, storages born while recording and still alive
-        self.events: list = []      # (key, +bytes) at birth, (key, -bytes) at death
-        self.marks: dict = {}       # name -> index into events
-        self.hints: dict = {}       # storage key -> the value `.item()` of it reads (see _scalar)
-        self.refs: dict = {}        # storage key -> weakref to the storage (to see it resized)
+        self.known: set = set()  # storages alive before recording (never counted)
+        self.live: dict = {}  # key -> bytes, storages born while recording and still alive
+        self.events: list = []  # (key, +bytes) at birth, (key, -bytes) at death
+        self.marks: dict = {}  # name -> index into events
+        self.hints: dict = {}  # storage key -> the value `.item()` of it reads (see _scalar)
+        self.refs: dict = {}  # storage key -> weakref to the storage (to see it resized)
 
     def know(self, tensors: Iterable[torch.Tensor]) -> None:
         for t in tensors:

@@ -25,6 +25,7 @@ __all__ = ["PlanReport", "measure_rank", "plan_step"]
 @dataclass
 class PlanReport:
     """One rank's figures for one training step (bytes)."""
+
     model: str = ""
     mesh: dict = field(default_factory=dict)
     rank: int = 0
@@ -32,25 +33,29 @@ class PlanReport:
     parameters: int = 0
     gradients: int = 0
     optimizer: int = 0
-    activations: int = 0          # peak of everything else alive during the step (see memory.py)
+    activations: int = 0  # peak of everything else alive during the step (see memory.py)
     forward_backward_peak: int = 0  # peak above the parameters from forward to the end of backward, grads included
-    optimizer_growth: int = 0     # live bytes added by clip + AdamW's step (its state, mostly)
-    peak: int = 0                 # parameters + the peak of everything the step holds
-    axis_bytes: dict = field(default_factory=dict)      # mesh axis -> bytes sent
-    collectives: dict = field(default_factory=dict)     # "axis kind" -> count
+    optimizer_growth: int = 0  # live bytes added by clip + AdamW's step (its state, mostly)
+    peak: int = 0  # parameters + the peak of everything the step holds
+    axis_bytes: dict = field(default_factory=dict)  # mesh axis -> bytes sent
+    collectives: dict = field(default_factory=dict)  # "axis kind" -> count
     collective_bytes: dict = field(default_factory=dict)  # "axis kind" -> bytes
-    phase_bytes: dict = field(default_factory=dict)     # "phase axis" -> bytes
-    traffic_bytes: int = 0        # hypershard._C.traffic() growth over the step
+    phase_bytes: dict = field(default_factory=dict)  # "phase axis" -> bytes
+    traffic_bytes: int = 0  # hypershard._C.traffic() growth over the step
     uncounted: int = 0
-    total_parameters: int = 0     # of the whole model (elements)
+    total_parameters: int = 0  # of the whole model (elements)
     seconds: dict = field(default_factory=dict)
     issuers: list = field(default_factory=list)  # with trace: [axis, kind, line, bytes], largest first
 
     def over(self, memory_per_rank: float) -> list:
         """The classes that do not fit `memory_per_rank` bytes, largest first: each class's share
         is named when the sum exceeds the budget; a class alone larger than it is 'over'."""
-        classes = {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
-                   "activations": self.activations}
+        classes = {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+        }
         if self.peak <= memory_per_rank:
             return []
         return sorted(classes, key=lambda k: -classes[k])
@@ -79,6 +84,7 @@ class _Resyncing:
                         self._live.see(t)
             self._live.resync()
             return out
+
         return call
 
 
@@ -101,9 +107,19 @@ def _step_figures(report: PlanReport, model, optimizer, live: LiveBytes) -> None
     report.peak = report.parameters + live.peak(start="forward", end="end")
 
 
-def plan_step(config, shape: Mapping[str, int], *, name: str = "", rank: int = 0, fully_shard: bool = False,
-              batch: int = 1, seq: int = 4096, dtype: torch.dtype = torch.float32,
-              compute_dtype: Optional[torch.dtype] = None, trace: bool = False) -> PlanReport:
+def plan_step(
+    config,
+    shape: Mapping[str, int],
+    *,
+    name: str = "",
+    rank: int = 0,
+    fully_shard: bool = False,
+    batch: int = 1,
+    seq: int = 4096,
+    dtype: torch.dtype = torch.float32,
+    compute_dtype: Optional[torch.dtype] = None,
+    trace: bool = False,
+) -> PlanReport:
     """One training step of `config`'s model on a simulated mesh of `shape`, as rank `rank` sees it.
     `batch`: sequences per step in all (split over dp); `seq`: tokens per sequence."""
     from .world import coordinates
@@ -117,8 +133,13 @@ def plan_step(config, shape: Mapping[str, int], *, name: str = "", rank: int = 0
     t0 = time.perf_counter()
     shard_model(model, mesh, fully_shard, compute_dtype)
     times["shard"] = time.perf_counter() - t0
-    report = PlanReport(model=name, mesh=dict(shape), rank=rank, total_parameters=total,
-                        coordinates=dict(zip(shape, coordinates(shape, rank))))
+    report = PlanReport(
+        model=name,
+        mesh=dict(shape),
+        rank=rank,
+        total_parameters=total,
+        coordinates=dict(zip(shape, coordinates(shape, rank))),
+    )
     ids = make_batch(config, batch, seq, "meta")
     live = LiveBytes()
     live.know(list(model.parameters()) + list(model.buffers()) + list(ids))
@@ -126,9 +147,11 @@ def plan_step(config, shape: Mapping[str, int], *, name: str = "", rank: int = 0
     t0 = time.perf_counter()
     before = _C.traffic()["bytes_sent"]
     with recording(trace) as log, live:
+
         def phase(name):
             live.mark(name)
             log.phase = name
+
         optimizer = train_step(model, ids, phase)
     times["step"] = time.perf_counter() - t0
     report.traffic_bytes = _C.traffic()["bytes_sent"] - before
@@ -145,6 +168,7 @@ def plan_step(config, shape: Mapping[str, int], *, name: str = "", rank: int = 0
 
 # ------------------------------------------------------------------------------------ measurement
 
+
 def _resident() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * _page()
@@ -152,6 +176,7 @@ def _resident() -> int:
 
 def _page() -> int:
     import os
+
     return os.sysconf("SC_PAGE_SIZE")
 
 
@@ -169,14 +194,16 @@ def _reset_high_water() -> None:
         f.write("5")
 
 
-def measure_rank(rank: int, world: int, config_values: dict, shape: dict, fully_shard: bool, batch: int,
-                 seq: int) -> dict:
+def measure_rank(
+    rank: int, world: int, config_values: dict, shape: dict, fully_shard: bool, batch: int, seq: int
+) -> dict:
     """A real step on a gloo mesh (run by hypershard.launch.spawn_local_ranks, with
     MALLOC_MMAP_THRESHOLD_ fixed so every large tensor is its own mapping and freeing it shrinks the
     resident set): counted bytes, resident-set growth over each phase, hypershard's traffic."""
     import gc
 
     import hypershard as hs
+
     from .step import load_config
 
     config = load_config(config_values.pop("name"), **config_values)
@@ -204,8 +231,12 @@ def measure_rank(rank: int, world: int, config_values: dict, shape: dict, fully_
     traffic = _C.traffic()["bytes_sent"]
     counted = state_bytes(model, optimizer)
     forward = marks["forward"][0]
-    return {"parameters": counted.parameters, "gradients": counted.gradients, "optimizer": counted.optimizer,
-            "forward_backward_peak": max(marks["optimizer"][1], marks["backward"][1]) - forward,
-            "gradients_rss": marks["optimizer"][0] - forward,
-            "optimizer_growth": marks["end"][0] - marks["optimizer"][0],
-            "traffic_bytes": traffic}
+    return {
+        "parameters": counted.parameters,
+        "gradients": counted.gradients,
+        "optimizer": counted.optimizer,
+        "forward_backward_peak": max(marks["optimizer"][1], marks["backward"][1]) - forward,
+        "gradients_rss": marks["optimizer"][0] - forward,
+        "optimizer_growth": marks["end"][0] - marks["optimizer"][0],
+        "traffic_bytes": traffic,
+    }

@@ -15,33 +15,85 @@ import torch.nn as nn
 from .. import _C
 from .memory import storage_key
 
-__all__ = ["PUBLISHED", "StepBytes", "build_model", "load_config", "make_batch", "shard_model", "state_bytes",
-           "train_step"]
+__all__ = [
+    "PUBLISHED",
+    "StepBytes",
+    "build_model",
+    "load_config",
+    "make_batch",
+    "shard_model",
+    "state_bytes",
+    "train_step",
+]
 
 # Published configs transformers' defaults do not give. Checked against the published sizes in
 # docs/planner.md ("The published configs, checked"): Qwen3.5-0.8B's text model is 0.752 B (the
 # card's 0.8B; its checkpoint adds a vision encoder); Qwen3-VL-30B-A3B's text model 30.53 B / 3.35 B
 # active, as Qwen3-30B-A3B's card (30.5 B / 3.3 B), plus a 0.54 B vision encoder.
 PUBLISHED = {
-    "qwen3_5_0_8b": ("qwen3_5_text", dict(
-        vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=16,
-        max_position_embeddings=262144, tie_word_embeddings=True,
-        rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
-                             mrope_section=[11, 11, 10], mrope_interleaved=True))),
-    "qwen3_vl_30b_a3b": ("qwen3_vl_moe", dict(
-        tie_word_embeddings=False,
-        text_config=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
-                         num_attention_heads=32, num_key_value_heads=4, head_dim=128, moe_intermediate_size=768,
-                         num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
-                         max_position_embeddings=262144, tie_word_embeddings=False,
-                         rope_parameters=dict(rope_type="default", rope_theta=5000000.0,
-                                              mrope_section=[24, 20, 20], mrope_interleaved=True)),
-        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
-                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=2048,
-                           num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24]))),
+    "qwen3_5_0_8b": (
+        "qwen3_5_text",
+        dict(
+            vocab_size=248320,
+            hidden_size=1024,
+            intermediate_size=3584,
+            num_hidden_layers=24,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=16,
+            linear_num_value_heads=16,
+            max_position_embeddings=262144,
+            tie_word_embeddings=True,
+            rope_parameters=dict(
+                rope_type="default",
+                rope_theta=10000000.0,
+                partial_rotary_factor=0.25,
+                mrope_section=[11, 11, 10],
+                mrope_interleaved=True,
+            ),
+        ),
+    ),
+    "qwen3_vl_30b_a3b": (
+        "qwen3_vl_moe",
+        dict(
+            tie_word_embeddings=False,
+            text_config=dict(
+                vocab_size=151936,
+                hidden_size=2048,
+                intermediate_size=6144,
+                num_hidden_layers=48,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                head_dim=128,
+                moe_intermediate_size=768,
+                num_experts=128,
+                num_experts_per_tok=8,
+                decoder_sparse_step=1,
+                max_position_embeddings=262144,
+                tie_word_embeddings=False,
+                rope_parameters=dict(
+                    rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20], mrope_interleaved=True
+                ),
+            ),
+            vision_config=dict(
+                depth=27,
+                hidden_size=1152,
+                intermediate_size=4304,
+                num_heads=16,
+                patch_size=16,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                out_hidden_size=2048,
+                num_position_embeddings=2304,
+                deepstack_visual_indexes=[8, 16, 24],
+            ),
+        ),
+    ),
 }
 
 # Model types whose class is not an AutoModelForCausalLM.
@@ -92,8 +144,9 @@ def build_model(config, device: str = "meta", dtype: torch.dtype = torch.float32
     return model.train()
 
 
-def shard_model(model: nn.Module, mesh, fully_shard: bool = False,
-                compute_dtype: Optional[torch.dtype] = None) -> nn.Module:
+def shard_model(
+    model: nn.Module, mesh, fully_shard: bool = False, compute_dtype: Optional[torch.dtype] = None
+) -> nn.Module:
     """parallelize with the model's own TP / EP plans (axes "tp", "ep"; inputs split over "dp"),
     then, with `fully_shard`, hs.fully_shard on every decoder layer and the root over "dp"
     (`compute_dtype`: the gathered parameters' dtype, the shards staying the master weights)."""
@@ -130,8 +183,9 @@ def make_batch(config, batch: int, seq: int, device: str, seed: int = 1) -> tupl
     return ids, ids.clone()
 
 
-def train_step(model: nn.Module, batch: tuple, on_phase: Callable[[str], None] = lambda name: None,
-               clip: float = 1.0) -> torch.optim.Optimizer:
+def train_step(
+    model: nn.Module, batch: tuple, on_phase: Callable[[str], None] = lambda name: None, clip: float = 1.0
+) -> torch.optim.Optimizer:
     """One step: forward (the causal-LM loss), backward, clip_grad_norm_, AdamW; `on_phase(name)`
     is called at "forward", "backward", "optimizer" and "end". Returns the optimizer (its state)."""
     ids, labels = batch
@@ -151,6 +205,7 @@ def train_step(model: nn.Module, batch: tuple, on_phase: Callable[[str], None] =
 @dataclass
 class StepBytes:
     """This rank's bytes of each training-state class, each storage counted once."""
+
     parameters: int = 0
     gradients: int = 0
     optimizer: int = 0

@@ -25,15 +25,30 @@ import time
 
 # A small Qwen3 whose step holds tens of MB per rank: far above the resident-set noise (Python
 # objects, plan caches), small enough for 4 ranks on 2 cores.
-MODEL = dict(name="qwen3", vocab_size=8192, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-             num_attention_heads=8, num_key_value_heads=8, head_dim=32, tie_word_embeddings=False)
+MODEL = dict(
+    name="qwen3",
+    vocab_size=8192,
+    hidden_size=256,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=32,
+    tie_word_embeddings=False,
+)
 BATCH, SEQ = 8, 256
-FIGURES = ("parameters", "gradients", "optimizer", "gradients_rss", "forward_backward_peak", "optimizer_growth",
-           "traffic_bytes")
+FIGURES = (
+    "parameters",
+    "gradients",
+    "optimizer",
+    "gradients_rss",
+    "forward_backward_peak",
+    "optimizer_growth",
+    "traffic_bytes",
+)
 
 
-def validate(shape: dict, fully_shard: bool = False, model: dict = MODEL, batch: int = BATCH,
-             seq: int = SEQ) -> dict:
+def validate(shape: dict, fully_shard: bool = False, model: dict = MODEL, batch: int = BATCH, seq: int = SEQ) -> dict:
     """{figure: (planned, measured, relative difference)} for rank 0 (see the module docstring)."""
     from ..launch import spawn_local_ranks
     from .run import measure_rank, plan_step
@@ -43,8 +58,16 @@ def validate(shape: dict, fully_shard: bool = False, model: dict = MODEL, batch:
     for n in shape.values():
         world *= n
     started = time.perf_counter()
-    measured = spawn_local_ranks(measure_rank, world, dict(model), dict(shape), fully_shard, batch, seq,
-                                 env={"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"})[0]
+    measured = spawn_local_ranks(
+        measure_rank,
+        world,
+        dict(model),
+        dict(shape),
+        fully_shard,
+        batch,
+        seq,
+        env={"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"},
+    )[0]
     measured_s = time.perf_counter() - started
     values = dict(model)
     config = load_config(values.pop("name"), **values)

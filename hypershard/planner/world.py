@@ -71,12 +71,13 @@ def simulated_mesh(shape: Mapping[str, int], rank: int = 0):
 @dataclass
 class CollectiveLog:
     """Collectives issued while recording: per (axis, kind) the count and bytes sent."""
+
     counts: collections.Counter = field(default_factory=collections.Counter)
     bytes: collections.Counter = field(default_factory=collections.Counter)
     uncounted: int = 0  # collectives hypershard did not count (costed here)
     phase: str = "step"
     by_phase: collections.Counter = field(default_factory=collections.Counter)  # (phase, axis) -> bytes
-    trace: bool = False   # also attribute each collective to the model / hypershard line that issued it
+    trace: bool = False  # also attribute each collective to the model / hypershard line that issued it
     where: collections.Counter = field(default_factory=collections.Counter)  # (axis, kind, line) -> bytes
 
     def axis_bytes(self) -> dict:
@@ -91,13 +92,28 @@ _last_counted = 0
 _library = None
 _aten = None
 # c10d op -> (index of the process group among its arguments, whether the op returns its first argument)
-_OPS = {"allreduce_": (1, True), "broadcast_": (1, True), "allgather_": (2, True), "_allgather_base_": (2, True),
-        "reduce_scatter_": (2, True), "_reduce_scatter_base_": (2, True), "alltoall_base_": (2, False),
-        "alltoall_": (2, True), "barrier": (1, False)}
-_KINDS = {"allreduce_": "all_reduce", "broadcast_": "broadcast", "allgather_": "all_gather",
-          "_allgather_base_": "all_gather", "reduce_scatter_": "reduce_scatter",
-          "_reduce_scatter_base_": "reduce_scatter", "alltoall_base_": "all_to_all", "alltoall_": "all_to_all",
-          "barrier": "barrier"}
+_OPS = {
+    "allreduce_": (1, True),
+    "broadcast_": (1, True),
+    "allgather_": (2, True),
+    "_allgather_base_": (2, True),
+    "reduce_scatter_": (2, True),
+    "_reduce_scatter_base_": (2, True),
+    "alltoall_base_": (2, False),
+    "alltoall_": (2, True),
+    "barrier": (1, False),
+}
+_KINDS = {
+    "allreduce_": "all_reduce",
+    "broadcast_": "broadcast",
+    "allgather_": "all_gather",
+    "_allgather_base_": "all_gather",
+    "reduce_scatter_": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "alltoall_base_": "all_to_all",
+    "alltoall_": "all_to_all",
+    "barrier": "barrier",
+}
 
 
 def _nbytes(value) -> int:
@@ -142,7 +158,7 @@ def _issuer(phase: str) -> str:
         if "/torch/" in path or path.endswith(("planner/memory.py", "planner/world.py", "planner/run.py")):
             continue  # torch, and the planner's own dispatch mode, kernels and fully_shard wrapper
         if path.endswith(("planner/step.py", "hypershard/plan.py")):
-            break     # reached the step itself: no model line issued it
+            break  # reached the step itself: no model line issued it
         short = "/".join(path.split("/")[-2:])
         return f"{short}:{frame.lineno} {frame.name}"
     return f"({phase}: ops the autograd engine or optimizer ran)"
@@ -185,6 +201,7 @@ def _install() -> None:
     if _library is not None:
         return
     import warnings
+
     _library = torch.library.Library("c10d", "IMPL")
     _aten = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
@@ -222,22 +239,34 @@ def _meta_item(t: torch.Tensor):
 _sdpa = torch.nn.functional.scaled_dot_product_attention
 
 
-def _cpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                   enable_gqa=False):
+def _cpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """F.scaled_dot_product_attention on meta as a CPU run computes it. torch picks the kernel by
     the query's device type, and on meta that is the math path (a softmax of the whole score
     matrix: other memory, other ops); a real CPU run takes the fused flash kernel."""
     # torch's CPU flash check: 4-d, float dtypes, no dropout, one head size for q, k and v.
-    if not (query.is_meta and query.dim() == 4 and dropout_p == 0.0
-            and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and query.shape[-1] == key.shape[-1] == value.shape[-1]):
-        return _sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                     scale=scale, enable_gqa=enable_gqa)
+    if not (
+        query.is_meta
+        and query.dim() == 4
+        and dropout_p == 0.0
+        and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and query.shape[-1] == key.shape[-1] == value.shape[-1]
+    ):
+        return _sdpa(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
     if enable_gqa and key.shape[1] != query.shape[1]:
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )[0]
 
 
 class recording:

@@ -21,13 +21,23 @@ from .train import checkpoint_dir, dp_size, prepare_data, run_rank, schedule
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m hypershard.sft", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--model", required=True,
-                   help="a local HF model directory, or a tiny model type of hypershard.models (random init)")
-    p.add_argument("--mesh", type=parse_mesh, default=parse_mesh("dp=2,tp=2"),
-                   help="mesh axes and sizes (default dp=2,tp=2): dp splits each micro-batch, tp uses the TP plan")
+    p = argparse.ArgumentParser(
+        prog="python -m hypershard.sft",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="a local HF model directory, or a tiny model type of hypershard.models (random init)",
+    )
+    p.add_argument(
+        "--mesh",
+        type=parse_mesh,
+        default=parse_mesh("dp=2,tp=2"),
+        help="mesh axes and sizes (default dp=2,tp=2): dp splits each micro-batch, tp uses the TP plan",
+    )
     p.add_argument("--data", required=True, help="a JSON list or JSONL file of alpaca or sharegpt records")
     p.add_argument("--output", required=True, help="output folder: losses.json, loss_curve.png, checkpoints/, hf/")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --output")
@@ -35,8 +45,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="auto", choices=FORMATS, help="data format (default auto: detected)")
     p.add_argument("--cutoff-len", type=int, default=1024, help="tokens kept per example (default 1024)")
     p.add_argument("--batch-size", type=int, default=8, help="global batch: sequences per optimizer step (default 8)")
-    p.add_argument("--micro-batch-size", type=int, default=None,
-                   help="sequences per forward/backward (default: --batch-size); a multiple of dp dividing the batch")
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="sequences per forward/backward (default: --batch-size); a multiple of dp dividing the batch",
+    )
     steps = p.add_mutually_exclusive_group()
     steps.add_argument("--epochs", type=int, default=1, help="passes over the data (default 1)")
     steps.add_argument("--max-steps", type=int, default=0, help="optimizer steps (overrides --epochs)")
@@ -46,21 +60,40 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine floor as a fraction of --lr (default 0)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (default 1.0; 0: none)")
-    p.add_argument("--save-steps", type=int, default=500,
-                   help="checkpoint every N steps and at the end (default 500; 0: no checkpoints)")
+    p.add_argument(
+        "--save-steps",
+        type=int,
+        default=500,
+        help="checkpoint every N steps and at the end (default 500; 0: no checkpoints)",
+    )
     p.add_argument("--seed", type=int, default=42, help="model init and data order seed (default 42)")
     p.add_argument("--strict", action="store_true", help="run in hypershard.strict() (no fallback)")
-    p.add_argument("--fully-shard", action="store_true",
-                   help="hs.fully_shard every decoder layer and the root over dp (parameters, gradients and "
-                        "optimizer states 1/dp per rank)")
-    p.add_argument("--mixed-precision", default="auto", choices=("auto", "bf16", "none"),
-                   help="bf16: compute in bf16 with fp32 master weights, optimizer state and gradient sums; "
-                        "auto (default): bf16 when --model is a checkpoint saved in bf16")
+    p.add_argument(
+        "--fully-shard",
+        action="store_true",
+        help="hs.fully_shard every decoder layer and the root over dp (parameters, gradients and "
+        "optimizer states 1/dp per rank)",
+    )
+    p.add_argument(
+        "--mixed-precision",
+        default="auto",
+        choices=("auto", "bf16", "none"),
+        help="bf16: compute in bf16 with fp32 master weights, optimizer state and gradient sums; "
+        "auto (default): bf16 when --model is a checkpoint saved in bf16",
+    )
     p.add_argument("--export-hf", action="store_true", help="at the end, export the model to OUTPUT/hf (safetensors)")
-    p.add_argument("--stop-after", type=int, default=0,
-                   help="end after step K, with a checkpoint there (simulates an interrupted run)")
-    p.add_argument("--timeout", type=float, default=3600,
-                   help="seconds before stuck local ranks are reported and killed (default 3600)")
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        default=0,
+        help="end after step K, with a checkpoint there (simulates an interrupted run)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=3600,
+        help="seconds before stuck local ranks are reported and killed (default 3600)",
+    )
     return p
 
 
@@ -101,8 +134,10 @@ def _torchrun(args, world: int) -> dict:
     import torch.distributed as dist
 
     if int(os.environ["WORLD_SIZE"]) != world:
-        fail(f"torchrun started {os.environ['WORLD_SIZE']} ranks for a mesh of {world} devices",
-             f"--nproc-per-node x nodes = {world}")
+        fail(
+            f"torchrun started {os.environ['WORLD_SIZE']} ranks for a mesh of {world} devices",
+            f"--nproc-per-node x nodes = {world}",
+        )
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     try:
@@ -121,8 +156,10 @@ def _report(result: dict, world: int) -> None:
     last = records[-1]
     tokens = sum(r["tokens"] for r in records)
     state = "finished" if result["finished"] else f"stopped after step {last['step']} of {result['total']}"
-    print(f"hypershard sft: {state}; loss {records[0]['loss']:.4f} -> {last['loss']:.4f}; "
-          f"{tokens / max(result['seconds'], 1e-9):.0f} tokens/s over {world} ranks")
+    print(
+        f"hypershard sft: {state}; loss {records[0]['loss']:.4f} -> {last['loss']:.4f}; "
+        f"{tokens / max(result['seconds'], 1e-9):.0f} tokens/s over {world} ranks"
+    )
 
 
 def main(argv=None) -> int:
@@ -147,8 +184,11 @@ def main(argv=None) -> int:
         # trip it; a dead rank is caught by the launcher at once anyway.
         result = spawn_local_ranks(run_rank, world, args, timeout=args.timeout, pg_timeout=args.timeout)[0]
     except mp.ProcessExitedException as e:
-        print(f"hypershard: sft: rank {e.error_index} of {world} died (exit code {e.exit_code}) and the run "
-              f"stopped; allowed: --resume (continues from the newest complete checkpoint)", file=sys.stderr)
+        print(
+            f"hypershard: sft: rank {e.error_index} of {world} died (exit code {e.exit_code}) and the run "
+            f"stopped; allowed: --resume (continues from the newest complete checkpoint)",
+            file=sys.stderr,
+        )
         return 1
     except mp.ProcessRaisedException as e:
         last = (str(e).strip().splitlines() or [""])[-1]

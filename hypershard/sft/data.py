@@ -13,8 +13,7 @@ import torch
 
 IGNORE = -100  # the label of a token that is not trained (HF's ignore_index)
 FORMATS = ("alpaca", "sharegpt", "auto")
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                   "system": "system"}
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
 class SFTError(ValueError):
@@ -26,6 +25,7 @@ def fail(problem: str, allowed: str):
 
 
 # ------------------------------------------------------------------------------ files and formats
+
 
 def load_records(path) -> list:
     """The records of a JSON file holding a list of objects, or of a JSONL file (one object a line)."""
@@ -43,8 +43,10 @@ def load_records(path) -> list:
             try:
                 data.append(json.loads(line))
             except json.JSONDecodeError as e:
-                fail(f"data file {str(path)!r} line {number} is not JSON ({e.msg})",
-                     "a .json list or a .jsonl file of records")
+                fail(
+                    f"data file {str(path)!r} line {number} is not JSON ({e.msg})",
+                    "a .json list or a .jsonl file of records",
+                )
     if isinstance(data, dict):
         data = [data]  # a JSONL file of one record parses as one object
     if not isinstance(data, list) or not data or not all(isinstance(r, dict) for r in data):
@@ -59,8 +61,10 @@ def detect_format(records: list) -> str:
         return "sharegpt"
     if "instruction" in first:
         return "alpaca"
-    fail(f"cannot detect the format of a record with keys {sorted(first)}",
-         "alpaca (instruction, input, output) or sharegpt (conversations or messages)")
+    fail(
+        f"cannot detect the format of a record with keys {sorted(first)}",
+        "alpaca (instruction, input, output) or sharegpt (conversations or messages)",
+    )
 
 
 def _text(value, where: str) -> str:
@@ -114,11 +118,15 @@ def sharegpt_messages(record: dict, index: int = 0) -> list:
     for i, message in enumerate(body):
         expected = "user" if i % 2 == 0 else "assistant"
         if message["role"] != expected:
-            fail(f"{where} turn {i} has role {message['role']!r} where {expected!r} belongs",
-                 "[system], then user/assistant alternating, ending with assistant")
+            fail(
+                f"{where} turn {i} has role {message['role']!r} where {expected!r} belongs",
+                "[system], then user/assistant alternating, ending with assistant",
+            )
     if not body or body[-1]["role"] != "assistant":
-        fail(f"{where} does not end with an assistant turn", "[system], then user/assistant alternating, "
-                                                             "ending with assistant")
+        fail(
+            f"{where} does not end with an assistant turn",
+            "[system], then user/assistant alternating, ending with assistant",
+        )
     return messages
 
 
@@ -134,9 +142,11 @@ def to_messages(records: list, fmt: str = "auto") -> list:
 
 # ------------------------------------------------------------------------------ tokens and labels
 
+
 def _template(tokenizer, messages: list, generation_prompt: bool) -> list:
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt,
-                                        return_dict=False)
+    ids = tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=generation_prompt, return_dict=False
+    )
     return list(ids)
 
 
@@ -153,12 +163,15 @@ def encode(messages: list, tokenizer, cutoff_len: Optional[int] = None) -> tuple
         if message["role"] != "assistant":
             continue
         prompt = _template(tokenizer, messages[:i], generation_prompt=True)
-        full = _template(tokenizer, messages[:i + 1], generation_prompt=False)
-        if prompt[:len(ids)] != ids or full[:len(prompt)] != prompt:
-            fail(f"the chat template is not prefix-stable at message {i}: rendering the conversation up to "
-                 "an assistant turn changes the tokens rendered before it (e.g. a template that drops "
-                 "earlier turns' reasoning)", "a template under which each prefix renders the same")
-        labels += [IGNORE] * (len(prompt) - len(ids)) + full[len(prompt):]
+        full = _template(tokenizer, messages[: i + 1], generation_prompt=False)
+        if prompt[: len(ids)] != ids or full[: len(prompt)] != prompt:
+            fail(
+                f"the chat template is not prefix-stable at message {i}: rendering the conversation up to "
+                "an assistant turn changes the tokens rendered before it (e.g. a template that drops "
+                "earlier turns' reasoning)",
+                "a template under which each prefix renders the same",
+            )
+        labels += [IGNORE] * (len(prompt) - len(ids)) + full[len(prompt) :]
         ids = full
     if cutoff_len is not None:
         ids, labels = ids[:cutoff_len], labels[:cutoff_len]
@@ -183,27 +196,35 @@ def collate(examples: list, pad_id: int) -> dict:
     labels = torch.full((n, width), IGNORE, dtype=torch.long)
     mask = torch.zeros((n, width), dtype=torch.long)
     for row, (ids, lab) in enumerate(examples):
-        input_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-        labels[row, :len(lab)] = torch.tensor(lab, dtype=torch.long)
-        mask[row, :len(ids)] = 1
+        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        labels[row, : len(lab)] = torch.tensor(lab, dtype=torch.long)
+        mask[row, : len(ids)] = 1
     return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 
 # ------------------------------------------------------------------------------ order and batches
+
 
 def check_batch_sizes(batch_size: int, micro_batch_size: int, dp: int, n_examples: int) -> None:
     """Up-front checks: micro-batches divide the global batch, dp divides a micro-batch, one batch fits."""
     if batch_size < 1 or micro_batch_size < 1:
         fail(f"--batch-size {batch_size} / --micro-batch-size {micro_batch_size}", "positive integers")
     if batch_size % micro_batch_size:
-        fail(f"--micro-batch-size {micro_batch_size} does not divide --batch-size {batch_size}",
-             f"a divisor of {batch_size}")
+        fail(
+            f"--micro-batch-size {micro_batch_size} does not divide --batch-size {batch_size}",
+            f"a divisor of {batch_size}",
+        )
     if micro_batch_size % dp:
-        fail(f"--micro-batch-size {micro_batch_size} is not divisible by the mesh's dp size {dp} (each "
-             "micro-batch is split over dp)", f"a multiple of {dp}")
+        fail(
+            f"--micro-batch-size {micro_batch_size} is not divisible by the mesh's dp size {dp} (each "
+            "micro-batch is split over dp)",
+            f"a multiple of {dp}",
+        )
     if n_examples < batch_size:
-        fail(f"the data has {n_examples} examples, fewer than one --batch-size {batch_size}",
-             f"--batch-size <= {n_examples}")
+        fail(
+            f"the data has {n_examples} examples, fewer than one --batch-size {batch_size}",
+            f"--batch-size <= {n_examples}",
+        )
 
 
 def epoch_order(n_examples: int, seed: int, epoch: int) -> list:
@@ -218,14 +239,15 @@ def global_batch(n_examples: int, batch_size: int, seed: int, step: int) -> tupl
     per_epoch = n_examples // batch_size
     epoch, index = divmod(step, per_epoch)
     order = epoch_order(n_examples, seed, epoch)
-    return epoch, index, order[index * batch_size:(index + 1) * batch_size]
+    return epoch, index, order[index * batch_size : (index + 1) * batch_size]
 
 
 def micro_batches(indices: list, micro_batch_size: int) -> list:
-    return [indices[i:i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
+    return [indices[i : i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
 
 
 # ------------------------------------------------------------------------------ learning rate
+
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float = 0.0) -> float:
     """HF's cosine schedule with warmup and a floor (get_cosine_with_min_lr_schedule_with_warmup):

@@ -15,19 +15,46 @@ from typing import Optional
 
 import torch
 
-from .data import (collate, check_batch_sizes, encode_all, fail, global_batch, load_records, lr_factor,
-                   micro_batches, to_messages, trained_tokens, warmup_steps)
+from .data import (
+    check_batch_sizes,
+    collate,
+    encode_all,
+    fail,
+    global_batch,
+    load_records,
+    lr_factor,
+    micro_batches,
+    to_messages,
+    trained_tokens,
+    warmup_steps,
+)
 
-CRASH_ENV = "HYPERSHARD_SFT_CRASH_AT_STEP"      # fault injection: a rank exits in the middle of this step
-CRASH_RANK_ENV = "HYPERSHARD_SFT_CRASH_RANK"    # which rank (default 1, or 0 on one rank)
+CRASH_ENV = "HYPERSHARD_SFT_CRASH_AT_STEP"  # fault injection: a rank exits in the middle of this step
+CRASH_RANK_ENV = "HYPERSHARD_SFT_CRASH_RANK"  # which rank (default 1, or 0 on one rank)
 # Arguments a resumed run must share with the checkpoint: they fix the data order, the schedule and
 # the model. The mesh and --micro-batch-size may change (the same gradient up to rounding).
-RESUME_MUST_MATCH = ("model", "tokenizer", "data", "format", "cutoff_len", "batch_size", "epochs", "max_steps",
-                     "lr", "warmup_steps", "warmup_ratio", "min_lr_ratio", "weight_decay", "clip", "seed")
+RESUME_MUST_MATCH = (
+    "model",
+    "tokenizer",
+    "data",
+    "format",
+    "cutoff_len",
+    "batch_size",
+    "epochs",
+    "max_steps",
+    "lr",
+    "warmup_steps",
+    "warmup_ratio",
+    "min_lr_ratio",
+    "weight_decay",
+    "clip",
+    "seed",
+)
 
 
 def tiny_types() -> list:
     from hypershard.models import _MODEL_CLASSES, TINY_CONFIGS
+
     return sorted(t for t in TINY_CONFIGS if t not in _MODEL_CLASSES)
 
 
@@ -36,8 +63,10 @@ def load_tokenizer(path):
     from transformers import AutoTokenizer
 
     if path is None or not Path(path).is_dir():
-        fail(f"tokenizer {str(path)!r} is not a directory", "--tokenizer DIR (a saved tokenizer), or a --model DIR "
-                                                           "that holds one")
+        fail(
+            f"tokenizer {str(path)!r} is not a directory",
+            "--tokenizer DIR (a saved tokenizer), or a --model DIR that holds one",
+        )
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
         fail(f"tokenizer {str(path)!r} has neither a pad nor an eos token", "a tokenizer with one of them")
@@ -57,12 +86,15 @@ def build_model(model: str, vocab: int, seed: int, cutoff_len: int):
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
-        net = AutoModelForCausalLM.from_pretrained(model, local_files_only=True, dtype=torch.float32,
-                                                   attn_implementation="sdpa")
+        net = AutoModelForCausalLM.from_pretrained(
+            model, local_files_only=True, dtype=torch.float32, attn_implementation="sdpa"
+        )
         size = net.get_input_embeddings().weight.shape[0]
         if size < vocab:
-            fail(f"model {model!r} has {size} embeddings, fewer than the tokenizer's {vocab} tokens",
-                 "a tokenizer whose vocabulary the model covers")
+            fail(
+                f"model {model!r} has {size} embeddings, fewer than the tokenizer's {vocab} tokens",
+                "a tokenizer whose vocabulary the model covers",
+            )
         return net.float().train()
     if model not in tiny_types():
         fail(f"--model {model!r} is neither a directory nor a tiny model type", f"a directory, or {tiny_types()}")
@@ -107,13 +139,17 @@ def _resume(args, model, optimizer, scheduler) -> tuple:
 
     path = checkpoint.latest(checkpoint_dir(args))
     if path is None:
-        fail(f"--resume: no complete checkpoint in {str(checkpoint_dir(args))!r}", "an --output folder of an "
-                                                                                    "earlier run with checkpoints")
+        fail(
+            f"--resume: no complete checkpoint in {str(checkpoint_dir(args))!r}",
+            "an --output folder of an earlier run with checkpoints",
+        )
     saved = checkpoint.read_extra(path)["args"]  # checked before loading: a clear error, not a shape clash
     for key, value in _must_match(args).items():
         if saved.get(key) != value:
-            fail(f"--resume: checkpoint {str(path)!r} was written with {key}={saved.get(key)!r}, this run has "
-                 f"{value!r}", "the checkpoint's value")
+            fail(
+                f"--resume: checkpoint {str(path)!r} was written with {key}={saved.get(key)!r}, this run has {value!r}",
+                "the checkpoint's value",
+            )
     extra = checkpoint.load(path, model, optimizer)
     scheduler.load_state_dict(extra["scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
@@ -125,9 +161,17 @@ def _save(args, model, optimizer, scheduler, step: int, per_epoch: int, micro_pe
     from hypershard import checkpoint
 
     epoch, index = divmod(step, per_epoch)  # the position of the NEXT step
-    extra = {"step": step, "epoch": epoch, "batch_in_epoch": index, "micro_batches_consumed": step * micro_per_step,
-             "scheduler": scheduler.state_dict(), "losses": records, "args": _must_match(args),
-             "mesh": list(map(list, args.mesh)), "micro_batch_size": args.micro_batch_size}
+    extra = {
+        "step": step,
+        "epoch": epoch,
+        "batch_in_epoch": index,
+        "micro_batches_consumed": step * micro_per_step,
+        "scheduler": scheduler.state_dict(),
+        "losses": records,
+        "args": _must_match(args),
+        "mesh": list(map(list, args.mesh)),
+        "micro_batch_size": args.micro_batch_size,
+    }
     return checkpoint.save(checkpoint_dir(args), model, optimizer, step=step, extra=extra)
 
 
@@ -176,8 +220,10 @@ def distributed_model(args, mesh, vocab: int):
         model = from_pretrained(args.model, mesh, fully_shard=fully, dtype=torch.float32, seed=args.seed)
         size = model.get_input_embeddings().weight.shape[0]
         if size < vocab:
-            fail(f"model {args.model!r} has {size} embeddings, fewer than the tokenizer's {vocab} tokens",
-                 "a tokenizer whose vocabulary the model covers")
+            fail(
+                f"model {args.model!r} has {size} embeddings, fewer than the tokenizer's {vocab} tokens",
+                "a tokenizer whose vocabulary the model covers",
+            )
         return _with_precision(model.train(), args)
     model = parallelize(build_model(args.model, vocab, args.seed, args.cutoff_len), mesh)
     if fully:
@@ -224,8 +270,7 @@ def run_rank(rank: int, world: int, args) -> dict:
     per_epoch, total, warmup = schedule(args, len(examples))
     model = distributed_model(args, mesh, len(tokenizer))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, total, warmup, args.min_lr_ratio))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup, args.min_lr_ratio))
     start, records, resumed_from = 0, [], None
     if args.resume:
         start, records, resumed_from = _resume(args, model, optimizer, scheduler)
@@ -237,6 +282,7 @@ def run_rank(rank: int, world: int, args) -> dict:
     bar = None
     if rank == 0:
         from tqdm import tqdm
+
         bar = tqdm(total=total, initial=start, desc=f"sft {args.model_name} on {world} ranks", unit="step")
     began = time.perf_counter()
     with hs.strict() if args.strict else contextlib.nullcontext():
@@ -255,12 +301,23 @@ def run_rank(rank: int, world: int, args) -> dict:
             scheduler.step()
             tokens = sum(int(b["attention_mask"].sum()) for b in batches)
             seconds = time.perf_counter() - tic
-            records.append({"step": step + 1, "epoch": epoch, "loss": loss_sum, "lr": lr, "tokens": tokens,
-                            "trained_tokens": n_items, "grad_norm": grad_norm, "seconds": seconds})
+            records.append(
+                {
+                    "step": step + 1,
+                    "epoch": epoch,
+                    "loss": loss_sum,
+                    "lr": lr,
+                    "tokens": tokens,
+                    "trained_tokens": n_items,
+                    "grad_norm": grad_norm,
+                    "seconds": seconds,
+                }
+            )
             done = step + 1
             # Checkpoints every --save-steps steps and at the end (0: none); --stop-after always leaves one.
-            if (args.save_steps and done % args.save_steps == 0) or (done == stop and (args.save_steps or
-                                                                                     args.stop_after)):
+            if (args.save_steps and done % args.save_steps == 0) or (
+                done == stop and (args.save_steps or args.stop_after)
+            ):
                 _save(args, model, optimizer, scheduler, done, per_epoch, micro_per_step, records)
             if bar is not None:
                 bar.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / seconds:.0f}")
@@ -271,22 +328,34 @@ def run_rank(rank: int, world: int, args) -> dict:
     finished = records[-1]["step"] == total if records else False
     if args.export_hf and finished:
         from hypershard import checkpoint
+
         checkpoint.export_hf(model, Path(args.output) / "hf")
         if rank == 0:
             tokenizer.save_pretrained(Path(args.output) / "hf")
     if rank == 0:
         write_outputs(Path(args.output), records, args, total, resumed_from)
-    return {"records": records, "seconds": elapsed, "total": total, "finished": finished,
-            "resumed_from": None if resumed_from is None else str(resumed_from)}
+    return {
+        "records": records,
+        "seconds": elapsed,
+        "total": total,
+        "finished": finished,
+        "resumed_from": None if resumed_from is None else str(resumed_from),
+    }
 
 
 def write_outputs(out: Path, records: list, args, total: int, resumed_from) -> None:
     """losses.json (every step's loss, lr, tokens) and loss_curve.png."""
     out.mkdir(parents=True, exist_ok=True)
     mesh_text = ",".join(f"{n}={s}" for s, n in zip(*args.mesh))
-    summary = {"model": args.model, "mesh": mesh_text, "batch_size": args.batch_size,
-               "micro_batch_size": args.micro_batch_size, "total_steps": total,
-               "resumed_from": None if resumed_from is None else str(resumed_from), "steps": records}
+    summary = {
+        "model": args.model,
+        "mesh": mesh_text,
+        "batch_size": args.batch_size,
+        "micro_batch_size": args.micro_batch_size,
+        "total_steps": total,
+        "resumed_from": None if resumed_from is None else str(resumed_from),
+        "steps": records,
+    }
     (out / "losses.json").write_text(json.dumps(summary, indent=1))
     import matplotlib
 

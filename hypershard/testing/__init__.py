@@ -61,8 +61,15 @@ runs, and replicated(t) makes a DTensor Replicate (identity in the reference).  
 library lazily, so the harness (with backend="torch") works before hypershard's runtime is built.
 """
 
-from .adapters import (Adapter, DefaultModeAdapter, HypershardAdapter, NoisyPartialAdapter, TorchAdapter,
-                       get_adapter, register_adapter)
+from .adapters import (
+    Adapter,
+    DefaultModeAdapter,
+    HypershardAdapter,
+    NoisyPartialAdapter,
+    TorchAdapter,
+    get_adapter,
+    register_adapter,
+)
 from .launcher import run_cases
 from .results import CaseResult, LaunchInfo, RunResult, assert_all_passed
 from .spec import (
@@ -78,8 +85,15 @@ from .spec import (
     sweep_cases,
     uniform,
 )
-from .worker import (compare_tensors, counting, current_mesh, current_rank, in_distributed_run, replicated,
-                     traffic_checked)
+from .worker import (
+    compare_tensors,
+    counting,
+    current_mesh,
+    current_rank,
+    in_distributed_run,
+    replicated,
+    traffic_checked,
+)
 
 __all__ = [
     "Adapter",

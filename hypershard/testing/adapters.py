@@ -79,10 +79,12 @@ class TorchAdapter(Adapter):
     @staticmethod
     def _dt():
         from torch.distributed import tensor as dt
+
         return dt
 
     def make_mesh(self, device_type, shape, names):
         from torch.distributed.device_mesh import init_device_mesh
+
         return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
 
     def _placement(self, spec: PlacementSpec):
@@ -102,8 +104,9 @@ class TorchAdapter(Adapter):
         for dim, axes in enumerate(layout.items):
             positions = [layout.mesh_names.index(axis) for axis in axes]
             if positions != sorted(positions):
-                raise ValueError(f"alias layout {layout.raw!r}: torch DTensor cannot shard a dim "
-                                 "over mesh axes in non-mesh order")
+                raise ValueError(
+                    f"alias layout {layout.raw!r}: torch DTensor cannot shard a dim over mesh axes in non-mesh order"
+                )
             for position in positions:
                 result[position] = self._dt().Shard(dim)
         return result
@@ -133,27 +136,30 @@ class HypershardAdapter(Adapter):
     @staticmethod
     def _hs():
         import hypershard
+
         return hypershard
 
     def check(self):
         try:
             hs = self._hs()
         except ImportError as exc:
-            raise RuntimeError(f"backend 'hypershard': cannot import hypershard ({exc}); build "
-                               "it first, or use backend='torch'") from exc
+            raise RuntimeError(
+                f"backend 'hypershard': cannot import hypershard ({exc}); build it first, or use backend='torch'"
+            ) from exc
         missing = [name for name in self.required if not hasattr(hs, name)]
         if missing:
-            raise RuntimeError("backend 'hypershard': this build has no DTensor runtime API "
-                               f"(missing hypershard.{', hypershard.'.join(missing)}); "
-                               "use backend='torch' until the runtime lands")
+            raise RuntimeError(
+                "backend 'hypershard': this build has no DTensor runtime API "
+                f"(missing hypershard.{', hypershard.'.join(missing)}); "
+                "use backend='torch' until the runtime lands"
+            )
 
     def setup_rank(self):
         # Rule tests run strict: a missing rule raises instead of hiding behind the fallback.
         self._hs().set_strict(True)
 
     def make_mesh(self, device_type, shape, names):
-        return self._hs().init_device_mesh(device_type, tuple(shape),
-                                           mesh_dim_names=tuple(names))
+        return self._hs().init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
 
     def placements(self, layout: LayoutSpec):
         if layout.kind == "alias":
@@ -183,8 +189,7 @@ class HypershardAdapter(Adapter):
         if mode != "replicate" and hs._C.is_dtensor(like):
             # The output's exact sharding (shard order included), Partial axes made Replicate.
             layout = hs._C.layout_of(like)
-            target = hs.Layout.create(layout.mesh, layout.global_shape, layout.dim_axes,
-                                      [None] * layout.mesh.ndim)
+            target = hs.Layout.create(layout.mesh, layout.global_shape, layout.dim_axes, [None] * layout.mesh.ndim)
             return hs.distribute_tensor(tensor, like.device_mesh, target)
         mesh = getattr(like, "device_mesh", mesh)
         placements = getattr(like, "placements", None)
@@ -220,8 +225,11 @@ class NoisyPartialAdapter(HypershardAdapter):
     name = "hypershard-noisy-partial"
 
     def distribute(self, tensor, mesh, layout):
-        if (layout.kind != "placements" or not any(p.kind == "P" for p in layout.items)
-                or not (tensor.is_floating_point() or tensor.dtype == torch.bool)):
+        if (
+            layout.kind != "placements"
+            or not any(p.kind == "P" for p in layout.items)
+            or not (tensor.is_floating_point() or tensor.dtype == torch.bool)
+        ):
             return super().distribute(tensor, mesh, layout)
         hs = self._hs()
         placements = self.placements(layout)
@@ -231,8 +239,12 @@ class NoisyPartialAdapter(HypershardAdapter):
         op = layout.items[axes[0]].op
         # Seeded by the coordinates on the sharding axes only: the same on a Partial group.
         key = [mesh.coordinate(a) for a, p in enumerate(layout.items) if p.kind == "S"]
-        noise = torch.randn(local.shape, generator=torch.Generator().manual_seed(
-            7919 + sum((c + 1) * 31 ** k for k, c in enumerate(key)) + local.numel()))
+        noise = torch.randn(
+            local.shape,
+            generator=torch.Generator().manual_seed(
+                7919 + sum((c + 1) * 31**k for k, c in enumerate(key)) + local.numel()
+            ),
+        )
         coords = [mesh.coordinate(a) for a in axes]
         centred = sum(c - (mesh.size(a) - 1) / 2 for c, a in zip(coords, axes))  # sums to 0
         count = 1
@@ -271,5 +283,4 @@ def get_adapter(backend: Union[str, Adapter]) -> Adapter:
     try:
         return _ADAPTERS[backend]()
     except KeyError:
-        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(sorted(_ADAPTERS))}"
-                         ) from None
+        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(sorted(_ADAPTERS))}") from None

@@ -44,8 +44,19 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["BACKENDS", "CPU_STEP", "CudaLowering", "SCENARIOS", "Scenario", "batches", "cuda_step_ops",
-           "install_cpu_kernels", "lowered_sdpa", "trace_step", "train"]
+__all__ = [
+    "BACKENDS",
+    "CPU_STEP",
+    "CudaLowering",
+    "SCENARIOS",
+    "Scenario",
+    "batches",
+    "cuda_step_ops",
+    "install_cpu_kernels",
+    "lowered_sdpa",
+    "trace_step",
+    "train",
+]
 
 aten = torch.ops.aten
 BACKENDS = ("flash", "efficient", "cudnn", "overrideable", "math")
@@ -77,8 +88,10 @@ def _attention_probs(query, key, value, bias, is_causal, scale):
 
 def _no_dropout(dropout_p):
     if dropout_p:
-        raise NotImplementedError("hypershard.testing.cuda_lowering: the CPU stand-in kernels do not implement "
-                                  "dropout (the CUDA kernels draw their own mask)")
+        raise NotImplementedError(
+            "hypershard.testing.cuda_lowering: the CPU stand-in kernels do not implement "
+            "dropout (the CUDA kernels draw their own mask)"
+        )
 
 
 def _forward(op, args, kwargs, query, key, value, bias, dropout_p, is_causal, scale):
@@ -99,7 +112,7 @@ def _forward(op, args, kwargs, query, key, value, bias, dropout_p, is_causal, sc
         elif i == 1:  # logsumexp: (b, h, L), (b, h, L, 1) or (b, h, L rounded up) -- or empty
             stat = torch.zeros(m.shape, dtype=m.dtype)
             if stat.numel():
-                stat.view(stat.size(0), stat.size(1), -1)[..., :lse.size(-1)] = lse.to(m.dtype)
+                stat.view(stat.size(0), stat.size(1), -1)[..., : lse.size(-1)] = lse.to(m.dtype)
             outs.append(stat)
         else:
             outs.append(torch.zeros(m.shape, dtype=m.dtype))
@@ -128,47 +141,163 @@ def _backward(grad_out, query, key, value, bias, dropout_p, is_causal, scale, bi
 
 def _flash(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
     op = aten._scaled_dot_product_flash_attention.default
-    return _forward(op, (query, key, value, dropout_p, is_causal, return_debug_mask), {"scale": scale},
-                    query, key, value, None, dropout_p, is_causal, scale)
+    return _forward(
+        op,
+        (query, key, value, dropout_p, is_causal, return_debug_mask),
+        {"scale": scale},
+        query,
+        key,
+        value,
+        None,
+        dropout_p,
+        is_causal,
+        scale,
+    )
 
 
-def _flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
-                    is_causal, philox_seed, philox_offset, *, scale=None):
+def _flash_backward(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    philox_seed,
+    philox_offset,
+    *,
+    scale=None,
+):
     return _backward(grad_out, query, key, value, None, dropout_p, is_causal, scale, False)[:3]
 
 
 def _efficient(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
     op = aten._scaled_dot_product_efficient_attention.default
-    return _forward(op, (query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal), {"scale": scale},
-                    query, key, value, attn_bias, dropout_p, is_causal, scale)
+    return _forward(
+        op,
+        (query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal),
+        {"scale": scale},
+        query,
+        key,
+        value,
+        attn_bias,
+        dropout_p,
+        is_causal,
+        scale,
+    )
 
 
-def _efficient_backward(grad_out_, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset,
-                        dropout_p, grad_input_mask, is_causal=False, *, scale=None):
+def _efficient_backward(
+    grad_out_,
+    query,
+    key,
+    value,
+    attn_bias,
+    out,
+    logsumexp,
+    philox_seed,
+    philox_offset,
+    dropout_p,
+    grad_input_mask,
+    is_causal=False,
+    *,
+    scale=None,
+):
     return _backward(grad_out_, query, key, value, attn_bias, dropout_p, is_causal, scale, grad_input_mask[3])
 
 
-def _cudnn(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
-           return_debug_mask=False, *, scale=None):
+def _cudnn(
+    query,
+    key,
+    value,
+    attn_bias,
+    compute_log_sumexp,
+    dropout_p=0.0,
+    is_causal=False,
+    return_debug_mask=False,
+    *,
+    scale=None,
+):
     op = aten._scaled_dot_product_cudnn_attention.default
-    return _forward(op, (query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask),
-                    {"scale": scale}, query, key, value, attn_bias, dropout_p, is_causal, scale)
+    return _forward(
+        op,
+        (query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask),
+        {"scale": scale},
+        query,
+        key,
+        value,
+        attn_bias,
+        dropout_p,
+        is_causal,
+        scale,
+    )
 
 
-def _cudnn_backward(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q,
-                    cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None):
+def _cudnn_backward(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    philox_seed,
+    philox_offset,
+    attn_bias,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    *,
+    scale=None,
+):
     return _backward(grad_out, query, key, value, attn_bias, dropout_p, is_causal, scale, False)[:3]
 
 
-def _overrideable(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
-                  scale=None):
+def _overrideable(
+    query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None
+):
     op = aten._scaled_dot_product_fused_attention_overrideable.default
-    return _forward(op, (query, key, value, attn_bias, dropout_p, is_causal, return_debug_mask), {"scale": scale},
-                    query, key, value, attn_bias, dropout_p, is_causal, scale)
+    return _forward(
+        op,
+        (query, key, value, attn_bias, dropout_p, is_causal, return_debug_mask),
+        {"scale": scale},
+        query,
+        key,
+        value,
+        attn_bias,
+        dropout_p,
+        is_causal,
+        scale,
+    )
 
 
-def _overrideable_backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp, cum_seq_q,
-                           cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+def _overrideable_backward(
+    grad_out,
+    query,
+    key,
+    value,
+    attn_bias,
+    grad_input_mask,
+    out,
+    logsumexp,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    philox_seed,
+    philox_offset,
+    *,
+    scale=None,
+):
     return _backward(grad_out, query, key, value, attn_bias, dropout_p, is_causal, scale, grad_input_mask[3])
 
 
@@ -188,8 +317,13 @@ _INSTALLED: set = set()
 
 def install_cpu_kernels() -> None:
     """CPU kernels (above) for the ops of KERNELS that have none; idempotent."""
-    missing = [name for name in KERNELS if name not in _INSTALLED and hasattr(aten, name)
-               and not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "CPU")]
+    missing = [
+        name
+        for name in KERNELS
+        if name not in _INSTALLED
+        and hasattr(aten, name)
+        and not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "CPU")
+    ]
     if not missing:
         return
     library = torch.library.Library("aten", "IMPL")
@@ -210,8 +344,9 @@ def _additive(mask, dtype):
     return torch.where(mask, torch.scalar_tensor(0.0, dtype=dtype), torch.scalar_tensor(float("-inf"), dtype=dtype))
 
 
-def lowered_sdpa(backend, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                 enable_gqa=False):
+def lowered_sdpa(
+    backend, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
     """F.scaled_dot_product_attention as torch's CUDA kernel lowers it to `backend` (the module
     docstring); grouped key/value heads go to the fused kernels as they are."""
     if backend not in BACKENDS:
@@ -219,8 +354,17 @@ def lowered_sdpa(backend, query, key, value, attn_mask=None, dropout_p=0.0, is_c
     if not enable_gqa and key.size(-3) != query.size(-3):
         raise RuntimeError("scaled_dot_product_attention: key/value heads differ from the query's without enable_gqa")
     if backend == "math":
-        return aten._scaled_dot_product_attention_math(query, key, value, _additive(attn_mask, query.dtype), dropout_p,
-                                                       is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+        return aten._scaled_dot_product_attention_math(
+            query,
+            key,
+            value,
+            _additive(attn_mask, query.dtype),
+            dropout_p,
+            is_causal,
+            None,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )[0]
     compute_log_sumexp = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if backend == "flash":
         if attn_mask is not None:
@@ -234,18 +378,21 @@ def lowered_sdpa(backend, query, key, value, attn_mask=None, dropout_p=0.0, is_c
         return out[..., :size] if pad else out
     mask = _additive(attn_mask, query.dtype)
     if backend == "overrideable":
-        return aten._scaled_dot_product_fused_attention_overrideable(query, key, value, mask, dropout_p, is_causal,
-                                                                     False, scale=scale)[0]
+        return aten._scaled_dot_product_fused_attention_overrideable(
+            query, key, value, mask, dropout_p, is_causal, False, scale=scale
+        )[0]
     if backend == "cudnn":
-        return aten._scaled_dot_product_cudnn_attention(query, key, value, mask, compute_log_sumexp, dropout_p,
-                                                        is_causal, False, scale=scale)[0]
+        return aten._scaled_dot_product_cudnn_attention(
+            query, key, value, mask, compute_log_sumexp, dropout_p, is_causal, False, scale=scale
+        )[0]
     if mask is not None:  # preprocess_mask: aligned to 8 on the last dim, expanded to (b, h, L, S)
         length = mask.size(-1)
         if length % 8:
             mask = F.pad(mask, (0, -length % 8))[..., :length]
         mask = mask.expand(query.size(0), query.size(1), query.size(2), key.size(2))
-    return aten._scaled_dot_product_efficient_attention(query, key, value, mask, compute_log_sumexp, dropout_p,
-                                                        is_causal, scale=scale)[0]
+    return aten._scaled_dot_product_efficient_attention(
+        query, key, value, mask, compute_log_sumexp, dropout_p, is_causal, scale=scale
+    )[0]
 
 
 class CudaLowering(TorchFunctionMode):
@@ -278,25 +425,34 @@ class CudaLowering(TorchFunctionMode):
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    backend: Optional[str]                   # None: the CPU lowering (no CudaLowering)
-    dtype: torch.dtype = torch.float32       # the model's parameters
-    padding: bool = False                    # batches with a padding attention_mask (HF then passes SDPA a mask)
-    autocast: Optional[torch.dtype] = None   # torch.autocast's dtype
-    scaler: bool = False                     # torch.amp.GradScaler around backward and the step
-    foreach: Optional[bool] = True           # AdamW's foreach: True is CUDA's default (None: the CPU one, per tensor)
-    when: str = ""                           # the CUDA configurations that lower SDPA this way
+    backend: Optional[str]  # None: the CPU lowering (no CudaLowering)
+    dtype: torch.dtype = torch.float32  # the model's parameters
+    padding: bool = False  # batches with a padding attention_mask (HF then passes SDPA a mask)
+    autocast: Optional[torch.dtype] = None  # torch.autocast's dtype
+    scaler: bool = False  # torch.amp.GradScaler around backward and the step
+    foreach: Optional[bool] = True  # AdamW's foreach: True is CUDA's default (None: the CPU one, per tensor)
+    when: str = ""  # the CUDA configurations that lower SDPA this way
 
 
 CPU_STEP = Scenario("CPU", None, foreach=None, when="the coverage tool's CPU step")
 SCENARIOS = (
     Scenario("bf16", "flash", torch.bfloat16, when="fp16/bf16 inputs without a mask on sm80+ (A100, ...)"),
-    Scenario("bf16 on sm90", "cudnn", torch.bfloat16,
-             when="sm90/sm100 (H100, H200, B200) with cuDNN > 9.15, which torch then prefers"),
+    Scenario(
+        "bf16 on sm90",
+        "cudnn",
+        torch.bfloat16,
+        when="sm90/sm100 (H100, H200, B200) with cuDNN > 9.15, which torch then prefers",
+    ),
     Scenario("fp32", "efficient", when="fp32 inputs (flash and cuDNN take fp16/bf16 only)"),
     Scenario("bf16 + padding", "efficient", torch.bfloat16, padding=True, when="a mask before sm90 (flash takes none)"),
     Scenario("bf16 + padding on sm90", "cudnn", torch.bfloat16, padding=True, when="a mask on sm90/sm100"),
-    Scenario("fp16 autocast + GradScaler", "flash", autocast=torch.float16, scaler=True,
-             when="fp16 mixed precision (autocast runs SDPA in fp16)"),
+    Scenario(
+        "fp16 autocast + GradScaler",
+        "flash",
+        autocast=torch.float16,
+        scaler=True,
+        when="fp16 mixed precision (autocast runs SDPA in fp16)",
+    ),
 )
 
 
@@ -318,8 +474,9 @@ def batches(config, steps: int, padding: bool = False, batch: int = 4, seq: int 
     return out
 
 
-def train(model, batches: list, scenario: Scenario, lr: float = 1e-3, clip: Optional[float] = 1.0,
-          on_backward=None) -> list:
+def train(
+    model, batches: list, scenario: Scenario, lr: float = 1e-3, clip: Optional[float] = 1.0, on_backward=None
+) -> list:
     """hypershard.models.train with `scenario`'s lowering, AdamW foreach setting, autocast and
     GradScaler (unscaled before on_backward and clipping, as HF's Trainer does)."""
     install_cpu_kernels()
@@ -329,8 +486,7 @@ def train(model, batches: list, scenario: Scenario, lr: float = 1e-3, clip: Opti
     losses = []
     with lowering:
         for step, (ids, labels, *rest) in enumerate(batches):
-            autocast = (torch.autocast("cpu", dtype=scenario.autocast) if scenario.autocast
-                        else contextlib.nullcontext())
+            autocast = torch.autocast("cpu", dtype=scenario.autocast) if scenario.autocast else contextlib.nullcontext()
             with autocast:
                 loss = model(input_ids=ids, labels=labels, **(rest[0] if rest else {})).loss
             optimizer.zero_grad()

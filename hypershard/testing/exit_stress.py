@@ -37,7 +37,9 @@ def _iteration(i: int, shape: tuple, names: tuple) -> int:
         # Partial(sum) and is summed in a gradient bucket at the end of backward.
         torch.manual_seed(i)
         w = hs.distribute_tensor(torch.randn(6, 4), mesh, [hs.Replicate()] * len(shape)).requires_grad_()
-        x = hs.distribute_tensor(torch.randn(4 * mesh.size(), 6), mesh, [hs.Shard(0)] + [hs.Replicate()] * (len(shape) - 1))
+        x = hs.distribute_tensor(
+            torch.randn(4 * mesh.size(), 6), mesh, [hs.Shard(0)] + [hs.Replicate()] * (len(shape) - 1)
+        )
         (x @ w).relu().sum().backward()
         assert w.grad is not None and w.grad.placements == w.placements
         for group in _groups(mesh):  # no Python reference to a group outlives this loop
@@ -59,7 +61,7 @@ def _iteration(i: int, shape: tuple, names: tuple) -> int:
         for group in _groups(mesh):
             dist.destroy_process_group(group)
         del mesh, w, x
-    else:      # hypershard lets go first: torch's destroy drops the last reference
+    else:  # hypershard lets go first: torch's destroy drops the last reference
         groups = _groups(mesh)
         del mesh, w, x
         for group in groups:
@@ -91,7 +93,9 @@ def run(world: int, launches: int, iterations: int, timeout: float = 120.0) -> d
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hypershard.testing.exit_stress", description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(
+        prog="python -m hypershard.testing.exit_stress", description=__doc__.split("\n\n")[1]
+    )
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--launches", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=8)
@@ -99,9 +103,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     totals = run(args.world, args.launches, args.iterations, args.timeout)
-    print(f"exit stress, {args.world} ranks: {totals['launches']} launches, {totals['meshes']} meshes created "
-          f"and dropped per rank, {totals['collectives']} async collectives per rank, no hang "
-          f"({time.perf_counter() - start:.1f} s)")
+    print(
+        f"exit stress, {args.world} ranks: {totals['launches']} launches, {totals['meshes']} meshes created "
+        f"and dropped per rank, {totals['collectives']} async collectives per rank, no hang "
+        f"({time.perf_counter() - start:.1f} s)"
+    )
     return 0
 
 

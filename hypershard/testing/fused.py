@@ -25,7 +25,8 @@ def assert_within(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, wha
         raise AssertionError(
             f"{what}: {int(bad.sum())} of {bad.numel()} elements beyond their error bound; worst at flat index "
             f"{index}: got {flat_got[index].item()!r}, reference {flat_ref[index].item()!r}, "
-            f"|err| {err.flatten()[index].item():.3e} > bound {flat_bound[index].item():.3e}")
+            f"|err| {err.flatten()[index].item():.3e} > bound {flat_bound[index].item():.3e}"
+        )
 
 
 def has_npu_op(name: str) -> bool:
@@ -65,32 +66,32 @@ def define_npu_standins(schemas: dict):
 NPU_RMS_NORM_SCHEMAS = {
     "npu_rms_norm": "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
     "npu_rms_norm_backward": "npu_rms_norm_backward(Tensor dy, Tensor self, Tensor gamma, Tensor rstd) -> "
-                             "(Tensor, Tensor)",
+    "(Tensor, Tensor)",
 }
 NPU_ROTARY_MUL_SCHEMAS = {
     "npu_rotary_mul": "npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> Tensor",
     "npu_rotary_mul_backward": "npu_rotary_mul_backward(Tensor grad, Tensor self, Tensor r1, Tensor r2, "
-                               "str rotary_mode='half') -> (Tensor, Tensor, Tensor)",
+    "str rotary_mode='half') -> (Tensor, Tensor, Tensor)",
 }
 
 # torch_npu's fusion attention (the schema most releases share; newer ones append softmax_layout
 # and sink, which the rule reads by name when present). Schemas only: planning tests need no kernel.
 NPU_FUSION_ATTENTION_SCHEMAS = {
     "npu_fusion_attention": "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, "
-                            "str input_layout, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
-                            "float scale=1., float keep_prob=1., int pre_tockens=2147483647, "
-                            "int next_tockens=2147483647, int inner_precise=0, int[]? prefix=None, "
-                            "int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
-                            "bool gen_mask_parallel=True, bool sync=False) -> (Tensor, Tensor, Tensor, Tensor, int, "
-                            "int, int)",
+    "str input_layout, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
+    "float scale=1., float keep_prob=1., int pre_tockens=2147483647, "
+    "int next_tockens=2147483647, int inner_precise=0, int[]? prefix=None, "
+    "int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+    "bool gen_mask_parallel=True, bool sync=False) -> (Tensor, Tensor, Tensor, Tensor, int, "
+    "int, int)",
     "npu_fusion_attention_grad": "npu_fusion_attention_grad(Tensor query, Tensor key, Tensor value, Tensor dy, "
-                                 "int head_num, str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, "
-                                 "Tensor? atten_mask=None, Tensor? softmax_max=None, Tensor? softmax_sum=None, "
-                                 "Tensor? softmax_in=None, Tensor? attention_in=None, float scale_value=1., "
-                                 "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, "
-                                 "int inner_precise=0, int seed=0, int offset=0, int numels=0, int[]? prefix=None, "
-                                 "int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
-                                 "bool gen_mask_parallel=True, bool sync=False) -> (Tensor, Tensor, Tensor, Tensor)",
+    "int head_num, str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, "
+    "Tensor? atten_mask=None, Tensor? softmax_max=None, Tensor? softmax_sum=None, "
+    "Tensor? softmax_in=None, Tensor? attention_in=None, float scale_value=1., "
+    "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, "
+    "int inner_precise=0, int seed=0, int offset=0, int numels=0, int[]? prefix=None, "
+    "int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+    "bool gen_mask_parallel=True, bool sync=False) -> (Tensor, Tensor, Tensor, Tensor)",
 }
 
 # name -> the function a stand-in backward kernel runs instead of its own maths (a planted fault,
@@ -142,8 +143,11 @@ def npu_rotary_mul_backward_cpu(grad, x, r1, r2, rotary_mode="half"):
     if "npu_rotary_mul_backward" in PLANTED_BACKWARD:
         return PLANTED_BACKWARD["npu_rotary_mul_backward"](grad, x, r1, r2, rotary_mode)
     dx = grad * r1 - rotate(grad * r2, rotary_mode)
-    return (dx, (grad * x).sum_to_size(r1.shape).to(r1.dtype),
-            (grad * rotate(x, rotary_mode)).sum_to_size(r2.shape).to(r2.dtype))
+    return (
+        dx,
+        (grad * x).sum_to_size(r1.shape).to(r1.dtype),
+        (grad * rotate(x, rotary_mode)).sum_to_size(r2.shape).to(r2.dtype),
+    )
 
 
 class _NpuRmsNormFunction(torch.autograd.Function):
@@ -181,8 +185,10 @@ class _NpuRotaryMulFunction(torch.autograd.Function):
 _NPU_KERNELS = {
     "npu_rms_norm": (npu_rms_norm_cpu, lambda x, gamma, epsilon=1e-6: _NpuRmsNormFunction.apply(x, gamma, epsilon)),
     "npu_rms_norm_backward": (npu_rms_norm_backward_cpu, None),
-    "npu_rotary_mul": (npu_rotary_mul_cpu,
-                       lambda x, r1, r2, rotary_mode="half": _NpuRotaryMulFunction.apply(x, r1, r2, rotary_mode)),
+    "npu_rotary_mul": (
+        npu_rotary_mul_cpu,
+        lambda x, r1, r2, rotary_mode="half": _NpuRotaryMulFunction.apply(x, r1, r2, rotary_mode),
+    ),
     "npu_rotary_mul_backward": (npu_rotary_mul_backward_cpu, None),
 }
 

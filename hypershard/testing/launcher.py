@@ -34,16 +34,22 @@ from .worker import LaunchPlan, rank_main
 
 __all__ = ["run_cases"]
 
-CRASH_GRACE_S = 3.0      # after one rank dies, how long the others get to finish on their own
+CRASH_GRACE_S = 3.0  # after one rank dies, how long the others get to finish on their own
 STACK_DUMP_WAIT_S = 1.0  # how long dumped stacks get to reach the logs before the kill
 TAIL_LINES = 30
-SETUP_RETRIES = 1        # launches that fail before the first case are tried once more
+SETUP_RETRIES = 1  # launches that fail before the first case are tried once more
 
 
-def run_cases(cases: Sequence[Case], world_size: Optional[int] = None,
-              backend: Union[str, Adapter] = "hypershard", timeout: float = 300.0,
-              collective_timeout: Optional[float] = None, device_type: str = "cpu",
-              resume: bool = True, keep_dir: Optional[bool] = None) -> RunResult:
+def run_cases(
+    cases: Sequence[Case],
+    world_size: Optional[int] = None,
+    backend: Union[str, Adapter] = "hypershard",
+    timeout: float = 300.0,
+    collective_timeout: Optional[float] = None,
+    device_type: str = "cpu",
+    resume: bool = True,
+    keep_dir: Optional[bool] = None,
+) -> RunResult:
     """Run `cases` on local ranks and compare each with its single-process reference.
 
     device_type "cuda": every rank on its own GPU (rank % device count) with NCCL, the inputs,
@@ -59,8 +65,10 @@ def run_cases(cases: Sequence[Case], world_size: Optional[int] = None,
     adapter = get_adapter(backend)
     adapter.check()
     if device_type not in ("cpu", "cuda"):
-        raise ValueError("run_cases: device_type must be 'cpu' (gloo) or 'cuda' (NCCL, one GPU per "
-                         "rank; the caller must not have initialised CUDA, the ranks are forked)")
+        raise ValueError(
+            "run_cases: device_type must be 'cpu' (gloo) or 'cuda' (NCCL, one GPU per "
+            "rank; the caller must not have initialised CUDA, the ranks are forked)"
+        )
     cases = list(cases)
     names = [case.name for case in cases]
     duplicates = sorted({name for name in names if names.count(name) > 1})
@@ -82,8 +90,9 @@ def run_cases(cases: Sequence[Case], world_size: Optional[int] = None,
         remaining, setup_retries = group, SETUP_RETRIES
         while remaining:
             batch = [dataclasses.replace(pc, index=i) for i, pc in enumerate(remaining)]
-            info, outcome, resume_from = _launch(batch, size, adapter, timeout,
-                                                 collective_timeout, keep_dir, device_type)
+            info, outcome, resume_from = _launch(
+                batch, size, adapter, timeout, collective_timeout, keep_dir, device_type
+            )
             result.launches.append(info)
             merged.update(outcome)
             if info.case == "<setup>" and setup_retries > 0:
@@ -100,6 +109,7 @@ def run_cases(cases: Sequence[Case], world_size: Optional[int] = None,
 
 # ---------------------------------------------------------------------------------------------
 # one launch
+
 
 def _kill(procs: list) -> None:
     """SIGKILL each rank's process group (the rank and anything it started), then the rank."""
@@ -127,8 +137,7 @@ def _supervise(procs: list, deadline: float) -> tuple[str, dict]:
                 return "crash", codes
         if now >= deadline:
             return "hang", codes
-        multiprocessing.connection.wait([proc.sentinel for proc in live],
-                                        timeout=max(0.01, min(0.5, deadline - now)))
+        multiprocessing.connection.wait([proc.sentinel for proc in live], timeout=max(0.01, min(0.5, deadline - now)))
 
 
 def _dump_stacks(procs: list, directory: str) -> None:
@@ -179,8 +188,7 @@ def _log_tail(directory: str, rank: int, after_marker: bool = False) -> str:
 
 
 def _read_all_progress(directory: str, world_size: int) -> dict:
-    return {rank: _read_progress(os.path.join(directory, f"rank{rank}.progress"))
-            for rank in range(world_size)}
+    return {rank: _read_progress(os.path.join(directory, f"rank{rank}.progress")) for rank in range(world_size)}
 
 
 def _all_in_setup(progress: dict) -> bool:
@@ -193,18 +201,19 @@ def _doing(progress: Optional[dict]) -> str:
     if progress is None or progress.get("phase") == "setup":
         return "setting up (before the first case)"
     name, phase = progress.get("name"), progress.get("phase")
-    return {"run": f"running case {name!r}",
-            "sync": f"waiting for the other ranks after case {name!r}",
-            "health": f"checking the process group after an error in case {name!r}",
-            "teardown": "tearing down after the last case",
-            "done": "finished"}.get(phase, f"{phase} {name!r}")
+    return {
+        "run": f"running case {name!r}",
+        "sync": f"waiting for the other ranks after case {name!r}",
+        "health": f"checking the process group after an error in case {name!r}",
+        "teardown": "tearing down after the last case",
+        "done": "finished",
+    }.get(phase, f"{phase} {name!r}")
 
 
 def _merge(pc: PreparedCase, records: dict) -> CaseResult:
     """One CaseResult from every rank's record of a case."""
     statuses = [record["status"] for record in records.values()]
-    status = ("passed" if all(s == "passed" for s in statuses)
-              else "error" if "error" in statuses else "failed")
+    status = "passed" if all(s == "passed" for s in statuses) else "error" if "error" in statuses else "failed"
     by_message: dict[str, list] = {}
     for rank, record in sorted(records.items()):
         if record["status"] != "passed" or status == "passed":
@@ -223,31 +232,47 @@ def _merge(pc: PreparedCase, records: dict) -> CaseResult:
     abs_values = [a for a, _ in diffs if a is not None]
     rel_values = [b for _, b in diffs if b is not None]
     return CaseResult(
-        pc.case.name, status, "\n".join(lines), pc.world_size, (pc.mesh_shape, pc.mesh_names),
-        ranks={rank: {"status": r["status"], "message": r["message"]}
-               for rank, r in records.items()},
+        pc.case.name,
+        status,
+        "\n".join(lines),
+        pc.world_size,
+        (pc.mesh_shape, pc.mesh_names),
+        ranks={rank: {"status": r["status"], "message": r["message"]} for rank, r in records.items()},
         max_abs_diff=max(abs_values) if abs_values else None,
         max_rel_diff=max(rel_values) if rel_values else None,
-        duration=max((r.get("duration", 0.0) for r in records.values()), default=0.0))
+        duration=max((r.get("duration", 0.0) for r in records.values()), default=0.0),
+    )
 
 
-def _launch(batch: list, world_size: int, adapter: Adapter, timeout: float,
-            collective_timeout: float, keep_dir: bool, device_type: str = "cpu"
-            ) -> tuple[LaunchInfo, dict, Optional[int]]:
+def _launch(
+    batch: list,
+    world_size: int,
+    adapter: Adapter,
+    timeout: float,
+    collective_timeout: float,
+    keep_dir: bool,
+    device_type: str = "cpu",
+) -> tuple[LaunchInfo, dict, Optional[int]]:
     """Run one batch; (launch info, {name: CaseResult} for every case of the batch, index of
     the first case to launch again or None)."""
     directory = tempfile.mkdtemp(prefix=f"hypershard-testing-{world_size}r-")
     try:
-        return _launch_in(directory, batch, world_size, adapter, timeout, collective_timeout,
-                          keep_dir, device_type)
+        return _launch_in(directory, batch, world_size, adapter, timeout, collective_timeout, keep_dir, device_type)
     finally:  # also on KeyboardInterrupt
         if not keep_dir:
             shutil.rmtree(directory, ignore_errors=True)
 
 
-def _launch_in(directory: str, batch: list, world_size: int, adapter: Adapter, timeout: float,
-               collective_timeout: float, keep_dir: bool, device_type: str = "cpu"
-               ) -> tuple[LaunchInfo, dict, Optional[int]]:
+def _launch_in(
+    directory: str,
+    batch: list,
+    world_size: int,
+    adapter: Adapter,
+    timeout: float,
+    collective_timeout: float,
+    keep_dir: bool,
+    device_type: str = "cpu",
+) -> tuple[LaunchInfo, dict, Optional[int]]:
     # The ranks are forked before the store exists: the store's server runs a thread, and a
     # thread that holds a lock while another thread forks leaves that lock held forever in the
     # child (a rank stuck in setup, rarely, under load).  The port follows over a pipe.
@@ -260,10 +285,21 @@ def _launch_in(directory: str, batch: list, world_size: int, adapter: Adapter, t
     try:
         for rank in range(world_size):
             receive, send = context.Pipe(duplex=False)
-            plan = LaunchPlan(world_size, "127.0.0.1", receive, directory, batch, adapter,
-                              device_type, collective_timeout, timeout + 60, os.getpid())
-            proc = context.Process(target=rank_main, args=(rank, plan), daemon=True,
-                                   name=f"hypershard-testing-rank{rank}")
+            plan = LaunchPlan(
+                world_size,
+                "127.0.0.1",
+                receive,
+                directory,
+                batch,
+                adapter,
+                device_type,
+                collective_timeout,
+                timeout + 60,
+                os.getpid(),
+            )
+            proc = context.Process(
+                target=rank_main, args=(rank, plan), daemon=True, name=f"hypershard-testing-rank{rank}"
+            )
             proc.start()
             receive.close()
             procs.append(proc)
@@ -271,8 +307,9 @@ def _launch_in(directory: str, batch: list, world_size: int, adapter: Adapter, t
             with contextlib.suppress(OSError):  # also done by the child; whoever is first wins
                 os.setpgid(proc.pid, proc.pid)
         # The parent owns the store: port 0 lets the OS pick a free one, and it outlives any rank.
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout + 60))
+        store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout + 60)
+        )
         for send in pipes:
             with contextlib.suppress(OSError):  # a rank that already died is reported below
                 send.send(store.port)
@@ -287,7 +324,7 @@ def _launch_in(directory: str, batch: list, world_size: int, adapter: Adapter, t
         del store
     duration = time.monotonic() - start
 
-    records: dict[int, dict] = {}    # case index -> {rank: record}
+    records: dict[int, dict] = {}  # case index -> {rank: record}
     fatal: dict[int, str] = {}
     done = set()
     progress = _read_all_progress(directory, world_size)
@@ -309,24 +346,30 @@ def _launch_in(directory: str, batch: list, world_size: int, adapter: Adapter, t
             outcome[pc.case.name] = _merge(pc, records[pc.index])
     stuck = next((pc for pc in batch if pc.index not in complete), None)
 
-    info = LaunchInfo(world_size, [pc.case.name for pc in batch],
-                      "ok" if state == "ok" else state, duration=duration,
-                      pids=[proc.pid for proc in procs],
-                      exitcodes=[proc.exitcode for proc in procs],
-                      directory=directory if keep_dir else None)
+    info = LaunchInfo(
+        world_size,
+        [pc.case.name for pc in batch],
+        "ok" if state == "ok" else state,
+        duration=duration,
+        pids=[proc.pid for proc in procs],
+        exitcodes=[proc.exitcode for proc in procs],
+        directory=directory if keep_dir else None,
+    )
     resume_from = None
     if state != "ok":
-        where = "\n".join(f"  rank {rank}: {_doing(progress.get(rank))}"
-                          + (f" (died, exit code {codes[rank]})" if codes.get(rank) not in (None, 0)
-                             else "")
-                          for rank in range(world_size))
+        where = "\n".join(
+            f"  rank {rank}: {_doing(progress.get(rank))}"
+            + (f" (died, exit code {codes[rank]})" if codes.get(rank) not in (None, 0) else "")
+            for rank in range(world_size)
+        )
         in_setup = stuck is not None and stuck.index == 0 and _all_in_setup(progress)
         if state == "hang":
-            culprit = ("process-group setup" if in_setup
-                       else f"case {stuck.case.name!r}" if stuck else "teardown")
-            message = (f"possible hang in {culprit}: the launch of {world_size} ranks did not "
-                       f"finish within {timeout:g} s (collective timeout "
-                       f"{collective_timeout:g} s); last case per rank:\n{where}")
+            culprit = "process-group setup" if in_setup else f"case {stuck.case.name!r}" if stuck else "teardown"
+            message = (
+                f"possible hang in {culprit}: the launch of {world_size} ranks did not "
+                f"finish within {timeout:g} s (collective timeout "
+                f"{collective_timeout:g} s); last case per rank:\n{where}"
+            )
             for rank, proc in enumerate(procs):
                 if codes.get(rank) is None:
                     stack = _log_tail(directory, rank, after_marker=True)
@@ -334,10 +377,10 @@ def _launch_in(directory: str, batch: list, world_size: int, adapter: Adapter, t
                         message += f"\n--- rank {rank} stacks ---\n{stack}"
             status = "hang"
         else:
-            dead = [rank for rank, code in codes.items() if code not in (None, 0)] or \
-                   [rank for rank in range(world_size) if rank not in done]
-            culprit = ("setup" if in_setup else f"case {stuck.case.name!r}" if stuck
-                       else "teardown")
+            dead = [rank for rank, code in codes.items() if code not in (None, 0)] or [
+                rank for rank in range(world_size) if rank not in done
+            ]
+            culprit = "setup" if in_setup else f"case {stuck.case.name!r}" if stuck else "teardown"
             message = f"rank process died in {culprit}:\n{where}"
             for rank in dead:
                 if rank in fatal:
@@ -358,20 +401,27 @@ def _launch_in(directory: str, batch: list, world_size: int, adapter: Adapter, t
         if in_setup:
             for pc in batch:  # nothing ran; launching again would fail the same way
                 outcome[pc.case.name] = CaseResult(
-                    pc.case.name, "error" if info.outcome == "fatal" else status,
-                    info.message, world_size, (pc.mesh_shape, pc.mesh_names))
+                    pc.case.name,
+                    "error" if info.outcome == "fatal" else status,
+                    info.message,
+                    world_size,
+                    (pc.mesh_shape, pc.mesh_names),
+                )
             info.case = "<setup>"
         elif stuck is not None:
             info.case = stuck.case.name
             outcome[stuck.case.name] = CaseResult(
-                stuck.case.name, status, info.message, world_size,
-                (stuck.mesh_shape, stuck.mesh_names))
+                stuck.case.name, status, info.message, world_size, (stuck.mesh_shape, stuck.mesh_names)
+            )
             for pc in batch:
                 if pc.index > stuck.index and pc.index not in complete:
                     outcome[pc.case.name] = CaseResult(
-                        pc.case.name, "not_run",
-                        f"not run: the launch ended after a {status} in case "
-                        f"{stuck.case.name!r}", world_size, (pc.mesh_shape, pc.mesh_names))
+                        pc.case.name,
+                        "not_run",
+                        f"not run: the launch ended after a {status} in case {stuck.case.name!r}",
+                        world_size,
+                        (pc.mesh_shape, pc.mesh_names),
+                    )
                     if resume_from is None:
                         resume_from = pc.index
     return info, outcome, resume_from

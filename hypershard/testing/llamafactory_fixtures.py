@@ -12,8 +12,16 @@ from typing import Optional
 
 from .sft_fixtures import alpaca_records, sharegpt_records
 
-__all__ = ["write_tokenizer", "write_model", "write_vl_model", "write_dataset_dir", "write_vl_dataset_dir", "write_run",
-           "read_losses", "read_eval_losses"]
+__all__ = [
+    "write_tokenizer",
+    "write_model",
+    "write_vl_model",
+    "write_dataset_dir",
+    "write_vl_dataset_dir",
+    "write_run",
+    "read_losses",
+    "read_eval_losses",
+]
 
 # Qwen's: <|im_end|> ends a turn (LlamaFactory's qwen3 template makes it the eos), <|endoftext|> pads.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
@@ -27,12 +35,19 @@ def write_tokenizer(directory, texts: list, vocab_size: int = 320, extra_special
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + list(extra_special),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS + list(extra_special),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                      additional_special_tokens=["<|im_start|>", "<think>", "</think>",
-                                                                 *extra_special])
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<think>", "</think>", *extra_special],
+    )
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     wrapped.save_pretrained(directory)
@@ -75,14 +90,19 @@ def write_vl_model(directory, seed: int = 0) -> Path:
     byte-level tokenizer with Qwen's vision tokens, and preprocessor_config.json for the Qwen2-VL
     image processor (patch / merge sizes the tiny vision tower's; pixel bounds that keep a
     VL_IMAGE_SIZE image at its size). No video processor config: video is out of scope."""
-    from hypershard.models import tiny_config, tiny_model
     from transformers import AutoTokenizer
+
+    from hypershard.models import tiny_config, tiny_model
 
     directory = Path(directory)
     write_tokenizer(directory, _texts(), extra_special=VISION_TOKENS)
     tok = AutoTokenizer.from_pretrained(str(directory))
-    ids = {name: tok.convert_tokens_to_ids(token) for name, token in
-           zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), VISION_TOKENS)}
+    ids = {
+        name: tok.convert_tokens_to_ids(token)
+        for name, token in zip(
+            ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), VISION_TOKENS
+        )
+    }
     vocab = 8 * math.ceil(len(tok) / 8)
     base = tiny_config("qwen3_vl_moe")
     text = dict(base.text_config.to_dict(), vocab_size=vocab, max_position_embeddings=256)
@@ -92,12 +112,21 @@ def write_vl_model(directory, seed: int = 0) -> Path:
     model.save_pretrained(directory)
     vision = config.vision_config
     side = VL_IMAGE_SIZE
-    processor = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
-                 "patch_size": vision.patch_size, "temporal_patch_size": vision.temporal_patch_size,
-                 "merge_size": vision.spatial_merge_size, "do_resize": True, "do_rescale": True,
-                 "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],
-                 "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True,
-                 "size": {"shortest_edge": 8 * 8, "longest_edge": side * side * 4}}
+    processor = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen3VLProcessor",
+        "patch_size": vision.patch_size,
+        "temporal_patch_size": vision.temporal_patch_size,
+        "merge_size": vision.spatial_merge_size,
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_convert_rgb": True,
+        "size": {"shortest_edge": 8 * 8, "longest_edge": side * side * 4},
+    }
     (directory / "preprocessor_config.json").write_text(json.dumps(processor, indent=1))
     return directory
 
@@ -118,14 +147,24 @@ def write_vl_dataset_dir(directory, n: int = 16) -> Path:
             image.putpixel((x, (x * (i + 1)) % VL_IMAGE_SIZE), (255, 255 - 10 * i % 256, 0))
         image.save(path)
         text = texts[i]
-        records.append({"messages": [{"role": "user", "content": f"<image>{text['instruction']}"},
-                                     {"role": "assistant", "content": text["output"]}],
-                        "images": [str(path)]})
+        records.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"<image>{text['instruction']}"},
+                    {"role": "assistant", "content": text["output"]},
+                ],
+                "images": [str(path)],
+            }
+        )
     (directory / "mllm_demo.json").write_text(json.dumps(records, indent=1))
-    info = {"mllm_demo": {"file_name": "mllm_demo.json", "formatting": "sharegpt",
-                          "columns": {"messages": "messages", "images": "images"},
-                          "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
-                                   "assistant_tag": "assistant"}}}
+    info = {
+        "mllm_demo": {
+            "file_name": "mllm_demo.json",
+            "formatting": "sharegpt",
+            "columns": {"messages": "messages", "images": "images"},
+            "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"},
+        }
+    }
     (directory / "dataset_info.json").write_text(json.dumps(info, indent=1))
     return directory
 
@@ -137,8 +176,10 @@ def write_dataset_dir(directory, n_alpaca: int = 16, n_sharegpt: int = 12) -> Pa
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "alpaca_demo.json").write_text(json.dumps(alpaca_records(n_alpaca), indent=1))
     (directory / "sharegpt_demo.json").write_text(json.dumps(sharegpt_records(n_sharegpt), indent=1))
-    info = {"alpaca_demo": {"file_name": "alpaca_demo.json"},
-            "sharegpt_demo": {"file_name": "sharegpt_demo.json", "formatting": "sharegpt"}}
+    info = {
+        "alpaca_demo": {"file_name": "alpaca_demo.json"},
+        "sharegpt_demo": {"file_name": "sharegpt_demo.json", "formatting": "sharegpt"},
+    }
     (directory / "dataset_info.json").write_text(json.dumps(info, indent=1))
     return directory
 
@@ -149,13 +190,36 @@ def write_run(directory, model_dir, dataset_dir, output_dir, *, hp: Optional[dic
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = dict(model_name_or_path=str(model_dir), trust_remote_code=False, stage="sft", do_train=True,
-                  finetuning_type="full", dataset="alpaca_demo,sharegpt_demo", dataset_dir=str(dataset_dir),
-                  template="qwen3", cutoff_len=64, overwrite_cache=True, preprocessing_num_workers=None,
-                  output_dir=str(output_dir), logging_steps=1, save_strategy="no", plot_loss=False,
-                  per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-3,
-                  lr_scheduler_type="cosine", warmup_steps=1, max_grad_norm=1.0, max_steps=4, use_cpu=True,
-                  report_to="none", seed=42, dataloader_num_workers=0, bf16=False, disable_tqdm=True)
+    config = dict(
+        model_name_or_path=str(model_dir),
+        trust_remote_code=False,
+        stage="sft",
+        do_train=True,
+        finetuning_type="full",
+        dataset="alpaca_demo,sharegpt_demo",
+        dataset_dir=str(dataset_dir),
+        template="qwen3",
+        cutoff_len=64,
+        overwrite_cache=True,
+        preprocessing_num_workers=None,
+        output_dir=str(output_dir),
+        logging_steps=1,
+        save_strategy="no",
+        plot_loss=False,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=1,
+        max_grad_norm=1.0,
+        max_steps=4,
+        use_cpu=True,
+        report_to="none",
+        seed=42,
+        dataloader_num_workers=0,
+        bf16=False,
+        disable_tqdm=True,
+    )
     config.update(overrides)
     if hp is not None:
         hp_path = directory / "hyper_parallel.json"

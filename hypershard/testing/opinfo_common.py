@@ -16,8 +16,7 @@ MESH_2D_VARIANT = "sharded_2d"
 ALL_VARIANTS = (*VARIANTS, GRAD_VARIANT, MESH_2D_VARIANT)
 # Ops whose outputs are uninitialized memory: only shape and dtype can be compared (torch's own
 # DTensor sweep skips them for the same reason).
-UNINITIALIZED = frozenset({"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty",
-                           "new_empty_strided"})
+UNINITIALIZED = frozenset({"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided"})
 # assert_close's float32 defaults, which torch's own DTensor sweep uses. A fallback result is the
 # same kernel on the same gathered values (bitwise equal); a rule result differs only where a
 # reduction is split over shards (a reordered sum of at most a few dozen sample values). Checked:
@@ -90,7 +89,8 @@ def compare(got: Any, expected: Any, values: bool = True) -> None:
         assert isinstance(got, torch.Tensor), f"got {type(got).__name__}, expected a tensor"
         if not values:
             assert (got.shape, got.dtype) == (expected.shape, expected.dtype), (
-                f"{tuple(got.shape)} {got.dtype} vs {tuple(expected.shape)} {expected.dtype}")
+                f"{tuple(got.shape)} {got.dtype} vs {tuple(expected.shape)} {expected.dtype}"
+            )
             return
         torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, equal_nan=True, check_stride=False)
     elif isinstance(expected, (list, tuple)):

@@ -56,8 +56,7 @@ def _grad_inputs(sample, convert) -> tuple[list, dict, list]:
             made[id(t)] = copy
         return made[id(t)]
 
-    return (map_tensors([sample.input, *sample.args], fresh), map_tensors(dict(sample.kwargs), fresh),
-            leaves)
+    return (map_tensors([sample.input, *sample.args], fresh), map_tensors(dict(sample.kwargs), fresh), leaves)
 
 
 def _output_weights(outputs: list) -> list:
@@ -87,7 +86,7 @@ def _weighted_sum(outputs: list, weights: list):
 
 
 def _grad_mismatch(got: list, expected: list, dtensor_leaves: list) -> str:
-    """"" when every DTensor input's gradient matches the plain one; else what differs."""
+    """ "" when every DTensor input's gradient matches the plain one; else what differs."""
     for index, (grad, reference, leaf) in enumerate(zip(got, expected, dtensor_leaves)):
         if (grad is None) != (reference is None):
             zero = " (all zero)" if grad is not None and not grad.any() else ""
@@ -134,8 +133,9 @@ def _within_float32_rounding(got: list, expected: list, exact: list) -> bool:
         if not torch.isfinite(torch.tensor(scale)):
             return False
         try:
-            torch.testing.assert_close(grad.to(truth.dtype), truth, rtol=RTOL, atol=ATOL + 2 * scale,
-                                       equal_nan=True, check_stride=False)
+            torch.testing.assert_close(
+                grad.to(truth.dtype), truth, rtol=RTOL, atol=ATOL + 2 * scale, equal_nan=True, check_stride=False
+            )
         except AssertionError:
             return False
     return True
@@ -178,9 +178,11 @@ def run_grad_op(op, mesh, samples: int) -> tuple[str, str]:
                 return "wrong", f"{len(got_outputs)} tensor outputs on DTensors, {len(outputs)} on one device"
             for i in chosen:
                 if tuple(got_outputs[i].shape) != tuple(outputs[i].shape) or not got_outputs[i].requires_grad:
-                    return "wrong", (f"output #{i}: shape {tuple(got_outputs[i].shape)} requires_grad="
-                                     f"{got_outputs[i].requires_grad} on DTensors, {tuple(outputs[i].shape)} "
-                                     "requires_grad=True on one device")
+                    return "wrong", (
+                        f"output #{i}: shape {tuple(got_outputs[i].shape)} requires_grad="
+                        f"{got_outputs[i].requires_grad} on DTensors, {tuple(outputs[i].shape)} "
+                        "requires_grad=True on one device"
+                    )
             phase = "weighted sum"  # the sweep's own ops, named apart from the op's
             picked = [got_outputs[i] for i in chosen]
             loss = _weighted_sum(picked, [_weight_like(w, out) for w, out in zip(weights, picked)])
@@ -201,4 +203,3 @@ def run_grad_op(op, mesh, samples: int) -> tuple[str, str]:
                 return "wrong", mismatch
             rounding_note = f"passed by float32 rounding vs float64 (sample {count}): {mismatch}"
     return ("passed", rounding_note) if count else ("skipped", "no float32 CPU sample with a differentiable output")
-

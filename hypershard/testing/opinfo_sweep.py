@@ -22,8 +22,19 @@ import sys
 import time
 import warnings
 
-from .opinfo_common import (ALL_VARIANTS, GRAD_VARIANT, MESH_2D_VARIANT, UNINITIALIZED, VARIANTS, compare, describe,
-                            distribute, fresh_copy, gather, op_key)
+from .opinfo_common import (
+    ALL_VARIANTS,
+    GRAD_VARIANT,
+    MESH_2D_VARIANT,
+    UNINITIALIZED,
+    VARIANTS,
+    compare,
+    describe,
+    distribute,
+    fresh_copy,
+    gather,
+    op_key,
+)
 from .opinfo_grad import run_grad_op
 
 PASSING_HEADER = """\
@@ -78,8 +89,15 @@ def _run_op(op, mesh, variant: str, samples: int) -> tuple[str, str]:
     return ("passed", "") if count else ("skipped", "no float32 CPU sample")
 
 
-def sweep_rank(rank: int, world: int, names: list | None, samples: int, strict: bool, verbose: bool = False,
-               variants: tuple = VARIANTS) -> dict:
+def sweep_rank(
+    rank: int,
+    world: int,
+    names: list | None,
+    samples: int,
+    strict: bool,
+    verbose: bool = False,
+    variants: tuple = VARIANTS,
+) -> dict:
     import hypershard as hs
 
     warnings.simplefilter("ignore")
@@ -88,7 +106,9 @@ def sweep_rank(rank: int, world: int, names: list | None, samples: int, strict: 
     mesh_2d = None
     if MESH_2D_VARIANT in variants:
         if world < 4 or world % 2:
-            raise ValueError(f"opinfo_sweep: the {MESH_2D_VARIANT} variant needs an even world of at least 4, not {world}")
+            raise ValueError(
+                f"opinfo_sweep: the {MESH_2D_VARIANT} variant needs an even world of at least 4, not {world}"
+            )
         mesh_2d = hs.init_device_mesh("cpu", (2, world // 2), ("dp", "tp"))
     results = {}
     for op in _catalogue(set(names) if names else None):
@@ -100,13 +120,21 @@ def sweep_rank(rank: int, world: int, names: list | None, samples: int, strict: 
             if variant == GRAD_VARIANT:
                 results[f"{op_key(op)}|{variant}"] = run_grad_op(op, mesh, samples)
             else:
-                results[f"{op_key(op)}|{variant}"] = _run_op(op, mesh_2d if variant == MESH_2D_VARIANT else mesh,
-                                                              variant, samples)
+                results[f"{op_key(op)}|{variant}"] = _run_op(
+                    op, mesh_2d if variant == MESH_2D_VARIANT else mesh, variant, samples
+                )
     return results
 
 
-def run(world: int = 2, samples: int = 3, strict: bool = False, names: list | None = None,
-        timeout: float = 1800.0, verbose: bool = False, variants: tuple = VARIANTS) -> dict:
+def run(
+    world: int = 2,
+    samples: int = 3,
+    strict: bool = False,
+    names: list | None = None,
+    timeout: float = 1800.0,
+    verbose: bool = False,
+    variants: tuple = VARIANTS,
+) -> dict:
     """{"op|variant": (status, detail)} from rank 0 (every rank computes the same). `variants`:
     any of ALL_VARIANTS; the forward ones by default (run_grad runs the gradient one)."""
     from hypershard.launch import spawn_local_ranks
@@ -114,12 +142,19 @@ def run(world: int = 2, samples: int = 3, strict: bool = False, names: list | No
     unknown = set(variants) - set(ALL_VARIANTS)
     if unknown:
         raise ValueError(f"opinfo_sweep: unknown variants {sorted(unknown)}; allowed: {', '.join(ALL_VARIANTS)}")
-    return spawn_local_ranks(sweep_rank, world, names, samples, strict, verbose, tuple(variants),
-                             timeout=timeout, pg_timeout=120)[0]
+    return spawn_local_ranks(
+        sweep_rank, world, names, samples, strict, verbose, tuple(variants), timeout=timeout, pg_timeout=120
+    )[0]
 
 
-def run_grad(world: int = 2, samples: int = 3, strict: bool = False, names: list | None = None,
-             timeout: float = 1800.0, verbose: bool = False) -> dict:
+def run_grad(
+    world: int = 2,
+    samples: int = 3,
+    strict: bool = False,
+    names: list | None = None,
+    timeout: float = 1800.0,
+    verbose: bool = False,
+) -> dict:
     """{"op|grad": (status, detail)} for every op whose OpInfo supports autograd: run() of the
     gradient variant alone (what a level0 test of gradients calls)."""
     return run(world, samples, strict, names, timeout, verbose, variants=(GRAD_VARIANT,))
@@ -138,27 +173,41 @@ def summary(results: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hypershard.testing.opinfo_sweep",
-                                     description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(
+        prog="python -m hypershard.testing.opinfo_sweep", description=__doc__.split("\n\n")[1]
+    )
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--samples", type=int, default=3, help="samples per op (default 3)")
     parser.add_argument("--strict", action="store_true", help="native rules only (no fallback)")
     parser.add_argument("--ops", help="comma-separated op names (default: all of op_db)")
     parser.add_argument("--json", help="write every (op, variant) result to this file")
-    parser.add_argument("--write-passing", metavar="FILE",
-                        help="write the passing (op|variant) pairs, one a line (the strict list of the level0 test)")
+    parser.add_argument(
+        "--write-passing",
+        metavar="FILE",
+        help="write the passing (op|variant) pairs, one a line (the strict list of the level0 test)",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--verbose", action="store_true", help="rank 0 prints each op as it starts")
-    parser.add_argument("--variants", default=",".join((*VARIANTS, GRAD_VARIANT)),
-                        help=f"comma-separated, of {','.join(ALL_VARIANTS)} (default: all but {MESH_2D_VARIANT}, "
-                             f"which needs --world 4 or more)")
+    parser.add_argument(
+        "--variants",
+        default=",".join((*VARIANTS, GRAD_VARIANT)),
+        help=f"comma-separated, of {','.join(ALL_VARIANTS)} (default: all but {MESH_2D_VARIANT}, "
+        f"which needs --world 4 or more)",
+    )
     args = parser.parse_args(argv)
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     if set(variants) - set(ALL_VARIANTS):
         parser.error(f"--variants {args.variants}: allowed: {','.join(ALL_VARIANTS)}")
     start = time.perf_counter()
-    results = run(args.world, args.samples, args.strict, args.ops.split(",") if args.ops else None, args.timeout,
-                  args.verbose, variants)
+    results = run(
+        args.world,
+        args.samples,
+        args.strict,
+        args.ops.split(",") if args.ops else None,
+        args.timeout,
+        args.verbose,
+        variants,
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, sort_keys=True)
@@ -167,8 +216,10 @@ def main(argv=None) -> int:
         with open(args.write_passing, "w") as f:
             f.write(header + "".join(f"{key}\n" for key, (status, _) in sorted(results.items()) if status == "passed"))
     for variant, counts in summary(results).items():
-        print(f"{variant:9s} {counts['passed']} passed, {counts['wrong']} WRONG, {counts['error']} raised, "
-              f"{counts['skipped']} skipped of {counts['ops']} ops")
+        print(
+            f"{variant:9s} {counts['passed']} passed, {counts['wrong']} WRONG, {counts['error']} raised, "
+            f"{counts['skipped']} skipped of {counts['ops']} ops"
+        )
     for key, (status, detail) in sorted(results.items()):
         if status == "wrong":
             print(f"WRONG {key}: {detail}")

@@ -22,7 +22,8 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from .. import _C
-from ..layout import make_layout, mesh as make_mesh
+from ..layout import make_layout
+from ..layout import mesh as make_mesh
 
 __all__ = ["Arg", "PlanningMesh", "Plan", "plan", "realise", "short_spec", "spec"]
 
@@ -38,22 +39,22 @@ def short_spec(layout: Optional[_C.Layout]) -> Optional[list]:
         if text == "Replicate()":
             out.append("R")
         elif text.startswith("Shard("):
-            out.append("S" + text[len("Shard"):])
+            out.append("S" + text[len("Shard") :])
         elif text == "Partial(sum)":
             out.append("P")
         else:
-            out.append("P" + text[len("Partial"):])
+            out.append("P" + text[len("Partial") :])
     return out
 
 
 @dataclass
 class Plan:
-    inputs: list            # layouts per tensor argument, in schema order
-    outputs: list           # layouts per returned tensor
-    localizes: bool         # rewrites non-tensor arguments (sizes, counts) into local terms
-    expands: bool           # runs its own implementation (collectives inside the op)
-    refused: str = ""       # non-empty: strict mode raises this text for the plan (default mode
-                            # runs it, e.g. a replicated operand cut locally to match a shard)
+    inputs: list  # layouts per tensor argument, in schema order
+    outputs: list  # layouts per returned tensor
+    localizes: bool  # rewrites non-tensor arguments (sizes, counts) into local terms
+    expands: bool  # runs its own implementation (collectives inside the op)
+    refused: str = ""  # non-empty: strict mode raises this text for the plan (default mode
+    # runs it, e.g. a replicated operand cut locally to match a shard)
 
     @property
     def input_specs(self) -> list:
@@ -75,11 +76,11 @@ class PlanningMesh:
     def layout(self, shape: Sequence[int], spec: Any, partial: Any = None) -> _C.Layout:
         return make_layout(self.mesh, list(shape), spec, partial)
 
-    def dtensor(self, shape: Sequence[int], spec: Any, dtype: torch.dtype = torch.float32,
-                partial: Any = None) -> torch.Tensor:
+    def dtensor(
+        self, shape: Sequence[int], spec: Any, dtype: torch.dtype = torch.float32, partial: Any = None
+    ) -> torch.Tensor:
         layout = self.layout(shape, spec, partial)
-        local = torch.empty(layout.local_shape_at(self.device_mesh.position), dtype=dtype,
-                            device="meta")
+        local = torch.empty(layout.local_shape_at(self.device_mesh.position), dtype=dtype, device="meta")
         return _C.from_local(local, self.device_mesh, layout)
 
 
@@ -87,11 +88,13 @@ def plan(op: Any, *args: Any, **kwargs: Any) -> Plan:
     """The plan `op`'s rule makes for these arguments (see the module docstring)."""
     schema = op._schema
     result = _C.infer_plan(schema.name, schema.overload_name, *args, **kwargs)
-    return Plan(list(result["inputs"]), list(result["outputs"]), result["localizes"],
-                result["expands"], result["refused"])
+    return Plan(
+        list(result["inputs"]), list(result["outputs"]), result["localizes"], result["expands"], result["refused"]
+    )
 
 
 # ---------------------------------------------------------------------------------- rule-test rows
+
 
 class Arg:
     """A DTensor argument of a rule-test row (global shape, placements, dtype), made on the row's

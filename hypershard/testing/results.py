@@ -20,11 +20,11 @@ class CaseResult:
     status: str
     message: str = ""
     world_size: int = 0
-    mesh: tuple = ()               # (shape, axis names)
-    ranks: dict = field(default_factory=dict)   # rank -> {"status", "message"} as reported
+    mesh: tuple = ()  # (shape, axis names)
+    ranks: dict = field(default_factory=dict)  # rank -> {"status", "message"} as reported
     max_abs_diff: Optional[float] = None
     max_rel_diff: Optional[float] = None
-    duration: float = 0.0          # slowest rank, seconds
+    duration: float = 0.0  # slowest rank, seconds
 
     @property
     def passed(self) -> bool:
@@ -43,14 +43,14 @@ class LaunchInfo:
     """One group of rank processes: which cases it ran and how it ended."""
 
     world_size: int
-    cases: list                    # names, in order
-    outcome: str                   # "ok" | "hang" | "crash" | "fatal"
+    cases: list  # names, in order
+    outcome: str  # "ok" | "hang" | "crash" | "fatal"
     message: str = ""
     duration: float = 0.0
     pids: list = field(default_factory=list)
     exitcodes: list = field(default_factory=list)
     directory: Optional[str] = None  # kept only with keep_dir / HYPERSHARD_TESTING_KEEP=1
-    case: Optional[str] = None     # the case a hang/crash was attributed to ("<setup>": none ran)
+    case: Optional[str] = None  # the case a hang/crash was attributed to ("<setup>": none ran)
 
 
 class RunResult:
@@ -80,8 +80,7 @@ class RunResult:
     @property
     def problems(self) -> list:
         """Launch failures no case accounts for (e.g. a hang after the last case)."""
-        return [launch.message for launch in self.launches
-                if launch.outcome != "ok" and launch.case is None]
+        return [launch.message for launch in self.launches if launch.outcome != "ok" and launch.case is None]
 
     @property
     def ok(self) -> bool:
@@ -89,11 +88,14 @@ class RunResult:
 
     def summary(self, failures_only: bool = True) -> str:
         shown = self.failures if failures_only else list(self)
-        head = (f"{len(self.failures)} of {len(self)} cases did not pass "
-                f"(backend {self.backend}, {len(self.launches)} launches)")
+        head = (
+            f"{len(self.failures)} of {len(self)} cases did not pass "
+            f"(backend {self.backend}, {len(self.launches)} launches)"
+        )
         lines = [head] + [result.describe() for result in shown]
-        lines += ["LAUNCH PROBLEM\n" + "\n".join("    " + line for line in problem.splitlines())
-                  for problem in self.problems]
+        lines += [
+            "LAUNCH PROBLEM\n" + "\n".join("    " + line for line in problem.splitlines()) for problem in self.problems
+        ]
         return "\n".join(lines)
 
     def check(self, name: str) -> None:
@@ -103,8 +105,7 @@ class RunResult:
             raise AssertionError(result.describe())
 
     def __repr__(self) -> str:
-        return (f"<RunResult {len(self) - len(self.failures)}/{len(self)} passed, "
-                f"backend {self.backend}>")
+        return f"<RunResult {len(self) - len(self.failures)}/{len(self)} passed, backend {self.backend}>"
 
 
 def assert_all_passed(results: RunResult) -> None:

@@ -7,8 +7,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["CHATML_TEMPLATE", "SPECIAL_TOKENS", "alpaca_records", "sharegpt_records", "write_tokenizer",
-           "write_datasets", "write_fixtures"]
+__all__ = [
+    "CHATML_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "alpaca_records",
+    "sharegpt_records",
+    "write_tokenizer",
+    "write_datasets",
+    "write_fixtures",
+]
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -21,9 +28,11 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-_WORDS = ("alpha beta gamma delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
-          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu red green blue one two three "
-          "four five six seven eight nine ten the a of to and is in it").split()
+_WORDS = (
+    "alpha beta gamma delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+    "quebec romeo sierra tango uniform victor whiskey xray yankee zulu red green blue one two three "
+    "four five six seven eight nine ten the a of to and is in it"
+).split()
 
 
 def _sentence(i: int, n: int) -> str:
@@ -34,8 +43,11 @@ def alpaca_records(n: int = 24) -> list:
     """`n` alpaca records: some with input, some with a system prompt, some with history."""
     records = []
     for i in range(n):
-        rec = {"instruction": f"Repeat {_sentence(i, 2 + i % 3)}", "input": _sentence(i + 1, i % 4),
-               "output": _sentence(i + 2, 3 + i % 5)}
+        rec = {
+            "instruction": f"Repeat {_sentence(i, 2 + i % 3)}",
+            "input": _sentence(i + 1, i % 4),
+            "output": _sentence(i + 2, 3 + i % 5),
+        }
         if i % 5 == 0:
             rec["system"] = "You are helpful"
         if i % 6 == 3:
@@ -68,11 +80,19 @@ def write_tokenizer(directory, texts=None, vocab_size: int = 400) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                      additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
     wrapped.chat_template = CHATML_TEMPLATE
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -88,8 +108,11 @@ def write_datasets(directory, n_alpaca: int = 24, n_sharegpt: int = 12) -> dict:
     (directory / "alpaca.json").write_text(json.dumps(alpaca, indent=1))
     (directory / "alpaca.jsonl").write_text("".join(json.dumps(r) + "\n" for r in alpaca))
     (directory / "sharegpt.json").write_text(json.dumps(sharegpt, indent=1))
-    return {"alpaca": directory / "alpaca.json", "alpaca_jsonl": directory / "alpaca.jsonl",
-            "sharegpt": directory / "sharegpt.json"}
+    return {
+        "alpaca": directory / "alpaca.json",
+        "alpaca_jsonl": directory / "alpaca.jsonl",
+        "sharegpt": directory / "sharegpt.json",
+    }
 
 
 def write_fixtures(directory) -> dict:

@@ -56,8 +56,7 @@ __all__ = [
 _SHARD = re.compile(r"^(?:Shard|S)(?:\(\s*(?:dim\s*=\s*)?(-?\d+)\s*\)|(-?\d+))$")
 _REPLICATE = re.compile(r"^(?:Replicate|R)(?:\(\s*\))?$")
 _PARTIAL = re.compile(r"^(?:Partial|P)(?:\(\s*(?:reduce_op\s*=\s*)?['\"]?(\w*)['\"]?\s*\))?$")
-_REDUCE_OPS = {"sum": "sum", "avg": "avg", "max": "max", "min": "min",
-               "prod": "product", "product": "product"}
+_REDUCE_OPS = {"sum": "sum", "avg": "avg", "max": "max", "min": "min", "prod": "product", "product": "product"}
 
 
 @dataclass(frozen=True)
@@ -98,11 +97,12 @@ def parse_placement(item: Any) -> PlacementSpec:
     if match := _PARTIAL.match(text):
         op = (match.group(1) or "sum").lower()
         if op not in _REDUCE_OPS:
-            raise ValueError(f"placement {item!r}: unknown reduce op {op!r}; "
-                             f"allowed: {', '.join(sorted(_REDUCE_OPS))}")
+            raise ValueError(f"placement {item!r}: unknown reduce op {op!r}; allowed: {', '.join(sorted(_REDUCE_OPS))}")
         return PlacementSpec("P", op=_REDUCE_OPS[op])
-    raise ValueError(f"placement {item!r}: not a placement; allowed: R, S(d), Sd, P, P(op), "
-                     "Replicate(), Shard(d), Partial(op) or a placement object")
+    raise ValueError(
+        f"placement {item!r}: not a placement; allowed: R, S(d), Sd, P, P(op), "
+        "Replicate(), Shard(d), Partial(op) or a placement object"
+    )
 
 
 @dataclass(frozen=True)
@@ -126,9 +126,10 @@ class LayoutSpec:
 
 
 def _looks_like_alias(items: Sequence[Any]) -> bool:
-    return any(item is None or isinstance(item, (tuple, list))
-               or (isinstance(item, str) and not is_placement_token(item))
-               for item in items)
+    return any(
+        item is None or isinstance(item, (tuple, list)) or (isinstance(item, str) and not is_placement_token(item))
+        for item in items
+    )
 
 
 def normalize_layout(placements: Any, mesh_names: Sequence[str], ndim: int) -> LayoutSpec:
@@ -150,13 +151,15 @@ def normalize_layout(placements: Any, mesh_names: Sequence[str], ndim: int) -> L
             else:
                 dims.append(tuple(str(name) for name in item))
         if len(dims) != ndim:
-            raise ValueError(f"alias layout {tuple(placements)!r} has {len(dims)} entries but "
-                             f"the tensor has {ndim} dims")
+            raise ValueError(
+                f"alias layout {tuple(placements)!r} has {len(dims)} entries but the tensor has {ndim} dims"
+            )
         used = [name for axes in dims for name in axes]
         unknown = [name for name in used if name not in names]
         if unknown:
-            raise ValueError(f"alias layout {tuple(placements)!r}: unknown mesh axis "
-                             f"{unknown[0]!r}; the mesh axes are {names}")
+            raise ValueError(
+                f"alias layout {tuple(placements)!r}: unknown mesh axis {unknown[0]!r}; the mesh axes are {names}"
+            )
         if len(set(used)) != len(used):
             raise ValueError(f"alias layout {tuple(placements)!r}: a mesh axis is used twice")
         return LayoutSpec("alias", tuple(dims), names, raw=tuple(placements))
@@ -169,8 +172,7 @@ def normalize_layout(placements: Any, mesh_names: Sequence[str], ndim: int) -> L
             spec = PlacementSpec("S", dim=spec.dim % ndim)
         specs.append(spec)
     if len(specs) != len(names):
-        raise ValueError(f"placements {items!r}: {len(specs)} entries for a mesh with "
-                         f"{len(names)} axes {names}")
+        raise ValueError(f"placements {items!r}: {len(specs)} entries for a mesh with {len(names)} axes {names}")
     return LayoutSpec("placements", tuple(specs), names)
 
 
@@ -180,8 +182,7 @@ def normalize_layout(placements: Any, mesh_names: Sequence[str], ndim: int) -> L
 MeshLike = Union[None, int, Mapping[str, int], Sequence[Any]]
 
 
-def normalize_mesh(mesh: MeshLike, world_size: Optional[int] = None
-                   ) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def normalize_mesh(mesh: MeshLike, world_size: Optional[int] = None) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """(shape, axis names) from ``((2, 2), ("dp", "tp"))``, ``{"dp": 2, "tp": 2}``, a bare shape
     ``(2, 2)`` (axes named d0, d1, ...) or an int; None means a 1-D mesh "dp" over the world."""
     if mesh is None:
@@ -217,6 +218,7 @@ def mesh_size(shape: Sequence[int]) -> int:
 # ---------------------------------------------------------------------------------------------
 # input values: an init is a callable (shape, dtype, generator) -> tensor
 
+
 def _wide(dtype: torch.dtype) -> torch.dtype:
     # Draw low-precision values in float32 then round: the same seed gives the same values
     # whatever the target precision, and CPU kernels for half generators are not needed.
@@ -225,40 +227,50 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 
 def randn(std: float = 1.0, mean: float = 0.0) -> Callable:
     """Normal values (the default for floating inputs)."""
+
     def init(shape, dtype, generator):
         values = torch.randn(shape, generator=generator, dtype=_wide(dtype))
         return (values * std + mean).to(dtype)
+
     return init
 
 
 def uniform(low: float = 0.0, high: float = 1.0) -> Callable:
     """Uniform values in [low, high), e.g. ``uniform(0.5, 2.0)`` for log/sqrt/division."""
+
     def init(shape, dtype, generator):
         values = torch.rand(shape, generator=generator, dtype=_wide(dtype))
         return (values * (high - low) + low).to(dtype)
+
     return init
 
 
 def randint(low: int, high: int) -> Callable:
     """Integers in [low, high), e.g. class targets: ``Input((8,), torch.int64,
     init=randint(0, 10))``."""
+
     def init(shape, dtype, generator):
         return torch.randint(low, high, shape, generator=generator, dtype=torch.int64).to(dtype)
+
     return init
 
 
 def arange(start: float = 0, step: float = 1) -> Callable:
     """start, start+step, ... in row-major order (handy for debugging layouts)."""
+
     def init(shape, dtype, generator):
         count = mesh_size(shape)
         return (torch.arange(count, dtype=torch.float64) * step + start).reshape(shape).to(dtype)
+
     return init
 
 
 def constant(value: float) -> Callable:
     """Every element equal to `value`."""
+
     def init(shape, dtype, generator):
         return torch.full(shape, value, dtype=dtype)
+
     return init
 
 
@@ -294,8 +306,10 @@ class Input:
     def __post_init__(self):
         self.shape = tuple(int(size) for size in self.shape)
         if not isinstance(self.dtype, torch.dtype):
-            raise TypeError(f"Input dtype must be a torch.dtype, got {self.dtype!r} (give "
-                            "placements by keyword: Input(shape, placements=[...]))")
+            raise TypeError(
+                f"Input dtype must be a torch.dtype, got {self.dtype!r} (give "
+                "placements by keyword: Input(shape, placements=[...]))"
+            )
 
     @property
     def wants_grad(self) -> bool:
@@ -375,8 +389,7 @@ class Case:
             if not isinstance(item, Input):
                 raise TypeError(f"case {self.name!r}: input {i} is not an Input")
         if self.grad_placements not in ("match", "replicate"):
-            raise ValueError(f"case {self.name!r}: grad_placements must be 'match' or "
-                             "'replicate'")
+            raise ValueError(f"case {self.name!r}: grad_placements must be 'match' or 'replicate'")
 
 
 def stable_seed(*parts: Any) -> int:
@@ -384,8 +397,7 @@ def stable_seed(*parts: Any) -> int:
     return zlib.crc32("/".join(str(part) for part in parts).encode()) & 0x7FFFFFFF
 
 
-def make_cotangent(seed: int, index: int, shape: Sequence[int],
-                   dtype: torch.dtype) -> torch.Tensor:
+def make_cotangent(seed: int, index: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """The fixed random cotangent for differentiable output `index` of a case."""
     generator = torch.Generator().manual_seed(stable_seed(seed, "cotangent", index))
     return randn()(tuple(shape), dtype, generator)
@@ -400,14 +412,16 @@ class PreparedCase:
     world_size: int
     mesh_shape: tuple
     mesh_names: tuple
-    layouts: list          # LayoutSpec per input (None for plain inputs)
-    seeds: list            # generator seed per input
+    layouts: list  # LayoutSpec per input (None for plain inputs)
+    seeds: list  # generator seed per input
     cotangent_seed: int
 
     def tolerance(self, dtype: torch.dtype) -> tuple[float, float]:
         rtol, atol = default_tolerance(dtype)
-        return (self.case.rtol if self.case.rtol is not None else rtol,
-                self.case.atol if self.case.atol is not None else atol)
+        return (
+            self.case.rtol if self.case.rtol is not None else rtol,
+            self.case.atol if self.case.atol is not None else atol,
+        )
 
 
 def prepare(case: Case, default_world_size: Optional[int]) -> PreparedCase:
@@ -416,18 +430,19 @@ def prepare(case: Case, default_world_size: Optional[int]) -> PreparedCase:
     layouts = []
     for i, item in enumerate(case.inputs):
         try:
-            layouts.append(None if item.plain else
-                           normalize_layout(item.placements, names, len(item.shape)))
+            layouts.append(None if item.plain else normalize_layout(item.placements, names, len(item.shape)))
         except ValueError as exc:
             raise ValueError(f"case {case.name!r}, input {i}: {exc}") from None
-    seeds = [item.seed if item.seed is not None else stable_seed(case.name, "input", i)
-             for i, item in enumerate(case.inputs)]
+    seeds = [
+        item.seed if item.seed is not None else stable_seed(case.name, "input", i) for i, item in enumerate(case.inputs)
+    ]
     cot_seed = case.seed if case.seed is not None else stable_seed(case.name)
     return PreparedCase(-1, case, mesh_size(shape), shape, names, layouts, seeds, cot_seed)
 
 
 # ---------------------------------------------------------------------------------------------
 # sweeps
+
 
 def _as_list(value: Any, count: int, what: str) -> list:
     if isinstance(value, (list, tuple)):
@@ -437,9 +452,11 @@ def _as_list(value: Any, count: int, what: str) -> list:
     return [value] * count
 
 
-def placement_sweep(mesh_shape: Union[int, Sequence[int]],
-                    ndim_per_input: Union[int, Sequence[int]],
-                    allow_partial: Union[bool, Sequence[bool]] = False) -> list[tuple]:
+def placement_sweep(
+    mesh_shape: Union[int, Sequence[int]],
+    ndim_per_input: Union[int, Sequence[int]],
+    allow_partial: Union[bool, Sequence[bool]] = False,
+) -> list[tuple]:
     """Every combination of placements for each input on a mesh.
 
     Returns a list of combinations; a combination is a tuple with one placements tuple per
@@ -458,9 +475,15 @@ def placement_sweep(mesh_shape: Union[int, Sequence[int]],
     return list(itertools.product(*per_input))
 
 
-def sweep_cases(name: str, fn: Callable, inputs: Sequence[Input], mesh: MeshLike = None,
-                allow_partial: Union[bool, Sequence[bool]] = False,
-                world_size: Optional[int] = None, **case_kwargs: Any) -> list[Case]:
+def sweep_cases(
+    name: str,
+    fn: Callable,
+    inputs: Sequence[Input],
+    mesh: MeshLike = None,
+    allow_partial: Union[bool, Sequence[bool]] = False,
+    world_size: Optional[int] = None,
+    **case_kwargs: Any,
+) -> list[Case]:
     """One Case per placement combination of `inputs` on `mesh` (their own placements are
     ignored), named ``name[S(0),R|R,R]`` (inputs separated by '|').  The inputs keep their seeds
     (derived from `name` when unset), so every case of a sweep sees the same values."""
@@ -468,14 +491,15 @@ def sweep_cases(name: str, fn: Callable, inputs: Sequence[Input], mesh: MeshLike
     seed = case_kwargs.pop("seed", None)
     seed = stable_seed(name) if seed is None else seed
     inputs = list(inputs)
-    seeded = [item if item.seed is not None
-              else dataclasses.replace(item, seed=stable_seed(name, "input", i))
-              for i, item in enumerate(inputs)]
+    seeded = [
+        item if item.seed is not None else dataclasses.replace(item, seed=stable_seed(name, "input", i))
+        for i, item in enumerate(inputs)
+    ]
     cases = []
     for combo in placement_sweep(shape, [len(item.shape) for item in inputs], allow_partial):
         label = "|".join(",".join(p) for p in combo)
-        case_inputs = [item if item.plain else dataclasses.replace(item, placements=p)
-                       for item, p in zip(seeded, combo)]
-        cases.append(Case(f"{name}[{label}]", fn, case_inputs, mesh=(shape, names),
-                          seed=seed, **case_kwargs))
+        case_inputs = [
+            item if item.plain else dataclasses.replace(item, placements=p) for item, p in zip(seeded, combo)
+        ]
+        cases.append(Case(f"{name}[{label}]", fn, case_inputs, mesh=(shape, names), seed=seed, **case_kwargs))
     return cases

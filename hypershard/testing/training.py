@@ -42,7 +42,7 @@ import torch
 
 __all__ = ["GRAD_RTOL", "LOSS_RTOL", "UPDATE_RTOL", "TrainingRecord", "check_training", "record_training"]
 
-U32 = 2.0 ** -24       # float32 unit roundoff
+U32 = 2.0**-24  # float32 unit roundoff
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
 UPDATE_RTOL = 1e-2
@@ -51,10 +51,11 @@ UPDATE_RTOL = 1e-2
 @dataclass
 class TrainingRecord:
     """What a training run is compared on: full (global) tensors, by parameter name."""
+
     losses: list = field(default_factory=list)
-    initial: dict = field(default_factory=dict)      # parameters before the first step
+    initial: dict = field(default_factory=dict)  # parameters before the first step
     first_grads: dict = field(default_factory=dict)  # gradients of the first step, before clipping
-    final: dict = field(default_factory=dict)        # parameters after the last step
+    final: dict = field(default_factory=dict)  # parameters after the last step
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -64,8 +65,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64).clone()
 
 
-def record_training(model: torch.nn.Module, batches: list,
-                    train: Optional[Callable] = None, **train_kwargs) -> TrainingRecord:
+def record_training(
+    model: torch.nn.Module, batches: list, train: Optional[Callable] = None, **train_kwargs
+) -> TrainingRecord:
     """Trains `model` on `batches` with hypershard.models.train (or `train`) and records losses,
     initial parameters, first-step gradients and final parameters as full float64 tensors."""
     if train is None:
@@ -101,7 +103,9 @@ def check_training(got: TrainingRecord, expected: TrainingRecord) -> tuple[list,
         if not rel <= LOSS_RTOL:
             problems.append(f"loss of step {step}: {a!r} vs {b!r} (relative {rel:.2e} > {LOSS_RTOL:g})")
     if set(got.first_grads) != set(expected.first_grads):
-        problems.append(f"parameters with a gradient differ: {sorted(set(got.first_grads) ^ set(expected.first_grads))}")
+        problems.append(
+            f"parameters with a gradient differ: {sorted(set(got.first_grads) ^ set(expected.first_grads))}"
+        )
     check_first_grads(got, expected, GRAD_RTOL, problems, worst)
     check_final_params(got, expected, UPDATE_RTOL, problems, worst)
     return problems, worst
@@ -124,8 +128,9 @@ def check_first_grads(got: TrainingRecord, expected: TrainingRecord, rtol: float
             problems.append(f"{name}: first-step gradient differs by {rel:.2e} of its norm (> {rtol:g})")
 
 
-def check_final_params(got: TrainingRecord, expected: TrainingRecord, update_rtol: float, problems: list,
-                       worst: dict) -> None:
+def check_final_params(
+    got: TrainingRecord, expected: TrainingRecord, update_rtol: float, problems: list, worst: dict
+) -> None:
     """Each parameter after the last step within `update_rtol` of its update's norm, plus one fp32
     rounding of the parameter per step (appends to `problems`, keeps worst["update_rel"])."""
     steps = len(expected.losses)
@@ -139,5 +144,7 @@ def check_final_params(got: TrainingRecord, expected: TrainingRecord, update_rto
         rel = err / moved if moved else (0.0 if err == 0 else math.inf)
         worst["update_rel"] = max(worst["update_rel"], rel)
         if not err <= bound:
-            problems.append(f"{name}: after {steps} steps differs by {err:.3e} = {rel:.2e} of its update "
-                            f"{moved:.3e} (allowed {update_rtol:g} of it + {steps} u |p|)")
+            problems.append(
+                f"{name}: after {steps} steps differs by {err:.3e} = {rel:.2e} of its update "
+                f"{moved:.3e} (allowed {update_rtol:g} of it + {steps} u |p|)"
+            )

@@ -35,8 +35,7 @@ from torch.utils._pytree import tree_flatten
 from .adapters import Adapter
 from .spec import PreparedCase, make_cotangent
 
-__all__ = ["LaunchPlan", "compare_tensors", "current_mesh", "current_rank", "in_distributed_run",
-           "rank_main"]
+__all__ = ["LaunchPlan", "compare_tensors", "current_mesh", "current_rank", "in_distributed_run", "rank_main"]
 
 SETUP_ERROR_EXIT = 3
 
@@ -72,6 +71,7 @@ def traffic_checked(fn: Callable, check: Callable) -> Callable:
 
     def run(*inputs):
         import hypershard as hs  # lazily, as replicated() does
+
         fn(*inputs)
         hs._C.reset_traffic()
         out = fn(*inputs)
@@ -79,6 +79,7 @@ def traffic_checked(fn: Callable, check: Callable) -> Callable:
         if problems:
             raise AssertionError(f"rank {current_mesh().rank}: " + "; ".join(problems))
         return out
+
     return run
 
 
@@ -103,9 +104,9 @@ class LaunchPlan:
 
     world_size: int
     store_host: str
-    port_pipe: Any         # receiving end of a pipe: the parent sends the store's port after fork
+    port_pipe: Any  # receiving end of a pipe: the parent sends the store's port after fork
     directory: str
-    cases: list            # PreparedCase, in launch order
+    cases: list  # PreparedCase, in launch order
     adapter: Adapter
     device_type: str
     collective_timeout: float
@@ -115,6 +116,7 @@ class LaunchPlan:
 
 # ---------------------------------------------------------------------------------------------
 # process setup
+
 
 def _die_with_parent(parent_pid: int) -> None:
     # A rank must never outlive the test process (pytest killed, CI cancelled): ask the kernel
@@ -141,9 +143,14 @@ def _isolate(plan: LaunchPlan, rank: int):
     faulthandler.enable(file=log, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(plan.world_size), LOCAL_WORLD_SIZE=str(plan.world_size),
-                      HYPERSHARD_TESTING_RANK=str(rank))
+    os.environ.update(
+        OMP_NUM_THREADS="1",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(plan.world_size),
+        LOCAL_WORLD_SIZE=str(plan.world_size),
+        HYPERSHARD_TESTING_RANK=str(rank),
+    )
     # torch's intra-op pool was set up in the parent; with one thread it is never entered here.
     torch.set_num_threads(1)
     if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
@@ -158,8 +165,10 @@ def _write_json(path: str, value: Any) -> None:
     os.replace(tmp, path)  # atomic: the parent never reads half a progress file
 
 
-_HIDDEN_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
-                os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+_HIDDEN_DIRS = (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+)
 
 
 def _short_exception(exc: BaseException, frames: int = 4, limit: int = 3000) -> str:
@@ -169,8 +178,7 @@ def _short_exception(exc: BaseException, frames: int = 4, limit: int = 3000) -> 
     if len(message) > limit:
         message = message[:limit] + " ..."
     summary = traceback.extract_tb(exc.__traceback__)
-    shown = [frame for frame in summary
-             if not os.path.abspath(frame.filename).startswith(_HIDDEN_DIRS)] or summary[-2:]
+    shown = [frame for frame in summary if not os.path.abspath(frame.filename).startswith(_HIDDEN_DIRS)] or summary[-2:]
     stack = "".join(traceback.format_list(shown[-frames:])).rstrip()
     return f"{message}\n{stack}" if stack else message
 
@@ -178,17 +186,18 @@ def _short_exception(exc: BaseException, frames: int = 4, limit: int = 3000) -> 
 # ---------------------------------------------------------------------------------------------
 # comparison
 
+
 def _fmt(value: float) -> str:
     return f"{value:.3g}" if math.isfinite(value) else str(value)
 
 
-def compare_tensors(label: str, got: torch.Tensor, expected: torch.Tensor, rtol: float,
-                    atol: float) -> tuple[Optional[str], float, float]:
+def compare_tensors(
+    label: str, got: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float
+) -> tuple[Optional[str], float, float]:
     """(problem or None, max abs diff, max rel diff) for ``|got - expected| <= atol +
     rtol * |expected|`` elementwise; NaNs must match NaNs, infinities must match exactly."""
     if tuple(got.shape) != tuple(expected.shape):
-        return (f"{label}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}",
-                math.inf, math.inf)
+        return (f"{label}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}", math.inf, math.inf)
     if got.dtype != expected.dtype:
         return f"{label}: dtype {got.dtype}, expected {expected.dtype}", math.inf, math.inf
     if expected.numel() == 0:
@@ -208,26 +217,29 @@ def compare_tensors(label: str, got: torch.Tensor, expected: torch.Tensor, rtol:
     count = int(bad.sum())
     if count == 0:
         return None, max_abs, max_rel
-    excess = torch.where(bad, (diff - allowed).nan_to_num(nan=math.inf),
-                         torch.full_like(diff, -math.inf))
+    excess = torch.where(bad, (diff - allowed).nan_to_num(nan=math.inf), torch.full_like(diff, -math.inf))
     where = tuple(int(i) for i in torch.unravel_index(torch.argmax(excess), tuple(g.shape)))
-    return (f"{label}: {count} of {expected.numel()} elements differ; max abs diff "
-            f"{_fmt(max_abs)}, max rel diff {_fmt(max_rel)} (rtol={rtol:g}, atol={atol:g}); "
-            f"worst at {where}: got {got[where].item()!r}, expected {expected[where].item()!r}",
-            max_abs, max_rel)
+    return (
+        f"{label}: {count} of {expected.numel()} elements differ; max abs diff "
+        f"{_fmt(max_abs)}, max rel diff {_fmt(max_rel)} (rtol={rtol:g}, atol={atol:g}); "
+        f"worst at {where}: got {got[where].item()!r}, expected {expected[where].item()!r}",
+        max_abs,
+        max_rel,
+    )
 
 
 @dataclass
 class _RunOutput:
-    outputs: list          # gathered output leaves (tensors or Python values)
-    spec: Any              # pytree spec of the outputs
-    requires_grad: list    # per output leaf
+    outputs: list  # gathered output leaves (tensors or Python values)
+    spec: Any  # pytree spec of the outputs
+    requires_grad: list  # per output leaf
     grads: Optional[list]  # gathered grads of the inputs that want grad, or None
     inputs_after: Optional[list]
 
 
 # ---------------------------------------------------------------------------------------------
 # the rank's loop
+
 
 class _Rank:
     def __init__(self, rank: int, plan: LaunchPlan):
@@ -242,8 +254,9 @@ class _Rank:
             raise RuntimeError(f"rank {rank}: the parent never sent the store's port")
         port = plan.port_pipe.recv()
         plan.port_pipe.close()
-        self.store = dist.TCPStore(plan.store_host, port, is_master=False,
-                                   timeout=datetime.timedelta(seconds=plan.store_timeout))
+        self.store = dist.TCPStore(
+            plan.store_host, port, is_master=False, timeout=datetime.timedelta(seconds=plan.store_timeout)
+        )
 
     # -- bookkeeping -------------------------------------------------------------------------
     def report(self, index: Optional[int], name: Optional[str], phase: str) -> None:
@@ -267,9 +280,12 @@ class _Rank:
         if self.plan.device_type == "cuda":
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
         dist.init_process_group(
-            backend, store=dist.PrefixStore(f"pg{self.generation}/", self.store),
-            rank=self.rank, world_size=self.plan.world_size,
-            timeout=datetime.timedelta(seconds=self.plan.collective_timeout))
+            backend,
+            store=dist.PrefixStore(f"pg{self.generation}/", self.store),
+            rank=self.rank,
+            world_size=self.plan.world_size,
+            timeout=datetime.timedelta(seconds=self.plan.collective_timeout),
+        )
 
     def reset_group(self) -> None:
         self.meshes.clear()
@@ -372,11 +388,13 @@ class _Rank:
                 label = "output" if single else f"output[{index}]"
                 check(label, g, e)
                 if ref.requires_grad[index] != got.requires_grad[index]:
-                    problems.append(f"{label}: requires_grad {got.requires_grad[index]}, "
-                                    f"expected {ref.requires_grad[index]}")
+                    problems.append(
+                        f"{label}: requires_grad {got.requires_grad[index]}, expected {ref.requires_grad[index]}"
+                    )
         if (ref.grads is None) != (got.grads is None):
-            problems.append(f"gradients: computed in the "
-                            f"{'reference' if ref.grads is not None else 'distributed'} run only")
+            problems.append(
+                f"gradients: computed in the {'reference' if ref.grads is not None else 'distributed'} run only"
+            )
         elif ref.grads is not None:
             wanted = [i for i, item in enumerate(pc.case.inputs) if item.wants_grad]
             for i, g, e in zip(wanted, got.grads, ref.grads):
@@ -384,8 +402,12 @@ class _Rank:
         if ref.inputs_after is not None:
             for i, (g, e) in enumerate(zip(got.inputs_after, ref.inputs_after)):
                 check(f"input {i} after the call", g, e)
-        return {"status": "failed" if problems else "passed", "message": "\n".join(problems),
-                "max_abs": worst[0], "max_rel": worst[1]}
+        return {
+            "status": "failed" if problems else "passed",
+            "message": "\n".join(problems),
+            "max_abs": worst[0],
+            "max_rel": worst[1],
+        }
 
     def run_case(self, pc: PreparedCase) -> dict:
         case = pc.case
@@ -395,9 +417,12 @@ class _Rank:
                 with _running("reference"):
                     ref = self.execute(pc)
             except Exception as exc:  # noqa: BLE001
-                return {"status": "error", "raised": False,
-                        "message": "the single-process reference raised (the case itself is "
-                                   "wrong):\n" + _short_exception(exc)}
+                return {
+                    "status": "error",
+                    "raised": False,
+                    "message": "the single-process reference raised (the case itself is "
+                    "wrong):\n" + _short_exception(exc),
+                }
         try:
             mesh = self.mesh(pc)
             with _running("distributed", mesh):
@@ -405,18 +430,24 @@ class _Rank:
         except Exception as exc:  # noqa: BLE001
             text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             if case.expect_error is None:
-                return {"status": "error", "raised": True,
-                        "message": "the distributed run raised:\n" + _short_exception(exc)}
+                return {
+                    "status": "error",
+                    "raised": True,
+                    "message": "the distributed run raised:\n" + _short_exception(exc),
+                }
             if case.expect_error in f"{type(exc).__name__}: {exc}":
-                return {"status": "passed", "raised": True,
-                        "message": "raised as expected: " + text.splitlines()[0]}
-            return {"status": "failed", "raised": True,
-                    "message": f"expected an error containing {case.expect_error!r}, got:\n"
-                               + _short_exception(exc)}
+                return {"status": "passed", "raised": True, "message": "raised as expected: " + text.splitlines()[0]}
+            return {
+                "status": "failed",
+                "raised": True,
+                "message": f"expected an error containing {case.expect_error!r}, got:\n" + _short_exception(exc),
+            }
         if case.expect_error is not None:
-            return {"status": "failed", "raised": False,
-                    "message": f"expected an error containing {case.expect_error!r}, but the "
-                               "distributed run succeeded"}
+            return {
+                "status": "failed",
+                "raised": False,
+                "message": f"expected an error containing {case.expect_error!r}, but the distributed run succeeded",
+            }
         return dict(self.compare(pc, ref, got), raised=False)
 
     # -- the launch --------------------------------------------------------------------------
@@ -441,8 +472,10 @@ class _Rank:
                 if any(problems):
                     self.reset_group()
                     detail = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
-                    record["group_note"] = ("the process group did not work after the error "
-                                            f"({detail}); it was recreated for the next cases")
+                    record["group_note"] = (
+                        "the process group did not work after the error "
+                        f"({detail}); it was recreated for the next cases"
+                    )
                     if record["status"] == "passed":
                         record["status"] = "failed"
             record.update(type="case", index=pc.index, name=name, rank=self.rank)
@@ -465,8 +498,7 @@ def rank_main(rank: int, plan: LaunchPlan) -> None:
         except BaseException as exc:  # noqa: BLE001 -- reported to the parent, then exit
             traceback.print_exc()
             with open(os.path.join(plan.directory, f"rank{rank}.jsonl"), "a") as handle:
-                handle.write(json.dumps({"type": "fatal", "rank": rank,
-                                         "message": _short_exception(exc)}) + "\n")
+                handle.write(json.dumps({"type": "fatal", "rank": rank, "message": _short_exception(exc)}) + "\n")
             code = SETUP_ERROR_EXIT
         log.flush()
     except BaseException:  # noqa: BLE001
@@ -480,6 +512,7 @@ def counting(stat: str, fn):
     """fn, asserting in the distributed run that hypershard's dispatch_stats()[stat] grew during
     the call (e.g. "fallback_calls", "implicit_calls"): a case meant for that path cannot pass
     through another one unnoticed (when the op gets a rule, the case says so)."""
+
     def run(*args):
         if not in_distributed_run():
             return fn(*args)
@@ -489,4 +522,5 @@ def counting(stat: str, fn):
         out = fn(*args)
         assert hs._C.dispatch_stats()[stat] > before, f"no call counted in dispatch_stats()[{stat!r}]"
         return out
+
     return run

@@ -92,7 +92,8 @@ TEST(Layout, SlicesCoverEveryElementOncePerReplica) {
           if (!layout.is_sharded(a)) replicas *= mesh->shape()[a];
         std::vector<int64_t> hits(numel(shape), 0);
         std::vector<int64_t> strides(shape.size(), 1);
-        for (int64_t d = static_cast<int64_t>(shape.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * shape[d + 1];
+        for (int64_t d = static_cast<int64_t>(shape.size()) - 2; d >= 0; --d)
+          strides[d] = strides[d + 1] * shape[d + 1];
         for (int64_t p = 0; p < mesh->size(); ++p) {
           const auto local = layout.local_shape_at(p);
           const auto offset = layout.global_offset_at(p);

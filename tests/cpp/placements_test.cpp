@@ -91,15 +91,19 @@ TEST(Converters, Errors) {
   expect_error([&] { from_placements(mesh, {}, {{s0, r}, {}}); }, "a 0-d tensor cannot be sharded");
   expect_error([&] { from_placements(mesh, {4}, {{Placement::shard(-2), r}, {}}); }, "names dim -2");
   expect_error([&] { from_placements(mesh, {4}, {{s0, s0}, {{0, {1}}}}); }, "shard order for dim 0 must list exactly");
-  expect_error([&] { from_placements(mesh, {4}, {{s0, s0}, {{0, {1, 0}}, {0, {0, 1}}}}); }, "shard order lists dim 0 twice");
+  expect_error([&] { from_placements(mesh, {4}, {{s0, s0}, {{0, {1, 0}}, {0, {0, 1}}}}); },
+               "shard order lists dim 0 twice");
   expect_error([&] { from_placements(mesh, {4}, {{s0, r}, {{3, {0}}}}); }, "shard order names dim 3");
-  expect_error([&] { from_placements(mesh, {4}, {{Placement::partial(ReduceOp::Sum), Placement::partial(ReduceOp::Max)}, {}}); },
-               "one reduce op for all Partial axes");
+  expect_error(
+      [&] { from_placements(mesh, {4}, {{Placement::partial(ReduceOp::Sum), Placement::partial(ReduceOp::Max)}, {}}); },
+      "one reduce op for all Partial axes");
   expect_error([&] { from_placements(nullptr, {4}, {{s0}, {}}); }, "no mesh given");
   expect_error([&] { from_alias(mesh, {4, 4}, parse_alias("(\"dp\",)")); }, "names 1 dims but the tensor [4, 4] has 2");
   expect_error([&] { from_alias(mesh, {4}, parse_alias("(\"sp\",)")); }, "no axis named 'sp'");
-  expect_error([&] { from_alias(mesh, {4, 4}, parse_alias("(\"dp\", \"dp\")")); }, "mesh axis 'dp' shards dims 0 and 1");
-  expect_error([&] { from_alias(mesh, {4}, parse_alias("(\"dp\",) partial(sum: dp)")); }, "is either sharding or Partial");
+  expect_error([&] { from_alias(mesh, {4, 4}, parse_alias("(\"dp\", \"dp\")")); },
+               "mesh axis 'dp' shards dims 0 and 1");
+  expect_error([&] { from_alias(mesh, {4}, parse_alias("(\"dp\",) partial(sum: dp)")); },
+               "is either sharding or Partial");
   expect_error([&] { from_alias(mesh, {4}, parse_alias("(\"None\",) partial(sum: xx)")); }, "no axis named 'xx'");
   expect_error([] { parse_alias("\"dp\""); }, "expected '(' but found '\"dp\"'");
   expect_error([] { parse_alias("(\"dp\""); }, "missing ')'");
@@ -116,7 +120,8 @@ TEST(Converters, Errors) {
   expect_error([] { parse_alias("(\"None\",) partial(mean: dp)"); }, "unknown Partial reduce op 'mean'");
   expect_error([] { parse_alias("(\"None\",) partial(sum: dp) x"); }, "unexpected 'x' after partial");
   expect_error([] { parse_alias("(\"dp\"#)"); }, "unexpected character '#'");
-  expect_error([&] { from_tensor_map(mesh, {4, 4}, {{0}}); }, "tensor_map has 1 entries but the tensor [4, 4] has 2 dims");
+  expect_error([&] { from_tensor_map(mesh, {4, 4}, {{0}}); },
+               "tensor_map has 1 entries but the tensor [4, 4] has 2 dims");
   expect_error([&] { from_tensor_map(mesh, {4}, {{}}); }, "entry for dim 0 is empty");
   expect_error([&] { from_tensor_map(mesh, {4}, {{2}}); }, "entry 2 for dim 0 is out of range");
   expect_error([&] { from_tensor_map(mesh, {4}, {{-1, 0}}); }, "entry -1 for dim 0 is out of range");

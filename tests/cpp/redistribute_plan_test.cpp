@@ -100,14 +100,20 @@ int64_t gather_everything_cost(const Layout& src, const Layout& dst) {
   for (int64_t d = 0; d < state.ndim(); ++d)
     while (!state.dim_axes()[d].empty()) {
       const int64_t axis = state.dim_axes()[d].back();
-      total += RedistributeStep{StepKind::AllGather, axis, d, -1, ReduceOp::Sum, state, state,
-                                step_elements_sent(StepKind::AllGather, axis, d, -1, state)}.total_elements();
+      total +=
+          RedistributeStep{
+              StepKind::AllGather, axis,  d,     -1,
+              ReduceOp::Sum,       state, state, step_elements_sent(StepKind::AllGather, axis, d, -1, state)}
+              .total_elements();
       state = state.without_axis(axis);
     }
   for (int64_t axis = 0; axis < state.mesh()->ndim(); ++axis)
     if (state.is_partial(axis)) {
-      total += RedistributeStep{StepKind::AllReduce, axis, -1, -1, ReduceOp::Sum, state, state,
-                                step_elements_sent(StepKind::AllReduce, axis, -1, -1, state)}.total_elements();
+      total +=
+          RedistributeStep{
+              StepKind::AllReduce, axis,  -1,    -1,
+              ReduceOp::Sum,       state, state, step_elements_sent(StepKind::AllReduce, axis, -1, -1, state)}
+              .total_elements();
       state = state.without_axis(axis);
     }
   (void)dst;  // chunk and fill move nothing
@@ -169,7 +175,8 @@ TEST_P(EveryPair, PlanSimulatesExactly) {
         if (a == b || a.without_axis(axis) != b.without_axis(axis)) continue;
         const auto sa = axis_state(a, axis), sb = axis_state(b, axis);
         const bool shard_end_ok = (sa.kind != 2 || sa.minor_most) && (sb.kind != 2 || sb.minor_most);
-        const bool compatible_fill = !(sa.kind == 0 && sb.kind == 1 && a.partial_op() && a.partial_op() != b.partial_op());
+        const bool compatible_fill =
+            !(sa.kind == 0 && sb.kind == 1 && a.partial_op() && a.partial_op() != b.partial_op());
         // P -> P (another op) and S -> P are two steps by design: through Replicate.
         if (!shard_end_ok || !compatible_fill || (sb.kind == 1 && sa.kind != 0)) continue;
         ++single_axis;

@@ -66,10 +66,14 @@ SimTensor concat_along(const std::vector<SimTensor>& pieces, int64_t dim) {
 double combine(ReduceOp op, double a, double b) {
   switch (op) {
     case ReduceOp::Sum:
-    case ReduceOp::Avg: return a + b;
-    case ReduceOp::Max: return std::max(a, b);
-    case ReduceOp::Min: return std::min(a, b);
-    case ReduceOp::Prod: return a * b;
+    case ReduceOp::Avg:
+      return a + b;
+    case ReduceOp::Max:
+      return std::max(a, b);
+    case ReduceOp::Min:
+      return std::min(a, b);
+    case ReduceOp::Prod:
+      return a * b;
   }
   return 0;
 }
@@ -195,7 +199,8 @@ SimRun run_plan(const layout::RedistributePlan& plan, const layout::MeshPtr& mes
           for (int64_t c = 0; c < k; ++c) {
             next[group[c]] = shards[group[c]];
             if (c == 0 || step.op == ReduceOp::Max || step.op == ReduceOp::Min || step.op == ReduceOp::Avg) continue;
-            std::fill(next[group[c]].values.begin(), next[group[c]].values.end(), step.op == ReduceOp::Prod ? 1.0 : 0.0);
+            std::fill(next[group[c]].values.begin(), next[group[c]].values.end(),
+                      step.op == ReduceOp::Prod ? 1.0 : 0.0);
           }
           break;
         case StepKind::AllGather: {
@@ -231,7 +236,8 @@ SimRun run_plan(const layout::RedistributePlan& plan, const layout::MeshPtr& mes
             std::vector<SimTensor> contributions;
             for (int64_t src = 0; src < k; ++src) {
               const auto& v = shards[group[src]].values;
-              contributions.push_back({{span.length}, std::vector<double>(v.begin() + span.begin, v.begin() + span.begin + span.length)});
+              contributions.push_back(
+                  {{span.length}, std::vector<double>(v.begin() + span.begin, v.begin() + span.begin + span.length)});
               if (src != dst) sent[group[src]] += span.length;
             }
             reduced[dst] = reduce_all(contributions, step.op);
@@ -262,13 +268,14 @@ std::string check_shards(const Layout& layout, const SimTensor& global, const st
     if (!axes.empty()) {
       std::vector<SimTensor> contributions;
       for (int64_t q : group_over(mesh, p, axes)) contributions.push_back(shards[q]);
-      if (std::any_of(contributions.begin(), contributions.end(), [&](const SimTensor& t) { return t.shape != expected.shape; }))
+      if (std::any_of(contributions.begin(), contributions.end(),
+                      [&](const SimTensor& t) { return t.shape != expected.shape; }))
         return "position " + std::to_string(p) + ": a Partial contribution has the wrong shape";
       actual = reduce_all(contributions, *layout.partial_op());
     }
     if (actual.shape != expected.shape)
-      return "position " + std::to_string(p) + ": local shape " + layout::shape_string(actual.shape) +
-             ", expected " + layout::shape_string(expected.shape);
+      return "position " + std::to_string(p) + ": local shape " + layout::shape_string(actual.shape) + ", expected " +
+             layout::shape_string(expected.shape);
     for (size_t i = 0; i < expected.values.size(); ++i)
       if (std::abs(actual.values[i] - expected.values[i]) > 1e-9 * std::max(1.0, std::abs(expected.values[i]))) {
         std::ostringstream out;

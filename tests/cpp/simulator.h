@@ -33,12 +33,10 @@ struct SimRun {
   std::vector<SimTensor> shards;
   std::vector<std::vector<int64_t>> elements_sent;  // per step, per mesh position
 };
-SimRun run_plan(const layout::RedistributePlan& plan, const layout::MeshPtr& mesh,
-                std::vector<SimTensor> shards);
+SimRun run_plan(const layout::RedistributePlan& plan, const layout::MeshPtr& mesh, std::vector<SimTensor> shards);
 
 // Empty when `shards` represent `global` under `layout` (reducing over Partial axes first);
 // otherwise a description of the first mismatch.
-std::string check_shards(const Layout& layout, const SimTensor& global,
-                         const std::vector<SimTensor>& shards);
+std::string check_shards(const Layout& layout, const SimTensor& global, const std::vector<SimTensor>& shards);
 
 }  // namespace hypershard::testing

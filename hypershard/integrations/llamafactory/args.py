@@ -19,8 +19,14 @@ import torch
 
 __all__ = ["HyperParallelArguments", "HyperParallelConfigError"]
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 class HyperParallelConfigError(ValueError):
@@ -64,12 +70,15 @@ class HyperParallelArguments:
     def from_dict(cls, values: dict, source: Optional[str] = None) -> "HyperParallelArguments":
         where = f"hyper_parallel_args {source}" if source else "hyper_parallel_args"
         if not isinstance(values, dict):
-            raise HyperParallelConfigError(f"hypershard: llamafactory: {where}: expected a JSON object, got "
-                                           f"{type(values).__name__}; allowed keys: {cls.keys()}")
+            raise HyperParallelConfigError(
+                f"hypershard: llamafactory: {where}: expected a JSON object, got "
+                f"{type(values).__name__}; allowed keys: {cls.keys()}"
+            )
         unknown = sorted(set(values) - set(cls.keys()))
         if unknown:
-            raise HyperParallelConfigError(f"hypershard: llamafactory: {where}: unknown key(s) {unknown}; "
-                                           f"allowed: {cls.keys()}")
+            raise HyperParallelConfigError(
+                f"hypershard: llamafactory: {where}: unknown key(s) {unknown}; allowed: {cls.keys()}"
+            )
         args = cls(**values, source=source)
         args._check_types(where)
         return args
@@ -78,13 +87,16 @@ class HyperParallelArguments:
     def from_file(cls, path) -> "HyperParallelArguments":
         path = Path(path)
         if not path.is_file():
-            raise HyperParallelConfigError(f"hypershard: llamafactory: hyper_parallel_args {str(path)!r} is not a "
-                                           f"file; allowed: the path of a JSON file")
+            raise HyperParallelConfigError(
+                f"hypershard: llamafactory: hyper_parallel_args {str(path)!r} is not a "
+                f"file; allowed: the path of a JSON file"
+            )
         try:
             values = json.loads(path.read_text())
         except json.JSONDecodeError as error:
-            raise HyperParallelConfigError(f"hypershard: llamafactory: hyper_parallel_args {path}: not valid JSON "
-                                           f"({error})") from None
+            raise HyperParallelConfigError(
+                f"hypershard: llamafactory: hyper_parallel_args {path}: not valid JSON ({error})"
+            ) from None
         return cls.from_dict(values, source=str(path))
 
     @classmethod
@@ -105,8 +117,9 @@ class HyperParallelArguments:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 self._fail(f"{key}={value!r}; allowed: an integer >= 1")
-        if self.dp_size is not None and (isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int)
-                                         or self.dp_size < 1):
+        if self.dp_size is not None and (
+            isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) or self.dp_size < 1
+        ):
             self._fail(f"dp_size={self.dp_size!r}; allowed: an integer >= 1, or null (the world / (tp x ep))")
         for key in ("fully_shard", "reshard_after_forward", "strict"):
             if not isinstance(getattr(self, key), bool):
@@ -117,10 +130,16 @@ class HyperParallelArguments:
                 self._fail(f"{key}={value!r}; allowed: null or one of {sorted(_DTYPES)}")
         for key in ("tp_plan", "ep_plan"):
             value = getattr(self, key)
-            if not (value == "auto" or (isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str)
-                                                                         for k, v in value.items()))):
-                self._fail(f"{key}={value!r}; allowed: \"auto\" (the model's HF plan) or an object "
-                           f"{{module pattern: plan style}}")
+            if not (
+                value == "auto"
+                or (
+                    isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+                )
+            ):
+                self._fail(
+                    f'{key}={value!r}; allowed: "auto" (the model\'s HF plan) or an object '
+                    f"{{module pattern: plan style}}"
+                )
 
     def mesh_spec(self, world: int) -> tuple:
         """(shape, names) of the mesh on `world` ranks: dp always (size 1 allowed), ep and tp when > 1."""
@@ -135,15 +154,21 @@ class HyperParallelArguments:
 
     def check_world(self, world: int) -> None:
         if world % self.tp_size:
-            self._fail(f"tp_size={self.tp_size} does not divide the {world} ranks of this run; allowed: a tp_size "
-                       f"that divides the world size (torchrun --nproc-per-node)")
+            self._fail(
+                f"tp_size={self.tp_size} does not divide the {world} ranks of this run; allowed: a tp_size "
+                f"that divides the world size (torchrun --nproc-per-node)"
+            )
         if world % (self.tp_size * self.ep_size):
-            self._fail(f"tp_size x ep_size = {self.tp_size} x {self.ep_size} does not divide the {world} ranks of "
-                       f"this run; allowed: sizes whose product divides the world size")
+            self._fail(
+                f"tp_size x ep_size = {self.tp_size} x {self.ep_size} does not divide the {world} ranks of "
+                f"this run; allowed: sizes whose product divides the world size"
+            )
         dp = world // (self.tp_size * self.ep_size)
         if self.dp_size is not None and self.dp_size != dp:
-            self._fail(f"dp_size={self.dp_size} but {world} ranks / (tp_size {self.tp_size} x ep_size "
-                       f"{self.ep_size}) = {dp}; allowed: {dp} or null")
+            self._fail(
+                f"dp_size={self.dp_size} but {world} ranks / (tp_size {self.tp_size} x ep_size "
+                f"{self.ep_size}) = {dp}; allowed: {dp} or null"
+            )
 
     def check_model(self, model: torch.nn.Module) -> None:
         """What the model's shape must allow: heads over tp, experts over ep, a plan to apply."""
@@ -153,23 +178,39 @@ class HyperParallelArguments:
         kv = getattr(text, "num_key_value_heads", None) or heads
         if self.tp_size > 1:
             if heads and self.tp_size > heads:
-                self._fail(f"tp_size={self.tp_size} is larger than the model's {heads} attention heads; allowed: "
-                           f"a tp_size that divides num_attention_heads={heads}")
+                self._fail(
+                    f"tp_size={self.tp_size} is larger than the model's {heads} attention heads; allowed: "
+                    f"a tp_size that divides num_attention_heads={heads}"
+                )
             if heads and heads % self.tp_size:
-                self._fail(f"tp_size={self.tp_size} does not divide the model's num_attention_heads={heads}; "
-                           f"allowed: a divisor of {heads}")
+                self._fail(
+                    f"tp_size={self.tp_size} does not divide the model's num_attention_heads={heads}; "
+                    f"allowed: a divisor of {heads}"
+                )
             if kv and kv < self.tp_size and self.tp_size % kv:
-                self._fail(f"tp_size={self.tp_size} is neither a divisor nor a multiple of the model's "
-                           f"num_key_value_heads={kv}; allowed: one of them")
+                self._fail(
+                    f"tp_size={self.tp_size} is neither a divisor nor a multiple of the model's "
+                    f"num_key_value_heads={kv}; allowed: one of them"
+                )
         if self.ep_size > 1:
-            experts = next((getattr(text, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
-                            if isinstance(getattr(text, k, None), int)), None)
+            experts = next(
+                (
+                    getattr(text, k)
+                    for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                    if isinstance(getattr(text, k, None), int)
+                ),
+                None,
+            )
             if experts is None:
-                self._fail(f"ep_size={self.ep_size} but the model has no experts (no num_experts in its config); "
-                           f"allowed: ep_size 1 for a dense model")
+                self._fail(
+                    f"ep_size={self.ep_size} but the model has no experts (no num_experts in its config); "
+                    f"allowed: ep_size 1 for a dense model"
+                )
             if experts % self.ep_size:
-                self._fail(f"ep_size={self.ep_size} does not divide the model's {experts} experts; allowed: a divisor "
-                           f"of {experts}")
+                self._fail(
+                    f"ep_size={self.ep_size} does not divide the model's {experts} experts; allowed: a divisor "
+                    f"of {experts}"
+                )
 
     # ------------------------------------------------------------------------------------ use
 

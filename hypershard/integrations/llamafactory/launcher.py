@@ -61,6 +61,7 @@ to llamafactory-cli unchanged."""
 
 # ------------------------------------------------------------------------------ hyper_parallel
 
+
 class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Answers for the three ``hyper_parallel`` module names LlamaFactory imports: two empty
     packages and one module re-exporting hypershard's HyperParallelArguments / HyperParallelTrainer.
@@ -104,14 +105,18 @@ def register_hyper_parallel() -> bool:
     if any(isinstance(f, _AliasFinder) for f in sys.meta_path):
         return True
     if real_hyper_parallel_installed():
-        print("hypershard: llamafactory: a real hyper_parallel package is installed; it handles "
-              "use_hyper_parallel (hypershard is not registered)", file=sys.stderr)
+        print(
+            "hypershard: llamafactory: a real hyper_parallel package is installed; it handles "
+            "use_hyper_parallel (hypershard is not registered)",
+            file=sys.stderr,
+        )
         return False
     sys.meta_path.append(_AliasFinder())
     return True
 
 
 # ---------------------------------------------------------------------------------- torchaudio
+
 
 class _MissingAudio(types.ModuleType):
     """Stands in for a torchaudio that cannot load: importable (mm_plugin imports it), unusable."""
@@ -125,8 +130,10 @@ class _MissingAudio(types.ModuleType):
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        raise ImportError(f"hypershard: llamafactory: torchaudio.{name} is unavailable: torchaudio does not load "
-                          f"here ({self._reason}); audio inputs are not supported by this launcher")
+        raise ImportError(
+            f"hypershard: llamafactory: torchaudio.{name} is unavailable: torchaudio does not load "
+            f"here ({self._reason}); audio inputs are not supported by this launcher"
+        )
 
 
 def ensure_torchaudio() -> bool:
@@ -134,6 +141,7 @@ def ensure_torchaudio() -> bool:
     registers the stand-in. Returns whether the real one is used."""
     try:
         import torchaudio  # noqa: F401
+
         return True
     except Exception as error:  # OSError from a CUDA build's missing libraries, or ImportError
         for name in [n for n in sys.modules if n == "torchaudio" or n.startswith("torchaudio.")]:
@@ -143,6 +151,7 @@ def ensure_torchaudio() -> bool:
 
 
 # --------------------------------------------------------------------------------- torchvision
+
 
 @functools.lru_cache(maxsize=None)
 def _refusing_video_processor_class():
@@ -155,9 +164,11 @@ def _refusing_video_processor_class():
         reason = "torchvision does not load"
 
         def __call__(self, videos=None, **kwargs):
-            raise ImportError(f"hypershard: llamafactory: video inputs are unavailable: the model's video processor "
-                              f"needs torchvision, which does not load here ({self.reason}); video training is not "
-                              f"supported by this launcher")
+            raise ImportError(
+                f"hypershard: llamafactory: video inputs are unavailable: the model's video processor "
+                f"needs torchvision, which does not load here ({self.reason}); video training is not "
+                f"supported by this launcher"
+            )
 
         preprocess = __call__
 
@@ -193,8 +204,10 @@ def _install_video_fallback(reason: str) -> None:
     mapping = processing_utils.MODALITY_TO_AUTOPROCESSOR_MAPPING
     # An attribute of this one mapping object (its class's table stays as it is): ProcessorMixin
     # looks "video_processor" up here when it loads a processor's parts.
-    mapping._MAPPING_NAMES = {**type(mapping)._MAPPING_NAMES,
-                              "video_processor": (__name__, NoVideoAutoProcessor.__name__)}
+    mapping._MAPPING_NAMES = {
+        **type(mapping)._MAPPING_NAMES,
+        "video_processor": (__name__, NoVideoAutoProcessor.__name__),
+    }
     # ProcessorMixin checks a video processor against transformers.BaseVideoProcessor, which without
     # torchvision is a placeholder that nothing is an instance of; the class itself imports and
     # works without torchvision (only its video transforms need it), so the check gets the class.
@@ -206,6 +219,7 @@ def ensure_torchvision() -> bool:
     fallback (module docstring). Returns whether the real one is used."""
     try:
         import torchvision  # noqa: F401
+
         return True
     except Exception as error:  # ModuleNotFoundError, or a wheel built for another torch (RuntimeError)
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
@@ -224,6 +238,7 @@ def ensure_torchvision() -> bool:
 
 
 # -------------------------------------------------------------------------------------- launch
+
 
 def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -247,8 +262,17 @@ def _relaunch(argv: list) -> int:
     env.pop("FORCE_TORCHRUN", None)  # the ranks run LlamaFactory in-process, never torchrun again
     # --tee=3: every line of a rank's output is tagged with its rank ([default1]:...), so an error that
     # every rank raises is seen once per rank
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "--tee=3", "-m", "hypershard.integrations.llamafactory", *argv]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--tee=3",
+        "-m",
+        "hypershard.integrations.llamafactory",
+        *argv,
+    ]
     return subprocess.call(command, env=env)
 
 
@@ -268,8 +292,12 @@ def _watchdog() -> None:
     rank = os.environ.get("RANK", "0")
 
     def expire():
-        print(f"hypershard: llamafactory: rank {rank} of {os.environ.get('WORLD_SIZE', '1')} still running after "
-              f"{seconds} s ({TIMEOUT_ENV}); its stacks follow", file=sys.stderr, flush=True)
+        print(
+            f"hypershard: llamafactory: rank {rank} of {os.environ.get('WORLD_SIZE', '1')} still running after "
+            f"{seconds} s ({TIMEOUT_ENV}); its stacks follow",
+            file=sys.stderr,
+            flush=True,
+        )
         faulthandler.dump_traceback(all_threads=True)
         os._exit(124)
 
@@ -283,8 +311,11 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
-    if argv[0] == "train" and not _under_torchrun() and (_env_enabled("FORCE_TORCHRUN")
-                                                         or int(os.environ.get("NPROC_PER_NODE", "1")) > 1):
+    if (
+        argv[0] == "train"
+        and not _under_torchrun()
+        and (_env_enabled("FORCE_TORCHRUN") or int(os.environ.get("NPROC_PER_NODE", "1")) > 1)
+    ):
         return _relaunch(argv)
     os.environ.pop("FORCE_TORCHRUN", None)  # LlamaFactory's launcher must not start torchrun itself
     _watchdog()

@@ -38,12 +38,13 @@ from .args import HyperParallelArguments
 try:  # the trainer LlamaFactory's own sft stage uses
     from llamafactory.train.sft.trainer import CustomSeq2SeqTrainer
 except ImportError as error:  # pragma: no cover - only without LlamaFactory
-    raise ImportError("hypershard: llamafactory: LlamaFactory is not installed (make setup installs "
-                      "requirements-llamafactory.txt)") from error
+    raise ImportError(
+        "hypershard: llamafactory: LlamaFactory is not installed (make setup installs requirements-llamafactory.txt)"
+    ) from error
 
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
 from accelerate.data_loader import prepare_data_loader
+from accelerate.utils import DistributedType
 from transformers import TrainerCallback
 
 __all__ = ["HyperParallelTrainer", "HyperParallelArguments"]
@@ -100,12 +101,21 @@ class _HypershardAccelerator(Accelerator):
         if getattr(data_loader, "_is_accelerate_prepared", False):
             return data_loader
         prepared = prepare_data_loader(
-            data_loader, self.device, num_processes=1, process_index=0, split_batches=self.split_batches,
+            data_loader,
+            self.device,
+            num_processes=1,
+            process_index=0,
+            split_batches=self.split_batches,
             put_on_device=self.device_placement if device_placement is None else device_placement,
-            rng_types=self.rng_types.copy(), dispatch_batches=self.dispatch_batches, even_batches=self.even_batches,
-            slice_fn_for_dispatch=slice_fn_for_dispatch, use_seedable_sampler=self.use_seedable_sampler,
-            data_seed=self.dataloader_config.data_seed, non_blocking=self.non_blocking,
-            use_stateful_dataloader=self.use_stateful_dataloader)
+            rng_types=self.rng_types.copy(),
+            dispatch_batches=self.dispatch_batches,
+            even_batches=self.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch,
+            use_seedable_sampler=self.use_seedable_sampler,
+            data_seed=self.dataloader_config.data_seed,
+            non_blocking=self.non_blocking,
+            use_stateful_dataloader=self.use_stateful_dataloader,
+        )
         self._dataloaders.append(prepared)
         return prepared
 
@@ -134,15 +144,24 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
     """The trainer LlamaFactory's hyper_parallel workflow builds (the ``use_hyper_parallel``
     contract): keyword arguments as CustomSeq2SeqTrainer's plus ``hp_args``."""
 
-    def __init__(self, hp_args: Optional[HyperParallelArguments] = None, model=None, args=None,
-                 finetuning_args=None, processor=None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        hp_args: Optional[HyperParallelArguments] = None,
+        model=None,
+        args=None,
+        finetuning_args=None,
+        processor=None,
+        **kwargs: Any,
+    ) -> None:
         import hypershard as hs
 
         hp_args = hp_args if hp_args is not None else HyperParallelArguments()
         rank, world = _rank_world()
         if finetuning_args is not None and getattr(finetuning_args, "finetuning_type", "full") != "full":
-            hp_args._fail(f"finetuning_type={finetuning_args.finetuning_type!r}: hypershard trains full "
-                          f"fine-tuning only; allowed: finetuning_type: full")
+            hp_args._fail(
+                f"finetuning_type={finetuning_args.finetuning_type!r}: hypershard trains full "
+                f"fine-tuning only; allowed: finetuning_type: full"
+            )
         shape, names = hp_args.mesh_spec(world)
         hp_args.check_model(model)
         self.hp_args = hp_args
@@ -175,8 +194,9 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
         if hp.fully_shard:
             from hypershard.fully_shard import fully_shard
 
-            blocks = next((m for n, m in model.named_modules() if n.endswith("layers")
-                           and isinstance(m, torch.nn.ModuleList)), [])
+            blocks = next(
+                (m for n, m in model.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList)), []
+            )
             for block in blocks:  # one group per decoder layer, then the root (as fully_shard_layers)
                 fully_shard(block, self.mesh, reshard_after_forward=hp.reshard_after_forward)
             fully_shard(model, self.mesh, reshard_after_forward=hp.reshard_after_forward)
@@ -185,17 +205,25 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
             from hypershard.mixed_precision import mixed_precision
 
             # fully_shard's groups (no policy of their own) take this one too
-            mixed_precision(model, MixedPrecisionPolicy(param_dtype=hp.dtype("param_dtype"),
-                                                        reduce_dtype=hp.dtype("reduce_dtype")))
+            mixed_precision(
+                model, MixedPrecisionPolicy(param_dtype=hp.dtype("param_dtype"), reduce_dtype=hp.dtype("reduce_dtype"))
+            )
 
-    def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False,
-                        dataloader_key=None):
+    def _get_dataloader(
+        self, dataset, description, batch_size, sampler_fn=None, is_training=False, dataloader_key=None
+    ):
         # Evaluation / prediction read per_device_eval_batch_size x dp sequences per batch on every
         # rank, as training does (its batch size is already _train_batch_size).
         if not is_training:
             batch_size = batch_size * self.dp_size
-        return super()._get_dataloader(dataset, description, batch_size, sampler_fn=sampler_fn,
-                                       is_training=is_training, dataloader_key=dataloader_key)
+        return super()._get_dataloader(
+            dataset,
+            description,
+            batch_size,
+            sampler_fn=sampler_fn,
+            is_training=is_training,
+            dataloader_key=dataloader_key,
+        )
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -260,16 +288,19 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         from hypershard import checkpoint
 
-        checkpoint.save(os.path.join(output_dir, SHARDS_DIR), self.model, self._inner_optimizer(),
-                        step=self.state.global_step)
+        checkpoint.save(
+            os.path.join(output_dir, SHARDS_DIR), self.model, self._inner_optimizer(), step=self.state.global_step
+        )
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _shards(self, checkpoint_dir: str) -> str:
         path = os.path.join(checkpoint_dir, SHARDS_DIR)
         if not os.path.isdir(path):
-            self.hp_args._fail(f"resume_from_checkpoint {checkpoint_dir!r} holds no hypershard shards ({SHARDS_DIR}/); "
-                               f"allowed: a checkpoint-N folder written by a use_hyper_parallel run")
+            self.hp_args._fail(
+                f"resume_from_checkpoint {checkpoint_dir!r} holds no hypershard shards ({SHARDS_DIR}/); "
+                f"allowed: a checkpoint-N folder written by a use_hyper_parallel run"
+            )
         return path
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:

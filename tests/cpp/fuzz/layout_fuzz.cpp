@@ -60,9 +60,9 @@ using layout::str_cat;
   std::abort();
 }
 
-#define FUZZ_CHECK(cond, ...)                                                     \
-  do {                                                                            \
-    if (!(cond)) violated(str_cat(#cond, ": ", __VA_ARGS__));                     \
+#define FUZZ_CHECK(cond, ...)                                 \
+  do {                                                        \
+    if (!(cond)) violated(str_cat(#cond, ": ", __VA_ARGS__)); \
   } while (false)
 
 constexpr int64_t kMaxRanks = 16;
@@ -70,8 +70,8 @@ constexpr int64_t kMaxDimSize = 7;
 
 // Axis names, some of which need quoting or look like keywords of the alias notation.
 const std::vector<std::string>& axis_name_pool() {
-  static const std::vector<std::string> pool{"dp", "tp", "sp", "ep", "cp", "pp", "x", "a_1", "0",
-                                             "sum", "partial", "t p", "d-p", "x'y", "q\"r", "None2"};
+  static const std::vector<std::string> pool{"dp", "tp",  "sp",      "ep",  "cp",  "pp",  "x",    "a_1",
+                                             "0",  "sum", "partial", "t p", "d-p", "x'y", "q\"r", "None2"};
   return pool;
 }
 
@@ -155,10 +155,12 @@ void check_mesh(const Mesh& mesh, FuzzedDataProvider& in) {
     const auto sub_coord = sub->coordinate(r);
     for (size_t j = 0; j < names.size(); ++j) {
       const int64_t axis = mesh.axis_index(names[j]);
-      FUZZ_CHECK(coord[axis] == sub_coord[j], "sub-mesh coordinate of rank ", r, " in ", sub->to_string(), " of ", where);
+      FUZZ_CHECK(coord[axis] == sub_coord[j], "sub-mesh coordinate of rank ", r, " in ", sub->to_string(), " of ",
+                 where);
       coord[axis] = base[axis];
     }
-    FUZZ_CHECK(coord == base, "sub-mesh ", sub->to_string(), " of ", where, " leaves rank ", rank, "'s other coordinates");
+    FUZZ_CHECK(coord == base, "sub-mesh ", sub->to_string(), " of ", where, " leaves rank ", rank,
+               "'s other coordinates");
   }
 }
 
@@ -179,9 +181,15 @@ std::optional<layout::Layout> make_fuzz_layout(FuzzedDataProvider& in, const Mes
       Placements p;
       for (int64_t a = 0; a < mesh_ndim; ++a) {
         switch (in.ConsumeIntegralInRange<int>(0, 2)) {
-          case 0: p.per_axis.push_back(Placement::replicate()); break;
-          case 1: p.per_axis.push_back(Placement::shard(in.ConsumeIntegralInRange<int64_t>(-ndim - 1, ndim))); break;
-          default: p.per_axis.push_back(Placement::partial(any_op(in))); break;
+          case 0:
+            p.per_axis.push_back(Placement::replicate());
+            break;
+          case 1:
+            p.per_axis.push_back(Placement::shard(in.ConsumeIntegralInRange<int64_t>(-ndim - 1, ndim)));
+            break;
+          default:
+            p.per_axis.push_back(Placement::partial(any_op(in)));
+            break;
         }
       }
       if (in.ConsumeIntegralInRange<int>(0, 5) == 0) p.per_axis.push_back(Placement::replicate());  // one too many
@@ -206,7 +214,8 @@ std::optional<layout::Layout> make_fuzz_layout(FuzzedDataProvider& in, const Mes
     }
     case 1: {  // alias notation: printed, parsed back, converted
       AliasLayout alias;
-      const int64_t dims = ndim + (in.ConsumeIntegralInRange<int>(0, 7) == 0 ? in.ConsumeIntegralInRange<int64_t>(-1, 1) : 0);
+      const int64_t dims =
+          ndim + (in.ConsumeIntegralInRange<int>(0, 7) == 0 ? in.ConsumeIntegralInRange<int64_t>(-1, 1) : 0);
       std::vector<bool> taken(mesh_ndim, false);
       const auto pick_name = [&] {
         const int64_t a = in.ConsumeIntegralInRange<int64_t>(0, mesh_ndim);
@@ -321,8 +330,8 @@ void check_plan(const layout::Layout& src, const layout::Layout& dst, uint32_t s
   } catch (const LayoutError& e) {
     violated(str_cat("no plan from ", src.to_string(), " to ", dst.to_string(), ": ", e.what()));
   }
-  const std::string where = src.to_string() + " -> " + dst.to_string() + " on " + mesh->to_string() + "\nplan:\n" +
-                            plan.to_string(4);
+  const std::string where =
+      src.to_string() + " -> " + dst.to_string() + " on " + mesh->to_string() + "\nplan:\n" + plan.to_string(4);
   FUZZ_CHECK(plan.steps.empty() == (src == dst), where);
   int64_t total = 0;
   for (size_t i = 0; i < plan.steps.size(); ++i) {
@@ -332,9 +341,9 @@ void check_plan(const layout::Layout& src, const layout::Layout& dst, uint32_t s
     FUZZ_CHECK(step.from.without_axis(step.axis) == step.to.without_axis(step.axis), "step ", i,
                " changes more than its axis: ", where);
     FUZZ_CHECK(static_cast<int64_t>(step.elements_sent.size()) == mesh->size(), "step ", i, ": ", where);
-    FUZZ_CHECK(step.elements_sent ==
-                   layout::step_elements_sent(step.kind, step.axis, step.src_dim, step.dst_dim, step.from),
-               "step ", i, " traffic differs from the cost model: ", where);
+    FUZZ_CHECK(
+        step.elements_sent == layout::step_elements_sent(step.kind, step.axis, step.src_dim, step.dst_dim, step.from),
+        "step ", i, " traffic differs from the cost model: ", where);
     total += step.total_elements();
   }
   if (!plan.steps.empty()) FUZZ_CHECK(plan.steps.back().to == dst, "the last step misses the target: ", where);

@@ -10,9 +10,9 @@ last index of an equal extreme and propagates NaN) and for sort (stable: GLOBAL 
 a Partial input through the linear ones. Planted faults (each rank's local scan or sort, no
 exchange) are caught."""
 
-import hypershard as hs
 import torch
 
+import hypershard as hs
 from hypershard.testing import Case, Input, assert_all_passed, run_cases, traffic_checked
 from hypershard.testing.spec import randint
 

@@ -249,11 +249,10 @@ def test_killed_save_leaves_no_complete_checkpoint(tmp_path):
 
 
 def _export(rank, world, root, model_type, mesh_spec):
+    import hypershard as hs
     from hypershard import checkpoint
     from hypershard.models import tiny_config, tiny_model
     from hypershard.parallel import parallelize
-
-    import hypershard as hs
 
     overrides = UNEVEN if model_type == "qwen3" else {}
     model = parallelize(tiny_model(tiny_config(model_type, **overrides)), hs.init_device_mesh("cpu", *mesh_spec))

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 hs = pytest.importorskip("hypershard")
-from hypershard.testing import Case, Input, current_mesh, in_distributed_run, run_cases  # noqa: E402
 from hypershard.context_parallel import head_tail_order, shift_labels  # noqa: E402
+from hypershard.testing import Case, Input, current_mesh, run_cases  # noqa: E402
 
 M2 = ((2,), ("cp",))
 M4 = ((4,), ("cp",))

@@ -8,9 +8,9 @@ transposed conv1d (its sharded length is gathered). grad_weight / grad_bias come
 Partial(sum) over the batch and halo axes. A planted fault (each rank convolving its own block
 with no halo) is caught."""
 
-import hypershard as hs
 import torch.nn.functional as F
 
+import hypershard as hs
 from hypershard.testing import Case, Input, assert_all_passed, run_cases, traffic_checked
 
 M2 = ((2,), ("dp",))

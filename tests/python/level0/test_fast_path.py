@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import hypershard as hs
-from hypershard.testing import Case, Input, assert_all_passed, in_distributed_run, run_cases, replicated
+from hypershard.testing import Case, Input, assert_all_passed, in_distributed_run, replicated, run_cases
 
 MESH4 = ((4,), ("a",))
 MESH22 = ((2, 2), ("a", "b"))

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import hypershard as hs
-from hypershard.testing import Case, Input, assert_all_passed, in_distributed_run, run_cases, replicated
+from hypershard.testing import Case, Input, assert_all_passed, in_distributed_run, replicated, run_cases
 
 MESH22 = ((2, 2), ("dp", "tp"))
 MESH4 = ((4,), ("dp",))

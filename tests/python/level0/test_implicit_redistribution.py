@@ -19,8 +19,15 @@ import torch
 import torch.nn.functional as F
 
 import hypershard as hs
-from hypershard.testing import (Case, DefaultModeAdapter, Input, assert_all_passed, counting, in_distributed_run,
-                                run_cases)
+from hypershard.testing import (
+    Case,
+    DefaultModeAdapter,
+    Input,
+    assert_all_passed,
+    counting,
+    in_distributed_run,
+    run_cases,
+)
 from hypershard.testing.spec import randint
 
 M2 = ((2,), ("dp",))

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 hs = pytest.importorskip("hypershard")
 from hypershard.testing import (  # noqa: E402
     Case,
-    NoisyPartialAdapter,
     Input,
+    NoisyPartialAdapter,
     current_mesh,
     in_distributed_run,
     randint,

@@ -20,7 +20,7 @@ import io
 import torch
 
 import hypershard as hs
-from hypershard.testing import Case, Input, assert_all_passed, in_distributed_run, run_cases, uniform, replicated
+from hypershard.testing import Case, Input, assert_all_passed, in_distributed_run, replicated, run_cases, uniform
 
 MESH2 = ((2,), ("dp",))
 MESH4 = ((4,), ("dp",))

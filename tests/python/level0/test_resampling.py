@@ -13,9 +13,9 @@ Tolerances: the pads' forward only copies elements (exact); their gradients add 
 cotangent values per position, in another order than one device (float32 defaults). The
 upsampling runs torch's own kernel on whole spatial dims, the same arithmetic as one device."""
 
-import hypershard as hs
 import torch.nn.functional as F
 
+import hypershard as hs
 from hypershard.testing import Case, Input, assert_all_passed, run_cases, traffic_checked
 
 M2 = ((2,), ("dp",))

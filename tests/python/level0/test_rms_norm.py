@@ -40,8 +40,16 @@ import torch
 
 import hypershard as hs
 from hypershard import ops
-from hypershard.testing import (Case, DefaultModeAdapter, Input, assert_all_passed, counting, current_rank,
-                                in_distributed_run, run_cases)
+from hypershard.testing import (
+    Case,
+    DefaultModeAdapter,
+    Input,
+    assert_all_passed,
+    counting,
+    current_rank,
+    in_distributed_run,
+    run_cases,
+)
 from hypershard.testing.planning import PlanningMesh
 from hypershard.testing.spec import make_cotangent, normalize_mesh, stable_seed
 

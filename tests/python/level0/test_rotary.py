@@ -50,8 +50,16 @@ import torch
 
 import hypershard as hs
 from hypershard import ops
-from hypershard.testing import (Case, DefaultModeAdapter, Input, assert_all_passed, counting, current_rank,
-                                in_distributed_run, run_cases)
+from hypershard.testing import (
+    Case,
+    DefaultModeAdapter,
+    Input,
+    assert_all_passed,
+    counting,
+    current_rank,
+    in_distributed_run,
+    run_cases,
+)
 from hypershard.testing.spec import make_cotangent, uniform
 
 MODES = (0, 1, 2, 3)

@@ -3,7 +3,7 @@ AccumulateGrad, and a two-layer MLP trained with AdamW, all compared with one de
 
 import torch
 
-from hypershard.testing import Case, Input, assert_all_passed, in_distributed_run, run_cases, replicated
+from hypershard.testing import Case, Input, assert_all_passed, in_distributed_run, replicated, run_cases
 
 MESH2 = ((2,), ("a",))
 MESH3 = ((3,), ("a",))

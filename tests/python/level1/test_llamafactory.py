@@ -23,13 +23,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import llamafactory  # noqa: E402,F401  (make setup installs it: a missing install fails, never skips)
 import pytest
 
-import llamafactory  # noqa: E402,F401  (make setup installs it: a missing install fails, never skips)
-
-from hypershard.testing.llamafactory_fixtures import (read_eval_losses, read_losses,  # noqa: E402
-                                                       write_dataset_dir, write_model, write_run, write_vl_dataset_dir,
-                                                       write_vl_model)
+from hypershard.testing.llamafactory_fixtures import (  # noqa: E402
+    read_eval_losses,
+    read_losses,
+    write_dataset_dir,
+    write_model,
+    write_run,
+    write_vl_dataset_dir,
+    write_vl_model,
+)
 from hypershard.testing.training import LOSS_RTOL  # noqa: E402
 
 TIMEOUT = 300  # seconds per launch; each rank's watchdog fires first and names itself

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import hypershard as hs
-from hypershard.testing.planning import PlanningMesh, plan, spec as S
+from hypershard.testing.planning import PlanningMesh, plan
+from hypershard.testing.planning import spec as S
 
 A = torch.ops.aten
 R2 = ["R", "R"]

@@ -31,7 +31,9 @@ import torch
 
 import hypershard as hs
 from hypershard.testing.fused import NPU_FUSION_ATTENTION_SCHEMAS, define_npu_standins
-from hypershard.testing.planning import Arg as T, PlanningMesh, plan, realise, spec as S
+from hypershard.testing.planning import Arg as T
+from hypershard.testing.planning import PlanningMesh, plan, realise
+from hypershard.testing.planning import spec as S
 
 aten = torch.ops.aten
 MESHES = {"dp2": {"dp": 2}, "tp2": {"tp": 2}, "tp4": {"tp": 4}, "dp2tp2": {"dp": 2, "tp": 2}}

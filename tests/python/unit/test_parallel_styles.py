@@ -21,10 +21,16 @@ import torch
 from torch import nn
 
 import hypershard as hs
-from hypershard.parallel import (ATTENTION_REPLICATED, HEADS_SHARDED, KV_REPLICATED, STYLES, _attention_layout,
-                                 parallelize, style)
+from hypershard.parallel import (
+    ATTENTION_REPLICATED,
+    HEADS_SHARDED,
+    KV_REPLICATED,
+    STYLES,
+    _attention_layout,
+    parallelize,
+    style,
+)
 from hypershard.testing.planning import PlanningMesh
-
 
 # ---------------------------------------------------------------------------------- style objects
 

@@ -54,7 +54,9 @@ from torch.utils._pytree import tree_flatten
 
 import hypershard as hs
 from hypershard import ops as hops
-from hypershard.testing.planning import Arg as T, PlanningMesh, plan, realise, spec as S
+from hypershard.testing.planning import Arg as T
+from hypershard.testing.planning import PlanningMesh, plan, realise
+from hypershard.testing.planning import spec as S
 
 importlib.import_module("transformers.integrations.moe")  # registers transformers::grouped_mm_fallback
 

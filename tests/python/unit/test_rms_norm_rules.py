@@ -33,7 +33,9 @@ from torch.utils._pytree import tree_map
 import hypershard as hs
 import hypershard.ops as hops
 from hypershard.testing.fused import define_npu_standins
-from hypershard.testing.planning import Arg as T, PlanningMesh, plan, short_spec, realise, spec as S
+from hypershard.testing.planning import Arg as T
+from hypershard.testing.planning import PlanningMesh, plan, realise, short_spec
+from hypershard.testing.planning import spec as S
 
 FWD = torch.ops.hypershard.rms_norm.default
 BWD = torch.ops.hypershard.rms_norm_backward.default

@@ -16,7 +16,9 @@ import torch
 
 import hypershard as hs
 from hypershard.testing.fused import define_npu_standins
-from hypershard.testing.planning import Arg as T, PlanningMesh, plan, realise, spec as S
+from hypershard.testing.planning import Arg as T
+from hypershard.testing.planning import PlanningMesh, plan, realise
+from hypershard.testing.planning import spec as S
 
 FWD = torch.ops.hypershard.rotary_position_embedding.default
 BWD = torch.ops.hypershard.rotary_position_embedding_backward.default

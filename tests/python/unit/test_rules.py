@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import hypershard as hs
-from hypershard.testing.planning import Arg as T, PlanningMesh, plan, realise, spec as S
+from hypershard.testing.planning import Arg as T
+from hypershard.testing.planning import PlanningMesh, plan, realise
+from hypershard.testing.planning import spec as S
 
 aten = torch.ops.aten
 i64, boolean = torch.int64, torch.bool
