@@ -47,23 +47,19 @@
 #include <torch/library.h>
 
 #include <numeric>
+#include <optional>
+#include <utility>
 
 #include "ops/diagonal.h"
 #include "ops/families.h"
 #include "ops/partial.h"
+#include "ops/view_plan.h"
 #include "runtime/dtensor_impl.h"
 #include "runtime/redistribute.h"
 #include "runtime/span_exchange.h"
 
 namespace hypershard::ops {
 namespace {
-
-// The input with `dims` made whole (their axes removed), other dims and Partial unchanged.
-LayoutPtr whole_dims(const Layout& l, const std::vector<int64_t>& dims) {
-  auto axes = l.dim_axes();
-  for (int64_t d : dims) axes[d].clear();
-  return make_layout(l, l.global_shape(), std::move(axes), l.partial());
-}
 
 OpPlan single(const OpCall& call, LayoutPtr input, LayoutPtr output) {
   OpPlan plan;
@@ -223,134 +219,6 @@ OpPlan expand_rule(const OpCall& call) {
 }
 
 // ------------------------------------------------------------------ view / reshape
-
-struct DimGroup {
-  int64_t in_begin, in_end, out_begin, out_end;
-};
-
-// Minimal groups of input and output dims with equal products (size-1 dims are their own).
-std::vector<DimGroup> dim_groups(const std::vector<int64_t>& in, const std::vector<int64_t>& out) {
-  std::vector<DimGroup> groups;
-  size_t i = 0, j = 0;
-  while (i < in.size() || j < out.size()) {
-    if (i < in.size() && in[i] == 1) {
-      const bool pair = j < out.size() && out[j] == 1;
-      groups.push_back({int64_t(i), int64_t(i + 1), int64_t(j), int64_t(j + pair)});
-      ++i;
-      j += pair;
-      continue;
-    }
-    if (j < out.size() && out[j] == 1) {
-      groups.push_back({int64_t(i), int64_t(i), int64_t(j), int64_t(j + 1)});
-      ++j;
-      continue;
-    }
-    if (i >= in.size() || j >= out.size()) break;  // only zero-size leftovers
-    DimGroup g{int64_t(i), 0, int64_t(j), 0};
-    int64_t pin = in[i++], pout = out[j++];
-    while (pin != pout) {
-      if (pin < pout && i < in.size())
-        pin *= in[i++];
-      else if (j < out.size())
-        pout *= out[j++];
-      else
-        break;
-    }
-    g.in_end = int64_t(i);
-    g.out_end = int64_t(j);
-    groups.push_back(g);
-  }
-  return groups;
-}
-
-struct ViewPlan {
-  LayoutPtr input;  // the input layout the local view needs
-  LayoutPtr output;
-  bool exact;  // the current input layout already works
-};
-
-// Whether `in` viewed as `out_shape` keeps every shard a whole block; which dims to gather if not.
-ViewPlan plan_view(const Layout& in, const std::vector<int64_t>& out_shape) {
-  const auto& in_shape = in.global_shape();
-  if (in_shape == out_shape) {  // the identity view (view_as itself) keeps every shard, empty ones too
-    ViewPlan same;
-    same.exact = true;
-    same.input = same.output = intern(in);
-    return same;
-  }
-  const bool any_zero = layout::numel(in_shape) == 0;
-  const auto groups = dim_groups(in_shape, out_shape);
-  layout::DimAxes out_dims(out_shape.size());
-  std::vector<int64_t> gather;
-  // A group flattened into ONE output dim may keep several sharded dims: their axes, major dim
-  // first, shard the output dim (batch over dp and sequence over cp flattened into tokens); the
-  // check below keeps it only where every rank's block stays contiguous and is that dim's chunk.
-  auto flattens = [](const DimGroup& g) { return g.out_end - g.out_begin == 1 && g.in_end - g.in_begin > 1; };
-  for (const auto& g : groups) {
-    for (int64_t d = g.in_begin; d < g.in_end; ++d) {
-      if (in.dim_axes()[d].empty()) continue;
-      // Otherwise only the group's major dim may stay sharded, onto the group's major output dim.
-      if (any_zero || g.out_begin == g.out_end || (d != g.in_begin && !flattens(g))) {
-        gather.push_back(d);
-        continue;
-      }
-      const auto& axes = in.dim_axes()[d];
-      out_dims[g.out_begin].insert(out_dims[g.out_begin].end(), axes.begin(), axes.end());
-    }
-  }
-  // Exactness of the kept shards: rank by rank, the input block of the major dim must be the
-  // output block of its major dim (scaled by the inner products of the group).
-  auto candidate = Layout::create(in.mesh(), out_shape, out_dims, in.partial());
-  for (const auto& g : groups) {
-    if (flattens(g) && !out_dims[g.out_begin].empty()) {
-      // Rank by rank: the block is contiguous in the group's row-major order (dims of one element
-      // before the first longer one, whole dims after it) and is the output dim's chunk.
-      bool exact = true;
-      for (int64_t p = 0; p < in.mesh()->size() && exact; ++p) {
-        const auto offset = in.global_offset_at(p), length = in.local_shape_at(p);
-        int64_t begin = 0, count = 1;
-        bool longer = false;
-        for (int64_t d = g.in_begin; d < g.in_end; ++d) {
-          begin = begin * in_shape[d] + offset[d];
-          count *= length[d];
-          if (longer && length[d] != in_shape[d]) exact = false;
-          longer = longer || length[d] != 1;
-        }
-        const int64_t out_length = candidate.local_shape_at(p)[g.out_begin];
-        exact = exact || count == 0;
-        exact = exact && count == out_length && (count == 0 || begin == candidate.global_offset_at(p)[g.out_begin]);
-      }
-      if (!exact) {
-        for (int64_t d = g.in_begin; d < g.in_end; ++d)
-          if (!in.dim_axes()[d].empty()) gather.push_back(d);
-        out_dims[g.out_begin].clear();
-      }
-      continue;
-    }
-    if (g.in_begin == g.in_end || g.out_begin == g.out_end || in.dim_axes()[g.in_begin].empty()) continue;
-    if (std::find(gather.begin(), gather.end(), g.in_begin) != gather.end()) continue;
-    int64_t inner_in = 1, inner_out = 1;
-    for (int64_t d = g.in_begin + 1; d < g.in_end; ++d) inner_in *= in_shape[d];
-    for (int64_t d = g.out_begin + 1; d < g.out_end; ++d) inner_out *= out_shape[d];
-    bool exact = true;
-    for (int64_t p = 0; p < in.mesh()->size() && exact; ++p) {
-      const int64_t in_begin = in.global_offset_at(p)[g.in_begin] * inner_in;
-      const int64_t in_len = in.local_shape_at(p)[g.in_begin] * inner_in;
-      const int64_t out_begin = candidate.global_offset_at(p)[g.out_begin] * inner_out;
-      const int64_t out_len = candidate.local_shape_at(p)[g.out_begin] * inner_out;
-      exact = in_begin == out_begin && in_len == out_len;
-    }
-    if (!exact) {
-      gather.push_back(g.in_begin);
-      out_dims[g.out_begin].clear();
-    }
-  }
-  ViewPlan plan;
-  plan.exact = gather.empty();
-  plan.input = gather.empty() ? intern(in) : whole_dims(in, gather);
-  plan.output = make_layout(in, out_shape, out_dims, in.partial());
-  return plan;
-}
 
 std::vector<int64_t> view_shape(const OpCall& call, const Layout& in) {
   return at::infer_size(int_list(call.arg(1)), layout::numel(in.global_shape()));

@@ -109,6 +109,12 @@ ROWS = {
         # block contiguous, so the token dim is sharded over (dp, tp) (context parallelism's loss)
         ("view_flatten_two_sharded_dims", "dp2tp2", aten.view.default, (T([2, 8], S(0, 1)), [16]), {},
          None, [S(0, 0)], False),
+        # and back: the token dim split into [batch, seq] gives dp to batch and tp to seq (an einsum
+        # viewing a dim it flattened)
+        ("view_split_dim_over_two_axes", "dp2tp2", aten.view.default, (T([16], S(0, 0)), [2, 8]), {},
+         None, [S(0, 1)], False),
+        ("view_split_dim_over_two_axes_one_dim", "dp2tp2", aten.view.default, (T([4, 3, 5], S(0, 0)),
+         [2, 2, 3, 1, 5]), {}, None, [S(0, 1)], False),
         ("select_other_dim", "tp4", aten.select.int, (T([8, 6], S(0)), 1, 2), {}, None, [S(0)], False),
         ("select_sharded_dim_gathers", "tp4", aten.select.int, (T([8, 6], S(0)), 0, 2), {}, [R1], [R1], False),
         ("cat_other_dim", "tp4", aten.cat.default, ([T([8, 6], S(0)), T([8, 2], S(0))], 1), {}, None, [S(0)], False),
@@ -289,6 +295,10 @@ ERRORS = [
     # two rows per dp rank and half of each row: not a contiguous block of the tokens
     ("view_flatten_two_sharded_dims_not_contiguous", "dp2tp2", aten.view.default, (T([4, 8], S(0, 1)), [32]), {},
      "viewing as [32] would cut through a sharded dim"),
+    # 6 rows over (dp, tp) (2, 2, 1, 1 each) split as [2, 3]: rank 0's 2 rows are not the first
+    # 3-row block that dp's half of the new dim 0 would hold
+    ("view_split_dim_over_two_axes_uneven", "dp2tp2", aten.view.default, (T([6, 5], S(0, 0)), [2, 3, 5]), {},
+     "viewing as [2, 3, 5] would cut through a sharded dim"),
     ("softmax_of_partial", "tp4", aten._softmax.default, (T([4, 6], P1), 1, False), {},
      "a softmax of a sum is not the sum of the parts' softmaxes"),
     ("attention_head_dim_sharded", "tp4", aten._scaled_dot_product_flash_attention_for_cpu.default,
