@@ -163,7 +163,8 @@ struct Attention {
   int64_t unit = 1;                       // elements per head along h (merged: the head dim)
   int64_t heads_dim = 1;                  // h in query, key and value
   int64_t length_q = 0, length_k = 0;     // L and S
-  // Torch's order shards the query's sequence (context parallelism); npu's keep sequences whole.
+  // The aten kernels (bound with kTorchOrder itself) shard the query's sequence (context
+  // parallelism); npu's orders, its BNSD copy included, keep sequences whole.
   bool sequences() const { return order == &kTorchOrder; }
 };
 

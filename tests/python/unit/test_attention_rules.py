@@ -469,6 +469,10 @@ def test_npu_refusals(npu):
     cases = [
         (dict(layout="BSND", q_spec=S(1)), name + "argument query (#0) [4, 8, 4, 8]", "dim 1 (sequence) is sharded"),
         (dict(layout="TND", q_spec=S(0)), name + "argument query (#0) [32, 4, 8]", "dim 0 (sequence) is sharded"),
+        # npu's BNSD keeps its sequences whole (the aten kernels' context parallelism is not npu's)
+        (dict(layout="BNSD", q_spec=S(2)), name + "argument query (#0) [4, 4, 8, 8]",
+         "dim 2 (sequence) is sharded; attention needs whole sequences and head dims; allowed: batch (dim 0) or heads "
+         "(dim 1) sharded"),
         # 3 heads of 8 (H = 24) over tp=2: blocks of 12 split a head
         (dict(layout="BSH", q_spec=S(2), shape=[B, L, 24], heads=3), name + "argument query (#0) [4, 8, 24]",
          "a block of H would split a head of 8 elements"),
