@@ -50,14 +50,17 @@ void register_loss(Registry& r);  // loss.cpp: softmax, log_softmax, nll_loss(2d
 void register_elementwise_loss(Registry& r);
 // loss.cpp: cross_entropy_loss on AutogradPrivateUse2 (label smoothing on class-sharded logits).
 void register_cross_entropy_kernel();
-void register_foreach(Registry& r);    // foreach.cpp: _foreach_* list ops, _fused_adam(w)_/_fused_sgd_
+// foreach.cpp: _foreach_* list ops, _fused_adam(w)_/_fused_sgd_, GradScaler's _amp_* ops
+void register_foreach(Registry& r);
 void register_embedding(Registry& r);  // embedding.cpp: embedding (vocab-parallel too) and its backward
 // embedding.cpp: aten::embedding on AutogradPrivateUse2 and hypershard::embedding_vocab_backward
 // (a row-sharded table's gradient stays on its rows).
 void register_embedding_kernels();
 void register_normalization(Registry& r);  // normalization.cpp: layer/group norm, softmax
-void register_attention(Registry& r);      // attention.cpp: scaled dot-product attention (CPU kernel)
-void register_random(Registry& r);         // random.cpp: random fills, *_like draws, dropout
+// attention.cpp: scaled dot-product attention (the CPU, CUDA and PrivateUse1 kernels) and torch_npu's
+// fusion attention
+void register_attention(Registry& r);
+void register_random(Registry& r);  // random.cpp: random fills, *_like draws, dropout
 // rotary.cpp: hypershard::rotary_position_embedding (and its backward) and torch_npu's rotary ops.
 void register_rotary(Registry& r);
 // composites.cpp: max_pool1d, tensor_split(tensor), ctc_loss(tensor lengths) on AutogradPrivateUse2

@@ -30,10 +30,24 @@
 // (the lists are written in place and the op returns nothing). Parameters must not be Partial.
 // state_steps, lr (tensor_lr), grad_scale and found_inf are Replicate.
 //
+// GradScaler (torch.amp, fp16 training): _amp_foreach_non_finite_check_and_unscale_(self[],
+// found_inf, inv_scale) multiplies every gradient by inv_scale in place and sets found_inf to 1
+// where one holds an inf or NaN. The gradients keep their layouts (Replicate or Shard); each rank
+// checks its own blocks, so the expand all-reduces found_inf (max) over the mesh axes that split
+// any gradient: one flag for the model, the same on every rank, as one device sets it. found_inf
+// is GradScaler's plain tensor (every rank's the same after the all-reduce: the rule plans that
+// write, PlainWrites::kPlanned) or a Replicate DTensor; inv_scale is read whole. A Partial
+// gradient is not covered (its parts can be finite while their sum overflows: default mode
+// computes the call on gathered gradients, strict mode raises). _amp_update_scale_(self,
+// growth_tracker, found_inf, ...) updates GradScaler's scale: every argument whole (a Partial or
+// sharded found_inf is made whole first; self and growth_tracker, written in place, not whole:
+// not covered).
+//
 // Step-varying scalars (lr, betas, bias corrections, weights) never change a plan: every rule
 // here is registered with KeyScalars::kNone, so the plan cache stays bounded across steps.
 // Excluded: the .out / _out variants (functionalization only), _foreach_max, _foreach_powsum,
-// _foreach_mm, _fused_adagrad_ (its state_steps list is written; no caller needs it yet).
+// _foreach_mm, _fused_adagrad_ (its state_steps list is written; no caller needs it yet), the
+// functional _amp_foreach_non_finite_check_and_unscale / _amp_update_scale (functionalization only).
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -212,6 +226,53 @@ OpPlan fused_optimizer_rule(const OpCall& call) {
   return plan;
 }
 
+// ------------------------------------------------------------------ GradScaler
+
+bool is_replicate(const Layout& l) { return !l.is_sharded_anywhere() && !l.has_partial(); }
+
+OpPlan amp_unscale_rule(const OpCall& call) {
+  OpPlan plan;
+  plan.inputs.resize(call.tensors.size());
+  std::vector<int64_t> axes;  // the mesh axes that split some gradient
+  for (size_t i = 0; i < call.tensors.size(); ++i) {
+    const auto t = static_cast<int64_t>(i);
+    const auto& ta = call.tensors[t];
+    if (ta.arg == 0) {
+      if (ta.layout->has_partial())
+        not_covered(call, "a Partial gradient: its parts can be finite while their sum overflows");
+      for (const auto& dim : ta.layout->dim_axes()) axes.insert(axes.end(), dim.begin(), dim.end());
+      plan.inputs[t] = ta.layout;  // unscaled in place, in its own layout
+      continue;
+    }
+    if (is_written(call, ta.arg) && !is_replicate(*ta.layout))
+      not_covered(call, "a found_inf that is not whole (GradScaler's is a plain tensor)");
+    plan.inputs[t] = replicate_like(*ta.layout, ta.layout->global_shape());
+  }
+  std::sort(axes.begin(), axes.end());
+  axes.erase(std::unique(axes.begin(), axes.end()), axes.end());
+  if (axes.empty()) return plan;
+  const int64_t found_inf_arg = call.arg_index("found_inf");
+  plan.expand = [axes, found_inf_arg](const OpCall& c, Stack& stack) {
+    at::Tensor found_inf = (stack.data() + (stack.size() - c.num_args()))[found_inf_arg].toTensor();
+    c.op->callBoxed(&stack);
+    for (int64_t axis : axes) found_inf.copy_(runtime::all_reduce_along(found_inf, *c.mesh, axis, ReduceOp::Max));
+  };
+  return plan;
+}
+
+OpPlan amp_update_scale_rule(const OpCall& call) {
+  OpPlan plan;
+  for (size_t i = 0; i < call.tensors.size(); ++i) {
+    const auto t = static_cast<int64_t>(i);
+    const auto& ta = call.tensors[t];
+    if (is_written(call, ta.arg) && !is_replicate(*ta.layout))
+      not_covered(call, "GradScaler's scale or growth tracker not whole (they are updated in place)");
+    plan.inputs.push_back(replicate_like(*ta.layout, ta.layout->global_shape()));
+  }
+  plan.outputs = {plan.inputs[call.tensor_index(0)]};  // self, returned
+  return plan;
+}
+
 // ------------------------------------------------------------------ registration helpers
 
 // "aten::_foreach_<op>[.<overload>]" and, unless `functional_only`, its in-place "_foreach_<op>_".
@@ -229,6 +290,9 @@ void add_foreach(Registry& r, const std::string& op, std::initializer_list<const
 
 void register_foreach(Registry& r) {
   using A = Algebra;
+  r.add("aten::_amp_foreach_non_finite_check_and_unscale_", &amp_unscale_rule, KeyScalars::kNone,
+        PlainWrites::kPlanned);
+  r.add("aten::_amp_update_scale_", &amp_update_scale_rule, KeyScalars::kNone, PlainWrites::kPlanned);
   add_foreach<A::kLinear>(r, "add", {"List", "Tensor"});
   add_foreach<A::kReject>(r, "add", {"Scalar", "ScalarList"});
   add_foreach<A::kReject>(r, "addcdiv", {"Scalar", "ScalarList", "Tensor"});

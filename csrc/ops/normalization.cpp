@@ -14,6 +14,14 @@
 //   hypershard::rms_norm_backward      grad, x "ab..N", weight "N", rstd "ab..1" -> dx "ab..N", dweight "N"
 //   npu::npu_rms_norm(_backward)       torch_npu's (self, gamma, epsilon) / (dy, self, gamma, rstd):
 //                                      the same rules, serving Ascend users when torch_npu is loaded
+//   aten::_fused_rms_norm(_backward)   torch's (input, normalized_shape, weight?, eps) / (grad_out,
+//                                      input, normalized_shape, rstd, weight?, output_mask): the same
+//                                      rules, the normalized dims from normalized_shape. F.rms_norm
+//                                      calls it on CUDA/XPU/MPS; on a DTensor its
+//                                      CompositeImplicitAutograd kernel wins at AutogradPrivateUse2
+//                                      (PrivateUse2 has no kernel of its own for it), so eager code
+//                                      gets the composed ops below on every device: the rule serves
+//                                      calls below autograd
 // RMSNorm written out (x.pow(2).mean(-1, keepdim=True), rsqrt, mul, type_as / to) runs on the
 // pointwise and reduction families and gets the same layouts as the fused op when the normalized
 // dim is whole (the leading dims keep their sharding, the weight's gradient is a Partial sum).
@@ -67,8 +75,7 @@
 // in its incoming gradient (grad_out, grad_output): a sum/avg Partial there carries into every
 // gradient (the saved tensors whole on that axis).
 //
-// Excluded: _fused_rms_norm (not reached on CPU; hypershard::rms_norm is the fused op), batch
-// norm's out= and _functional variants and the CUDA sync-BN ops (batch_norm_stats, ...; not
+// Excluded: batch norm's out= and _functional variants and the CUDA sync-BN ops (batch_norm_stats, ...; not
 // reached by F.batch_norm on a DTensor), cudnn's non-empty reserve, _softmax/_log_softmax and their backward (the loss
 // family), _safe_softmax over a sharded dim (gathered here), group norm with sharded channels.
 #include <ATen/ATen.h>
@@ -169,8 +176,18 @@ OpPlan native_layer_norm_backward_rule(const OpCall& call) {
 
 // ------------------------------------------------------------------ rms norm (fused)
 
-// The normalized dims are the weight's: x "ab..N", weight "N", rstd "ab..1" (x's shape, N dims 1).
+// The normalized dims are normalized_shape (torch's _fused_rms_norm, whose weight is optional) or
+// the weight's: x "ab..N", weight "N", rstd "ab..1" (x's shape, N dims 1).
 LayerNormDims rms_norm_dims(const OpCall& call, int64_t input, int64_t weight) {
+  if (call.schema().argumentIndexWithName("normalized_shape")) {
+    auto d = layer_norm_dims(call, input);
+    if (weight >= 0 && call.layout(weight).global_shape() != d.normalized)
+      fail_argument(call, weight,
+                    "shape " + layout::shape_string(call.layout(weight).global_shape()) + " is not normalized_shape " +
+                        layout::shape_string(d.normalized),
+                    "a weight shaped like normalized_shape");
+    return d;
+  }
   const Layout& in = call.layout(input);
   LayerNormDims d;
   d.normalized = call.layout(weight).global_shape();
@@ -195,7 +212,8 @@ OpPlan rms_norm_rule(const OpCall& call) {
   for (size_t t = 0; t < call.tensors.size(); ++t) reject_sum_partial(call, static_cast<int64_t>(t));
   const auto d = rms_norm_dims(call, input, weight);
   FactorSpec spec;
-  spec.operands = {{input, d.input, false}, {weight, d.params, false}};
+  spec.operands = {{input, d.input, false}};
+  if (weight >= 0) spec.operands.push_back({weight, d.params, false});
   spec.outputs = {d.input, d.stats};
   spec.out_shapes = {call.layout(input).global_shape(), d.stats_shape};
   spec.whole = std::string{kNormalized};
@@ -203,7 +221,7 @@ OpPlan rms_norm_rule(const OpCall& call) {
 }
 
 OpPlan rms_norm_backward_rule(const OpCall& call) {
-  const int64_t grad = call.tensor_named({"grad", "dy"}), input = call.tensor_named({"x", "self", "input"});
+  const int64_t grad = call.tensor_named({"grad", "dy", "grad_out"}), input = call.tensor_named({"x", "self", "input"});
   const int64_t weight = call.tensor_named({"weight", "gamma"}), rstd = call.tensor_named({"rstd"});
   const auto d = rms_norm_dims(call, input, weight);
   const auto& shape = call.layout(input).global_shape();
@@ -213,7 +231,8 @@ OpPlan rms_norm_backward_rule(const OpCall& call) {
     fail_argument(call, rstd, "shape is not " + layout::shape_string(d.stats_shape),
                   "rstd shaped like x with the normalized dims 1");
   FactorSpec spec;
-  spec.operands = {{grad, d.input, true}, {input, d.input, false}, {weight, d.params, false}, {rstd, d.stats, false}};
+  spec.operands = {{grad, d.input, true}, {input, d.input, false}, {rstd, d.stats, false}};
+  if (weight >= 0) spec.operands.push_back({weight, d.params, false});
   spec.outputs = {d.input, d.params};
   spec.out_shapes = {call.layout(input).global_shape(), d.normalized};
   spec.whole = std::string{kNormalized};
@@ -648,11 +667,13 @@ OpPlan safe_softmax_rule(const OpCall& call) {
 void register_normalization(Registry& r) {
   r.kernels(&kernels::register_rms_norm_kernels);
   // normalized_shape, dim, N/C/HxW/group decide dims and shapes; eps and dtypes do not (the rms
-  // norms take their dims from the weight's shape, a part of the key already).
+  // norms other than torch's take their dims from the weight's shape, a part of the key already).
   // Batch norm: `training` / `train` decides the plan, momentum and eps do not (the ops without
   // a training argument key on none; nn.BatchNorm's momentum=None varies per step).
   r.add("aten::_batch_norm_no_update", &batch_norm_rule<BatchNormMode::kEval>, KeyScalars::kNone);
   r.add("aten::_batch_norm_with_update", &batch_norm_rule<BatchNormMode::kTrain>, KeyScalars::kNone);
+  r.add("aten::_fused_rms_norm", &rms_norm_rule, KeyScalars::kAll);
+  r.add("aten::_fused_rms_norm_backward", &rms_norm_backward_rule, KeyScalars::kAll);
   r.add("aten::_native_batch_norm_legit", &batch_norm_rule<BatchNormMode::kArg>, KeyScalars::kAll);
   r.add("aten::_native_batch_norm_legit.no_stats", &batch_norm_rule<BatchNormMode::kArg>, KeyScalars::kAll);
   r.add("aten::_native_batch_norm_legit_no_training", &batch_norm_rule<BatchNormMode::kEval>, KeyScalars::kNone);

@@ -109,16 +109,24 @@ enum class KeyScalars : int8_t {
   kNone,  // none: the plan depends on layouts and dtypes only (alpha, lr, eps, ...)
 };
 
+// Writes into a plain (non-DTensor) tensor argument from sharded DTensor inputs: by default the
+// dispatch refuses them in strict mode and computes them on gathered inputs in default mode
+// (the plain tensor would hold one rank's piece); kPlanned: the rule plans them itself, leaving
+// every rank's plain tensor the same (GradScaler's found_inf, all-reduced).
+enum class PlainWrites : int8_t { kRefused, kPlanned };
+
 struct RuleEntry {
   Rule rule = nullptr;
   KeyScalars key = KeyScalars::kAll;
   const char* family = "";  // the family file that registered it ("pointwise", "rotary", ...)
+  PlainWrites plain_writes = PlainWrites::kRefused;
 };
 
 // One registry for every family; filled by register_all (no static initialisers).
 class Registry {
  public:
-  void add(const std::string& op_name, Rule rule, KeyScalars key = KeyScalars::kAll);
+  void add(const std::string& op_name, Rule rule, KeyScalars key = KeyScalars::kAll,
+           PlainWrites plain_writes = PlainWrites::kRefused);
   const RuleEntry* find(const std::string& op_name) const;
   std::vector<std::string> names() const;
   // register_all names the family whose register_<family> runs next (docs/operators.md lists

@@ -189,8 +189,9 @@ void skip_empty_blocks(OpPlan& plan, std::vector<c10::ScalarType> dtypes, int64_
   };
 }
 
-void Registry::add(const std::string& op_name, Rule rule, KeyScalars key) {
-  HS_CHECK(rules_.emplace(op_name, RuleEntry{rule, key, family_}).second, "registry", "two rules for ", op_name);
+void Registry::add(const std::string& op_name, Rule rule, KeyScalars key, PlainWrites plain_writes) {
+  HS_CHECK(rules_.emplace(op_name, RuleEntry{rule, key, family_, plain_writes}).second, "registry", "two rules for ",
+           op_name);
 }
 
 std::vector<std::pair<std::string, std::string>> Registry::families() const {

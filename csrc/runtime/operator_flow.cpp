@@ -276,7 +276,9 @@ PlainDestination plain_destination(const OpInfo& info, const ops::OpCall& call) 
   // Default mode computes such a call on gathered inputs: the plain destination then receives
   // the global result, the same on every rank. When every DTensor input is whole already
   // (Replicate everywhere: transformers writes position ids computed from replicated grids into
-  // a plain tensor) that is exact with nothing gathered, and strict mode allows it too.
+  // a plain tensor) that is exact with nothing gathered, and strict mode allows it too. A rule
+  // registered with PlainWrites::kPlanned writes them itself.
+  if (info.rule && info.rule->plain_writes == ops::PlainWrites::kPlanned) return PlainDestination::kNone;
   for (int64_t a = 0; a < call.num_args(); ++a) {
     const c10::IValue& v = call.args[a];
     if (!info.written_args[a] || !v.isTensor() || !v.toTensor().defined() || is_dtensor(v.toTensor())) continue;

@@ -20,7 +20,9 @@ Modules, in the order the generator uses them:
   samples        collect_samples: every call per op, traced and written out
   siblings       an overload no call reaches borrows a sibling overload's call
   probing        the rule planned on Shard(0) / Shard(last) / Partial(sum); a Row per op
-  rendering      the markdown: introduction, summary, per-family comment and tables
+  cuda_trace     the ops a training step reaches on CUDA and not on CPU (testing.cuda_lowering)
+  rendering      the markdown: introduction, summary, the ops reached on CUDA, per-family comment
+                 and tables
   staleness      the checked-in file against a fresh generation
 """
 

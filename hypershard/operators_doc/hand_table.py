@@ -13,8 +13,13 @@ from .tracing import backward, seed_cpu
 
 def extra_calls() -> list:
     """[(source, fn)]: code that reaches ops no OpInfo does: hypershard's own ops, the CPU
-    attention kernel, dropout, the fused optimizers."""
+    attention kernel, the CUDA ones (their CPU stand-ins: hypershard.testing.cuda_lowering),
+    dropout, the fused optimizers, GradScaler."""
     from .. import ops as hs_ops
+    from ..testing import cuda_lowering
+
+    cuda_lowering.install_cpu_kernels()
+    mask = torch.zeros(4, 1, 8, 8).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
 
     def grad_of(fn, *shapes):
         def run():
@@ -44,6 +49,21 @@ def extra_calls() -> list:
                 (4, 2, 8, 16),
             ),
         ),
+        *[
+            (
+                f"F.scaled_dot_product_attention, CUDA lowering: {backend}",
+                grad_of(
+                    lambda q, k, v, b=backend: cuda_lowering.lowered_sdpa(
+                        b, q, k, v, attn_mask=None if b == "flash" else mask, is_causal=b == "flash"
+                    ),
+                    (4, 2, 8, 16),
+                    (4, 2, 8, 16),
+                    (4, 2, 8, 16),
+                ),
+            )
+            for backend in ("flash", "efficient", "cudnn", "overrideable")
+        ],
+        ("torch.amp.GradScaler", _grad_scaler_step),
         ("F.dropout", grad_of(lambda x: torch.nn.functional.dropout(x, 0.5, training=True), (4, 6))),
         (
             "hypershard embedding_vocab_backward",
@@ -57,6 +77,18 @@ def extra_calls() -> list:
             for tensor_lr in (False, True)
         ],
     ]
+
+
+def _grad_scaler_step() -> None:
+    """GradScaler's unscale (_amp_foreach_non_finite_check_and_unscale_) and update
+    (_amp_update_scale_) around an SGD step."""
+    seed_cpu(0)
+    params = [torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale((params[0] @ params[1]).sum()).backward()
+    scaler.step(optimizer)
+    scaler.update()
 
 
 def _optimizer_step(name: str, tensor_lr: bool) -> Callable[[], None]:
@@ -104,6 +136,19 @@ def manual_calls() -> list:
             },
         ),
         ("aten::_grouped_mm", {"self": t(8, 16), "mat2": t(2, 16, 6), "offs": t(2, dtype=torch.int32)}),
+        # F.rms_norm's CUDA kernel: on CPU its composite kernel runs instead
+        ("aten::_fused_rms_norm", {"input": t(4, 6, 16), "normalized_shape": [16], "weight": t(16), "eps": 1e-6}),
+        (
+            "aten::_fused_rms_norm_backward",
+            {
+                "grad_out": t(4, 6, 16),
+                "input": t(4, 6, 16),
+                "normalized_shape": [16],
+                "rstd": t(4, 6, 1),
+                "weight": t(16),
+                "output_mask": [True, True],
+            },
+        ),
         ("aten::contiguous", {"self": x}),
         ("aten::positive", {"self": x}),
         ("aten::square", {"self": x}),

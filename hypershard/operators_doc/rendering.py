@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from .calls import resolve
+from .cuda_trace import cuda_step_ops, scenarios
 from .probing import PROBES, Probe, probe_rules
 from .registrations import tagged_pointwise
 from .siblings import stem
@@ -127,7 +129,8 @@ a missing rule.
 (`hypershard.testing.planning`) on a 2-rank mesh `{"tp": 2}`. The arguments are those of a real
 call of the op, traced from PyTorch's OpInfo samples (their forward, in-place variant and
 backward, on CPU in float32, or int64/bool for ops without float samples), from a few calls of
-hypershard's own ops and the fused optimizers, and from calls written out in the generator for
+hypershard's own ops, the fused optimizers, GradScaler and the CUDA attention kernels (through
+their CPU stand-ins, `hypershard.testing.cuda_lowering`), and from calls written out in the generator for
 ops no trace reaches (composite ops that decompose first, ops OpInfo has no sample for). An
 overload no call reaches borrows a sibling overload's arguments where its schema takes them
 (`add.Tensor`'s for `add_.Tensor` and `add.out`, the out= tensors shaped like the sibling's
@@ -167,6 +170,58 @@ tables are its examples.
 """
 
 
+def _takes_tensors(op) -> bool:
+    """Whether the schema of `op` (a registry name) has a Tensor, Tensor?, Tensor[] or Tensor?[]
+    argument: an op without one never takes a DTensor."""
+    import torch
+
+    resolved = resolve(op)
+    for argument in resolved._schema.arguments if resolved is not None else ():
+        kind = argument.type
+        for wrapper in (torch.OptionalType, torch.ListType, torch.OptionalType):
+            kind = kind.getElementType() if isinstance(kind, wrapper) else kind
+        if isinstance(kind, torch.TensorType):
+            return True
+    return False
+
+
+def _cuda_section(rows: list) -> list:
+    """The ops a CUDA training step reaches that the CPU one does not, with the family whose rule
+    serves each (from `rows`)."""
+    family = {row.op: row.family for row in rows}
+    lines = [
+        "## Reached on CUDA\n",
+        "What one training step of a tiny Qwen3ForCausalLM (4 query, 2 key/value heads: forward, loss, backward, "
+        "clip_grad_norm_, AdamW) reaches when F.scaled_dot_product_attention is lowered as torch's CUDA kernel "
+        "lowers it and AdamW takes its foreach path (CUDA's default), and the coverage tool's CPU step "
+        "(float32, no mask, CPU SDPA kernel, AdamW per tensor) does not. Traced on CPU "
+        "(`hypershard.testing.cuda_lowering`: the CUDA attention ops get exact CPU kernels with their own "
+        "schemas), so the list does not depend on a GPU; tests/python/level1/test_cuda_lowering.py trains the "
+        "same model that way on CPU meshes in strict mode. Which SDPA kernel a GPU runs is torch's choice:\n",
+        "| scenario | SDPA kernel | when torch picks it |",
+        "| --- | --- | --- |",
+    ]
+    for scenario in scenarios():
+        lines.append(f"| {scenario.name} | {scenario.backend} | {_cell(scenario.when)} |")
+    lines += [
+        "",
+        "*lowering*: the CUDA lowering brings the op (the same step lowered for CPU does not reach it); "
+        "otherwise the scenario does (its dtype, padding mask or GradScaler).\n",
+        "| op | scenarios | lowering | rule |",
+        "| --- | --- | --- | --- |",
+    ]
+    every = [scenario.name for scenario in scenarios()]
+    for op, names, lowered in cuda_step_ops():
+        if op in family:
+            rule = f"[{family[op]}](#{family[op]})"
+        else:  # a factory op (GradScaler's state, a mask's scalars) never takes a DTensor
+            rule = "none" if _takes_tensors(op) else "none needed (no tensor argument)"
+        shown = "all" if list(names) == every else ", ".join(names)
+        lines.append(f"| `{_short(op)}` | {shown} | {'yes' if lowered else ''} | {rule} |")
+    lines.append("")
+    return lines
+
+
 def render(rules: list, samples: dict, sources: bool = True) -> str:
     """The document for `rules` ([(op, family)]) probed with `samples` (collect_samples)."""
     return document(probe_rules(rules, samples), sources)
@@ -197,6 +252,7 @@ def document(rows: list, sources: bool = True) -> str:
     total = _counts(rows)
     lines.append("| **all** | " + " | ".join(f"**{total[c]}**" for c in columns) + " |")
     lines.append("")
+    lines.extend(_cuda_section(rows))
 
     for family in families:
         family_rows = by_family[family]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["assert_within", "define_npu_kernels", "define_npu_standins", "has_npu_op"]
+__all__ = ["NPU_FUSION_ATTENTION_SCHEMAS", "assert_within", "define_npu_kernels", "define_npu_standins", "has_npu_op"]
 
 # Stand-in libraries live as long as the process: defining an op twice (a test file run twice
 # in one process) would fail, and dropping them while torch.ops.npu still holds their packets
@@ -72,6 +72,26 @@ NPU_ROTARY_MUL_SCHEMAS = {
     "npu_rotary_mul": "npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> Tensor",
     "npu_rotary_mul_backward": "npu_rotary_mul_backward(Tensor grad, Tensor self, Tensor r1, Tensor r2, "
     "str rotary_mode='half') -> (Tensor, Tensor, Tensor)",
+}
+
+# torch_npu's fusion attention (the schema most releases share; newer ones append softmax_layout
+# and sink, which the rule reads by name when present). Schemas only: planning tests need no kernel.
+NPU_FUSION_ATTENTION_SCHEMAS = {
+    "npu_fusion_attention": "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, "
+    "str input_layout, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
+    "float scale=1., float keep_prob=1., int pre_tockens=2147483647, "
+    "int next_tockens=2147483647, int inner_precise=0, int[]? prefix=None, "
+    "int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+    "bool gen_mask_parallel=True, bool sync=False) -> (Tensor, Tensor, Tensor, Tensor, int, "
+    "int, int)",
+    "npu_fusion_attention_grad": "npu_fusion_attention_grad(Tensor query, Tensor key, Tensor value, Tensor dy, "
+    "int head_num, str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, "
+    "Tensor? atten_mask=None, Tensor? softmax_max=None, Tensor? softmax_sum=None, "
+    "Tensor? softmax_in=None, Tensor? attention_in=None, float scale_value=1., "
+    "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, "
+    "int inner_precise=0, int seed=0, int offset=0, int numels=0, int[]? prefix=None, "
+    "int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+    "bool gen_mask_parallel=True, bool sync=False) -> (Tensor, Tensor, Tensor, Tensor)",
 }
 
 # name -> the function a stand-in backward kernel runs instead of its own maths (a planted fault,

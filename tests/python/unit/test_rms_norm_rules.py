@@ -604,3 +604,70 @@ def test_npu_errors_name_npu_arguments(npu):
         with pytest.raises((hs.LayoutError, RuntimeError)) as raised:
             _run("dp2", op, args)
         assert str(raised.value).startswith(start), (start, str(raised.value))
+
+
+# --- torch's _fused_rms_norm (F.rms_norm's CUDA kernel): one rule, dims from normalized_shape ----
+
+FUSED_FWD = torch.ops.aten._fused_rms_norm.default
+FUSED_BWD = torch.ops.aten._fused_rms_norm_backward.default
+
+
+def _fused_fwd(args, with_weight=True):
+    x, weight, eps = args
+    return (x, list(weight.shape), weight if with_weight else None, eps)
+
+
+def _fused_bwd(args):
+    grad, x, weight, rstd, mask = args
+    return (grad, x, list(weight.shape), rstd, weight, mask)
+
+
+@pytest.mark.parametrize("name,mesh_key,args", [pytest.param(r[0], r[1], r[2], id=r[0]) for r in FORWARD_ROWS])
+def test_fused_rms_norm_plans_like_the_hypershard_op(name, mesh_key, args):
+    want = _run(mesh_key, FWD, args)
+    got = _run(mesh_key, FUSED_FWD, _fused_fwd(args))
+    assert (got.input_specs, got.output_specs, got.refused) == (want.input_specs, want.output_specs, "")
+    assert [o.to_string() for o in got.outputs] == [o.to_string() for o in want.outputs]
+
+
+@pytest.mark.parametrize("name,mesh_key,args", [pytest.param(r[0], r[1], r[2], id=r[0]) for r in BACKWARD_ROWS])
+def test_fused_rms_norm_backward_plans_like_the_hypershard_op(name, mesh_key, args):
+    want = _run(mesh_key, BWD, args)
+    got = _run(mesh_key, FUSED_BWD, _fused_bwd(args))
+    # the aten schema orders (grad_out, input, rstd, weight): the same layouts, weight last
+    grad, x, weight, rstd = want.input_specs
+    assert got.input_specs == [grad, x, rstd, weight]
+    assert (got.output_specs, got.refused) == (want.output_specs, "")
+    assert [o.to_string() for o in got.outputs] == [o.to_string() for o in want.outputs]
+
+
+@pytest.mark.parametrize("name", ["dp2_batch", "tp4_seq", "dp2tp2_batch_hidden_gathered", "3d_bsnd_weight2d"])
+def test_fused_rms_norm_without_weight(name):
+    # weight=None (elementwise_affine=False): x and rstd plan as with a weight
+    _, mesh_key, args, _, _ = next(r for r in FORWARD_ROWS if r[0] == name)
+    want = _run(mesh_key, FWD, args)
+    got = _run(mesh_key, FUSED_FWD, _fused_fwd(args, with_weight=False))
+    assert got.input_specs == want.input_specs[:1] and got.output_specs == want.output_specs
+    grad, x, weight, rstd, mask = bwd(args[0], args[1])
+    got = _run(mesh_key, FUSED_BWD, (grad, x, list(weight.shape), rstd, None, [True, False]))
+    assert got.output_specs[0] == _run(mesh_key, BWD, (grad, x, weight, rstd, mask)).output_specs[0]
+
+
+def test_fused_rms_norm_errors():
+    fused = "hypershard: aten::_fused_rms_norm: "
+    cases = [
+        (FUSED_FWD, (T(BSH, S("P")), [8], w([8], "dp2"), EPS),
+         fused + "argument input (#0) [4, 6, 8] (\"None\", \"None\", \"None\") partial(sum: dp): " + NOT_LINEAR),
+        (FUSED_FWD, (T(BSH, S(0)), [6], w([6], "dp2"), EPS),
+         fused + "argument input (#0) [4, 6, 8] (\"dp\", \"None\", \"None\"): shape [4, 6, 8] does not end with "
+                 "normalized_shape [6]"),
+        (FUSED_FWD, (T(BSH, S(0)), [8], w([6, 8], "dp2"), EPS),
+         fused + "argument weight (#2) [6, 8] (\"None\", \"None\"): shape [6, 8] is not normalized_shape [8]; "
+                 "allowed: a weight shaped like normalized_shape"),
+        (FUSED_BWD, (T(BSH, S(0)), T(BSH, S(0)), [8], T([4, 6], S(0)), w([8], "dp2"), BOTH),
+         "hypershard: aten::_fused_rms_norm_backward: argument rstd (#3) [4, 6]"),
+    ]
+    for op, args, start in cases:
+        with pytest.raises((hs.LayoutError, RuntimeError)) as raised:
+            _run("dp2", op, args)
+        assert str(raised.value).startswith(start), (start, str(raised.value))
