@@ -198,15 +198,37 @@ struct Keyable
 template <typename T>
 struct Keyable<std::optional<T>> : Keyable<T> {};
 
+// Whether this path runs a value, for rules that read no scalar (nothing keyed): the kinds
+// read_value refuses, checked without writing a key.
+template <typename T>
+bool runnable(const T&) {
+  return true;  // ints, bools, doubles, int lists, devices, enums
+}
+bool runnable(const c10::Scalar& s) { return !s.isComplex(); }
+bool runnable(const c10::SymInt& v) { return !v.is_heap_allocated(); }
+bool runnable(c10::SymIntArrayRef list) {
+  for (const auto& x : list)
+    if (x.is_heap_allocated()) return false;
+  return true;
+}
+bool runnable(at::ArrayRef<c10::Scalar> list) {
+  for (const auto& x : list)
+    if (x.isComplex()) return false;
+  return true;
+}
+template <typename T>
+bool runnable(const std::optional<T>& v) {
+  return !v || runnable(*v);
+}
+
 template <typename T>
 void read(FastArgs& a, const T& v) {
   if constexpr (!Keyable<std::decay_t<T>>::value) {
     a.ok = false;
   } else if (a.key_scalars) {
     read_value(a.key, a.ok, v);
-  } else {
-    PlanKey unread;  // the rule reads no scalar: only whether this path can run the value counts
-    read_value(unread, a.ok, v);
+  } else if (!runnable(v)) {
+    a.ok = false;
   }
 }
 

@@ -45,23 +45,10 @@ class PlanKey {
   using Words = c10::SmallVector<int64_t, 24>;  // on the stack: no heap allocation per call
 
   void none() { tag(KeyTag::kNone); }
-  void integer(int64_t v) {
-    tag(KeyTag::kInt);
-    words_.push_back(v);
-  }
-  void boolean(bool v) {
-    tag(KeyTag::kBool);
-    words_.push_back(v);
-  }
-  void real(double v) {
-    tag(KeyTag::kDouble);
-    words_.push_back(bits(v));
-  }
-  void complex(c10::complex<double> v) {
-    tag(KeyTag::kComplex);
-    words_.push_back(bits(v.real()));
-    words_.push_back(bits(v.imag()));
-  }
+  void integer(int64_t v) { chunk(KeyTag::kInt, v); }
+  void boolean(bool v) { chunk(KeyTag::kBool, v); }
+  void real(double v) { chunk(KeyTag::kDouble, bits(v)); }
+  void complex(c10::complex<double> v) { chunk(KeyTag::kComplex, bits(v.real()), bits(v.imag())); }
   void string(std::string_view s) {
     tag(KeyTag::kString);
     words_.push_back(static_cast<int64_t>(s.size()));
@@ -71,20 +58,11 @@ class PlanKey {
       words_.push_back(word);
     }
   }
-  void device(c10::Device d) {
-    tag(KeyTag::kDevice);
-    words_.push_back(static_cast<int64_t>(d.type()));
-    words_.push_back(d.index());
-  }
+  void device(c10::Device d) { chunk(KeyTag::kDevice, static_cast<int64_t>(d.type()), d.index()); }
   // A list of `count` elements; the caller appends each element's chunk next.
-  void list(size_t count) {
-    tag(KeyTag::kList);
-    words_.push_back(static_cast<int64_t>(count));
-  }
+  void list(size_t count) { chunk(KeyTag::kList, static_cast<int64_t>(count)); }
   void dtensor(const layout::Layout* layout, c10::ScalarType dtype) {
-    tag(KeyTag::kDTensor);
-    words_.push_back(reinterpret_cast<int64_t>(layout));
-    words_.push_back(static_cast<int64_t>(dtype));
+    chunk(KeyTag::kDTensor, reinterpret_cast<int64_t>(layout), static_cast<int64_t>(dtype));
   }
   void plain_tensor(c10::ScalarType dtype, c10::IntArrayRef sizes) {
     tag(KeyTag::kPlainTensor);
@@ -97,10 +75,7 @@ class PlanKey {
     tag(KeyTag::kOpaque);
     string(kind);
   }
-  void in_backward(bool v) {
-    tag(KeyTag::kBackward);
-    words_.push_back(v);
-  }
+  void in_backward(bool v) { chunk(KeyTag::kBackward, v); }
 
   // One argument from the boxed stack: a tensor (list) always, a non-tensor value when
   // `key_scalars` (the rule reads scalar arguments). `tensor_typed`: the schema declares a
@@ -118,6 +93,11 @@ class PlanKey {
 
  private:
   void tag(KeyTag t) { words_.push_back(static_cast<int64_t>(t)); }
+  // A tag and its fixed payload in one append (one capacity check: the key is written per call).
+  template <typename... Payload>
+  void chunk(KeyTag t, Payload... payload) {
+    words_.append({static_cast<int64_t>(t), static_cast<int64_t>(payload)...});
+  }
   static int64_t bits(double v) {
     int64_t b;
     std::memcpy(&b, &v, sizeof(b));
