@@ -25,7 +25,18 @@ from .. import _C
 from ..layout import make_layout
 from ..layout import mesh as make_mesh
 
-__all__ = ["Arg", "PlanningMesh", "Plan", "check_row_plan", "plan", "plan_row", "realise", "short_spec", "spec"]
+__all__ = [
+    "Arg",
+    "PlanningMesh",
+    "Plan",
+    "check_error_pieces",
+    "check_row_plan",
+    "plan",
+    "plan_row",
+    "realise",
+    "short_spec",
+    "spec",
+]
 
 
 def short_spec(layout: Optional[_C.Layout]) -> Optional[list]:
@@ -139,3 +150,11 @@ def check_row_plan(result: Plan, args: Sequence[Any], inputs: Optional[list], ou
     assert result.output_specs == outputs, (result.output_specs, outputs)
     assert result.refused == "", result.refused
     assert not result.expands
+
+
+def check_error_pieces(text: str, pieces: Sequence[str]) -> None:
+    """Asserts a rule error's message `text` of a rule-test error row: it starts with "hypershard: "
+    and the first piece (the start of the house-format message), and holds every other piece."""
+    assert text.startswith("hypershard: " + pieces[0]), text
+    for piece in pieces[1:]:
+        assert piece in text, (piece, text)
