@@ -17,29 +17,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .common import error_text, ratio
+from .common import QWEN3_7M_CONFIG, QWEN3_7M_QUICK_CONFIG, error_text, ratio
 from .memory import malloc_trim, reset_peak_rss, set_mmap_threshold, vm_kib
 
-CHECKPOINT_CONFIG = dict(
-    vocab_size=8192,
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    head_dim=32,
-    max_position_embeddings=128,
-    tie_word_embeddings=False,
-)
-CHECKPOINT_QUICK_CONFIG = dict(
-    CHECKPOINT_CONFIG,
-    vocab_size=2048,
-    hidden_size=128,
-    intermediate_size=384,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-)
+# the same model as fully_shard.py (common.QWEN3_7M_CONFIG), so the two sections describe one state
+CHECKPOINT_CONFIG, CHECKPOINT_QUICK_CONFIG = QWEN3_7M_CONFIG, QWEN3_7M_QUICK_CONFIG
 MESH = ((2, 2), ("dp", "tp"))
 RESHARD_MESH = ((4,), ("tp",))
 

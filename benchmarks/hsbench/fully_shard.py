@@ -18,30 +18,12 @@ import statistics
 import time
 from typing import Callable
 
-from .common import error_text, ratio
+from .common import QWEN3_7M_CONFIG, QWEN3_7M_QUICK_CONFIG, error_text, ratio
 from .memory import malloc_trim, reset_peak_rss, set_mmap_threshold, vm_kib
 from .trainers import lr_at, state_bytes
 
-FSDP_CONFIG = dict(
-    vocab_size=8192,
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    head_dim=32,
-    max_position_embeddings=128,
-    tie_word_embeddings=False,
-)
-FSDP_QUICK_CONFIG = dict(
-    FSDP_CONFIG,
-    vocab_size=2048,
-    hidden_size=128,
-    intermediate_size=384,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-)
+# the same model as checkpoint.py (common.QWEN3_7M_CONFIG)
+FSDP_CONFIG, FSDP_QUICK_CONFIG = QWEN3_7M_CONFIG, QWEN3_7M_QUICK_CONFIG
 MESH = ((4,), ("dp",))
 IMPLS = ("hypershard_fully_shard", "hypershard_dp", "torch_fsdp2")
 BATCH, SEQ = 8, 64

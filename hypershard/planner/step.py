@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from .. import _C
+from ..models import _MODEL_CLASSES  # the model types that are not an AutoModelForCausalLM
 from .memory import storage_key
 
 __all__ = [
@@ -95,9 +96,6 @@ PUBLISHED = {
         ),
     ),
 }
-
-# Model types whose class is not an AutoModelForCausalLM.
-_MODEL_CLASSES = {"qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
 
 
 def load_config(name: str, **overrides):

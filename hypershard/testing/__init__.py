@@ -91,6 +91,7 @@ from .worker import (
     current_mesh,
     current_rank,
     in_distributed_run,
+    layout_problems,
     replicated,
     traffic_checked,
 )
@@ -117,6 +118,7 @@ __all__ = [
     "default_tolerance",
     "get_adapter",
     "in_distributed_run",
+    "layout_problems",
     "parse_placement",
     "placement_sweep",
     "randint",

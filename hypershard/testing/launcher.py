@@ -90,9 +90,10 @@ def run_cases(
         remaining, setup_retries = group, SETUP_RETRIES
         while remaining:
             batch = [dataclasses.replace(pc, index=i) for i, pc in enumerate(remaining)]
-            info, outcome, resume_from = _launch(
-                batch, size, adapter, timeout, collective_timeout, keep_dir, device_type
-            )
+            with _launch_directory(size, keep_dir) as directory:
+                info, outcome, resume_from = _launch(
+                    directory, batch, size, adapter, timeout, collective_timeout, keep_dir, device_type
+                )
             result.launches.append(info)
             merged.update(outcome)
             if info.case == "<setup>" and setup_retries > 0:
@@ -244,26 +245,19 @@ def _merge(pc: PreparedCase, records: dict) -> CaseResult:
     )
 
 
-def _launch(
-    batch: list,
-    world_size: int,
-    adapter: Adapter,
-    timeout: float,
-    collective_timeout: float,
-    keep_dir: bool,
-    device_type: str = "cpu",
-) -> tuple[LaunchInfo, dict, Optional[int]]:
-    """Run one batch; (launch info, {name: CaseResult} for every case of the batch, index of
-    the first case to launch again or None)."""
+@contextlib.contextmanager
+def _launch_directory(world_size: int, keep_dir: bool):
+    """A fresh directory for one launch's files, removed afterwards (also on KeyboardInterrupt)
+    unless `keep_dir`."""
     directory = tempfile.mkdtemp(prefix=f"hypershard-testing-{world_size}r-")
     try:
-        return _launch_in(directory, batch, world_size, adapter, timeout, collective_timeout, keep_dir, device_type)
-    finally:  # also on KeyboardInterrupt
+        yield directory
+    finally:
         if not keep_dir:
             shutil.rmtree(directory, ignore_errors=True)
 
 
-def _launch_in(
+def _launch(
     directory: str,
     batch: list,
     world_size: int,
@@ -273,6 +267,8 @@ def _launch_in(
     keep_dir: bool,
     device_type: str = "cpu",
 ) -> tuple[LaunchInfo, dict, Optional[int]]:
+    """Run one batch in `directory`; (launch info, {name: CaseResult} for every case of the batch,
+    index of the first case to launch again or None)."""
     # The ranks are forked before the store exists: the store's server runs a thread, and a
     # thread that holds a lock while another thread forks leaves that lock held forever in the
     # child (a rank stuck in setup, rarely, under load).  The port follows over a pipe.

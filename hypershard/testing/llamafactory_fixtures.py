@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from .sft_fixtures import alpaca_records, sharegpt_records
+from .sft_fixtures import alpaca_records, fixture_texts, save_byte_level_bpe, sharegpt_records
 
 __all__ = [
     "write_tokenizer",
@@ -29,34 +29,13 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</t
 
 def write_tokenizer(directory, texts: list, vocab_size: int = 320, extra_special: tuple = ()) -> Path:
     """A byte-level BPE (any text encodes: the qwen3 template adds <think> blocks) trained on `texts`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS + list(extra_special),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+    return save_byte_level_bpe(
+        directory, texts, vocab_size, SPECIAL_TOKENS + list(extra_special), eos_token="<|im_end|>"
     )
-    tok.train_from_iterator(texts, trainer)
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", "<think>", "</think>", *extra_special],
-    )
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    wrapped.save_pretrained(directory)
-    return directory
 
 
 def _texts() -> list:
-    texts = [json.dumps(r) for r in alpaca_records()] + [json.dumps(r) for r in sharegpt_records()]
-    return texts + ["You are helpful", "Answer briefly", "user assistant system", "<think>\n\n</think>\n\n"]
+    return fixture_texts() + ["<think>\n\n</think>\n\n"]
 
 
 def write_model(directory, model_type: str = "qwen3", seed: int = 0, **overrides) -> Path:

@@ -25,7 +25,18 @@ from .. import _C
 from ..layout import make_layout
 from ..layout import mesh as make_mesh
 
-__all__ = ["Arg", "PlanningMesh", "Plan", "plan", "realise", "short_spec", "spec"]
+__all__ = [
+    "Arg",
+    "PlanningMesh",
+    "Plan",
+    "check_error_pieces",
+    "check_row_plan",
+    "plan",
+    "plan_row",
+    "realise",
+    "short_spec",
+    "spec",
+]
 
 
 def short_spec(layout: Optional[_C.Layout]) -> Optional[list]:
@@ -121,3 +132,29 @@ def realise(value: Any, mesh: PlanningMesh) -> Any:
 def spec(*dims: Any) -> list:
     """Placements per mesh axis: an int d is Shard(d), None Replicate, a str itself ("P", "P(max)")."""
     return [d if isinstance(d, str) else (f"S({d})" if d is not None else "R") for d in dims]
+
+
+def plan_row(op: Any, args: Sequence[Any], shape: Mapping[str, int], rank: int = 0) -> Plan:
+    """The plan of `op` on a rule-test row's positional `args`, realised on a PlanningMesh of `shape`
+    seen from `rank`."""
+    mesh = PlanningMesh(shape, rank=rank)
+    return plan(op, *[realise(a, mesh) for a in args])
+
+
+def check_row_plan(result: Plan, args: Sequence[Any], inputs: Optional[list], outputs: list) -> None:
+    """Asserts a rule-test row's plan: it asks for `inputs` (None: the specs the row's Args were
+    given, i.e. nothing moves), gives `outputs`, is not refused and runs no implementation of its
+    own (`expands`: collectives inside the op)."""
+    want_inputs = inputs if inputs is not None else [a.spec for a in args if isinstance(a, Arg)]
+    assert result.input_specs == want_inputs, (result.input_specs, want_inputs)
+    assert result.output_specs == outputs, (result.output_specs, outputs)
+    assert result.refused == "", result.refused
+    assert not result.expands
+
+
+def check_error_pieces(text: str, pieces: Sequence[str]) -> None:
+    """Asserts a rule error's message `text` of a rule-test error row: it starts with "hypershard: "
+    and the first piece (the start of the house-format message), and holds every other piece."""
+    assert text.startswith("hypershard: " + pieces[0]), text
+    for piece in pieces[1:]:
+        assert piece in text, (piece, text)

@@ -68,36 +68,53 @@ def sharegpt_records(n: int = 12) -> list:
     return records
 
 
-def write_tokenizer(directory, texts=None, vocab_size: int = 400) -> Path:
-    """Trains a byte-level BPE on `texts` (default: the fixtures' datasets) and saves it with the
-    ChatML template as a transformers tokenizer in `directory`; <|endoftext|> is eos and pad."""
+def fixture_texts() -> list:
+    """The text the fixture tokenizers are trained on: the datasets' records and their system and role words."""
+    texts = [json.dumps(r) for r in alpaca_records()] + [json.dumps(r) for r in sharegpt_records()]
+    return texts + ["You are helpful", "Answer briefly", "user assistant system"]
+
+
+def save_byte_level_bpe(
+    directory, texts: list, vocab_size: int, special_tokens: list, eos_token: str, chat_template=None
+) -> Path:
+    """Trains a byte-level BPE (any text encodes) on `texts` and saves it as a transformers tokenizer in
+    `directory`: <|endoftext|> pads, `eos_token` ends, the other special tokens are additional ones."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    if texts is None:
-        texts = [json.dumps(r) for r in alpaca_records()] + [json.dumps(r) for r in sharegpt_records()]
-        texts += ["You are helpful", "Answer briefly", "user assistant system"]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
+    pad_token = "<|endoftext|>"
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        eos_token=eos_token,
+        pad_token=pad_token,
+        additional_special_tokens=[t for t in special_tokens if t not in (eos_token, pad_token)],
     )
-    wrapped.chat_template = CHATML_TEMPLATE
+    if chat_template is not None:
+        wrapped.chat_template = chat_template
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     wrapped.save_pretrained(directory)
     return directory
+
+
+def write_tokenizer(directory, texts=None, vocab_size: int = 400) -> Path:
+    """Trains a byte-level BPE on `texts` (default: the fixtures' datasets) and saves it with the
+    ChatML template as a transformers tokenizer in `directory`; <|endoftext|> is eos and pad."""
+    if texts is None:
+        texts = fixture_texts()
+    return save_byte_level_bpe(
+        directory, texts, vocab_size, SPECIAL_TOKENS, eos_token="<|endoftext|>", chat_template=CHATML_TEMPLATE
+    )
 
 
 def write_datasets(directory, n_alpaca: int = 24, n_sharegpt: int = 12) -> dict:

@@ -83,6 +83,19 @@ def traffic_checked(fn: Callable, check: Callable) -> Callable:
     return run
 
 
+def layout_problems(out: Any, expect: Any) -> list:
+    """For a case's dist_fn: [] when `out`'s layout is `expect` (placements, or (alias dims, partial)
+    as hs.make_layout takes them; None expects nothing), else the one problem's text."""
+    if expect is None:
+        return []
+    import hypershard as hs  # lazily, as replicated() does
+
+    spec = expect if isinstance(expect, tuple) else (expect, None)
+    want = hs.make_layout(current_mesh().mesh, list(out.shape), *spec)
+    got = hs._C.layout_of(out)
+    return [] if got == want else [f"output layout {got} != expected {want}"]
+
+
 def current_rank() -> Optional[int]:
     """This process's rank inside a launch, else None."""
     return _STATE["rank"]

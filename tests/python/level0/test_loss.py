@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 hs = pytest.importorskip("hypershard")
-from hypershard.testing import Case, Input, current_mesh, run_cases, uniform  # noqa: E402
+from hypershard.testing import Case, Input, layout_problems, run_cases, uniform  # noqa: E402
 
 try:
     from transformers.loss.loss_utils import ForCausalLMLoss
@@ -76,13 +76,7 @@ def checked(fn, expect=None, max_bytes=None):
         out = fn(*args)
         sent = hs._C.traffic()["bytes_sent"]
         first = out[0] if isinstance(out, (tuple, list)) else out
-        problems = []
-        if expect is not None:
-            spec = expect if isinstance(expect, tuple) else (expect, None)
-            want = hs.make_layout(current_mesh().mesh, list(first.shape), *spec)
-            got = hs._C.layout_of(first)
-            if got != want:
-                problems.append(f"output layout {got} != expected {want}")
+        problems = layout_problems(first, expect)
         if max_bytes is not None and sent > max_bytes:
             problems.append(f"forward sent {sent} bytes, more than {max_bytes} (a gather of the logits?)")
         if problems:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 hs = pytest.importorskip("hypershard")
-from hypershard.testing import Case, Input, NoisyPartialAdapter, current_mesh, run_cases  # noqa: E402
+from hypershard.testing import Case, Input, NoisyPartialAdapter, layout_problems, run_cases  # noqa: E402
 
 LAUNCH_TIMEOUT_S = 240  # per launch; each takes ~10-40 s on 2 cores
 
@@ -38,13 +38,7 @@ def checked(fn, expect=None, fwd_collectives=None, min_fwd_collectives=0):
         hs._C.reset_traffic()
         out = fn(*args, **kwargs)
         ran = hs._C.traffic()["collectives"]
-        problems = []
-        if expect is not None:
-            spec = expect if isinstance(expect, tuple) else (expect, None)
-            want = hs.make_layout(current_mesh().mesh, list(out.shape), *spec)
-            got = hs._C.layout_of(out)
-            if got != want:
-                problems.append(f"output layout {got} != expected {want}")
+        problems = layout_problems(out, expect)
         if fwd_collectives is not None and ran != fwd_collectives:
             problems.append(f"forward ran {ran} collectives, expected {fwd_collectives}")
         if ran < min_fwd_collectives:
