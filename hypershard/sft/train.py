@@ -120,9 +120,13 @@ def schedule(args, n_examples: int) -> tuple:
     return per_epoch, total, warmup_steps(total, args.warmup_steps, args.warmup_ratio)
 
 
-def dp_size(mesh_spec) -> int:
+def axis_size(mesh_spec, name: str) -> int:
     shape, names = mesh_spec
-    return shape[names.index("dp")] if "dp" in names else 1
+    return shape[names.index(name)] if name in names else 1
+
+
+def dp_size(mesh_spec) -> int:
+    return axis_size(mesh_spec, "dp")
 
 
 def checkpoint_dir(args) -> Path:
@@ -266,7 +270,9 @@ def run_rank(rank: int, world: int, args) -> dict:
     torch.manual_seed(args.seed)
     mesh = hs.init_device_mesh("cpu", *args.mesh)
     tokenizer, examples = prepare_data(args)
-    check_batch_sizes(args.batch_size, args.micro_batch_size, dp_size(args.mesh), len(examples))
+    check_batch_sizes(
+        args.batch_size, args.micro_batch_size, dp_size(args.mesh), len(examples), axis_size(args.mesh, "cp")
+    )
     per_epoch, total, warmup = schedule(args, len(examples))
     model = distributed_model(args, mesh, len(tokenizer))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -278,6 +284,14 @@ def run_rank(rank: int, world: int, args) -> dict:
     micro_per_step = args.batch_size // args.micro_batch_size
     crash_at = _crash_step(world, rank)
     pad = pad_id(tokenizer)
+    names = list(mesh.mesh_dim_names)
+    # A sharded sequence is stored head-tail in 2 x cp chunks (docs/context_parallel.md), and a
+    # padding attention_mask is refused there. The batches are padded on the right with labels
+    # -100 and the models are causal: no real token attends to (or, through a causal conv or
+    # recurrence, reads) a later pad token, so without the mask every trained token's loss is the
+    # same. (A MoE's auxiliary balance loss would count the pad tokens: the SFT trains without it.)
+    context_parallel = "cp" in names
+    multiple = 2 * mesh.shape[names.index("cp")] if context_parallel else 1
 
     bar = None
     if rank == 0:
@@ -289,7 +303,14 @@ def run_rank(rank: int, world: int, args) -> dict:
         for step in range(start, stop):
             tic = time.perf_counter()
             epoch, _, indices = global_batch(len(examples), args.batch_size, args.seed, step)
-            batches = [collate([examples[i] for i in mb], pad) for mb in micro_batches(indices, args.micro_batch_size)]
+            batches = [
+                collate([examples[i] for i in mb], pad, multiple)
+                for mb in micro_batches(indices, args.micro_batch_size)
+            ]
+            tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+            if context_parallel:
+                for batch in batches:
+                    del batch["attention_mask"]
             n_items = sum(trained_tokens(b["labels"]) for b in batches)
             lr = scheduler.get_last_lr()[0]
             optimizer.zero_grad(set_to_none=True)
@@ -299,7 +320,6 @@ def run_rank(rank: int, world: int, args) -> dict:
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip).item())
             optimizer.step()
             scheduler.step()
-            tokens = sum(int(b["attention_mask"].sum()) for b in batches)
             seconds = time.perf_counter() - tic
             records.append(
                 {
