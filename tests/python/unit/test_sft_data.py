@@ -178,6 +178,14 @@ def test_collate_pads_right_with_masks():
     assert D.trained_tokens(torch.tensor([[4, 5, IGNORE]])) == 1
 
 
+def test_collate_pads_to_a_multiple_for_context_parallelism():
+    batch = D.collate([([5, 6, 7], [IGNORE, 6, 7]), ([8], [IGNORE])], pad_id=0, multiple=4)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 0], [8, 0, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[IGNORE, 6, 7, IGNORE], [IGNORE] * 4]
+    assert D.collate([([5] * 8, [5] * 8)], pad_id=0, multiple=4)["input_ids"].shape == (1, 8)  # no extra chunk
+
+
 # ------------------------------------------------------------------------------ order and batches
 
 def test_batch_size_checks():
@@ -189,6 +197,10 @@ def test_batch_size_checks():
         D.check_batch_sizes(8, 2, 4, 20)
     with pytest.raises(SFTError, match="the data has 5 examples, fewer than one --batch-size 8"):
         D.check_batch_sizes(8, 8, 1, 5)
+    D.check_batch_sizes(8, 2, 2, 20, cp=2)  # one sequence per dp rank
+    with pytest.raises(SFTError, match=r"--micro-batch-size 4 puts 2 sequences on each dp rank; with context "
+                                       r"parallelism \(cp=2\).*allowed: --micro-batch-size 2"):
+        D.check_batch_sizes(8, 4, 2, 20, cp=2)
 
 
 def test_data_order_is_deterministic_per_epoch():
