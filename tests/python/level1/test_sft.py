@@ -109,14 +109,16 @@ def test_micro_batches_match_whole_batches(fixtures, reference, tmp_path):
         assert torch.linalg.norm(got[name] - ref) <= 1e-5 * torch.linalg.norm(ref), name
 
 
-def test_context_parallel_matches_the_reference(fixtures, reference, tmp_path):
-    """dp=2 x cp=2 in strict mode: every sequence split over cp in head-tail order, padded on the right
+@pytest.mark.parametrize("extra", [(), ("--fully-shard",)], ids=["cp", "cp_fully_shard"])
+def test_context_parallel_matches_the_reference(fixtures, reference, tmp_path, extra):
+    """dp=2 x cp=2 in strict mode, and with every layer fully sharded over dp (the gradients then
+    summed over cp as well as reduce-scattered over dp): every sequence split over cp in head-tail order, padded on the right
     to a multiple of 2 x cp with labels -100 and trained without the padding mask (the model is causal:
     no trained token reads a later pad token), one sequence per dp rank in a micro-batch (the CLI's
     default under cp), the loss over the global count of trained tokens. Equal to the dp=2 x tp=2
     reference up to summation order (measured: equal to 1e-7 relative), rtol 1e-5 as in every level1
     comparison; parameters per tensor in norm as in test_micro_batches_match_whole_batches."""
-    ok(sft(fixtures, tmp_path, "--strict", "--save-steps", "0", "--export-hf", mesh="dp=2,cp=2"))
+    ok(sft(fixtures, tmp_path, "--strict", "--save-steps", "0", "--export-hf", *extra, mesh="dp=2,cp=2"))
     summary = json.loads((tmp_path / "losses.json").read_text())
     expected = json.loads((reference / "losses.json").read_text())
     assert summary["mesh"] == "dp=2,cp=2"
