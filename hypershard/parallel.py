@@ -430,7 +430,7 @@ _NOT_BATCH_INPUTS = frozenset({"pixel_values", "pixel_values_videos", "image_gri
 
 
 # Context parallelism (docs/context_parallel.md): the algorithms the attention rule plans.
-CP_ALGORITHMS = ("all_gather_kv",)
+CP_ALGORITHMS = ("all_gather_kv", "ulysses", "ring")
 # Forward arguments whose last dim is the sequence (position ids: also M-RoPE's (3, batch, seq)).
 _SEQUENCE_INPUTS = frozenset({"input_ids", "labels", "shift_labels", "position_ids", "token_type_ids"})
 
@@ -633,8 +633,11 @@ def parallelize(
     position over the whole sequence first, passed as ``shift_labels``) are permuted to that order
     and sharded on their sequence dim over it. Parameters are Replicate on cp (their gradients are
     summed over it like data parallelism's). `cp_algorithm`: how attention runs on the sharded
-    sequence; "all_gather_kv" (the only one so far: K/V all-gathered, their gradients
-    reduce-scattered, the query sharded).
+    sequence: "all_gather_kv" (K/V all-gathered, their gradients reduce-scattered, the query
+    sharded; the default), "ulysses" (one all-to-all per tensor moves the sharding from the sequence
+    to the heads and back; needs every rank's query and KV heads divisible by the cp size) or "ring"
+    (K/V blocks passed rank to rank, online-softmax merging, O(S/cp) memory). A call the chosen
+    algorithm cannot run (uneven blocks, heads that do not divide) runs all-gather-KV.
 
     Every style of the plans is checked before anything is distributed: an unknown style, or one
     the module cannot take (see the module docstring), raises a ValueError naming the module."""
@@ -701,6 +704,7 @@ def parallelize(
         module_style.install(module, mesh, axis, ep)
     if cp is not None:
         mesh.load_balanced_sequence_axis = cp
+        mesh.cp_algorithm = cp_algorithm
     if shard_inputs:
         model.register_forward_pre_hook(_shard_inputs(mesh, dp, cp), with_kwargs=True)
     return model

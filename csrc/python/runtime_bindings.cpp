@@ -4,6 +4,7 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/python.h>
 
+#include <iterator>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -27,6 +28,9 @@ namespace {
 
 using runtime::DeviceMesh;
 using runtime::DeviceMeshPtr;
+
+// DeviceMesh::SequenceAttention's values, in order, as parallelize's cp_algorithm names them.
+constexpr const char* kSequenceAttentionNames[] = {"all_gather_kv", "ulysses", "ring"};
 
 c10::DeviceType parse_device_type(const std::string& name) { return c10::Device(name).type(); }
 
@@ -69,6 +73,20 @@ void bind_runtime(py::module_& m) {
                     &DeviceMesh::set_load_balanced_sequence_axis,
                     "Mesh axis index whose sequences are stored in head-tail (zig-zag) order of 2 x its size "
                     "chunks (context parallelism, docs/context_parallel.md); -1: natural order.")
+      .def_property(
+          "cp_algorithm",
+          [](const DeviceMesh& d) {
+            return std::string(kSequenceAttentionNames[static_cast<int>(d.sequence_attention())]);
+          },
+          [](DeviceMesh& d, const std::string& name) {
+            for (size_t i = 0; i < std::size(kSequenceAttentionNames); ++i)
+              if (name == kSequenceAttentionNames[i])
+                return d.set_sequence_attention(static_cast<DeviceMesh::SequenceAttention>(i));
+            throw py::value_error("hypershard: device mesh: cp_algorithm '" + name +
+                                  "' is not known; allowed: all_gather_kv, ulysses, ring");
+          },
+          "How attention runs on a sequence sharded over this mesh (docs/context_parallel.md): "
+          "'all_gather_kv' (default), 'ulysses' or 'ring'.")
       .def("__str__", &DeviceMesh::to_string)
       .def("__repr__", [](const DeviceMesh& d) { return "DeviceMesh" + d.to_string(); });
 

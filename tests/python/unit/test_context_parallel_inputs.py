@@ -1,7 +1,7 @@
 """UT: what parallelize does to a forward's inputs on a context-parallel mesh before sharding them
 (hypershard.parallel._head_tail_inputs, docs/context_parallel.md): labels shifted over the whole
 natural-order sequence, then input ids, position ids and labels put in head-tail order; refusals
-for a length 2 x cp does not divide, a padding mask and an unknown cp_algorithm. No processes."""
+for a length 2 x cp does not divide, a padding mask and an unknown cp_algorithm (parallelize's and the mesh's). No processes."""
 
 import pytest
 import torch
@@ -40,10 +40,24 @@ def test_refusals():
         _head_tail_inputs({"input_ids": torch.zeros(1, 8, dtype=torch.long), "attention_mask": mask}, chunks=4)
     with pytest.raises(ValueError, match="head-tail chunks"):
         head_tail_order(6, 4)
-    assert CP_ALGORITHMS == ("all_gather_kv",)
+    assert CP_ALGORITHMS == ("all_gather_kv", "ulysses", "ring")
 
     class Mesh:
         mesh_dim_names = ("cp",)
         shape = (2,)
-    with pytest.raises(ValueError, match="cp_algorithm 'ring' is not implemented"):
-        parallelize(torch.nn.Linear(2, 2), Mesh(), cp_algorithm="ring")
+    with pytest.raises(ValueError, match="cp_algorithm 'pass_q' is not implemented"):
+        parallelize(torch.nn.Linear(2, 2), Mesh(), cp_algorithm="pass_q")
+
+
+def test_mesh_cp_algorithm():
+    """The DeviceMesh property the attention expand reads per call: every name parallelize accepts
+    round-trips, an unknown one is refused with the allowed names."""
+    from hypershard.testing.planning import PlanningMesh
+
+    mesh = PlanningMesh({"cp": 2}).device_mesh
+    assert mesh.cp_algorithm == "all_gather_kv"
+    for name in CP_ALGORITHMS:
+        mesh.cp_algorithm = name
+        assert mesh.cp_algorithm == name
+    with pytest.raises(ValueError, match="cp_algorithm 'pass_q' is not known; allowed: all_gather_kv, ulysses, ring"):
+        mesh.cp_algorithm = "pass_q"
