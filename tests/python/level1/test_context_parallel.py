@@ -12,8 +12,10 @@ hypershard.context_parallel.causal_lm_loss, which keeps both dims: dp2 x cp2 run
 with two sequences per dp rank. Planted faults that must fail the same checks: the mesh not told
 about the head-tail order (the causal mask built from natural positions); on dp2 x cp2 with two
 sequences per dp rank, the loss normalised by each rank's own count of trained tokens (the mean
-of the per-rank means instead of the global mean)."""
+of the per-rank means instead of the global mean). The loss refuses distributed labels without
+shift_labels."""
 
+import pytest
 import torch
 
 from hypershard.testing import Case, Input, assert_all_passed, current_mesh, run_cases
@@ -74,6 +76,10 @@ def trainer(batch, fault=None):
         if fault is None:
             assert not problems, "\n".join(problems)
             assert stats["implicit_calls"] == 0 and stats["fallback_calls"] == 0, stats
+            # stored rows are in head-tail order: shifting distributed labels would pick wrong targets
+            labels = hs.distribute_tensor(torch.zeros(batch, SEQ, dtype=torch.long), mesh)
+            with pytest.raises(ValueError, match="distributed labels without shift_labels"):
+                causal_lm_loss(torch.zeros(batch, SEQ, config().vocab_size), labels, config().vocab_size)
             return torch.tensor(got.losses, dtype=torch.float64)
         assert problems, f"planted fault {fault!r} was NOT caught; worst ratios {worst}"
         return torch.tensor(expected.losses, dtype=torch.float64)
