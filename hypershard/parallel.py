@@ -88,6 +88,7 @@ import torch
 from torch import nn
 
 from . import _C
+from .context_parallel import use_causal_lm_loss
 from .dtensor import distribute_tensor
 from .placement_types import Replicate, Shard
 
@@ -707,4 +708,6 @@ def parallelize(
         mesh.cp_algorithm = cp_algorithm
     if shard_inputs:
         model.register_forward_pre_hook(_shard_inputs(mesh, dp, cp), with_kwargs=True)
+    if cp is not None:  # a loss that flattens (batch, sequence) needs one sequence per dp rank
+        use_causal_lm_loss(model)
     return model
