@@ -440,8 +440,8 @@ def _head_tail_inputs(kwargs: dict, chunks: int) -> dict:
     """The forward's keyword tensors in head-tail order along the sequence (hypershard.context_parallel),
     natural-order work done first: labels shifted by one position over the WHOLE sequence (passed as
     ``shift_labels``, which transformers' ForCausalLMLoss then takes as they are), position ids made
-    when the caller gave none. An all-ones attention mask is dropped (it masks nothing); a padding
-    mask is refused: transformers builds its causal part from natural positions."""
+    when the caller gave none, an all-ones attention mask always (see below); a padding mask is
+    refused: transformers builds its causal part from natural positions."""
     from .context_parallel import shift_labels, to_head_tail
 
     kwargs = dict(kwargs)
@@ -465,7 +465,10 @@ def _head_tail_inputs(kwargs: dict, chunks: int) -> dict:
                 "supported (transformers builds its causal part from natural positions); allowed: "
                 "no mask or an all-ones mask (pack or pad the sequences with labels -100)"
             )
-        kwargs.pop("attention_mask")
+    # Always an all-ones mask: without one (and without a KV cache, use_cache=False) transformers
+    # reads head-tail position ids as packed sequences and masks across their "boundaries"; with
+    # one it sees nothing to mask and attention runs is_causal over the global positions.
+    kwargs["attention_mask"] = torch.ones(batch, length, dtype=torch.long, device=source.device)
     if kwargs.get("position_ids") is None:
         kwargs["position_ids"] = torch.arange(length, device=source.device).expand(batch, length)
     for name in ("labels", "shift_labels"):

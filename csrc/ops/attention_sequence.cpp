@@ -26,6 +26,8 @@
 #include <ATen/OpMathType.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <limits>
 #include <optional>
 #include <string>
@@ -38,6 +40,12 @@ namespace {
 using runtime::DeviceMesh;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+
+std::array<std::atomic<int64_t>, 3> g_calls{};
+
+void count(DeviceMesh::SequenceAttention algorithm) {
+  g_calls[static_cast<size_t>(algorithm)].fetch_add(1, std::memory_order_relaxed);
+}
 
 // Padding of a built mask's rows: the efficient kernel reads attn_bias rows aligned to 16 elements.
 constexpr int64_t kMaskRowAlignment = 16;
@@ -226,7 +234,8 @@ void merge(at::Tensor& out, at::Tensor& lse, const at::Tensor& block_out, at::Te
   const at::Tensor mine = (lse - base).exp(), theirs = (block_lse - base).exp();
   const at::Tensor total = mine + theirs;
   const at::Tensor denominator = at::where(total.eq(0), at::ones_like(total), total);
-  out = out * (mine / denominator).unsqueeze(-1) + block_out.to(out.scalar_type()) * (theirs / denominator).unsqueeze(-1);
+  out =
+      out * (mine / denominator).unsqueeze(-1) + block_out.to(out.scalar_type()) * (theirs / denominator).unsqueeze(-1);
   lse = base + total.log();
 }
 
@@ -372,25 +381,36 @@ void plan_even_split(const OpCall& call, SequencePlan& p, std::vector<LayoutPtr>
   const auto tensor_arg = [&](std::initializer_list<const char*> names) {
     return call.tensors[call.tensor_named(names)].arg;
   };
-  p.ulysses_in.push_back(rows(tensor_arg({"grad_out", "grad_out_"}), inputs[call.tensor_named({"grad_out", "grad_out_"})]));
+  p.ulysses_in.push_back(
+      rows(tensor_arg({"grad_out", "grad_out_"}), inputs[call.tensor_named({"grad_out", "grad_out_"})]));
   p.ulysses_in.push_back(rows(tensor_arg({"out"}), inputs[call.tensor_named({"out"})]));
   p.ulysses_in.push_back(rows(tensor_arg({"logsumexp"}), inputs[call.tensor_named({"logsumexp"})]));
   p.ulysses_out = {rows(0, outputs[0]), columns(1, outputs[1]), columns(2, outputs[2])};
 }
 
+std::array<int64_t, 3> calls_per_algorithm() {
+  std::array<int64_t, 3> calls{};
+  for (size_t i = 0; i < calls.size(); ++i) calls[i] = g_calls[i].load(std::memory_order_relaxed);
+  return calls;
+}
+
+void reset_calls_per_algorithm() {
+  for (auto& c : g_calls) c.store(0, std::memory_order_relaxed);
+}
+
 bool run_even_split(const OpCall& c, const SequencePlan& p, torch::jit::Stack& stack, bool backward) {
-  switch (c.mesh->sequence_attention()) {
-    case DeviceMesh::SequenceAttention::kRing:
-      if (!p.ring) break;
-      backward ? run_ring_backward(c, p, stack) : run_ring_forward(c, p, stack);
-      return true;
-    case DeviceMesh::SequenceAttention::kUlysses:
-      if (p.ulysses_in.empty()) break;
-      run_ulysses(c, p, stack);
-      return true;
-    case DeviceMesh::SequenceAttention::kAllGatherKv:
-      break;
+  const auto algorithm = c.mesh->sequence_attention();
+  if (algorithm == DeviceMesh::SequenceAttention::kRing && p.ring) {
+    count(algorithm);
+    backward ? run_ring_backward(c, p, stack) : run_ring_forward(c, p, stack);
+    return true;
   }
+  if (algorithm == DeviceMesh::SequenceAttention::kUlysses && !p.ulysses_in.empty()) {
+    count(algorithm);
+    run_ulysses(c, p, stack);
+    return true;
+  }
+  count(DeviceMesh::SequenceAttention::kAllGatherKv);
   const size_t n = c.schema().arguments().size();
   c10::IValue* args = stack.data() + (stack.size() - n);
   for (int i = 0; i < 2; ++i) {

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/stack.h>
 
+#include <array>
 #include <vector>
 
 #include "ops/op_call.h"
@@ -63,5 +64,11 @@ void plan_even_split(const OpCall& call, SequencePlan& p, std::vector<LayoutPtr>
 // true; otherwise gathers key and value in `stack` (all-gather-KV) and returns false: the caller
 // runs the kernel.
 bool run_even_split(const OpCall& c, const SequencePlan& p, torch::jit::Stack& stack, bool backward);
+
+// How many even-split calls (forward and backward) each algorithm ran, indexed by
+// DeviceMesh::SequenceAttention (a call the mesh's algorithm cannot run counts as all-gather-KV):
+// tests and benchmarks see which one ran.
+std::array<int64_t, 3> calls_per_algorithm();
+void reset_calls_per_algorithm();
 
 }  // namespace hypershard::ops::sequence_attention

@@ -11,6 +11,7 @@
 
 #include "layout/error.h"
 #include "layout/intern.h"
+#include "ops/attention_sequence.h"
 #include "ops/families.h"
 #include "ops/op_call.h"
 #include "runtime/dispatch.h"
@@ -90,6 +91,18 @@ void bind_runtime(py::module_& m) {
       .def("__str__", &DeviceMesh::to_string)
       .def("__repr__", [](const DeviceMesh& d) { return "DeviceMesh" + d.to_string(); });
 
+  m.def(
+      "cp_attention_calls",
+      [] {
+        const auto calls = ops::sequence_attention::calls_per_algorithm();
+        py::dict d;
+        for (size_t i = 0; i < calls.size(); ++i) d[kSequenceAttentionNames[i]] = calls[i];
+        return d;
+      },
+      "Attention calls on an even sequence split (forward and backward) per context-parallel "
+      "algorithm that ran them, since the last reset (a call the mesh's algorithm cannot run counts "
+      "as all_gather_kv).");
+  m.def("reset_cp_attention_calls", &ops::sequence_attention::reset_calls_per_algorithm);
   m.def("release_process_groups", &runtime::release_process_groups,
         "Drops the c10d process groups of every live DeviceMesh, with the GIL released (a gloo "
         "group's destructor joins a worker thread that may need the GIL); returns how many. Runs by "

@@ -11,6 +11,9 @@ undoes the order, runs one-device attention in natural order and stores the resu
 "equal to one device" means equal to the natural-order computation. Without a load-balanced axis
 the sequence is in natural order (uneven lengths allowed).
 
+Also the two ops before attention that must keep the sequence sharded: a linear layer with two
+sequences per rank and the KV cache's first update (a cat onto a legacy empty tensor).
+
 Cases: causal (head-tail and natural order, uneven L in natural order), not causal, GQA
 (enable_gqa, 4 query heads over 2 KV heads), padding masks (a right-padded key mask, with and
 without causal), key/value gradients laid out like key/value, bytes per call equal to the
@@ -231,6 +234,40 @@ def loss_cases(mesh, L):
             Case(f"planted_labels_not_permuted_{tag}", reference, [logits, planted], mesh=mesh, dist_fn=dist)]
 
 
+# ----------------------------------------------------------------- linear layers, KV cache
+
+def linear_case(mesh, tag):
+    """F.linear on [batch, sequence, hidden] with two sequences per rank and the sequence sharded:
+    torch's composite flattens (batch, sequence), which keeps no shard then; hypershard's kernel
+    (csrc/ops/composites.cpp) keeps the output sharded like the input, with no forward traffic.
+    Gradients of input, weight and bias against one device."""
+    placements = seq("S(1)", mesh)
+
+    def run(x, w, b):
+        hs._C.reset_traffic()
+        out = F.linear(x, w, b)
+        sent = hs._C.traffic()["bytes_sent"]
+        if out.placements != x.placements or sent:
+            raise AssertionError(f"linear: output {out.placements} for input {x.placements}, {sent} bytes sent")
+        return out
+    batch = 4 if mesh == M22 else 2
+    return Case(f"linear_two_sequences_per_rank_{tag}", lambda x, w, b: F.linear(x, w, b),
+                [Input((batch, 8, 6), placements=placements), Input((5, 6), placements=["R"] * len(mesh[0])),
+                 Input((5,), placements=["R"] * len(mesh[0]))], mesh=mesh, dist_fn=run)
+
+
+def kv_cache_case(mesh, tag):
+    """transformers' DynamicCache concatenates key/value onto a legacy empty tensor: torch.cat
+    skips it, and the cat rule keeps the sequence sharded (no gather before attention)."""
+    def run(k):
+        out = torch.cat([torch.tensor([]), k], dim=-2)
+        if out.placements != k.placements:
+            raise AssertionError(f"cat: {out.placements} for {k.placements}")
+        return out
+    return Case(f"kv_cache_first_update_{tag}", lambda k: torch.cat([torch.tensor([]), k], dim=-2),
+                [Input((B, H, 8, D), placements=seq("S(2)", mesh))], mesh=mesh, dist_fn=run)
+
+
 # ---------------------------------------------------------------------------------------- cases
 
 def cases():
@@ -256,6 +293,7 @@ def cases():
                      expect_error="head-tail order"),
             ]
         c += loss_cases(mesh, 4 * n)
+        c += [linear_case(mesh, tag), kv_cache_case(mesh, tag)]
     # a head dim sharded is refused
     fn, dist = attention(causal=True)
     c.append(Case("head_dim_sharded_refused_m2", fn, qkv(M2, 8, placement="S(3)"), mesh=M2, dist_fn=dist,

@@ -1,6 +1,8 @@
 """Level1: a tiny HuggingFace Qwen3ForCausalLM (random init, "sdpa" attention) trains 3 steps of
 AdamW with clip_grad_norm_ with its sequence sharded over a context-parallel axis (cp2,
-dp2 x cp2 with batch 2 and 4 and tp2 x cp2: heads over tp, the model's own tensor-parallel plan), parallelize(..., cp_algorithm="all_gather_kv"), strict mode, against one device
+dp2 x cp2 with batch 2 and 4 and tp2 x cp2: heads over tp, the model's own tensor-parallel plan)
+with each attention algorithm (parallelize(..., cp_algorithm=...): all-gather-KV on every mesh,
+ring and Ulysses on two each), strict mode, against one device
 (hypershard.testing.training's checks: every step's loss rtol 1e-5, first-step gradients and final
 parameters with the tolerances argued there), with 0 fallback and 0 implicit calls.
 
@@ -13,7 +15,9 @@ with two sequences per dp rank. Planted faults that must fail the same checks: t
 about the head-tail order (the causal mask built from natural positions); on dp2 x cp2 with two
 sequences per dp rank, the loss normalised by each rank's own count of trained tokens (the mean
 of the per-rank means instead of the global mean). The loss refuses distributed labels without
-shift_labels."""
+shift_labels. One run without a KV cache (use_cache=False: transformers then reads the position
+ids for packed sequences, which parallelize's all-ones attention mask prevents). Each run checks
+that every attention call ran the chosen algorithm (hypershard._C.cp_attention_calls)."""
 
 import pytest
 import torch
@@ -39,7 +43,7 @@ def local_count_loss(world):
     return loss
 
 
-def trainer(batch, fault=None):
+def trainer(batch, fault=None, algorithm="all_gather_kv", use_cache=True):
     def batches(config):
         from hypershard.models import make_batches
         return make_batches(config.vocab_size, STEPS, batch=batch, seq=SEQ)
@@ -61,21 +65,30 @@ def trainer(batch, fault=None):
 
         expected = record_training(tiny_model(config()), batches(config()))
         mesh = current_mesh()
-        model = parallelize(tiny_model(config()), mesh, cp_algorithm="all_gather_kv")
+        model = parallelize(tiny_model(config()), mesh, cp_algorithm=algorithm)
+        # without a KV cache transformers would take head-tail position ids for packed sequences
+        # unless parallelize passes its all-ones attention mask
+        model.config.use_cache = use_cache
         assert mesh.load_balanced_sequence_axis == list(mesh.mesh_dim_names).index("cp")
+        assert mesh.cp_algorithm == algorithm
         assert model.loss_function is causal_lm_loss  # HF's flattening loss replaced
         if fault == "head_tail_undeclared":
             mesh.load_balanced_sequence_axis = -1
         if fault == "local_count":
             model.loss_function = local_count_loss(mesh.size())
         hs._C.reset_dispatch_stats()
+        hs._C.reset_cp_attention_calls()
         got = record_training(model, batches(config()))
         stats = hs._C.dispatch_stats()
+        calls = hs._C.cp_attention_calls()
         mesh.load_balanced_sequence_axis = -1
+        mesh.cp_algorithm = "all_gather_kv"  # the cases of one launch share the mesh
         problems, worst = check_training(got, expected)
         if fault is None:
             assert not problems, "\n".join(problems)
             assert stats["implicit_calls"] == 0 and stats["fallback_calls"] == 0, stats
+            # every attention call (2 layers, forward and backward, every step) ran the chosen algorithm
+            assert calls == {name: 4 * STEPS if name == algorithm else 0 for name in calls}, calls
             # stored rows are in head-tail order: shifting distributed labels would pick wrong targets
             labels = hs.distribute_tensor(torch.zeros(batch, SEQ, dtype=torch.long), mesh)
             with pytest.raises(ValueError, match="distributed labels without shift_labels"):
@@ -98,6 +111,11 @@ def test_qwen3_trains_on_cp_like_one_device():
         _case("qwen3_dp2_cp2", ((2, 2), ("dp", "cp")), *trainer(2)),
         _case("qwen3_dp2_cp2_two_sequences_per_dp_rank", ((2, 2), ("dp", "cp")), *trainer(4)),
         _case("qwen3_tp2_cp2", ((2, 2), ("tp", "cp")), *trainer(1)),
+        # 4 query and KV heads: Ulysses divides them over cp2, and over cp2 after tp2
+        _case("qwen3_cp2_ring", ((2,), ("cp",)), *trainer(1, algorithm="ring")),
+        _case("qwen3_dp2_cp2_ring_no_cache", ((2, 2), ("dp", "cp")), *trainer(4, algorithm="ring", use_cache=False)),
+        _case("qwen3_dp2_cp2_ulysses", ((2, 2), ("dp", "cp")), *trainer(4, algorithm="ulysses")),
+        _case("qwen3_tp2_cp2_ulysses", ((2, 2), ("tp", "cp")), *trainer(1, algorithm="ulysses")),
         _case("qwen3_cp2_planted_head_tail_undeclared_is_caught", ((2,), ("cp",)),
               *trainer(1, fault="head_tail_undeclared")),
         _case("qwen3_dp2_cp2_planted_local_count_is_caught", ((2, 2), ("dp", "cp")),

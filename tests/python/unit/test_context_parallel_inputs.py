@@ -24,7 +24,10 @@ def test_inputs_in_head_tail_order_with_global_shift():
     natural_targets = [11, 12, 13, 14, -100, 16, 17, -100]
     assert out["shift_labels"].tolist() == [[natural_targets[p] for p in order]]
     assert torch.equal(out["labels"], out["shift_labels"])
-    assert "attention_mask" not in out  # all ones: masks nothing
+    # always all ones (the caller's all-ones mask too): without a mask transformers would read the
+    # head-tail position ids as packed sequences (use_cache=False)
+    assert out["attention_mask"].tolist() == [[1] * 8]
+    assert _head_tail_inputs({"input_ids": ids}, chunks=4)["attention_mask"].tolist() == [[1] * 8]
 
 
 def test_round_trip():

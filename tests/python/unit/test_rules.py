@@ -120,6 +120,10 @@ ROWS = {
         ("cat_other_dim", "tp4", aten.cat.default, ([T([8, 6], S(0)), T([8, 2], S(0))], 1), {}, None, [S(0)], False),
         ("cat_sharded_dim_gathers", "tp4", aten.cat.default, ([T([8, 6], S(0)), T([4, 6], S(0))], 0), {},
          [R1, R1], [R1], False),
+        # a legacy empty operand (torch.cat skips it) leaves one operand: its sharded dim stays
+        # (a KV cache's first update under context parallelism)
+        ("cat_legacy_empty_keeps_sharded_dim", "tp4", aten.cat.default,
+         ([T([0], R1), T([2, 4, 8, 8], S(2))], -2), {}, None, [S(2)], False),
         ("split_other_dim", "tp4", aten.split.Tensor, (T([8, 6], S(0)), 3, 1), {}, None, [S(0), S(0)], False),
         ("stack_shifts_dims", "tp4", aten.stack.default, ([T([8, 6], S(0)), T([8, 6], S(0))], 0), {},
          None, [S(1)], False),
