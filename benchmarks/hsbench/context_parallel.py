@@ -7,7 +7,8 @@ the algorithms one after another in it):
 
 - peak activation memory per rank: the growth of peak RSS (VmHWM, reset right before) over one
   forward + backward, from the RSS before the forward, after a warm-up step; median over the timed
-  steps; its ratio to cp=1 (the goal is about 1/cp);
+  steps; its ratio to cp=1 (the goal is about 1/cp); and the RSS growth over the forward alone
+  (what it leaves for backward: the saved activations) with its ratio to cp=1;
 - step time: forward + backward + AdamW step, median of --timed steps (the ranks share the
   machine's cores);
 - bytes this rank sends per step (hypershard's traffic counters), forward and backward apart,
@@ -205,7 +206,7 @@ def _run_algorithm(rank: int, cp: int, algorithm: Optional[str], settings: dict)
     model, params, optimizer = _build(config, cp, algorithm)
     attention = {"bytes": 0, "start": 0}
     hooks = _attention_byte_hooks(model, attention) if cp > 1 else []
-    times, peaks, losses = [], [], []
+    times, peaks, held_after_forward, losses = [], [], [], []
     sent: dict = {"forward": [], "backward": [], "total": [], "attention_forward": []}
     grad_sync: list = []
     for step, (ids, labels) in enumerate(batches):
@@ -222,6 +223,7 @@ def _run_algorithm(rank: int, cp: int, algorithm: Optional[str], settings: dict)
         start = time.perf_counter()
         loss = model(input_ids=ids, labels=labels, past_key_values=pass_through_cache(config), use_cache=True).loss
         forward = hs._C.traffic()["bytes_sent"]
+        held = vm_kib("VmRSS")  # what forward leaves for backward: the saved activations
         loss.backward()
         peak = vm_kib("VmHWM")
         backward = hs._C.traffic()["bytes_sent"] - forward
@@ -232,6 +234,7 @@ def _run_algorithm(rank: int, cp: int, algorithm: Optional[str], settings: dict)
             continue
         times.append(elapsed)
         peaks.append((peak - base) * 1024 if exact else None)
+        held_after_forward.append((held - base) * 1024)
         if cp > 1:
             total = hs._C.traffic()["bytes_sent"]
             for key, value in (
@@ -250,6 +253,7 @@ def _run_algorithm(rank: int, cp: int, algorithm: Optional[str], settings: dict)
         "step_minmax_s": [min(times), max(times)],
         "peak_growth_bytes": statistics.median(peaks) if None not in peaks else None,
         "peak_growth_bytes_all": peaks,
+        "held_after_forward_bytes": statistics.median(held_after_forward),
         "losses": losses,
         "param_bytes": sum(param_sizes) * FLOAT32_BYTES,
         "params": sum(param_sizes),
@@ -329,10 +333,13 @@ def _summarise(ranks: list) -> dict:
             summary[key] = r0
             continue
         peaks = [r[key].get("peak_growth_bytes") for r in ranks]
+        held = [r[key]["held_after_forward_bytes"] for r in ranks]
         entry = {
             **r0,
             "peak_growth_bytes_per_rank": peaks,
             "peak_growth_bytes_max": max(peaks) if None not in peaks else None,
+            "held_after_forward_bytes_per_rank": held,
+            "held_after_forward_bytes_max": max(held),
             "step_s_per_rank": [r[key]["step_s"] for r in ranks],
         }
         if "bytes" in r0:
@@ -355,11 +362,13 @@ def _compare(out: dict) -> None:
     """Ratios to cp=1: peak memory per rank (max over ranks) and step time; losses against cp=1."""
     single = out["runs"].get("1", {}).get("one_device", {})
     base_peak, base_step = single.get("peak_growth_bytes"), single.get("step_s")
+    base_held = single.get("held_after_forward_bytes")
     for cp in CP_SIZES:
         for entry in out["runs"].get(str(cp), {}).values():
             if not isinstance(entry, dict) or "error" in entry:
                 continue
             entry["peak_vs_cp1"] = ratio(entry.get("peak_growth_bytes_max"), base_peak)
+            entry["held_after_forward_vs_cp1"] = ratio(entry.get("held_after_forward_bytes_max"), base_held)
             entry["step_vs_cp1"] = ratio(entry.get("step_s"), base_step)
             if single.get("losses"):
                 entry["loss_max_rel_diff_vs_cp1"] = max(
@@ -377,26 +386,28 @@ def context_parallel_lines(r) -> list:
         f"{r['config']['num_key_value_heads']} KV heads, one sequence of {r['seq']} tokens, float32)",
         "",
         "peak = growth of peak RSS over one forward + backward after a warm-up step, max over ranks "
-        "(median of the timed steps); goal ≈ 1/cp of cp=1's. Step = forward + backward + AdamW, "
+        "(median of the timed steps); goal ≈ 1/cp of cp=1's. Saved = RSS growth over the forward "
+        "alone (what it leaves for backward: the saved activations), max over ranks. Step = forward + backward + AdamW, "
         "median, the ranks sharing the machine's cores. Bytes = sent by rank 0 per step (traffic "
         "counters) vs the formula (attention per ATTENTION_BYTES + the parameters' gradient sum over "
         "cp + the mean loss's all-reduce); attn fwd = bytes sent inside the attention modules in forward.",
         "",
-        "| cp | algorithm | peak MB | peak / cp=1 | 1/cp | step s | step / cp=1 | MB sent / step "
+        "| cp | algorithm | peak MB | peak / cp=1 | saved MB | saved / cp=1 | 1/cp | step s | step / cp=1 | MB sent / step "
         "| formula MB | measured / formula (fwd, bwd) | attn fwd / formula | loss vs cp=1 |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for cp, run in r["runs"].items():
         if "error" in run:
-            lines.append(f"| {cp} | failed: {run['error'][:160]} |||||||||||")
+            lines.append(f"| {cp} | failed: {run['error'][:160]} |||||||||||||")
             continue
         for algorithm, e in run.items():
             if not isinstance(e, dict):
                 continue
             if "error" in e:
-                lines.append(f"| {cp} | {algorithm} failed: {e['error'][:160]} |||||||||||")
+                lines.append(f"| {cp} | {algorithm} failed: {e['error'][:160]} |||||||||||||")
                 continue
             peak = e.get("peak_growth_bytes_max", e.get("peak_growth_bytes"))
+            held = e.get("held_after_forward_bytes_max", e.get("held_after_forward_bytes"))
             sent, formula = e.get("bytes", {}), e.get("formula") or {}
 
             def f(x, fmt):
@@ -406,7 +417,8 @@ def context_parallel_lines(r) -> list:
             lines.append(
                 f"| {cp} | {algorithm.replace('_', ' ') if cp != '1' else 'one device'} "
                 f"| {f(peak / mb if peak is not None else None, '{:.1f}')} | {f(e.get('peak_vs_cp1'), '{:.2f}')} "
-                f"| {f(1 / int(cp), '{:.2f}')} | {e['step_s']:.2f} | {f(e.get('step_vs_cp1'), '{:.2f}')} "
+                f"| {f(held / mb if held is not None else None, '{:.1f}')} "
+                f"| {f(e.get('held_after_forward_vs_cp1'), '{:.2f}')} | {f(1 / int(cp), '{:.2f}')} | {e['step_s']:.2f} | {f(e.get('step_vs_cp1'), '{:.2f}')} "
                 f"| {f(sent['total'] / mb if sent else None, '{:.2f}')} "
                 f"| {f(formula['total'] / mb if formula else None, '{:.2f}')} "
                 f"| {f(e.get('measured_vs_formula'), '{:.3f}')} ({f(e.get('measured_vs_formula_forward'), '{:.3f}')}, "
