@@ -4,7 +4,8 @@ A sequence sharded over a context-parallel axis of size n is cut into 2n chunks;
 i and chunk 2n-1-i, so every rank has as much of a causal mask's triangle as any other. hypershard
 stores such a sequence permuted: the DTensor's sequence dim holds the chunks in the order
 0, 2n-1, 1, 2n-2, ..., so a plain Shard (rank i's block = stored blocks i) gives each rank its
-two chunks. The mesh records the convention (``mesh.load_balanced_sequence_axis``); the attention
+two chunks (models for which that order is wrong keep the natural one: ``natural_order_reason``).
+The mesh records the convention (``mesh.load_balanced_sequence_axis``); the attention
 rule maps stored rows to positions through it. Everything indexed by position goes through the
 same permutation BEFORE it is sharded: input ids, position ids (hence the RoPE tables computed
 from them), labels -- shifted by one position first, in natural order (``shift_labels``) -- and
@@ -36,7 +37,31 @@ __all__ = [
     "shift_labels",
     "causal_lm_loss",
     "use_causal_lm_loss",
+    "natural_order_reason",
 ]
+
+
+def natural_order_reason(model: torch.nn.Module) -> Optional[str]:
+    """Why `model` must keep its sequences in natural order on a cp mesh (None: head-tail order
+    is safe). Head-tail order is a layout the attention rule knows; code that reads the stored order
+    as positions is wrong under it:
+    - transformers' DeepSeek-V3.2 builds the lightning indexer's 4-D causal mask from natural
+      positions itself;
+    - a vision-language model scatters image features into the embeddings in the stored order of
+      the image tokens (masked_scatter), which is not their natural order once permuted;
+    - a linear-attention recurrence (Qwen3.5's gated delta net) runs its state along the stored
+      order, and its causal conv1d's halo reads natural neighbours."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "index_topk", None) is not None:
+        return "its lightning indexer's causal mask is built from natural positions"
+    if getattr(config, "vision_config", None) is not None:
+        return "image features are scattered into the embeddings in the stored order of the image tokens"
+    if "linear_attention" in (getattr(text, "layer_types", None) or ()):
+        return "its linear-attention recurrence and causal conv1d run along natural positions"
+    return None
 
 
 def head_tail_order(length: int, chunks: int) -> torch.Tensor:

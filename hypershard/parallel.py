@@ -88,7 +88,7 @@ import torch
 from torch import nn
 
 from . import _C
-from .context_parallel import use_causal_lm_loss
+from .context_parallel import natural_order_reason, use_causal_lm_loss
 from .dtensor import distribute_tensor
 from .placement_types import Replicate, Shard
 
@@ -436,7 +436,20 @@ CP_ALGORITHMS = ("all_gather_kv", "ulysses", "ring")
 _SEQUENCE_INPUTS = frozenset({"input_ids", "labels", "shift_labels", "position_ids", "token_type_ids"})
 
 
-def _head_tail_inputs(kwargs: dict, chunks: int) -> dict:
+def _rope_index(module, kwargs: dict):
+    """A vision-language model's M-RoPE position ids (3, batch, seq) for the natural-order plain
+    inputs, from its own get_rope_index (images and videos get positions from their grids); None
+    when the model has none or the batch has no image or video."""
+    owner = next((m for m in (module, getattr(module, "model", None)) if hasattr(m, "get_rope_index")), None)
+    grids = {k: kwargs.get(k) for k in ("image_grid_thw", "video_grid_thw")}
+    if owner is None or all(g is None for g in grids.values()):
+        return None
+    extra = {k: kwargs[k] for k in ("mm_token_type_ids", "attention_mask") if kwargs.get(k) is not None}
+    position_ids, _ = owner.get_rope_index(kwargs["input_ids"], **grids, **extra)
+    return position_ids
+
+
+def _head_tail_inputs(kwargs: dict, chunks: int, module=None) -> dict:
     """The forward's keyword tensors in head-tail order along the sequence (hypershard.context_parallel),
     natural-order work done first: labels shifted by one position over the WHOLE sequence (passed as
     ``shift_labels``, which transformers' ForCausalLMLoss then takes as they are), position ids made
@@ -451,7 +464,7 @@ def _head_tail_inputs(kwargs: dict, chunks: int) -> dict:
     if not isinstance(source, torch.Tensor) or _C.is_dtensor(source):
         return kwargs
     batch, length = source.shape[0], source.shape[1]
-    if length % chunks:
+    if chunks and length % chunks:
         raise ValueError(
             f"hypershard: parallelize: a sequence of {length} tokens cannot be stored in head-tail "
             f"order of {chunks} chunks (2 x the context-parallel size); allowed: sequences padded to "
@@ -469,6 +482,8 @@ def _head_tail_inputs(kwargs: dict, chunks: int) -> dict:
     # reads head-tail position ids as packed sequences and masks across their "boundaries"; with
     # one it sees nothing to mask and attention runs is_causal over the global positions.
     kwargs["attention_mask"] = torch.ones(batch, length, dtype=torch.long, device=source.device)
+    if kwargs.get("position_ids") is None and module is not None and isinstance(ids, torch.Tensor):
+        kwargs["position_ids"] = _rope_index(module, kwargs)
     if kwargs.get("position_ids") is None:
         kwargs["position_ids"] = torch.arange(length, device=source.device).expand(batch, length)
     for name in ("labels", "shift_labels"):
@@ -477,7 +492,7 @@ def _head_tail_inputs(kwargs: dict, chunks: int) -> dict:
             kwargs["labels"] = kwargs["shift_labels"] = shifted
             break
     for name, value in list(kwargs.items()):
-        if isinstance(value, torch.Tensor) and not _C.is_dtensor(value) and value.dim() > 0:
+        if chunks and isinstance(value, torch.Tensor) and not _C.is_dtensor(value) and value.dim() > 0:
             if name in _SEQUENCE_INPUTS:
                 kwargs[name] = to_head_tail(value, value.dim() - 1, chunks)
             elif name == "inputs_embeds":
@@ -485,13 +500,14 @@ def _head_tail_inputs(kwargs: dict, chunks: int) -> dict:
     return kwargs
 
 
-def _shard_inputs(mesh, dp_axis: Optional[int], cp_axis: Optional[int] = None):
+def _shard_inputs(mesh, dp_axis: Optional[int], cp_axis: Optional[int] = None, head_tail: bool = True):
     def distribute(t, batch: bool = True, sequence_dim: Optional[int] = None):
         if not isinstance(t, torch.Tensor) or _C.is_dtensor(t) or t.dim() == 0:
             return t
         placements: list = [Replicate()] * mesh.ndim
         if dp_axis is not None and batch:
-            placements[dp_axis] = Shard(0)
+            # M-RoPE position ids are (3, batch, seq): their batch is dim 1
+            placements[dp_axis] = Shard(1 if sequence_dim == 2 and t.dim() == 3 and t.shape[0] == 3 else 0)
         if cp_axis is not None and sequence_dim is not None:
             placements[cp_axis] = Shard(sequence_dim)
         return distribute_tensor(t, mesh, placements)
@@ -506,7 +522,7 @@ def _shard_inputs(mesh, dp_axis: Optional[int], cp_axis: Optional[int] = None):
             if args:  # a positional input_ids, as HF's forward names it
                 kwargs = {"input_ids": args[0], **kwargs}
                 args = args[1:]
-            kwargs = _head_tail_inputs(kwargs, 2 * mesh.shape[cp_axis])
+            kwargs = _head_tail_inputs(kwargs, 2 * mesh.shape[cp_axis] if head_tail else 0, module)
         return (
             tuple(distribute(a) for a in args),
             {k: distribute(v, k not in _NOT_BATCH_INPUTS, sequence_dim(k, v)) for k, v in kwargs.items()},
@@ -620,6 +636,7 @@ def parallelize(
     ep_axis: str = "ep",
     cp_axis: str = "cp",
     cp_algorithm: str = "all_gather_kv",
+    cp_load_balance: Optional[bool] = None,
     ep_plan: Optional[Mapping[str, str]] = None,
     shard_inputs: bool = True,
 ) -> nn.Module:
@@ -633,15 +650,19 @@ def parallelize(
 
     A mesh axis named `cp_axis` shards the sequence (context parallelism, docs/context_parallel.md):
     the mesh is declared load-balanced on it (sequences stored in head-tail order of 2 x its size
-    chunks), and the forward's input ids, position ids (made when absent) and labels (shifted by one
-    position over the whole sequence first, passed as ``shift_labels``) are permuted to that order
-    and sharded on their sequence dim over it. Parameters are Replicate on cp (their gradients are
+    chunks; see `cp_load_balance`), and the forward's input ids, position ids (made when absent: a
+    vision-language model's M-RoPE ids from its get_rope_index) and labels (shifted by one position
+    over the whole sequence first, passed as ``shift_labels``) are permuted to that order and
+    sharded on their sequence dim over it. Parameters are Replicate on cp (their gradients are
     summed over it like data parallelism's). `cp_algorithm`: how attention runs on the sharded
     sequence: "all_gather_kv" (K/V all-gathered, their gradients reduce-scattered, the query
     sharded; the default), "ulysses" (one all-to-all per tensor moves the sharding from the sequence
     to the heads and back; needs every rank's query and KV heads divisible by the cp size) or "ring"
     (K/V blocks passed rank to rank, online-softmax merging, O(S/cp) memory). A call the chosen
     algorithm cannot run (uneven blocks, heads that do not divide) runs all-gather-KV.
+    `cp_load_balance`: store sequences in head-tail order (True) or natural order (False); None
+    decides from the model (hypershard.context_parallel.natural_order_reason): natural order for
+    models that read the stored order as natural positions.
 
     Every style of the plans is checked before anything is distributed: an unknown style, or one
     the module cannot take (see the module docstring), raises a ValueError naming the module."""
@@ -706,11 +727,12 @@ def parallelize(
         module._parameters[param_name] = distributed[id(param)]
     for module, module_style, axis in hooks:
         module_style.install(module, mesh, axis, ep)
+    balanced = cp is not None and (natural_order_reason(model) is None if cp_load_balance is None else cp_load_balance)
     if cp is not None:
-        mesh.load_balanced_sequence_axis = cp
+        mesh.load_balanced_sequence_axis = cp if balanced else -1
         mesh.cp_algorithm = cp_algorithm
     if shard_inputs:
-        model.register_forward_pre_hook(_shard_inputs(mesh, dp, cp), with_kwargs=True)
+        model.register_forward_pre_hook(_shard_inputs(mesh, dp, cp, balanced), with_kwargs=True)
     if cp is not None:  # a loss that flattens (batch, sequence) needs one sequence per dp rank
         use_causal_lm_loss(model)
     return model

@@ -139,24 +139,6 @@ def step_formula(
     }
 
 
-def pass_through_cache(config):
-    """A transformers cache that keeps nothing: each layer's update returns its key and value as
-    they are. Training a stock HF model under cp has two bad choices without it (see the README):
-    with a DynamicCache (use_cache=True) its update concatenates K/V onto an empty plain tensor, and
-    that cat gathers the sharded K/V before the attention op sees them (the gathered K/V are saved
-    for backward, dK/dV come back Partial and are summed by each op that consumes them); without a
-    cache (use_cache=False) transformers reads the head-tail position ids as packed sequences and
-    builds a block mask from them, which is wrong under cp. Passing this cache keeps the model's
-    attention call the plain `is_causal` one the cp algorithms plan for."""
-    from transformers import DynamicCache
-
-    class PassThroughCache(DynamicCache):
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            return key_states, value_states
-
-    return PassThroughCache(config=config)
-
-
 def _attention_byte_hooks(model, counter: dict) -> list:
     """Forward hooks around every attention module adding the bytes sent inside it to
     counter["bytes"] (the projections, norms and RoPE around the kernel send nothing under cp)."""
@@ -221,7 +203,7 @@ def _run_algorithm(rank: int, cp: int, algorithm: Optional[str], settings: dict)
         base = vm_kib("VmRSS")
         exact = reset_peak_rss()
         start = time.perf_counter()
-        loss = model(input_ids=ids, labels=labels, past_key_values=pass_through_cache(config), use_cache=True).loss
+        loss = model(input_ids=ids, labels=labels).loss  # transformers' defaults (a KV cache)
         forward = hs._C.traffic()["bytes_sent"]
         held = vm_kib("VmRSS")  # what forward leaves for backward: the saved activations
         loss.backward()

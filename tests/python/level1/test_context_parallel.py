@@ -17,7 +17,11 @@ sequences per dp rank, the loss normalised by each rank's own count of trained t
 of the per-rank means instead of the global mean). The loss refuses distributed labels without
 shift_labels. One run without a KV cache (use_cache=False: transformers then reads the position
 ids for packed sequences, which parallelize's all-ones attention mask prevents). Each run checks
-that every attention call ran the chosen algorithm (hypershard._C.cp_attention_calls)."""
+that every attention call ran the chosen algorithm (hypershard._C.cp_attention_calls).
+
+DeepSeek-V3.2 (cp2 ring, dp2 x cp2) and Qwen3-VL-MoE (an image per sample on cp2 ring; text on
+dp2 x cp2 Ulysses) keep natural order (hypershard.context_parallel.natural_order_reason), one
+sequence per dp rank (their MoE layers flatten (batch, sequence) into tokens)."""
 
 import pytest
 import torch
@@ -43,14 +47,20 @@ def local_count_loss(world):
     return loss
 
 
-def trainer(batch, fault=None, algorithm="all_gather_kv", use_cache=True):
+def trainer(batch, fault=None, algorithm="all_gather_kv", use_cache=True, model_type="qwen3", images=False):
+    """Qwen3 ("sdpa" attention) by default; `model_type` another tiny model, `images` a
+    Qwen3-VL-MoE batch with one image per sample."""
     def batches(config):
-        from hypershard.models import make_batches
-        return make_batches(config.vocab_size, STEPS, batch=batch, seq=SEQ)
+        from hypershard.models import make_batches, make_image_batches
+        if images:
+            return make_image_batches(STEPS, seq=SEQ, batch=batch)
+        return make_batches(config.get_text_config().vocab_size, STEPS, batch=batch, seq=SEQ)
 
     def config():
-        from hypershard.models import tiny_config
-        return tiny_config("qwen3")  # "sdpa" attention
+        from hypershard.models import IMAGE_TOKEN, VISION_START, tiny_config
+        if images:
+            return tiny_config(model_type, image_token_id=IMAGE_TOKEN, vision_start_token_id=VISION_START)
+        return tiny_config(model_type)
 
     def reference(_dummy):
         from hypershard.models import tiny_model, train
@@ -65,11 +75,15 @@ def trainer(batch, fault=None, algorithm="all_gather_kv", use_cache=True):
 
         expected = record_training(tiny_model(config()), batches(config()))
         mesh = current_mesh()
+        from hypershard.context_parallel import natural_order_reason
+
         model = parallelize(tiny_model(config()), mesh, cp_algorithm=algorithm)
         # without a KV cache transformers would take head-tail position ids for packed sequences
         # unless parallelize passes its all-ones attention mask
         model.config.use_cache = use_cache
-        assert mesh.load_balanced_sequence_axis == list(mesh.mesh_dim_names).index("cp")
+        balanced = natural_order_reason(model) is None  # Qwen3 only: the others keep natural order
+        assert balanced == (model_type == "qwen3")
+        assert mesh.load_balanced_sequence_axis == (list(mesh.mesh_dim_names).index("cp") if balanced else -1)
         assert mesh.cp_algorithm == algorithm
         assert model.loss_function is causal_lm_loss  # HF's flattening loss replaced
         if fault == "head_tail_undeclared":
@@ -87,12 +101,18 @@ def trainer(batch, fault=None, algorithm="all_gather_kv", use_cache=True):
         if fault is None:
             assert not problems, "\n".join(problems)
             assert stats["implicit_calls"] == 0 and stats["fallback_calls"] == 0, stats
-            # every attention call (2 layers, forward and backward, every step) ran the chosen algorithm
-            assert calls == {name: 4 * STEPS if name == algorithm else 0 for name in calls}, calls
+            # every attention call (2 layers, forward and backward, every step) ran the chosen
+            # algorithm; DeepSeek-V3.2's attention (a mask from its indexer) takes sdpa's math path
+            # on CPU (matmul, softmax: K gathered by the matmul rule), no attention kernel call.
+            # With an image, masked_scatter (the image features into the embeddings) gathers the
+            # sequence today: the call is correct but not sequence-sharded (docs/context_parallel.md)
+            want = 0 if model_type == "deepseek_v32" or images else 4 * STEPS
+            assert calls == {name: want if name == algorithm else 0 for name in calls}, calls
             # stored rows are in head-tail order: shifting distributed labels would pick wrong targets
+            vocab = config().get_text_config().vocab_size
             labels = hs.distribute_tensor(torch.zeros(batch, SEQ, dtype=torch.long), mesh)
             with pytest.raises(ValueError, match="distributed labels without shift_labels"):
-                causal_lm_loss(torch.zeros(batch, SEQ, config().vocab_size), labels, config().vocab_size)
+                causal_lm_loss(torch.zeros(batch, SEQ, vocab), labels, vocab)
             return torch.tensor(got.losses, dtype=torch.float64)
         assert problems, f"planted fault {fault!r} was NOT caught; worst ratios {worst}"
         return torch.tensor(expected.losses, dtype=torch.float64)
@@ -116,6 +136,15 @@ def test_qwen3_trains_on_cp_like_one_device():
         _case("qwen3_dp2_cp2_ring_no_cache", ((2, 2), ("dp", "cp")), *trainer(4, algorithm="ring", use_cache=False)),
         _case("qwen3_dp2_cp2_ulysses", ((2, 2), ("dp", "cp")), *trainer(4, algorithm="ulysses")),
         _case("qwen3_tp2_cp2_ulysses", ((2, 2), ("tp", "cp")), *trainer(1, algorithm="ulysses")),
+        # natural order (hypershard.context_parallel.natural_order_reason): DeepSeek-V3.2 (its
+        # indexer's mask), Qwen3-VL-MoE with an image per sample (M-RoPE ids from get_rope_index);
+        # one sequence per dp rank: their MoE layers flatten (batch, sequence) into tokens
+        _case("deepseek_v32_cp2_ring", ((2,), ("cp",)), *trainer(1, algorithm="ring", model_type="deepseek_v32")),
+        _case("deepseek_v32_dp2_cp2", ((2, 2), ("dp", "cp")), *trainer(2, model_type="deepseek_v32")),
+        _case("qwen3_vl_moe_image_cp2_ring", ((2,), ("cp",)),
+              *trainer(1, algorithm="ring", model_type="qwen3_vl_moe", images=True)),
+        _case("qwen3_vl_moe_dp2_cp2_ulysses", ((2, 2), ("dp", "cp")),
+              *trainer(2, algorithm="ulysses", model_type="qwen3_vl_moe")),
         _case("qwen3_cp2_planted_head_tail_undeclared_is_caught", ((2,), ("cp",)),
               *trainer(1, fault="head_tail_undeclared")),
         _case("qwen3_dp2_cp2_planted_local_count_is_caught", ((2, 2), ("dp", "cp")),

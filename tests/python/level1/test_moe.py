@@ -95,23 +95,11 @@ def trainer(model_type, check_layouts, batch=4, seq=16):
     return reference, distributed
 
 
-IMAGE_TOKEN, VISION_START = 120, 121  # inside the tiny vocab
-
-
 def image_batches(steps=STEPS):
     """Two samples, each with one 16-patch image (grid 1 x 4 x 4, merged 2 x 2 into 4 image tokens)."""
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(steps):
-        ids = torch.randint(0, 100, (2, 16), generator=g)
-        ids[:, 2] = VISION_START
-        ids[:, 3:7] = IMAGE_TOKEN
-        labels = ids.clone()
-        labels[:, :7] = -100
-        out.append((ids, labels, {"pixel_values": torch.randn(32, 3 * 2 * 4 * 4, generator=g),
-                                  "image_grid_thw": torch.tensor([[1, 4, 4], [1, 4, 4]]),
-                                  "mm_token_type_ids": (ids == IMAGE_TOKEN).long()}))
-    return out
+    from hypershard.models import make_image_batches
+
+    return make_image_batches(steps)
 
 
 def vl_image_trainer():
@@ -121,7 +109,7 @@ def vl_image_trainer():
     and the deepstack merge's boolean-mask index / index_put keep the hidden states sharded
     (csrc/ops/masked.cpp). Matches one device with no fallback and no implicit redistribution."""
     def config():
-        from hypershard.models import tiny_config
+        from hypershard.models import IMAGE_TOKEN, VISION_START, tiny_config
 
         return tiny_config("qwen3_vl_moe", image_token_id=IMAGE_TOKEN, vision_start_token_id=VISION_START)
 
