@@ -435,12 +435,13 @@ CP_ALGORITHMS = ("all_gather_kv",)
 _SEQUENCE_INPUTS = frozenset({"input_ids", "labels", "shift_labels", "position_ids", "token_type_ids"})
 
 
-def _head_tail_inputs(kwargs: dict, chunks: int) -> dict:
+def _head_tail_inputs(kwargs: dict, chunks: Optional[int]) -> dict:
     """The forward's keyword tensors in head-tail order along the sequence (hypershard.context_parallel),
     natural-order work done first: labels shifted by one position over the WHOLE sequence (passed as
     ``shift_labels``, which transformers' ForCausalLMLoss then takes as they are), position ids made
     when the caller gave none. An all-ones attention mask is dropped (it masks nothing); a padding
-    mask is refused: transformers builds its causal part from natural positions."""
+    mask is refused: transformers builds its causal part from natural positions. `chunks` None: the
+    sequence stays in natural order (a model with linear attention, see parallelize)."""
     from .context_parallel import shift_labels, to_head_tail
 
     kwargs = dict(kwargs)
@@ -450,7 +451,7 @@ def _head_tail_inputs(kwargs: dict, chunks: int) -> dict:
     if not isinstance(source, torch.Tensor) or _C.is_dtensor(source):
         return kwargs
     batch, length = source.shape[0], source.shape[1]
-    if length % chunks:
+    if chunks is not None and length % chunks:
         raise ValueError(
             f"hypershard: parallelize: a sequence of {length} tokens cannot be stored in head-tail "
             f"order of {chunks} chunks (2 x the context-parallel size); allowed: sequences padded to "
@@ -472,6 +473,8 @@ def _head_tail_inputs(kwargs: dict, chunks: int) -> dict:
             shifted = shift_labels(kwargs.pop(name)) if name == "labels" else kwargs.pop(name)
             kwargs["labels"] = kwargs["shift_labels"] = shifted
             break
+    if chunks is None:
+        return kwargs
     for name, value in list(kwargs.items()):
         if isinstance(value, torch.Tensor) and not _C.is_dtensor(value) and value.dim() > 0:
             if name in _SEQUENCE_INPUTS:
@@ -482,6 +485,11 @@ def _head_tail_inputs(kwargs: dict, chunks: int) -> dict:
 
 
 def _shard_inputs(mesh, dp_axis: Optional[int], cp_axis: Optional[int] = None):
+    # The order is the one parallelize chose (head-tail where it declared the mesh load-balanced),
+    # fixed here: a later change of the declaration is not a change of the inputs' order.
+    balanced = cp_axis is not None and mesh.load_balanced_sequence_axis == cp_axis
+    chunks = 2 * mesh.shape[cp_axis] if balanced else None
+
     def distribute(t, batch: bool = True, sequence_dim: Optional[int] = None):
         if not isinstance(t, torch.Tensor) or _C.is_dtensor(t) or t.dim() == 0:
             return t
@@ -502,13 +510,19 @@ def _shard_inputs(mesh, dp_axis: Optional[int], cp_axis: Optional[int] = None):
             if args:  # a positional input_ids, as HF's forward names it
                 kwargs = {"input_ids": args[0], **kwargs}
                 args = args[1:]
-            kwargs = _head_tail_inputs(kwargs, 2 * mesh.shape[cp_axis])
+            kwargs = _head_tail_inputs(kwargs, chunks)
         return (
             tuple(distribute(a) for a in args),
             {k: distribute(v, k not in _NOT_BATCH_INPUTS, sequence_dim(k, v)) for k, v in kwargs.items()},
         )
 
     return hook
+
+
+def _install_linear_attention(model: nn.Module, mesh, cp_axis: int) -> int:
+    from .linear_attention import install_context_parallel_linear_attention
+
+    return install_context_parallel_linear_attention(model, mesh, cp_axis)
 
 
 # ------------------------------------------------------------------------------ attention heads
@@ -701,6 +715,9 @@ def parallelize(
         module_style.install(module, mesh, axis, ep)
     if cp is not None:
         mesh.load_balanced_sequence_axis = cp
+    if cp is not None and _install_linear_attention(model, mesh, cp):
+        # The recurrence's state chain and the conv's halo read the NATURAL order of the sequence.
+        mesh.load_balanced_sequence_axis = -1
     if shard_inputs:
         model.register_forward_pre_hook(_shard_inputs(mesh, dp, cp), with_kwargs=True)
     return model

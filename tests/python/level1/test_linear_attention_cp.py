@@ -1,0 +1,99 @@
+"""Level1: a tiny HuggingFace Qwen3.5 text model (hypershard.models' "qwen3_5_text": one
+full-attention layer, "sdpa", and one linear-attention layer, the gated delta net with its causal
+depthwise conv1d) trains 3 steps of AdamW with clip_grad_norm_ with its sequence sharded over a
+context-parallel axis (cp2 and dp2 x cp2), parallelize, strict mode, against one device
+(hypershard.testing.training's checks: every step's loss rtol 1e-5, first-step gradients and final
+parameters with the tolerances argued there), with 0 fallback and 0 implicit calls.
+
+parallelize keeps such a model's sequence in NATURAL order (no load-balance declaration): the gated
+delta rule's state goes rank to rank (hypershard.linear_attention) and the conv's halo exchange
+reads the previous block (docs/context_parallel.md). SEQ = 128 = 2 x 64: each cp rank's block is one
+whole chunk of transformers' chunked rule, as on one device. Batch = dp size (one sequence per dp
+rank; HF's loss flattens (batch, seq)).
+
+Planted faults that must fail the same checks: the recurrent state not passed (every rank's block
+starts from zeros), and the mesh declared load-balanced as for softmax-only models (head-tail order:
+the recurrence and the conv then read the wrong neighbours)."""
+
+import torch
+
+from hypershard.testing import Case, Input, assert_all_passed, current_mesh, run_cases
+
+STEPS = 3
+SEQ = 128
+
+
+def forget_received_state(model, mesh, axis):
+    """The planted fault: every gated delta net's block starts from zeros."""
+    from hypershard import linear_attention
+
+    for module in model.modules():
+        if linear_attention._is_gated_delta_net(module):
+            forward = linear_attention.inspect.unwrap(type(module).forward)
+            original = forward.__globals__[linear_attention._FUNCTION_NAME]
+
+            def forgetful(*args, initial_state=None, _original=original, **kwargs):
+                return _original(*args, initial_state=None, **kwargs)
+
+            rule = linear_attention.context_parallel_chunk_gated_delta_rule(forgetful, mesh, axis)
+            module.forward = linear_attention._forward_with(module, linear_attention._FUNCTION_NAME, rule)
+
+
+def trainer(batch, fault=None):
+    def config():
+        from hypershard.models import tiny_config
+        return tiny_config("qwen3_5_text", max_position_embeddings=SEQ)
+
+    def batches(config):
+        from hypershard.models import make_batches
+        return make_batches(config.vocab_size, STEPS, batch=batch, seq=SEQ)
+
+    def reference(_dummy):
+        from hypershard.models import tiny_model, train
+        return torch.tensor(train(tiny_model(config()), batches(config())), dtype=torch.float64)
+
+    def distributed(_dummy):
+        import hypershard as hs
+        from hypershard.models import tiny_model
+        from hypershard.parallel import parallelize
+        from hypershard.testing.training import check_training, record_training
+
+        expected = record_training(tiny_model(config()), batches(config()))
+        mesh = current_mesh()
+        cp = list(mesh.mesh_dim_names).index("cp")
+        model = parallelize(tiny_model(config()), mesh)
+        assert mesh.load_balanced_sequence_axis == -1  # natural order for linear attention
+        if fault == "state_not_passed":
+            forget_received_state(model, mesh, cp)
+        elif fault == "head_tail_declared":
+            mesh.load_balanced_sequence_axis = cp
+        hs._C.reset_dispatch_stats()
+        got = record_training(model, batches(config()))
+        stats = hs._C.dispatch_stats()
+        mesh.load_balanced_sequence_axis = -1
+        problems, worst = check_training(got, expected)
+        if fault is None:
+            assert not problems, "\n".join(problems)
+            assert stats["implicit_calls"] == 0 and stats["fallback_calls"] == 0, stats
+            return torch.tensor(got.losses, dtype=torch.float64)
+        assert problems, f"planted fault {fault!r} was NOT caught; worst ratios {worst}"
+        return torch.tensor(expected.losses, dtype=torch.float64)
+
+    return reference, distributed
+
+
+def _case(name, mesh, reference, distributed):
+    return Case(name, reference, [Input((1,), requires_grad=False)], mesh, dist_fn=distributed,
+                check_grad=False, rtol=1e-5, atol=0.0)
+
+
+def test_qwen3_5_trains_on_cp_like_one_device():
+    cases = [
+        _case("qwen3_5_cp2", ((2,), ("cp",)), *trainer(1)),
+        _case("qwen3_5_dp2_cp2", ((2, 2), ("dp", "cp")), *trainer(2)),
+        _case("qwen3_5_cp2_planted_state_not_passed_is_caught", ((2,), ("cp",)),
+              *trainer(1, fault="state_not_passed")),
+        _case("qwen3_5_cp2_planted_head_tail_declared_is_caught", ((2,), ("cp",)),
+              *trainer(1, fault="head_tail_declared")),
+    ]
+    assert_all_passed(run_cases(cases, backend="hypershard", timeout=600))
