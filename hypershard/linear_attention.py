@@ -34,7 +34,12 @@ from torch import nn
 
 from . import _C
 
-__all__ = ["context_parallel_chunk_gated_delta_rule", "install_context_parallel_linear_attention"]
+__all__ = [
+    "context_parallel_chunk_gated_delta_rule",
+    "install_context_parallel_linear_attention",
+    "reset_traffic",
+    "traffic",
+]
 
 # The module-level function transformers' gated delta net forwards call (transformers 5.x); older
 # versions keep it on the instance as ``chunk_gated_delta_rule``.
@@ -43,6 +48,19 @@ _INSTANCE_ATTRIBUTE = "chunk_gated_delta_rule"
 # Point-to-point tags: the state goes up the chain in forward, its gradient down in backward.
 _STATE_TAG = 5301
 _STATE_GRAD_TAG = 5302
+
+
+# What this rank's state chain sent (point-to-point, outside hypershard._C.traffic's collectives).
+_TRAFFIC = {"messages": 0, "bytes_sent": 0}
+
+
+def traffic() -> dict:
+    """The messages and bytes this rank's gated delta rules sent since reset_traffic()."""
+    return dict(_TRAFFIC)
+
+
+def reset_traffic() -> None:
+    _TRAFFIC.update(messages=0, bytes_sent=0)
 
 
 def _fail(why: str):
@@ -79,7 +97,10 @@ class _Chain:
             ) from error
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> None:
-        self._wait(self.group.send([tensor.detach().contiguous()], peer, tag), f"sending {what} to", peer)
+        tensor = tensor.detach().contiguous()
+        self._wait(self.group.send([tensor], peer, tag), f"sending {what} to", peer)
+        _TRAFFIC["messages"] += 1
+        _TRAFFIC["bytes_sent"] += tensor.numel() * tensor.element_size()
 
     def receive(self, peer: int, tag: int, what: str) -> torch.Tensor:
         buffer = torch.empty(self.state_shape, dtype=self.dtype, device=self.device)

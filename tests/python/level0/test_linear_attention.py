@@ -3,7 +3,8 @@ axis "cp" (hypershard.linear_attention, docs/context_parallel.md): each rank run
 torch_chunk_gated_delta_rule on its local block, the recurrent state passed rank to rank (forward)
 and its gradient back (backward). Real gloo meshes (2,), (4,) and (2, 2) = (dp, cp), strict mode,
 against transformers' function on the whole sequence on one device: the output, the final state
-where asked, and the gradients of query, key, value, g, beta (and of the initial state).
+where asked, and the gradients of query, key, value, g, beta (and of the initial state); and the
+bytes: one state per rank boundary each way, no collective.
 
 Inputs as Qwen3.5 makes them: g = log-decay < 0, beta in (0, 1), query/key L2-normalised in the
 kernel (use_qk_l2norm_in_kernel=True). Natural order (rank r holds the r-th block).
@@ -27,6 +28,7 @@ Planted fault that must fail: the state not passed (every rank starts from zeros
 from __future__ import annotations
 
 import pytest
+import torch
 
 hs = pytest.importorskip("hypershard")
 pytest.importorskip("transformers")
@@ -82,6 +84,43 @@ def distributed(fault=None):
     return run
 
 
+def with_traffic_check(dist):
+    """dist_fn that also runs forward + backward on fresh leaves with the counters reset and checks
+    the bytes: no collective at all (hypershard._C.traffic: nothing gathered), and one state
+    [B / dp, H, DK, DV] float32 per rank boundary each way: forward, every rank but the last sends
+    its final state up; backward, every rank but the first sends the state's gradient down."""
+    from hypershard import linear_attention
+
+    def run(*args):
+        mesh = current_mesh()
+        axis = list(mesh.mesh_dim_names).index("cp")
+        position, n = mesh.coordinate(axis), mesh.shape[axis]
+        dp = mesh.shape[0] if len(mesh.shape) == 2 else 1
+        state_bytes = (B // dp) * H * DK * DV * 4
+        leaves = [t.detach().requires_grad_() for t in args]
+        hs._C.reset_traffic()
+        linear_attention.reset_traffic()
+        out = dist(*leaves)
+        forward = linear_attention.traffic()
+        torch.autograd.grad(out, leaves, grad_outputs=out.detach())
+        total = linear_attention.traffic()
+        collectives = hs._C.traffic()["bytes_sent"]
+        expected_forward = state_bytes if position < n - 1 else 0
+        expected_total = expected_forward + (state_bytes if position > 0 else 0)
+        problems = []
+        if collectives:
+            problems.append(f"collectives sent {collectives} bytes; the state chain needs none")
+        if forward["bytes_sent"] != expected_forward:
+            problems.append(f"forward sent {forward}, expected {expected_forward} bytes")
+        if total["bytes_sent"] != expected_total:
+            problems.append(f"forward + backward sent {total}, expected {expected_total} bytes")
+        if problems:
+            raise AssertionError(f"cp rank {position}: " + "; ".join(problems))
+        return dist(*args)
+
+    return run
+
+
 def inputs(mesh, L, initial=False):
     two_d = len(mesh[0]) == 2
     seq = ["S(0)", "S(1)"] if two_d else ["S(1)"]
@@ -101,7 +140,8 @@ def cases():
     c = []
     for mesh, tag in ((M2, "m2"), (M4, "m4"), (M22, "m22")):
         n = mesh[0][-1]
-        c.append(Case(f"aligned_{tag}", reference, inputs(mesh, CHUNK * n), mesh=mesh, dist_fn=distributed()))
+        c.append(Case(f"aligned_{tag}", reference, inputs(mesh, CHUNK * n), mesh=mesh,
+                      dist_fn=with_traffic_check(distributed())))
     c += [
         Case("unaligned_m2", reference, inputs(M2, 41), mesh=M2, dist_fn=distributed(), **UNALIGNED),
         Case("unaligned_m4", reference, inputs(M4, 83), mesh=M4, dist_fn=distributed(), **UNALIGNED),
