@@ -650,6 +650,10 @@ def parallelize(
     sequence; "all_gather_kv" (the only one so far: K/V all-gathered, their gradients
     reduce-scattered, the query sharded).
 
+    A model with linear-attention layers (gated delta nets: Qwen3.5, Qwen3-Next) on a cp mesh gets
+    their recurrence passed rank to rank (hypershard.linear_attention) and keeps its sequence in
+    NATURAL order: the mesh is not declared load-balanced (docs/context_parallel.md says why).
+
     Every style of the plans is checked before anything is distributed: an unknown style, or one
     the module cannot take (see the module docstring), raises a ValueError naming the module."""
     names = list(mesh.mesh_dim_names)

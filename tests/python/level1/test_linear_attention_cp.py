@@ -24,19 +24,19 @@ SEQ = 128
 
 
 def forget_received_state(model, mesh, axis):
-    """The planted fault: every gated delta net's block starts from zeros."""
-    from hypershard import linear_attention
+    """The planted fault: every gated delta net's block starts from zeros (the module's forward
+    re-bound, as parallelize does, to the cp-aware rule around a function that drops the state)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
+    from hypershard.linear_attention import _forward_with, context_parallel_chunk_gated_delta_rule
+
+    def forgetful(*args, initial_state=None, **kwargs):
+        return torch_chunk_gated_delta_rule(*args, initial_state=None, **kwargs)
+
+    rule = context_parallel_chunk_gated_delta_rule(forgetful, mesh, axis)
     for module in model.modules():
-        if linear_attention._is_gated_delta_net(module):
-            forward = linear_attention.inspect.unwrap(type(module).forward)
-            original = forward.__globals__[linear_attention._FUNCTION_NAME]
-
-            def forgetful(*args, initial_state=None, _original=original, **kwargs):
-                return _original(*args, initial_state=None, **kwargs)
-
-            rule = linear_attention.context_parallel_chunk_gated_delta_rule(forgetful, mesh, axis)
-            module.forward = linear_attention._forward_with(module, linear_attention._FUNCTION_NAME, rule)
+        if type(module).__name__ == "Qwen3_5GatedDeltaNet":
+            module.forward = _forward_with(module, "torch_chunk_gated_delta_rule", rule)
 
 
 def trainer(batch, fault=None):
