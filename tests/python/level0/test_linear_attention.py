@@ -84,6 +84,16 @@ def distributed(fault=None):
     return run
 
 
+def without_grad(fn):
+    """`fn` under torch.no_grad (inference: no local graph kept, the chain runs forward only)."""
+
+    def run(*args):
+        with torch.no_grad():
+            return fn(*args)
+
+    return run
+
+
 def with_traffic_check(dist):
     """dist_fn that also runs forward + backward on fresh leaves with the counters reset and checks
     the bytes: no collective at all (hypershard._C.traffic: nothing gathered), and one state
@@ -149,6 +159,8 @@ def cases():
              dist_fn=distributed()),
         Case("initial_and_final_state_m22", reference, inputs(M22, 2 * CHUNK, initial=True), mesh=M22,
              dist_fn=distributed()),
+        Case("no_grad_m4", without_grad(reference), inputs(M4, 4 * CHUNK), mesh=M4,
+             dist_fn=without_grad(distributed())),
         Case("planted_state_not_passed_m2", reference, inputs(M2, 2 * CHUNK), mesh=M2,
              dist_fn=distributed("state_not_passed")),
         Case("planted_state_not_passed_m4", reference, inputs(M4, 4 * CHUNK), mesh=M4,
