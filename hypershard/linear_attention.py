@@ -11,9 +11,9 @@ it sent from rank r+1 and sends the gradient of the state it received to rank r-
 
 Deadlock-freedom: a rank's block is ONE autograd node (_ChainedBlock) whose forward receives and
 then sends and whose backward receives and then sends, so every receive a neighbour posts is
-answered (with zeros where the local result ignored the state) and every rank builds the same
-nodes in the same order (rank 0's receive and the last rank's send are no-ops, not missing
-nodes): every rank's backward runs the same sequence of collectives and waits. A rank waits only
+answered (with zeros where the local result ignored the state), and every rank builds the same
+nodes in the same order (rank 0 receives nothing and the last rank sends nothing, but both have
+the node): every rank's backward runs the same sequence of collectives and waits. A rank waits only
 for a LOWER rank in forward and a HIGHER rank in backward, and sends before it enters anything
 that waits on others again, so the waits form a chain, never a cycle. Every wait uses the
 process group's timeout (the launch's ``pg_timeout``) and fails naming this rank, the peer and
