@@ -33,10 +33,17 @@ Sections (see benchmarks/README.md for what each measures and how; the code is i
   memory      peak RSS growth and parameter + gradient + optimizer-state bytes per rank of a
               larger Qwen3 config: hypershard vs torch DTensor vs one device (measured at the end
               of the step launches)
+  context_parallel
+              (only when named: ~2.5 min with all_gather_kv, ~1 min more per further algorithm) a
+              small Qwen3 on one long sequence (8192 tokens) sharded over cp=2 and cp=4 ranks, every
+              algorithm of
+              hypershard.parallel.CP_ALGORITHMS, vs one device (cp=1): peak activation memory per
+              rank vs cp=1 (goal ~1/cp), step time, bytes per step vs the formula from the model's
+              shape
 
 Writes bench/results.json, bench/RESULTS.md and bench/results.png and prints the tables.
 
-    .venv/bin/python benchmarks/run.py [--quick] [--sections dispatch,fallback,rotary,checkpoint,fully_shard,step,memory,true_size] [--out bench]
+    .venv/bin/python benchmarks/run.py [--quick] [--sections dispatch,fallback,rotary,checkpoint,fully_shard,step,memory,context_parallel,true_size] [--out bench]
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ for path in (ROOT, Path(__file__).resolve().parent):
 from hsbench.chart import plot  # noqa: E402
 from hsbench.checkpoint import run_checkpoint  # noqa: E402
 from hsbench.common import error_text  # noqa: E402
+from hsbench.context_parallel import run_context_parallel  # noqa: E402
 from hsbench.dispatch import run_dispatch  # noqa: E402
 from hsbench.fallback import run_fallback  # noqa: E402
 from hsbench.fully_shard import run_fully_shard  # noqa: E402
@@ -67,9 +75,22 @@ from hsbench.rotary import run_rotary  # noqa: E402
 from hsbench.training import run_steps  # noqa: E402
 from hsbench.true_size import run_true_size  # noqa: E402
 
-SECTIONS = ("dispatch", "fallback", "rotary", "checkpoint", "fully_shard", "step", "memory", "true_size")
-# true_size holds ~13 GB and runs ~15 min on 2 cores: a default run (make bench) leaves it out
-DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s != "true_size")
+SECTIONS = (
+    "dispatch",
+    "fallback",
+    "rotary",
+    "checkpoint",
+    "fully_shard",
+    "step",
+    "memory",
+    "context_parallel",
+    "true_size",
+)
+# true_size holds ~13 GB and runs ~15 min on 2 cores; context_parallel runs ~2.5 min with
+# all_gather_kv alone and ~1 min more per further cp algorithm: a default run (make bench) leaves
+# them out
+OPT_IN_SECTIONS = ("context_parallel", "true_size")
+DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s not in OPT_IN_SECTIONS)
 
 
 def main(argv=None) -> int:
@@ -84,7 +105,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--sections",
         default=",".join(DEFAULT_SECTIONS),
-        help=f"comma-separated subset of {','.join(SECTIONS)} (default all but true_size)",
+        help=f"comma-separated subset of {','.join(SECTIONS)} (default all but {' and '.join(OPT_IN_SECTIONS)})",
     )
     parser.add_argument("--out", default=str(ROOT / "bench"), help="output folder (default bench/)")
     parser.add_argument(
@@ -126,6 +147,11 @@ def main(argv=None) -> int:
         action="store_false",
         help="true_size: no one-device run of the 35B-A3B cut (it needs ~12 GB)",
     )
+    parser.add_argument(
+        "--cp-seq",
+        type=int,
+        help="context_parallel: tokens in the sequence, a multiple of 8 (default 8192; quick 1024)",
+    )
     parser.add_argument("--timeout", type=float, default=600, help="seconds before a launch is abandoned (default 600)")
     args = parser.parse_args(argv)
     quick = args.quick
@@ -166,6 +192,8 @@ def main(argv=None) -> int:
             results.update(step=step, bytes=traffic, rule_cache=cache)
         if memory:
             results["memory"] = memory
+    if "context_parallel" in sections:
+        results["context_parallel"] = run_context_parallel(args, log)
     if "true_size" in sections:
         results["true_size"] = run_true_size(args, log)
     results["meta"] = {

@@ -11,15 +11,32 @@ from them), labels -- shifted by one position first, in natural order (``shift_l
 padding masks. Ops that treat tokens alike (embedding, linear layers, norms, a loss summed over
 tokens) do not care about the order.
 
-The Python side only computes the permutation; per-op logic (the mask from positions, the
-all-gather of K/V and the reduce-scatter of their gradients) is in csrc/ops/attention.cpp.
+The causal-LM loss keeps the (batch, sequence) dims (``causal_lm_loss``): transformers' loss
+flattens them into one token dim, which a rank's [sequences, tokens] block on a dp x cp mesh is a
+contiguous range of only with one sequence per dp rank.
+
+The Python side only computes the permutation and installs the loss; per-op logic (the mask from
+positions, the all-gather of K/V and the reduce-scatter of their gradients, the loss's global
+count) is in csrc/ops.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import Optional
 
-__all__ = ["head_tail_order", "to_head_tail", "from_head_tail", "shift_labels"]
+import torch
+import torch.nn.functional as F
+
+from . import _C
+
+__all__ = [
+    "head_tail_order",
+    "to_head_tail",
+    "from_head_tail",
+    "shift_labels",
+    "causal_lm_loss",
+    "use_causal_lm_loss",
+]
 
 
 def head_tail_order(length: int, chunks: int) -> torch.Tensor:
@@ -55,3 +72,60 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor
     before the head-tail permutation and the sharding, so no shard boundary cuts a target off."""
     pad = torch.full_like(labels[..., :1], ignore_index)
     return torch.cat([labels[..., 1:], pad], dim=-1)
+
+
+_shifted = shift_labels  # causal_lm_loss's argument of the same name (transformers') hides it
+
+
+def causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    num_items_in_batch=None,
+    ignore_index: int = -100,
+    shift_labels: Optional[torch.Tensor] = None,
+    **kwargs,
+) -> torch.Tensor:
+    """transformers' ForCausalLMLoss without its flatten: logits [B, L, V] (upcast to float) are
+    cross-entropied as [B, V, L] against labels [B, L], so a batch and a sequence sharded over
+    different mesh axes stay two dims whatever the number of sequences per rank. The same
+    semantics: `shift_labels` taken as given (else labels shifted by one, ignore_index at the
+    end); sum / num_items_in_batch when that is given, else the mean over the non-ignored
+    tokens -- of the whole GLOBAL batch, as the nll rule's mean is."""
+    if logits.shape[-1] != vocab_size:
+        raise ValueError(
+            f"hypershard: causal_lm_loss: logits of shape {list(logits.shape)} do not end in "
+            f"vocab_size {vocab_size}; allowed: logits [..., vocab_size]"
+        )
+    logits = logits.float()
+    if shift_labels is None:
+        if _C.is_dtensor(labels):
+            # On a load-balanced mesh the stored sequence is in head-tail order: neighbouring
+            # stored rows are not neighbouring positions, so shifting them picks wrong targets.
+            raise ValueError(
+                "hypershard: causal_lm_loss: distributed labels without shift_labels; allowed: "
+                "shift_labels shifted over the whole natural-order sequence before the head-tail "
+                "permutation (hypershard.context_parallel.shift_labels; parallelize's input hook "
+                "passes them)"
+            )
+        shift_labels = _shifted(labels, ignore_index)
+    shift_labels = shift_labels.to(logits.device)
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    # The class dim second, as cross_entropy takes it for targets with several dims.
+    loss = F.cross_entropy(logits.movedim(-1, 1), shift_labels, ignore_index=ignore_index, reduction=reduction)
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
+def use_causal_lm_loss(model: torch.nn.Module) -> None:
+    """Makes a transformers model whose loss is ForCausalLMLoss use causal_lm_loss instead (its
+    ``loss_function`` setter, on this instance only). Other models and losses are left as they are."""
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:
+        return
+    if getattr(model, "loss_function", None) is ForCausalLMLoss:
+        model.loss_function = causal_lm_loss

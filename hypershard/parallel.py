@@ -88,6 +88,7 @@ import torch
 from torch import nn
 
 from . import _C
+from .context_parallel import use_causal_lm_loss
 from .dtensor import distribute_tensor
 from .placement_types import Replicate, Shard
 
@@ -430,7 +431,7 @@ _NOT_BATCH_INPUTS = frozenset({"pixel_values", "pixel_values_videos", "image_gri
 
 
 # Context parallelism (docs/context_parallel.md): the algorithms the attention rule plans.
-CP_ALGORITHMS = ("all_gather_kv",)
+CP_ALGORITHMS = ("all_gather_kv", "ulysses", "ring")
 # Forward arguments whose last dim is the sequence (position ids: also M-RoPE's (3, batch, seq)).
 _SEQUENCE_INPUTS = frozenset({"input_ids", "labels", "shift_labels", "position_ids", "token_type_ids"})
 
@@ -439,8 +440,8 @@ def _head_tail_inputs(kwargs: dict, chunks: Optional[int]) -> dict:
     """The forward's keyword tensors in head-tail order along the sequence (hypershard.context_parallel),
     natural-order work done first: labels shifted by one position over the WHOLE sequence (passed as
     ``shift_labels``, which transformers' ForCausalLMLoss then takes as they are), position ids made
-    when the caller gave none. An all-ones attention mask is dropped (it masks nothing); a padding
-    mask is refused: transformers builds its causal part from natural positions. `chunks` None: the
+    when the caller gave none, an all-ones attention mask always (see below); a padding mask is
+    refused: transformers builds its causal part from natural positions. `chunks` None: the
     sequence stays in natural order (a model with linear attention, see parallelize)."""
     from .context_parallel import shift_labels, to_head_tail
 
@@ -465,7 +466,10 @@ def _head_tail_inputs(kwargs: dict, chunks: Optional[int]) -> dict:
                 "supported (transformers builds its causal part from natural positions); allowed: "
                 "no mask or an all-ones mask (pack or pad the sequences with labels -100)"
             )
-        kwargs.pop("attention_mask")
+    # Always an all-ones mask: without one (and without a KV cache, use_cache=False) transformers
+    # reads head-tail position ids as packed sequences and masks across their "boundaries"; with
+    # one it sees nothing to mask and attention runs is_causal over the global positions.
+    kwargs["attention_mask"] = torch.ones(batch, length, dtype=torch.long, device=source.device)
     if kwargs.get("position_ids") is None:
         kwargs["position_ids"] = torch.arange(length, device=source.device).expand(batch, length)
     for name in ("labels", "shift_labels"):
@@ -647,8 +651,11 @@ def parallelize(
     position over the whole sequence first, passed as ``shift_labels``) are permuted to that order
     and sharded on their sequence dim over it. Parameters are Replicate on cp (their gradients are
     summed over it like data parallelism's). `cp_algorithm`: how attention runs on the sharded
-    sequence; "all_gather_kv" (the only one so far: K/V all-gathered, their gradients
-    reduce-scattered, the query sharded).
+    sequence: "all_gather_kv" (K/V all-gathered, their gradients reduce-scattered, the query
+    sharded; the default), "ulysses" (one all-to-all per tensor moves the sharding from the sequence
+    to the heads and back; needs every rank's query and KV heads divisible by the cp size) or "ring"
+    (K/V blocks passed rank to rank, online-softmax merging, O(S/cp) memory). A call the chosen
+    algorithm cannot run (uneven blocks, heads that do not divide) runs all-gather-KV.
 
     A model with linear-attention layers (gated delta nets: Qwen3.5, Qwen3-Next) on a cp mesh gets
     their recurrence passed rank to rank (hypershard.linear_attention) and keeps its sequence in
@@ -719,9 +726,12 @@ def parallelize(
         module_style.install(module, mesh, axis, ep)
     if cp is not None:
         mesh.load_balanced_sequence_axis = cp
+        mesh.cp_algorithm = cp_algorithm
     if cp is not None and _install_linear_attention(model, mesh, cp):
         # The recurrence's state chain and the conv's halo read the NATURAL order of the sequence.
         mesh.load_balanced_sequence_axis = -1
     if shard_inputs:
         model.register_forward_pre_hook(_shard_inputs(mesh, dp, cp), with_kwargs=True)
+    if cp is not None:  # a loss that flattens (batch, sequence) needs one sequence per dp rank
+        use_causal_lm_loss(model)
     return model

@@ -209,13 +209,13 @@ class Reader:
 
     def _copy_span(self, handle, entry, byte_start, count, view_shape, inner, out) -> None:
         start = entry.offset + byte_start
-        self._prefetch(handle, start, count * torch.empty((), dtype=entry.dtype).element_size())
+        length = count * entry.dtype.itemsize
+        self._prefetch(handle, start, length)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "the given buffer is not writable": it is only read
             flat = torch.frombuffer(handle, dtype=entry.dtype, count=count, offset=start)
         view = flat.view(view_shape)
         out.copy_(view[(slice(None), *inner)] if view_shape else view)
-        length = count * flat.element_size()
         del flat, view  # the buffer export must end before the mapping can close
         self.bytes_read += length
         self.largest_slice = max(self.largest_slice, length)

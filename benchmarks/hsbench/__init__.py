@@ -9,6 +9,7 @@ rotary        section "rotary": the fused rotary position embedding op vs its co
 trainers      the training step of each implementation (hypershard, torch DTensor, one device)
 training      section "step" (with bytes and rule cache): the step launches
 memory        section "memory": peak RSS and state bytes, measured inside the step launches
+context_parallel  section "context_parallel": a long sequence sharded over cp, per cp algorithm
 report        RESULTS.md (markdown tables) and the targets summary
 chart         results.png
 """

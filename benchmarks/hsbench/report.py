@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .checkpoint import checkpoint_lines
 from .common import geomean
+from .context_parallel import context_parallel_lines
 from .dispatch import IMPL_NAMES
 from .fully_shard import fully_shard_lines
 from .rotary import rotary_lines
@@ -122,6 +123,7 @@ def markdown(results: dict) -> str:
     lines += rotary_lines(results.get("rotary"))
     lines += checkpoint_lines(results.get("checkpoint"))
     lines += fully_shard_lines(results.get("fully_shard"))
+    lines += context_parallel_lines(results.get("context_parallel"))
     lines += true_size_lines(results.get("true_size"))
     s = results.get("step")
     if s:

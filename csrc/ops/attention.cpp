@@ -53,16 +53,18 @@
 // outputs (rng state, philox seed/offset, cum_seq placeholders, softmax_out) are Replicate; the
 // aten kernels' output shapes are their Meta kernels'.
 //
-// Context parallelism, all-gather-KV algorithm (docs/context_parallel.md), for the aten kernels
-// (torch's BNSD order): with the sequence sharded (query on L, key/value on S over the same axes),
-// the query stays sharded and key/value are gathered on S (the plan's input redistribution: one
-// all-gather of K and of V per call, forward and backward). Each rank's output rows only need its
-// own query rows, so the forward is exact; in the backward each rank's key/value gradient is its
-// query rows' contribution, a Partial(sum) over the L axes, which the expand reduce-scatters back
-// onto the caller's key/value layout (S sharded) in the same call. A causal mask is then built
-// from GLOBAL positions: the query rows' are their block's offset plus i (a local is_causal would
-// align row 0 with key 0), and with a load-balanced sequence axis
-// (DeviceMesh::load_balanced_sequence_axis: sequences stored in head-tail order of 2n chunks)
+// Context parallelism (docs/context_parallel.md; the algorithms in attention_sequence.cpp), for the
+// aten kernels (torch's BNSD order): with the sequence sharded (query on L, key/value on S over the
+// same axes), the query stays sharded. Each rank's output rows only need its own query rows, so the
+// forward is exact; in the backward each rank's key/value gradient is its query rows'
+// contribution, a Partial(sum) over the L axes, brought back onto the caller's key/value layout (S
+// sharded) in the same call. On an even split (L == S in equal blocks) key and value stay sharded
+// in the plan and the expand runs the mesh's algorithm (DeviceMesh::sequence_attention:
+// all-gather-KV, Ulysses or ring; plans do not depend on it); otherwise the plan gathers key and
+// value on S (the framework's redistribution: all-gather-KV) and the expand reduce-scatters their
+// gradients. A causal mask is then built from GLOBAL positions: the query rows' are their block's
+// offset plus i (a local is_causal would align row 0 with key 0), and with a load-balanced sequence
+// axis (DeviceMesh::load_balanced_sequence_axis: sequences stored in head-tail order of 2n chunks)
 // stored row j of a length-L sequence maps to position chunk(j) * L/2n + j % (L/2n), chunk(j) =
 // j / (L/2n) for the first half of each rank's block, 2n-1 - its block index for the second. The
 // op then runs with that additive mask (plus the caller's; rows padded to 16 elements, the
@@ -71,7 +73,8 @@
 // efficient and the overrideable one (attn_bias) are planned so; the flash kernel has no mask
 // argument: causal with a sharded query is not covered (default mode computes it on the gathered
 // sequence), causal on a head-tail mesh an error (gathering keeps the stored order); not causal it
-// is planned. The efficient kernel pads logsumexp to 32 rows per call: a sharded query whose
+// is planned. Ulysses and ring run on the CPU kernel (the others run all-gather-KV).
+// The efficient kernel pads logsumexp to 32 rows per call: a sharded query whose
 // blocks are not whole multiples of 32 rows is not covered. The CUDA kernels' sequence plans
 // follow the CPU kernel's maths, tested on CPU only.
 //
@@ -92,8 +95,8 @@
 // Excluded: _flash_attention_forward/backward, _efficient_attention_forward/backward and
 // _cudnn_attention_forward/backward (what the CUDA kernels above call on the local tensors, below
 // hypershard; called directly they take packed varlen sequences: neither F.scaled_dot_product_attention
-// nor HF's attention reaches them), Ulysses (all-to-all) and ring context parallelism (only
-// all-gather-KV is planned), npu's padding_mask (reserved) and a softmax_layout other than "" (not
+// nor HF's attention reaches them), Ulysses and ring on the CUDA / PrivateUse1 kernels (they run
+// all-gather-KV), npu's padding_mask (reserved) and a softmax_layout other than "" (not
 // covered: other statistics shapes).
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
@@ -108,11 +111,15 @@
 
 #include "ops/families.h"
 #include "ops/partial.h"
+#include "ops/attention_sequence.h"
 #include "ops/sharding_search.h"
 #include "runtime/redistribute.h"
 
 namespace hypershard::ops {
 namespace {
+
+using sequence_attention::head_tail_chunks;
+using sequence_attention::SequencePlan;
 
 constexpr char kBatch = 'b';
 constexpr char kHeads = 'h';
@@ -382,74 +389,6 @@ void refuse_uncovered(const OpCall& call, const FactorPlan& f) {
 
 // ------------------------------------------------------------------ sequence positions
 
-// Global positions of stored rows [begin, begin + count) of a sequence of `length` stored in
-// head-tail order of `chunks` chunks (0: natural order): see the header comment.
-at::Tensor stored_positions(int64_t begin, int64_t count, int64_t length, int64_t chunks) {
-  const at::Tensor stored = at::arange(begin, begin + count, at::kLong);
-  if (chunks == 0) return stored;
-  const int64_t chunk = length / chunks;
-  const at::Tensor block = stored.div(2 * chunk, "floor"), within = stored.remainder(2 * chunk);
-  const at::Tensor head = block * chunk + within;                           // chunk `block`
-  const at::Tensor tail = (chunks - 1 - block) * chunk + (within - chunk);  // chunk 2n-1-block
-  return at::where(within < chunk, head, tail);
-}
-
-// The chunks of the head-tail order on this mesh (0: natural order).
-int64_t head_tail_chunks(const runtime::DeviceMesh& mesh) {
-  const int64_t axis = mesh.load_balanced_sequence_axis();
-  return axis >= 0 && mesh.mesh()->shape()[axis] > 1 ? 2 * mesh.mesh()->shape()[axis] : 0;
-}
-
-// What the expand needs besides the plain call (see finish).
-struct SequencePlan {
-  std::optional<ReplicatedKv> kv;  // read this rank's KV heads (tp wider than the KV heads)
-  LayoutPtr query;                 // the planned query: its L block's global offset
-  int64_t length_q = 0, length_k = 0;
-  bool query_sharded = false;  // L sharded: a causal mask needs the block's offset
-  bool empty_rows = false;     // make an empty block's results here (the CPU kernel divides by the rows)
-  // Backward: reduce-scatter the key/value gradients from `partial_grad[i]` to `scattered_grad[i]`.
-  LayoutPtr partial_grad[2], scattered_grad[2];
-};
-
-// Padding of a built mask's rows: the efficient kernel reads attn_bias rows aligned to 16 elements.
-constexpr int64_t kMaskRowAlignment = 16;
-
-// An uninitialised mask of `sizes` whose rows start at multiples of kMaskRowAlignment elements.
-at::Tensor aligned_mask(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  std::vector<int64_t> padded(sizes.begin(), sizes.end());
-  const int64_t last = padded.back();
-  padded.back() = (last + kMaskRowAlignment - 1) / kMaskRowAlignment * kMaskRowAlignment;
-  return at::empty(padded, options).narrow(-1, 0, last);
-}
-
-// The additive causal mask [1, 1, rows of this rank, S] from GLOBAL positions, added to the caller's
-// mask (a bool mask becomes 0 / -inf first).
-at::Tensor causal_mask(const OpCall& c, const SequencePlan& p, int64_t local_rows, const at::Tensor& query,
-                       const c10::IValue& caller_mask) {
-  const int64_t chunks = head_tail_chunks(*c.mesh);
-  if (chunks > 0 && (p.length_q != p.length_k || p.length_q % chunks != 0))
-    fail_call(c, layout::str_cat("a causal mask over a sequence stored in head-tail order of ", chunks,
-                                 " chunks (load-balanced axis '",
-                                 c.mesh->mesh()->axis_names()[c.mesh->load_balanced_sequence_axis()],
-                                 "') needs equal query and key lengths divisible by ", chunks, "; got L=", p.length_q,
-                                 ", S=", p.length_k, "; allowed: sequences padded to a multiple of 2 x the axis size"));
-  const int64_t begin = p.query->global_offset_at(c.mesh->position())[2];
-  const at::Tensor rows = stored_positions(begin, local_rows, p.length_q, chunks);
-  const at::Tensor cols = stored_positions(0, p.length_k, p.length_k, chunks);
-  const at::Tensor hidden = cols.unsqueeze(0).gt(rows.unsqueeze(1));
-  const double inf = std::numeric_limits<double>::infinity();
-  at::Tensor mask = at::zeros({1, 1, local_rows, p.length_k}, query.options()).masked_fill(hidden, -inf);
-  // Autograd passes an absent mask to the backward as an undefined tensor, not None.
-  if (caller_mask.isTensor() && caller_mask.toTensor().defined()) {
-    at::Tensor m = caller_mask.toTensor();
-    if (m.scalar_type() == at::kBool) m = at::zeros(m.sizes(), query.options()).masked_fill(m.logical_not(), -inf);
-    mask = m + mask;
-  }
-  at::Tensor aligned = aligned_mask(mask.sizes(), mask.options());
-  aligned.copy_(mask);
-  return aligned;
-}
-
 // The Partial(sum) a key/value gradient gets over the axes that shard L, moved onto S where the
 // caller's key/value is sharded on S over exactly those axes: nullptr where it stays Partial.
 LayoutPtr scattered_back(const Layout& caller, const LayoutPtr& planned, const FactorPlan& f) {
@@ -500,17 +439,17 @@ OpPlan finish(const OpCall& call, const Attention& a, const FactorSpec& spec, bo
   for (size_t i = 0; i < extra.size(); ++i)
     if (extra[i]) plan.outputs[i] = replicate_like(*plan.outputs[i], spec.out_shapes[i]);
   SequencePlan p;
-  p.kv = replicated_kv(call, a, f, plan.inputs);
+  const std::optional<ReplicatedKv> kv = replicated_kv(call, a, f, plan.inputs);
   p.query = plan.inputs[a.query];
   p.length_q = a.length_q;
   p.length_k = a.length_k;
   p.query_sharded = a.sequences() && !p.query->dim_axes()[2].empty();
   p.empty_rows = call.schema().name().find("_for_cpu") != std::string::npos;
-  if (!p.kv) {
+  if (!kv) {
     check_grouped_heads(call, a, f);
   } else {
     layout::PartialOps summed(static_cast<size_t>(call.mesh->mesh()->ndim()));
-    for (int64_t axis : p.kv->query->dim_axes()[a.heads_dim]) summed[axis] = ReduceOp::Sum;
+    for (int64_t axis : kv->query->dim_axes()[a.heads_dim]) summed[axis] = ReduceOp::Sum;
     plan.inputs[a.key] = heads_whole(plan.inputs[a.key], a.heads_dim);
     plan.inputs[a.value] = heads_whole(plan.inputs[a.value], a.heads_dim);
     if (backward)
@@ -535,33 +474,38 @@ OpPlan finish(const OpCall& call, const Attention& a, const FactorSpec& spec, bo
   // The CPU kernel's plans are cached without is_causal: the expand decides per call whether a
   // mask is needed.
   const bool positions = a.sequences() && (p.query_sharded || head_tail_chunks(*call.mesh) > 0);
-  const int64_t causal_arg = argument_named(call, {"is_causal"});
-  const int64_t mask_arg = argument_named(call, {"attn_mask", "attn_bias"});
-  if (positions) check_sequence_kernel(call, p, causal_arg, mask_arg);
-  if (!p.kv && !positions && !scatter) return plan;
+  p.causal_arg = argument_named(call, {"is_causal"});
+  p.mask_arg = argument_named(call, {"attn_mask", "attn_bias"});
+  p.key_arg = call.tensors[a.key].arg;
+  p.value_arg = call.tensors[a.value].arg;
+  p.query_arg = call.tensors[a.query].arg;
+  if (positions) check_sequence_kernel(call, p, p.causal_arg, p.mask_arg);
+  // An even split keeps key and value sharded: the expand runs the mesh's algorithm.
+  if (!kv && a.sequences())
+    sequence_attention::plan_even_split(call, p, plan.inputs, plan.outputs, a.key, a.value, a.mask, a.query_heads,
+                                        backward);
+  if (!kv && !positions && !scatter) return plan;
 
-  const int64_t key_arg = call.tensors[a.key].arg, value_arg = call.tensors[a.value].arg;
-  const int64_t query_arg = call.tensors[a.query].arg;
-  plan.expand = [p, key_arg, value_arg, query_arg, causal_arg, mask_arg, positions, backward](
-                    const OpCall& c, torch::jit::Stack& stack) {
+  plan.expand = [p, kv, positions, backward](const OpCall& c, torch::jit::Stack& stack) {
     const size_t n = c.schema().arguments().size();
     c10::IValue* args = stack.data() + (stack.size() - n);
-    const at::Tensor key = args[key_arg].toTensor(), value = args[value_arg].toTensor();
-    const at::Tensor query = args[query_arg].toTensor();
+    const at::Tensor key = args[p.key_arg].toTensor(), value = args[p.value_arg].toTensor();
+    const at::Tensor query = args[p.query_arg].toTensor();
+    if (p.even && sequence_attention::run_even_split(c, p, stack, backward)) return;
     std::pair<int64_t, int64_t> heads{0, 0};
     int64_t dim = 1, unit = 1;
-    if (p.kv) {
-      dim = p.kv->heads_dim;
-      unit = p.kv->unit;
-      heads = kv_heads_of(*p.kv, c, query.size(dim) / unit);
-      args[key_arg] = key.narrow(dim, heads.first * unit, (heads.second - heads.first) * unit);
-      args[value_arg] = value.narrow(dim, heads.first * unit, (heads.second - heads.first) * unit);
+    if (kv) {
+      dim = kv->heads_dim;
+      unit = kv->unit;
+      heads = kv_heads_of(*kv, c, query.size(dim) / unit);
+      args[p.key_arg] = key.narrow(dim, heads.first * unit, (heads.second - heads.first) * unit);
+      args[p.value_arg] = value.narrow(dim, heads.first * unit, (heads.second - heads.first) * unit);
     }
     if (p.empty_rows && query.size(2) == 0) {
       // An empty block of query rows (uneven shards, torch.chunk): torch's CPU kernel divides by
       // the row count, so the (empty) results are made here; the backward's key/value gradient
       // part is zero, and this rank still joins the reduce-scatter below.
-      const at::Tensor key_used = args[key_arg].toTensor(), value_used = args[value_arg].toTensor();
+      const at::Tensor key_used = args[p.key_arg].toTensor(), value_used = args[p.value_arg].toTensor();
       torch::jit::drop(stack, n);
       if (!backward) {
         stack.emplace_back(at::empty({query.size(0), query.size(1), 0, value_used.size(3)}, query.options()));
@@ -573,9 +517,9 @@ OpPlan finish(const OpCall& call, const Attention& a, const FactorSpec& spec, bo
       stack.emplace_back(at::zeros_like(key_used));
       stack.emplace_back(at::zeros_like(value_used));
     } else {
-      if (positions && causal_arg >= 0 && mask_arg >= 0 && args[causal_arg].toBool()) {
-        args[mask_arg] = causal_mask(c, p, query.size(2), query, args[mask_arg]);
-        args[causal_arg] = false;
+      if (positions && p.causal_arg >= 0 && p.mask_arg >= 0 && args[p.causal_arg].toBool()) {
+        args[p.mask_arg] = sequence_attention::causal_mask(c, p, query.size(2), query, args[p.mask_arg]);
+        args[p.causal_arg] = false;
       }
       c.op->callBoxed(stack);
     }
@@ -583,7 +527,7 @@ OpPlan finish(const OpCall& call, const Attention& a, const FactorSpec& spec, bo
     c10::IValue* rets = stack.data() + (stack.size() - c.schema().returns().size());
     for (int i = 1; i <= 2; ++i) {
       at::Tensor grad = rets[i].toTensor();
-      if (p.kv) {
+      if (kv) {
         const at::Tensor& like = i == 1 ? key : value;
         at::Tensor full = at::zeros(like.sizes(), like.options());
         full.narrow(dim, heads.first * unit, (heads.second - heads.first) * unit).copy_(grad);

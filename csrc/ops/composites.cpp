@@ -7,7 +7,19 @@
 //                            with-indices op (what it does when grad is required) is used always
 //   tensor_split(tensor)     the split points, a tensor, are read as GLOBAL values
 //   ctc_loss(Tensor lengths) the lengths, tensors, are read as GLOBAL values
+//
+// And composites whose decomposition would lose a sharding:
+//
+//   linear                   a 3-D input with its dim 1 sharded (a sequence under context
+//                            parallelism) and more than one row in dim 0: torch flattens (batch,
+//                            sequence) into rows, which keeps no shard when a rank's rows are not
+//                            one block of the flattened dim (two sequences per rank), so the view
+//                            would gather the activation. A batched product keeps both dims:
+//                            bmm(input, weight^T expanded over the batch) (+ bias). Its weight
+//                            gradient holds this rank's batch of [in, out] products until the
+//                            expand's backward sums them: (batch per rank) x the weight's size.
 #include <ATen/ATen.h>
+#include <ATen/ops/linear_native.h>
 #include <torch/library.h>
 
 #include "ops/families.h"
@@ -54,9 +66,20 @@ at::Tensor ctc_loss_kernel(const at::Tensor& log_probs, const at::Tensor& target
                       zero_infinity);
 }
 
+at::Tensor linear_kernel(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const auto* impl = runtime::dtensor_impl(input);
+  if (impl && input.dim() == 3 && weight.dim() == 2 && input.size(0) > 1 && !impl->layout()->dim_axes()[1].empty()) {
+    const at::Tensor out =
+        at::bmm(input, weight.t().unsqueeze(0).expand({input.size(0), weight.size(1), weight.size(0)}));
+    return bias && bias->defined() ? at::add(out, *bias) : out;
+  }
+  return at::native::linear(input, weight, bias);
+}
+
 }  // namespace
 
 void register_composite_kernels() {
+  aten_autograd_kernels().impl("linear", TORCH_FN(linear_kernel));
   aten_autograd_kernels().impl("max_pool1d", TORCH_FN(max_pool1d_kernel));
   aten_autograd_kernels().impl("tensor_split.tensor_indices_or_sections", TORCH_FN(tensor_split_kernel));
   aten_autograd_kernels().impl("ctc_loss.Tensor", TORCH_FN(ctc_loss_kernel));

@@ -26,7 +26,8 @@
 //                                     otherwise the dim is gathered first (global indices then
 //                                     equal local ones). Either result no longer aliases its base
 //                                     and refuses in-place writes (dispatch.cpp)
-//   cat, stack                        the cat dim whole; other dims sharded alike
+//   cat, stack                        the cat dim whole (kept when legacy empty operands leave
+//                                     one: a KV cache's first update); other dims sharded alike
 //   select_backward, slice_backward   the inverse shapes, same rule (slice_backward of a gradient
 //                                     sharded over one axis: the exchange in reverse)
 //   constant_pad_nd                   padded dims whole, the others keep their sharding
@@ -497,8 +498,16 @@ OpPlan cat_rule(const OpCall& call) {
     if (call.tensors[i].is_dtensor && (ref < 0 || call.layout(i).ndim() > call.layout(ref).ndim())) ref = int64_t(i);
   const Layout& r = call.layout(ref);
   const int64_t dim = wrap_dim(call, int_arg(call.arg(1)), r.ndim() + (is_stack ? 1 : 0));
+  // Legacy empty operands (1-D, size 0) are skipped by torch.cat. With one other operand the
+  // result is that operand (a KV cache's first update: cat([empty, key], -2)): its dim stays sharded.
+  const auto legacy_empty = [&](size_t i) {
+    const Layout& t = call.layout(i);
+    return !is_stack && t.ndim() == 1 && t.global_shape()[0] == 0 && r.ndim() != 1;
+  };
+  int64_t operands = 0;
+  for (size_t i = 0; i < call.tensors.size(); ++i) operands += legacy_empty(i) ? 0 : 1;
   layout::DimAxes dims = r.dim_axes();
-  if (!is_stack) dims[dim].clear();
+  if (!is_stack && operands > 1) dims[dim].clear();
   // Partial: sum/avg pass through; the output is Partial on every axis some operand is Partial
   // on, and an operand whole there is filled for free (rank 0 keeps it, the others hold 0) --
   // a backward pass concatenates a Partial gradient with plain ones (DeepSeek's q/k rope parts).
@@ -519,7 +528,7 @@ OpPlan cat_rule(const OpCall& call) {
   int64_t total = 0;
   for (size_t i = 0; i < call.tensors.size(); ++i) {
     const Layout& t = call.layout(i);
-    if (!is_stack && t.ndim() == 1 && t.global_shape()[0] == 0 && r.ndim() != 1) {  // legacy empty
+    if (legacy_empty(i)) {
       plan.inputs.push_back(call.tensors[i].layout);
       continue;
     }

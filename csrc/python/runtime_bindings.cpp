@@ -4,12 +4,14 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/python.h>
 
+#include <iterator>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "layout/error.h"
 #include "layout/intern.h"
+#include "ops/attention_sequence.h"
 #include "ops/families.h"
 #include "ops/op_call.h"
 #include "runtime/dispatch.h"
@@ -27,6 +29,9 @@ namespace {
 
 using runtime::DeviceMesh;
 using runtime::DeviceMeshPtr;
+
+// DeviceMesh::SequenceAttention's values, in order, as parallelize's cp_algorithm names them.
+constexpr const char* kSequenceAttentionNames[] = {"all_gather_kv", "ulysses", "ring"};
 
 c10::DeviceType parse_device_type(const std::string& name) { return c10::Device(name).type(); }
 
@@ -69,9 +74,35 @@ void bind_runtime(py::module_& m) {
                     &DeviceMesh::set_load_balanced_sequence_axis,
                     "Mesh axis index whose sequences are stored in head-tail (zig-zag) order of 2 x its size "
                     "chunks (context parallelism, docs/context_parallel.md); -1: natural order.")
+      .def_property(
+          "cp_algorithm",
+          [](const DeviceMesh& d) {
+            return std::string(kSequenceAttentionNames[static_cast<int>(d.sequence_attention())]);
+          },
+          [](DeviceMesh& d, const std::string& name) {
+            for (size_t i = 0; i < std::size(kSequenceAttentionNames); ++i)
+              if (name == kSequenceAttentionNames[i])
+                return d.set_sequence_attention(static_cast<DeviceMesh::SequenceAttention>(i));
+            throw py::value_error("hypershard: device mesh: cp_algorithm '" + name +
+                                  "' is not known; allowed: all_gather_kv, ulysses, ring");
+          },
+          "How attention runs on a sequence sharded over this mesh (docs/context_parallel.md): "
+          "'all_gather_kv' (default), 'ulysses' or 'ring'.")
       .def("__str__", &DeviceMesh::to_string)
       .def("__repr__", [](const DeviceMesh& d) { return "DeviceMesh" + d.to_string(); });
 
+  m.def(
+      "cp_attention_calls",
+      [] {
+        const auto calls = ops::sequence_attention::calls_per_algorithm();
+        py::dict d;
+        for (size_t i = 0; i < calls.size(); ++i) d[kSequenceAttentionNames[i]] = calls[i];
+        return d;
+      },
+      "Attention calls on an even sequence split (forward and backward) per context-parallel "
+      "algorithm that ran them, since the last reset (a call the mesh's algorithm cannot run counts "
+      "as all_gather_kv).");
+  m.def("reset_cp_attention_calls", &ops::sequence_attention::reset_calls_per_algorithm);
   m.def("release_process_groups", &runtime::release_process_groups,
         "Drops the c10d process groups of every live DeviceMesh, with the GIL released (a gloo "
         "group's destructor joins a worker thread that may need the GIL); returns how many. Runs by "

@@ -73,6 +73,14 @@ class DeviceMesh {
   int64_t load_balanced_sequence_axis() const { return load_balanced_sequence_axis_; }
   void set_load_balanced_sequence_axis(int64_t axis);
 
+  // How attention runs on a sequence sharded over one axis of this mesh (docs/context_parallel.md):
+  // key/value all-gathered (the default), Ulysses all-to-all (heads <-> sequence) or ring (key/value
+  // blocks passed rank to rank, online-softmax merging). Read by the attention expand per call
+  // (plans do not depend on it); declared by parallelize(..., cp_algorithm=...).
+  enum class SequenceAttention : int8_t { kAllGatherKv, kUlysses, kRing };
+  SequenceAttention sequence_attention() const { return sequence_attention_; }
+  void set_sequence_attention(SequenceAttention algorithm) { sequence_attention_ = algorithm; }
+
  private:
   layout::MeshPtr mesh_;
   int64_t rank_;
@@ -81,6 +89,7 @@ class DeviceMesh {
   std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups_;
   bool released_ = false;  // release_process_groups() took the groups
   int64_t load_balanced_sequence_axis_ = -1;
+  SequenceAttention sequence_attention_ = SequenceAttention::kAllGatherKv;
 
   friend int64_t release_process_groups();
 };

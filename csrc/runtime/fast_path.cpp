@@ -134,57 +134,49 @@ void read(FastArgs& a, at::TensorList list) {
       a.tensor(t);
   }
 }
-// Non-tensor values. `ok` turns false for a value this path does not run (a complex Scalar, a
-// symbolic int): the boxed fallback takes the call.
-void read_value(PlanKey& key, bool&, int64_t v) { key.integer(v); }
-void read_value(PlanKey& key, bool&, bool v) { key.boolean(v); }
-void read_value(PlanKey& key, bool&, double v) { key.real(v); }
-void read_value(PlanKey& key, bool& ok, const c10::Scalar& s) {
-  // As the boxed stack holds a Scalar: a double, an int or a bool IValue.
-  if (s.isComplex())
-    ok = false;
-  else if (s.isFloatingPoint())
+// Non-tensor values, keyed as the boxed stack holds them (read() checked runnable first).
+void read_value(PlanKey& key, int64_t v) { key.integer(v); }
+void read_value(PlanKey& key, bool v) { key.boolean(v); }
+void read_value(PlanKey& key, double v) { key.real(v); }
+void read_value(PlanKey& key, const c10::Scalar& s) {
+  // A double, an int or a bool IValue (complex: not runnable).
+  if (s.isFloatingPoint())
     key.real(s.toDouble());
   else if (s.isBoolean())
     key.boolean(s.toBool());
   else
     key.integer(s.toLong());
 }
-void read_value(PlanKey& key, bool& ok, const c10::SymInt& v) {
-  if (v.is_heap_allocated())
-    ok = false;
-  else
-    key.integer(v.as_int_unchecked());
-}
-void read_value(PlanKey& key, bool&, c10::IntArrayRef v) {
+void read_value(PlanKey& key, const c10::SymInt& v) { key.integer(v.as_int_unchecked()); }
+void read_value(PlanKey& key, c10::IntArrayRef v) {
   key.list(v.size());
   for (int64_t x : v) key.integer(x);
 }
-void read_value(PlanKey& key, bool& ok, c10::SymIntArrayRef v) {
+void read_value(PlanKey& key, c10::SymIntArrayRef v) {
   key.list(v.size());
-  for (const auto& x : v) read_value(key, ok, x);
+  for (const auto& x : v) read_value(key, x);
 }
-void read_value(PlanKey& key, bool& ok, at::ArrayRef<c10::Scalar> list) {
+void read_value(PlanKey& key, at::ArrayRef<c10::Scalar> list) {
   key.list(list.size());
-  for (const auto& x : list) read_value(key, ok, x);
+  for (const auto& x : list) read_value(key, x);
 }
-void read_value(PlanKey& key, bool& ok, at::OptionalIntArrayRef v) {
+void read_value(PlanKey& key, at::OptionalIntArrayRef v) {
   if (v)
-    read_value(key, ok, *v);
+    read_value(key, *v);
   else
     key.none();
 }
-void read_value(PlanKey& key, bool&, c10::Device d) { key.device(d); }
+void read_value(PlanKey& key, c10::Device d) { key.device(d); }
 template <typename T, typename = std::enable_if_t<std::is_enum_v<T>>>
-void read_value(PlanKey& key, bool&, T v) {
+void read_value(PlanKey& key, T v) {
   key.integer(static_cast<int64_t>(v));  // dtypes, layouts, memory formats: ints on the boxed stack
 }
 template <typename T>
-void read_value(PlanKey& key, bool& ok, const std::optional<T>& v) {
+void read_value(PlanKey& key, const std::optional<T>& v) {
   if (!v)
     key.none();
   else
-    read_value(key, ok, *v);
+    read_value(key, *v);
 }
 
 // The kinds read_value keys; any other argument kind sends the call to the fallback.
@@ -198,8 +190,7 @@ struct Keyable
 template <typename T>
 struct Keyable<std::optional<T>> : Keyable<T> {};
 
-// Whether this path runs a value, for rules that read no scalar (nothing keyed): the kinds
-// read_value refuses, checked without writing a key.
+// Whether this path runs a value: a complex Scalar or a symbolic int goes to the boxed fallback.
 template <typename T>
 bool runnable(const T&) {
   return true;  // ints, bools, doubles, int lists, devices, enums
@@ -221,14 +212,15 @@ bool runnable(const std::optional<T>& v) {
   return !v || runnable(*v);
 }
 
+// Each value is checked once; its chunk is written only when the rule reads scalars.
 template <typename T>
 void read(FastArgs& a, const T& v) {
   if constexpr (!Keyable<std::decay_t<T>>::value) {
     a.ok = false;
-  } else if (a.key_scalars) {
-    read_value(a.key, a.ok, v);
   } else if (!runnable(v)) {
     a.ok = false;
+  } else if (a.key_scalars) {
+    read_value(a.key, v);
   }
 }
 

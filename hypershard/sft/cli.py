@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..launch import RankTimeout, mesh_size, parse_mesh, spawn_local_ranks
 from .data import FORMATS, SFTError, check_batch_sizes, fail
-from .train import axis_size, checkpoint_dir, dp_size, prepare_data, run_rank, schedule
+from .train import checkpoint_dir, dp_size, prepare_data, run_rank, schedule
 
 
 def parser() -> argparse.ArgumentParser:
@@ -100,9 +100,7 @@ def parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     args = parser().parse_args(argv)
     if args.micro_batch_size is None:
-        # context parallelism trains one sequence per dp rank in a micro-batch (check_batch_sizes)
-        cp = axis_size(args.mesh, "cp") > 1
-        args.micro_batch_size = dp_size(args.mesh) if cp else args.batch_size
+        args.micro_batch_size = args.batch_size
     if args.max_steps:
         args.epochs = 0  # one definition of the run's length (the resume check compares both)
     if args.cutoff_len < 2:
@@ -120,9 +118,7 @@ def preflight(args) -> None:
     """The checks that need no process group, before any rank starts: the data, the tokenizer, the
     batch sizes, the schedule and the output folder."""
     _, examples = prepare_data(args)
-    check_batch_sizes(
-        args.batch_size, args.micro_batch_size, dp_size(args.mesh), len(examples), axis_size(args.mesh, "cp")
-    )
+    check_batch_sizes(args.batch_size, args.micro_batch_size, dp_size(args.mesh), len(examples))
     schedule(args, len(examples))
     ckpts = checkpoint_dir(args)
     if not args.resume and ckpts.is_dir() and any(ckpts.iterdir()):

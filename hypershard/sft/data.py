@@ -206,9 +206,10 @@ def collate(examples: list, pad_id: int, multiple: int = 1) -> dict:
 # ------------------------------------------------------------------------------ order and batches
 
 
-def check_batch_sizes(batch_size: int, micro_batch_size: int, dp: int, n_examples: int, cp: int = 1) -> None:
+def check_batch_sizes(batch_size: int, micro_batch_size: int, dp: int, n_examples: int) -> None:
     """Up-front checks: micro-batches divide the global batch, dp divides a micro-batch, one batch
-    fits; with context parallelism (cp > 1) a micro-batch is one sequence per dp rank."""
+    fits. Context parallelism puts no limit on the sequences per dp rank (parallelize's loss keeps
+    the batch and sequence dims apart)."""
     if batch_size < 1 or micro_batch_size < 1:
         fail(f"--batch-size {batch_size} / --micro-batch-size {micro_batch_size}", "positive integers")
     if batch_size % micro_batch_size:
@@ -221,14 +222,6 @@ def check_batch_sizes(batch_size: int, micro_batch_size: int, dp: int, n_example
             f"--micro-batch-size {micro_batch_size} is not divisible by the mesh's dp size {dp} (each "
             "micro-batch is split over dp)",
             f"a multiple of {dp}",
-        )
-    if cp > 1 and micro_batch_size != dp:
-        # The loss flattens each rank's [sequences, tokens] block; with the tokens sharded over cp,
-        # two or more sequences on one rank are not one contiguous range of the flattened batch.
-        fail(
-            f"--micro-batch-size {micro_batch_size} puts {micro_batch_size // max(dp, 1)} sequences on each dp "
-            f"rank; with context parallelism (cp={cp}) a micro-batch is one sequence per dp rank",
-            f"--micro-batch-size {dp} (gradient accumulation makes up --batch-size {batch_size})",
         )
     if n_examples < batch_size:
         fail(

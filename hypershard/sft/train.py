@@ -270,9 +270,7 @@ def run_rank(rank: int, world: int, args) -> dict:
     torch.manual_seed(args.seed)
     mesh = hs.init_device_mesh("cpu", *args.mesh)
     tokenizer, examples = prepare_data(args)
-    check_batch_sizes(
-        args.batch_size, args.micro_batch_size, dp_size(args.mesh), len(examples), axis_size(args.mesh, "cp")
-    )
+    check_batch_sizes(args.batch_size, args.micro_batch_size, dp_size(args.mesh), len(examples))
     per_epoch, total, warmup = schedule(args, len(examples))
     model = distributed_model(args, mesh, len(tokenizer))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -284,14 +282,13 @@ def run_rank(rank: int, world: int, args) -> dict:
     micro_per_step = args.batch_size // args.micro_batch_size
     crash_at = _crash_step(world, rank)
     pad = pad_id(tokenizer)
-    names = list(mesh.mesh_dim_names)
     # A sharded sequence is stored head-tail in 2 x cp chunks (docs/context_parallel.md), and a
     # padding attention_mask is refused there. The batches are padded on the right with labels
     # -100 and the models are causal: no real token attends to (or, through a causal conv or
     # recurrence, reads) a later pad token, so without the mask every trained token's loss is the
     # same. (A MoE's auxiliary balance loss would count the pad tokens: the SFT trains without it.)
-    context_parallel = "cp" in names
-    multiple = 2 * mesh.shape[names.index("cp")] if context_parallel else 1
+    context_parallel = "cp" in args.mesh[1]  # parallelize treats a cp axis of any size as one
+    multiple = 2 * axis_size(args.mesh, "cp") if context_parallel else 1
 
     bar = None
     if rank == 0:

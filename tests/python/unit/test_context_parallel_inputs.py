@@ -1,7 +1,9 @@
 """UT: what parallelize does to a forward's inputs on a context-parallel mesh before sharding them
 (hypershard.parallel._head_tail_inputs, docs/context_parallel.md): labels shifted over the whole
 natural-order sequence, then input ids, position ids and labels put in head-tail order; refusals
-for a length 2 x cp does not divide, a padding mask and an unknown cp_algorithm. No processes."""
+for a length 2 x cp does not divide, a padding mask and an unknown cp_algorithm (parallelize's and
+the mesh's); the causal-LM loss parallelize installs on a cp mesh (causal_lm_loss) against
+transformers' ForCausalLMLoss. No processes."""
 
 import pytest
 import torch
@@ -22,7 +24,10 @@ def test_inputs_in_head_tail_order_with_global_shift():
     natural_targets = [11, 12, 13, 14, -100, 16, 17, -100]
     assert out["shift_labels"].tolist() == [[natural_targets[p] for p in order]]
     assert torch.equal(out["labels"], out["shift_labels"])
-    assert "attention_mask" not in out  # all ones: masks nothing
+    # always all ones (the caller's all-ones mask too): without a mask transformers would read the
+    # head-tail position ids as packed sequences (use_cache=False)
+    assert out["attention_mask"].tolist() == [[1] * 8]
+    assert _head_tail_inputs({"input_ids": ids}, chunks=4)["attention_mask"].tolist() == [[1] * 8]
 
 
 def test_round_trip():
@@ -40,10 +45,80 @@ def test_refusals():
         _head_tail_inputs({"input_ids": torch.zeros(1, 8, dtype=torch.long), "attention_mask": mask}, chunks=4)
     with pytest.raises(ValueError, match="head-tail chunks"):
         head_tail_order(6, 4)
-    assert CP_ALGORITHMS == ("all_gather_kv",)
+    assert CP_ALGORITHMS == ("all_gather_kv", "ulysses", "ring")
 
     class Mesh:
         mesh_dim_names = ("cp",)
         shape = (2,)
-    with pytest.raises(ValueError, match="cp_algorithm 'ring' is not implemented"):
-        parallelize(torch.nn.Linear(2, 2), Mesh(), cp_algorithm="ring")
+    with pytest.raises(ValueError, match="cp_algorithm 'pass_q' is not implemented"):
+        parallelize(torch.nn.Linear(2, 2), Mesh(), cp_algorithm="pass_q")
+
+
+def test_mesh_cp_algorithm():
+    """The DeviceMesh property the attention expand reads per call: every name parallelize accepts
+    round-trips, an unknown one is refused with the allowed names."""
+    from hypershard.testing.planning import PlanningMesh
+
+    mesh = PlanningMesh({"cp": 2}).device_mesh
+    assert mesh.cp_algorithm == "all_gather_kv"
+    for name in CP_ALGORITHMS:
+        mesh.cp_algorithm = name
+        assert mesh.cp_algorithm == name
+    with pytest.raises(ValueError, match="cp_algorithm 'pass_q' is not known; allowed: all_gather_kv, ulysses, ring"):
+        mesh.cp_algorithm = "pass_q"
+
+
+@pytest.mark.parametrize("given", ["labels", "shift_labels", "num_items_tensor", "num_items_int", "ignore_index"])
+def test_causal_lm_loss_is_transformers_loss_without_the_flatten(given):
+    """causal_lm_loss (logits as [B, V, L]) gives ForCausalLMLoss's value and logits gradient:
+    bfloat16 logits upcast, labels shifted inside or shift_labels taken as given, sum over
+    num_items_in_batch or the mean over non-ignored tokens, another ignore_index. Both sum the
+    same 24 float32 terms in another order: a few ulps, rtol 1e-6 (~17 u) on the loss and the
+    gradient (each gradient element is one softmax row scaled by the same count)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from hypershard.context_parallel import causal_lm_loss, shift_labels
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 8, 11, generator=g).to(torch.bfloat16)
+    ignore = -7 if given == "ignore_index" else -100
+    labels = torch.randint(0, 11, (3, 8), generator=g)
+    labels[torch.rand(3, 8, generator=g) < 0.25] = ignore
+    kwargs = {"ignore_index": ignore}
+    if given == "shift_labels":
+        kwargs["shift_labels"] = shift_labels(labels, ignore)
+        labels = torch.full_like(labels, 3)  # not read when shift_labels are given
+    if given.startswith("num_items"):
+        kwargs["num_items_in_batch"] = torch.tensor(29) if given == "num_items_tensor" else 29
+    results = []
+    for loss_fn in (ForCausalLMLoss, causal_lm_loss):
+        x = logits.clone().requires_grad_()
+        loss = loss_fn(logits=x, labels=labels, vocab_size=11, **kwargs)
+        loss.backward()
+        results.append((loss, x.grad))
+    (want, want_grad), (got, got_grad) = results
+    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape == ()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=1e-6, atol=0)
+
+
+def test_causal_lm_loss_refusal_and_installation():
+    from hypershard.context_parallel import causal_lm_loss, use_causal_lm_loss
+    from hypershard.models import tiny_config, tiny_model
+
+    with pytest.raises(ValueError, match="do not end in vocab_size 12"):
+        causal_lm_loss(torch.zeros(1, 4, 11), torch.zeros(1, 4, dtype=torch.long), 12)
+    model = tiny_model(tiny_config("qwen3"))
+    use_causal_lm_loss(model)
+    assert model.loss_function is causal_lm_loss
+    assert type(model)(model.config).loss_function is not causal_lm_loss  # this instance only
+
+    def custom(**kwargs):
+        return torch.zeros(())
+
+    model.loss_function = custom
+    use_causal_lm_loss(model)  # a loss other than ForCausalLMLoss is left alone
+    assert model.loss_function is custom
+    linear = torch.nn.Linear(2, 2)
+    use_causal_lm_loss(linear)  # not a transformers model: nothing to replace
+    assert not hasattr(linear, "loss_function")

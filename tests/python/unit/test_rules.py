@@ -120,6 +120,10 @@ ROWS = {
         ("cat_other_dim", "tp4", aten.cat.default, ([T([8, 6], S(0)), T([8, 2], S(0))], 1), {}, None, [S(0)], False),
         ("cat_sharded_dim_gathers", "tp4", aten.cat.default, ([T([8, 6], S(0)), T([4, 6], S(0))], 0), {},
          [R1, R1], [R1], False),
+        # a legacy empty operand (torch.cat skips it) leaves one operand: its sharded dim stays
+        # (a KV cache's first update under context parallelism)
+        ("cat_legacy_empty_keeps_sharded_dim", "tp4", aten.cat.default,
+         ([T([0], R1), T([2, 4, 8, 8], S(2))], -2), {}, None, [S(2)], False),
         ("split_other_dim", "tp4", aten.split.Tensor, (T([8, 6], S(0)), 3, 1), {}, None, [S(0), S(0)], False),
         ("stack_shifts_dims", "tp4", aten.stack.default, ([T([8, 6], S(0)), T([8, 6], S(0))], 0), {},
          None, [S(1)], False),
@@ -137,15 +141,26 @@ ROWS = {
         ("sdpa_heads", "tp4", aten._scaled_dot_product_flash_attention_for_cpu.default,
          (T([2, 4, 5, 8], S(1)), T([2, 4, 5, 8], S(1)), T([2, 4, 5, 8], S(1)), 0.0, True), {},
          None, [S(1), S(1)], False),
-        # context parallelism, all-gather-KV: the query stays sharded on the sequence, key/value
-        # are gathered; in the backward their gradients are reduce-scattered back (the expand)
-        ("sdpa_sequence_gathers_kv", "tp4", aten._scaled_dot_product_flash_attention_for_cpu.default,
+        # context parallelism: the query stays sharded on the sequence. An even split keeps key and
+        # value sharded (the expand runs the mesh's algorithm; all-gather-KV gathers them there);
+        # in the backward their gradients come back sharded (the expand)
+        ("sdpa_sequence_even_keeps_kv_sharded", "tp4", aten._scaled_dot_product_flash_attention_for_cpu.default,
          (T([2, 4, 8, 8], S(2)), T([2, 4, 8, 8], S(2)), T([2, 4, 8, 8], S(2)), 0.0, True), {},
-         [S(2), R1, R1], [S(2), S(2)], True),
-        ("sdpa_backward_sequence_scatters_kv", "tp4",
+         None, [S(2), S(2)], True),
+        ("sdpa_backward_sequence_even_keeps_kv_sharded", "tp4",
          aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
          (T([2, 4, 8, 8], S(2)), T([2, 4, 8, 8], S(2)), T([2, 4, 8, 8], S(2)), T([2, 4, 8, 8], S(2)),
           T([2, 4, 8, 8], S(2)), T([2, 4, 8], S(2)), 0.0, True), {},
+         None, [S(2), S(2), S(2)], True),
+        # uneven blocks (10 rows over 4): the plan gathers key and value (all-gather-KV), the
+        # backward reduce-scatters their gradients back
+        ("sdpa_sequence_uneven_gathers_kv", "tp4", aten._scaled_dot_product_flash_attention_for_cpu.default,
+         (T([2, 4, 10, 8], S(2)), T([2, 4, 10, 8], S(2)), T([2, 4, 10, 8], S(2)), 0.0, True), {},
+         [S(2), R1, R1], [S(2), S(2)], True),
+        ("sdpa_backward_sequence_uneven_scatters_kv", "tp4",
+         aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+         (T([2, 4, 10, 8], S(2)), T([2, 4, 10, 8], S(2)), T([2, 4, 10, 8], S(2)), T([2, 4, 10, 8], S(2)),
+          T([2, 4, 10, 8], S(2)), T([2, 4, 10], S(2)), 0.0, True), {},
          [S(2), S(2), R1, R1, S(2), S(2)], [S(2), S(2), S(2)], True),
     ],
     "embedding_loss": [

@@ -197,10 +197,6 @@ def test_batch_size_checks():
         D.check_batch_sizes(8, 2, 4, 20)
     with pytest.raises(SFTError, match="the data has 5 examples, fewer than one --batch-size 8"):
         D.check_batch_sizes(8, 8, 1, 5)
-    D.check_batch_sizes(8, 2, 2, 20, cp=2)  # one sequence per dp rank
-    with pytest.raises(SFTError, match=r"--micro-batch-size 4 puts 2 sequences on each dp rank; with context "
-                                       r"parallelism \(cp=2\).*allowed: --micro-batch-size 2"):
-        D.check_batch_sizes(8, 4, 2, 20, cp=2)
 
 
 def test_data_order_is_deterministic_per_epoch():
@@ -285,6 +281,19 @@ def test_command_line_errors_before_any_rank_starts(fixtures, tmp_path, capsys):
     assert "already holds checkpoints; allowed: --resume" in capsys.readouterr().err
     records = json.loads(fixtures["alpaca"].read_text())
     assert len(records) == 24
+
+
+def test_context_parallel_takes_several_sequences_per_dp_rank(fixtures, tmp_path):
+    """On dp=2 x cp=2 the micro-batch defaults to the whole batch as on any mesh (4 sequences per dp
+    rank here), and the checks before any rank starts accept it: parallelize's loss keeps the
+    batch and sequence dims apart, so no flatten cuts through the cp shards."""
+    from hypershard.sft.cli import parse_args, preflight
+
+    args = parse_args(["--model", "qwen3", "--tokenizer", str(fixtures["tokenizer"]), "--data",
+                       str(fixtures["alpaca"]), "--output", str(tmp_path / "out"), "--mesh", "dp=2,cp=2",
+                       "--batch-size", "8"])
+    assert args.micro_batch_size == 8
+    preflight(args)
 
 
 def test_run_length_and_warmup():
