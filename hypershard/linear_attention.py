@@ -328,7 +328,9 @@ def _is_gated_delta_net(module: nn.Module) -> bool:
 
 def _forward_with(module: nn.Module, name: str, function: Callable):
     """`module`'s class forward with the global `name` bound to `function` for this instance only
-    (the class, the modeling module and other instances keep transformers' function)."""
+    (the class, the modeling module and other instances keep transformers' function). The forward
+    sees a copy of its module's globals taken now: a later rebinding of another name in the
+    modeling module (a hub kernel swapped in) does not reach this instance."""
     forward = inspect.unwrap(type(module).forward)
     namespace = dict(forward.__globals__)
     namespace[name] = function
