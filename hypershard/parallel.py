@@ -454,7 +454,8 @@ def _head_tail_inputs(kwargs: dict, chunks: int, module=None) -> dict:
     natural-order work done first: labels shifted by one position over the WHOLE sequence (passed as
     ``shift_labels``, which transformers' ForCausalLMLoss then takes as they are), position ids made
     when the caller gave none, an all-ones attention mask always (see below); a padding mask is
-    refused: transformers builds its causal part from natural positions."""
+    refused: transformers builds its causal part from natural positions. `chunks` None: the
+    sequence stays in natural order (a model with linear attention, see parallelize)."""
     from .context_parallel import shift_labels, to_head_tail
 
     kwargs = dict(kwargs)
@@ -491,8 +492,10 @@ def _head_tail_inputs(kwargs: dict, chunks: int, module=None) -> dict:
             shifted = shift_labels(kwargs.pop(name)) if name == "labels" else kwargs.pop(name)
             kwargs["labels"] = kwargs["shift_labels"] = shifted
             break
+    if not chunks:  # natural order
+        return kwargs
     for name, value in list(kwargs.items()):
-        if chunks and isinstance(value, torch.Tensor) and not _C.is_dtensor(value) and value.dim() > 0:
+        if isinstance(value, torch.Tensor) and not _C.is_dtensor(value) and value.dim() > 0:
             if name in _SEQUENCE_INPUTS:
                 kwargs[name] = to_head_tail(value, value.dim() - 1, chunks)
             elif name == "inputs_embeds":
@@ -529,6 +532,12 @@ def _shard_inputs(mesh, dp_axis: Optional[int], cp_axis: Optional[int] = None, h
         )
 
     return hook
+
+
+def _install_linear_attention(model: nn.Module, mesh, cp_axis: int) -> int:
+    from .linear_attention import install_context_parallel_linear_attention
+
+    return install_context_parallel_linear_attention(model, mesh, cp_axis)
 
 
 # ------------------------------------------------------------------------------ attention heads
@@ -664,6 +673,10 @@ def parallelize(
     decides from the model (hypershard.context_parallel.natural_order_reason): natural order for
     models that read the stored order as natural positions.
 
+    A model with linear-attention layers (gated delta nets: Qwen3.5, Qwen3-Next) on a cp mesh gets
+    their recurrence passed rank to rank (hypershard.linear_attention) and keeps its sequence in
+    NATURAL order: the mesh is not declared load-balanced (docs/context_parallel.md says why).
+
     Every style of the plans is checked before anything is distributed: an unknown style, or one
     the module cannot take (see the module docstring), raises a ValueError naming the module."""
     names = list(mesh.mesh_dim_names)
@@ -674,6 +687,11 @@ def parallelize(
     if cp is not None and cp_algorithm not in CP_ALGORITHMS:
         raise ValueError(
             f"hypershard: parallelize: cp_algorithm {cp_algorithm!r} is not implemented; allowed: {list(CP_ALGORITHMS)}"
+        )
+    if cp is not None and cp_load_balance and (reason := natural_order_reason(model)) is not None:
+        raise ValueError(
+            f"hypershard: parallelize: cp_load_balance=True: this model must keep natural order ({reason}); "
+            "allowed: cp_load_balance None or False"
         )
     tp_plan = (tp_plan_of(model) if plan is None else dict(plan)) if tp is not None else {}
     ep_plan = (ep_plan_of(model) if ep_plan is None else dict(ep_plan)) if ep is not None else {}
@@ -731,6 +749,10 @@ def parallelize(
     if cp is not None:
         mesh.load_balanced_sequence_axis = cp if balanced else -1
         mesh.cp_algorithm = cp_algorithm
+    if cp is not None and _install_linear_attention(model, mesh, cp):
+        # The recurrence's state chain and the conv's halo read the NATURAL order of the sequence.
+        mesh.load_balanced_sequence_axis = -1
+        balanced = False
     if shard_inputs:
         model.register_forward_pre_hook(_shard_inputs(mesh, dp, cp, balanced), with_kwargs=True)
     if cp is not None:  # a loss that flattens (batch, sequence) needs one sequence per dp rank
