@@ -526,6 +526,10 @@ def _shard_inputs(mesh, dp_axis: Optional[int], cp_axis: Optional[int] = None, h
                 kwargs = {"input_ids": args[0], **kwargs}
                 args = args[1:]
             kwargs = _head_tail_inputs(kwargs, 2 * mesh.shape[cp_axis] if head_tail else 0, module)
+            if module.training:
+                # A training forward needs no cache, and a linear-attention layer's cache would
+                # copy this rank's conv and recurrent states into whole plain tensors.
+                kwargs.setdefault("use_cache", False)
         return (
             tuple(distribute(a) for a in args),
             {k: distribute(v, k not in _NOT_BATCH_INPUTS, sequence_dim(k, v)) for k, v in kwargs.items()},

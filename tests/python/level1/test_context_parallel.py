@@ -15,12 +15,15 @@ with two sequences per dp rank. Planted faults that must fail the same checks: t
 about the head-tail order (the causal mask built from natural positions); on dp2 x cp2 with two
 sequences per dp rank, the loss normalised by each rank's own count of trained tokens (the mean
 of the per-rank means instead of the global mean). The loss refuses distributed labels without
-shift_labels. One run without a KV cache (use_cache=False: transformers then reads the position
-ids for packed sequences, which parallelize's all-ones attention mask prevents). Each run checks
+shift_labels. The Qwen3 runs pass use_cache=True (the cache's first update must keep K/V
+sharded), one passes nothing: parallelize's default in training is no cache, and without one
+transformers reads the position ids for packed sequences, which parallelize's all-ones attention
+mask prevents. Each run checks
 that every attention call ran the chosen algorithm (hypershard._C.cp_attention_calls).
 
-DeepSeek-V3.2 (cp2 ring, dp2 x cp2) and Qwen3-VL-MoE (an image per sample on cp2 ring; text on
-dp2 x cp2 Ulysses) keep natural order (hypershard.context_parallel.natural_order_reason), one
+DeepSeek-V3.2 (cp2 ring, dp2 x cp2, tp2 x cp2), Qwen3-VL-MoE (an image per sample on cp2 ring;
+text on dp2 x cp2 Ulysses, tp2 x cp2 ring, ep2 x cp2 Ulysses) and Qwen3.5-MoE (ep2 x cp2 ring, its
+gated delta nets' state passed rank to rank) keep natural order (hypershard.context_parallel.natural_order_reason), one
 sequence per dp rank (their MoE layers flatten (batch, sequence) into tokens)."""
 
 import pytest
@@ -54,7 +57,12 @@ def trainer(batch, fault=None, algorithm="all_gather_kv", use_cache=True, model_
         from hypershard.models import make_batches, make_image_batches
         if images:
             return make_image_batches(STEPS, seq=SEQ, batch=batch)
-        return make_batches(config.get_text_config().vocab_size, STEPS, batch=batch, seq=SEQ)
+        plain = make_batches(config.get_text_config().vocab_size, STEPS, batch=batch, seq=SEQ)
+        # parallelize turns the cache off in training unless the caller asks for one: Qwen3 runs
+        # ask (K/V must stay sharded through the cache's first update, a cat), one run does not
+        if model_type == "qwen3" and use_cache:
+            return [(ids, labels, {"use_cache": True}) for ids, labels in plain]
+        return plain
 
     def config():
         from hypershard.models import IMAGE_TOKEN, VISION_START, tiny_config
@@ -80,7 +88,6 @@ def trainer(batch, fault=None, algorithm="all_gather_kv", use_cache=True, model_
         model = parallelize(tiny_model(config()), mesh, cp_algorithm=algorithm)
         # without a KV cache transformers would take head-tail position ids for packed sequences
         # unless parallelize passes its all-ones attention mask
-        model.config.use_cache = use_cache
         balanced = natural_order_reason(model) is None  # Qwen3 only: the others keep natural order
         assert balanced == (model_type == "qwen3")
         assert mesh.load_balanced_sequence_axis == (list(mesh.mesh_dim_names).index("cp") if balanced else -1)
@@ -106,7 +113,9 @@ def trainer(batch, fault=None, algorithm="all_gather_kv", use_cache=True, model_
             # on CPU (matmul, softmax: K gathered by the matmul rule), no attention kernel call.
             # With an image, masked_scatter (the image features into the embeddings) gathers the
             # sequence today: the call is correct but not sequence-sharded (docs/context_parallel.md)
-            want = 0 if model_type == "deepseek_v32" or images else 4 * STEPS
+            text = config().get_text_config()
+            layers = (getattr(text, "layer_types", None) or []).count("full_attention") or text.num_hidden_layers
+            want = 0 if model_type == "deepseek_v32" or images else 2 * layers * STEPS
             assert calls == {name: want if name == algorithm else 0 for name in calls}, calls
             # stored rows are in head-tail order: shifting distributed labels would pick wrong targets
             vocab = config().get_text_config().vocab_size
@@ -145,6 +154,14 @@ def test_qwen3_trains_on_cp_like_one_device():
               *trainer(1, algorithm="ring", model_type="qwen3_vl_moe", images=True)),
         _case("qwen3_vl_moe_dp2_cp2_ulysses", ((2, 2), ("dp", "cp")),
               *trainer(2, algorithm="ulysses", model_type="qwen3_vl_moe")),
+        # tensor and expert parallelism beside cp
+        _case("deepseek_v32_tp2_cp2", ((2, 2), ("tp", "cp")), *trainer(1, model_type="deepseek_v32")),
+        _case("qwen3_vl_moe_tp2_cp2_ring", ((2, 2), ("tp", "cp")),
+              *trainer(1, algorithm="ring", model_type="qwen3_vl_moe")),
+        _case("qwen3_vl_moe_ep2_cp2_ulysses", ((2, 2), ("ep", "cp")),
+              *trainer(1, algorithm="ulysses", model_type="qwen3_vl_moe")),
+        _case("qwen3_5_moe_ep2_cp2_ring", ((2, 2), ("ep", "cp")),
+              *trainer(1, algorithm="ring", model_type="qwen3_5_moe_text")),
         _case("qwen3_cp2_planted_head_tail_undeclared_is_caught", ((2,), ("cp",)),
               *trainer(1, fault="head_tail_undeclared")),
         _case("qwen3_dp2_cp2_planted_local_count_is_caught", ((2, 2), ("dp", "cp")),
