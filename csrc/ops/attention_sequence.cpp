@@ -6,7 +6,9 @@
 // blocks) keeps key and value sharded in the plan, so that one plan serves every algorithm and the
 // expand chooses per call:
 //   - all-gather-KV: key and value gathered on S here, the kernel runs on this rank's query rows,
-//     the backward's key/value gradients (Partial(sum) over the axes) reduce-scattered back.
+//     the backward's key/value gradients (Partial(sum) over the axes) reduce-scattered back. A
+//     causal call (the CPU kernel) takes the gathered key/value block by block, with the ring's
+//     per-block masks and merge: no mask of rows x S, blocks hidden from every row skipped.
 //   - Ulysses: query, key, value (and a mask's rows) moved by one all-to-all each from the
 //     sequence dim to the heads dim, the kernel runs on all L rows of 1/n of the heads, the
 //     results moved back. Needs every rank's query and key/value heads divisible by n (grouped
@@ -89,6 +91,12 @@ LayoutPtr moved(const LayoutPtr& l, int64_t from, int64_t to, const std::vector<
   for (int64_t axis : axes) source.erase(std::remove(source.begin(), source.end(), axis), source.end());
   if (to >= 0) dims[to].insert(dims[to].end(), axes.begin(), axes.end());
   return make_layout(*l, l->global_shape(), std::move(dims), l->partial());
+}
+
+// Key (i = 0) or value (1) of `args` gathered on S (all-gather-KV on an even split).
+at::Tensor gathered(const OpCall& c, const SequencePlan& p, const c10::IValue* args, int i) {
+  const at::Tensor local = args[i == 0 ? p.key_arg : p.value_arg].toTensor().contiguous();
+  return runtime::redistribute_local(local, p.kv_sharded[i], p.kv_whole[i], *c.mesh);
 }
 
 // ------------------------------------------------------------------ Ulysses
@@ -299,6 +307,60 @@ void run_ring_backward(const OpCall& c, const SequencePlan& p, torch::jit::Stack
   stack.emplace_back(grad_value.to(value.scalar_type()));
 }
 
+// All-gather-KV on a causal call: the gathered key/value taken block by block like the ring's (a
+// mask per block, not one of rows x S; a block hidden from every row skipped).
+void run_gathered_forward(const OpCall& c, const SequencePlan& p, torch::jit::Stack& stack) {
+  const size_t n_args = c.schema().arguments().size();
+  const std::vector<c10::IValue> base(stack.end() - static_cast<std::ptrdiff_t>(n_args), stack.end());
+  torch::jit::drop(stack, n_args);
+  const at::Tensor query = base[p.query_arg].toTensor();
+  const at::Tensor key = gathered(c, p, base.data(), 0), value = gathered(c, p, base.data(), 1);
+  const int64_t parts = dim_parts(*p.query, 2), block_length = p.length_k / parts;
+  const RingMasks masks(c, p, base.data(), query);
+  const auto math = at::toOpMathType(query.scalar_type());
+  at::Tensor out = at::zeros({query.size(0), query.size(1), query.size(2), value.size(3)}, query.options().dtype(math));
+  at::Tensor lse = at::full({query.size(0), query.size(1), query.size(2)}, -kInf, query.options().dtype(math));
+  for (int64_t source = 0; source < parts; ++source) {
+    const RingBlock block = masks.at(source);
+    if (block.skip) continue;
+    const auto results = call_block(c, p, base, key.narrow(2, source * block_length, block_length).contiguous(),
+                                    value.narrow(2, source * block_length, block_length).contiguous(), block);
+    merge(out, lse, results[0].toTensor(), results[1].toTensor().to(math), block.hidden_rows);
+  }
+  lse.masked_fill_(lse.isinf(), 0);
+  stack.emplace_back(out.to(query.scalar_type()));
+  stack.emplace_back(lse);
+}
+
+void run_gathered_backward(const OpCall& c, const SequencePlan& p, torch::jit::Stack& stack) {
+  const size_t n_args = c.schema().arguments().size();
+  const std::vector<c10::IValue> base(stack.end() - static_cast<std::ptrdiff_t>(n_args), stack.end());
+  torch::jit::drop(stack, n_args);
+  const at::Tensor query = base[p.query_arg].toTensor();
+  const at::Tensor key = gathered(c, p, base.data(), 0), value = gathered(c, p, base.data(), 1);
+  const int64_t parts = dim_parts(*p.query, 2), block_length = p.length_k / parts;
+  const RingMasks masks(c, p, base.data(), query);
+  const auto math = at::toOpMathType(query.scalar_type());
+  at::Tensor grad_query = at::zeros(query.sizes(), query.options().dtype(math));
+  // This rank's rows' part of every key/value gradient: a Partial(sum), reduce-scattered below.
+  at::Tensor grad_key = at::zeros(key.sizes(), key.options().dtype(math));
+  at::Tensor grad_value = at::zeros(value.sizes(), value.options().dtype(math));
+  for (int64_t source = 0; source < parts; ++source) {
+    const RingBlock block = masks.at(source);
+    if (block.skip) continue;
+    const auto results = call_block(c, p, base, key.narrow(2, source * block_length, block_length).contiguous(),
+                                    value.narrow(2, source * block_length, block_length).contiguous(), block);
+    grad_query.add_(results[0].toTensor());
+    grad_key.narrow(2, source * block_length, block_length).add_(results[1].toTensor());
+    grad_value.narrow(2, source * block_length, block_length).add_(results[2].toTensor());
+  }
+  stack.emplace_back(grad_query.to(query.scalar_type()));
+  for (int i = 0; i < 2; ++i) {
+    const at::Tensor grad = (i == 0 ? grad_key : grad_value).to((i == 0 ? key : value).scalar_type());
+    stack.emplace_back(runtime::redistribute_local(grad, p.partial_grad[i], p.scattered_grad[i], *c.mesh));
+  }
+}
+
 }  // namespace
 
 at::Tensor stored_positions(int64_t begin, int64_t count, int64_t length, int64_t chunks) {
@@ -353,6 +415,7 @@ void plan_even_split(const OpCall& call, SequencePlan& p, std::vector<LayoutPtr>
     p.kv_sharded[i] = make_layout(*inputs[t], inputs[t]->global_shape(), std::move(dims), inputs[t]->partial());
     inputs[t] = p.kv_sharded[i];
   }
+  p.blockwise = true;
   if (axes.size() != 1) return;
   p.ring = true;
   // Ulysses: every rank's query and key/value heads split into n blocks.
@@ -412,11 +475,12 @@ bool run_even_split(const OpCall& c, const SequencePlan& p, torch::jit::Stack& s
   }
   count(DeviceMesh::SequenceAttention::kAllGatherKv);
   const size_t n = c.schema().arguments().size();
-  c10::IValue* args = stack.data() + (stack.size() - n);
-  for (int i = 0; i < 2; ++i) {
-    c10::IValue& v = args[i == 0 ? p.key_arg : p.value_arg];
-    v = runtime::redistribute_local(v.toTensor().contiguous(), p.kv_sharded[i], p.kv_whole[i], *c.mesh);
+  if (p.blockwise && is_causal(p, stack.data() + (stack.size() - n))) {
+    backward ? run_gathered_backward(c, p, stack) : run_gathered_forward(c, p, stack);
+    return true;
   }
+  c10::IValue* args = stack.data() + (stack.size() - n);
+  for (int i = 0; i < 2; ++i) args[i == 0 ? p.key_arg : p.value_arg] = gathered(c, p, args, i);
   return false;
 }
 

@@ -237,13 +237,17 @@ void bind_runtime(py::module_& m) {
       "Partial gradients are still summed before .grad takes them.");
   m.def("set_grad_bucket_bytes", &runtime::set_grad_bucket_bytes, py::arg("bytes"),
         "The most bytes one data-parallel gradient bucket carries (default 25 MiB): gradients that "
-        "differ from their parameter's layout only by Partial(sum) axes are reduced at the end of "
-        "backward, one all-reduce per axis per bucket. 0 reduces each gradient when it arrives.");
+        "differ from their parameter's layout only by Partial(sum) axes are reduced in buckets, one "
+        "all-reduce per axis per bucket. 0 reduces each gradient when it arrives.");
   m.def("grad_bucket_bytes", &runtime::grad_bucket_bytes);
+  m.def("set_grad_overlap", &runtime::set_grad_overlap, py::arg("overlap"),
+        "Whether a full gradient bucket (one Partial axis) starts its all-reduce during the backward "
+        "pass (default True) or every bucket waits for the end (False: no overlap).");
+  m.def("grad_overlap", &runtime::grad_overlap);
   m.def("grad_sync_stats", [] {
     const auto s = runtime::grad_sync_stats();
     return py::dict(py::arg("reduced_on_arrival") = s.reduced_on_arrival, py::arg("bucketed") = s.bucketed,
-                    py::arg("buckets") = s.buckets);
+                    py::arg("buckets") = s.buckets, py::arg("overlapped") = s.overlapped);
   });
   m.def("reset_grad_sync_stats", &runtime::reset_grad_sync_stats);
   m.def(

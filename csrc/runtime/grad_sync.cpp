@@ -14,6 +14,14 @@
 // grad_bucket_bytes(), summed with one in-place all-reduce per axis per bucket, and each .grad
 // takes the leaf's layout with its reduced slice of the bucket as local tensor.
 //
+// Overlap: a bucket need not wait for the end. A leaf's hook runs right before autograd
+// accumulates into its .grad, on the thread that runs that device's nodes, so when the next
+// deferred gradient of the same device arrives the previous one is final for this pass. Such
+// settled gradients fill buckets as they come; a full bucket of a group with ONE Partial axis
+// starts its all-reduce at once (async), and each member's .grad becomes its slice of the bucket
+// (still Partial: nobody reads it before the end, and its old memory is freed). The end callback
+// waits for those sums, gives each .grad the leaf's layout, and reduces what is left as above.
+//
 // Every rank makes the same decisions in the same order: they depend only on layouts, on the
 // layout of .grad and on the graph task, all the same on every rank running the same program, and
 // a bucket's members have the same local shapes on every rank of its group (a Partial axis is
@@ -35,6 +43,7 @@
 
 #include "layout/error.h"
 #include "runtime/dispatch_internal.h"
+#include "runtime/async_sum.h"
 #include "runtime/dtensor_impl.h"
 #include "runtime/redistribute.h"
 
@@ -53,12 +62,37 @@ struct Deferred {
   WeakTensor leaf;
   LayoutPtr partial;  // the gradient's layout as the hook saw it
   LayoutPtr target;   // the leaf's layout
+  c10::Device device = c10::kCPU;
+  bool started = false;  // its bucket's all-reduce started during the pass
+};
+
+// The gradients of one bucket group: same mesh, Partial axes, dtype and device.
+struct Group {
+  DeviceMeshPtr mesh;
+  std::vector<int64_t> axes;
+  at::ScalarType dtype;
+  c10::Device device;
+  std::vector<std::pair<at::Tensor, LayoutPtr>> grads;  // (.grad, target layout)
+  int64_t bytes = 0;                                    // of the grads not yet in a started bucket
+  std::vector<size_t> items;                            // their Deferred indices (overlap only)
+};
+
+// A bucket whose all-reduce started during the pass.
+struct Started {
+  std::vector<std::pair<at::Tensor, LayoutPtr>> grads;  // (.grad, target layout)
+  PendingSum sum;
 };
 
 struct Batch {
   std::mutex mutex;
   std::vector<Deferred> items;
+  size_t settled = 0;          // items before this one were looked at for overlap
+  std::vector<Group> filling;  // single-axis groups filling during the pass
+  std::vector<Started> started;
 };
+
+std::atomic<bool> g_overlap{true};
+std::atomic<int64_t> g_overlapped{0};
 
 // Per graph task (backward pass) being run. The engine callback owns its batch and removes the
 // entry; a backward pass that raises drops its callbacks unrun, and its entry expires.
@@ -87,6 +121,7 @@ bool accumulates_into(const at::Tensor& leaf) {
 }
 
 void reduce_batch(Batch& batch);
+void fill_buckets(Batch& batch);
 
 // Queues `item` for the current backward pass; false when there is no graph task to attach to.
 bool defer(Deferred item) {
@@ -117,17 +152,9 @@ bool defer(Deferred item) {
   }
   std::lock_guard<std::mutex> lock(batch->mutex);
   batch->items.push_back(std::move(item));
+  if (g_overlap.load(std::memory_order_relaxed)) fill_buckets(*batch);
   return true;
 }
-
-// The gradients of one bucket group: same mesh, Partial axes, dtype and device.
-struct Group {
-  DeviceMeshPtr mesh;
-  std::vector<int64_t> axes;
-  at::ScalarType dtype;
-  c10::Device device;
-  std::vector<std::pair<at::Tensor, LayoutPtr>> grads;  // (.grad, target layout)
-};
 
 void reduce_bucket(Group& group, size_t begin, size_t end) {
   int64_t total = 0;
@@ -153,39 +180,106 @@ void reduce_bucket(Group& group, size_t begin, size_t end) {
   g_bucketed.fetch_add(static_cast<int64_t>(end - begin), std::memory_order_relaxed);
 }
 
+// `item`'s .grad when it still holds the Partial gradient its hook left (with the Partial axes);
+// an undefined tensor when there is nothing to reduce, or when something changed .grad since the
+// hook (then converted here, alone).
+at::Tensor pending_grad(const Deferred& item, std::vector<int64_t>& axes) {
+  const at::Tensor leaf(item.leaf.lock());
+  if (!leaf.defined() || !leaf.grad().defined()) return {};
+  auto* impl = dtensor_impl(leaf.grad());
+  if (impl == nullptr || impl->layout() == item.target) return {};
+  if (impl->layout() != item.partial) {
+    leaf.mutable_grad() = redistribute(leaf.grad(), item.target);
+    return {};
+  }
+  axes.clear();
+  for (int64_t a = 0; a < item.partial->mesh()->ndim(); ++a)
+    if (item.partial->is_partial(a)) axes.push_back(a);
+  return leaf.grad();
+}
+
+// The group of `grad` (with Partial `axes`) in `groups`, made when missing.
+Group& group_of(std::vector<Group>& groups, const at::Tensor& grad, const std::vector<int64_t>& axes) {
+  auto* impl = dtensor_impl(grad);
+  const auto& local = impl->local();
+  for (auto& g : groups)
+    if (g.mesh->same_mesh(*impl->device_mesh()) && g.axes == axes && g.dtype == local.scalar_type() &&
+        g.device == local.device())
+      return g;
+  return groups.emplace_back(Group{impl->device_mesh(), axes, local.scalar_type(), local.device(), {}});
+}
+
+int64_t local_bytes(const at::Tensor& grad) {
+  const auto& local = dtensor_impl(grad)->local();
+  return local.numel() * static_cast<int64_t>(local.element_size());
+}
+
+// Starts the all-reduce of `group`'s filled bucket; its members' .grad become slices of it.
+void start_bucket(Batch& batch, Group& group) {
+  int64_t total = 0;
+  for (const auto& [grad, target] : group.grads) total += dtensor_impl(grad)->local().numel();
+  auto buffer = at::empty({total}, at::TensorOptions().dtype(group.dtype).device(group.device));
+  int64_t offset = 0;
+  for (const auto& [grad, target] : group.grads) {
+    auto* impl = dtensor_impl(grad);
+    const auto sizes = impl->local().sizes().vec();
+    const int64_t n = impl->local().numel();
+    at::Tensor slice = buffer.narrow(0, offset, n).view(sizes);
+    slice.copy_(impl->local());
+    impl->replace(std::move(slice), impl->layout());  // still Partial until the sum is waited for
+    offset += n;
+  }
+  batch.started.push_back(Started{std::move(group.grads), PendingSum(buffer, *group.mesh, group.axes.front())});
+  for (size_t i : group.items) batch.items[i].started = true;
+  group.grads.clear();
+  group.items.clear();
+  group.bytes = 0;
+}
+
+void fill_buckets(Batch& batch) {
+  at::NoGradGuard no_grad;
+  const int64_t cap = g_bucket_bytes.load(std::memory_order_relaxed);
+  const c10::Device device = batch.items.back().device;
+  std::vector<int64_t> axes;
+  // Every item before the newest of its device is settled (see the header comment).
+  for (; batch.settled + 1 < batch.items.size() && batch.items[batch.settled].device == device; ++batch.settled) {
+    const at::Tensor grad = pending_grad(batch.items[batch.settled], axes);
+    if (!grad.defined() || axes.size() != 1) continue;  // two or more axes: summed in turn at the end
+    Group& group = group_of(batch.filling, grad, axes);
+    const int64_t size = local_bytes(grad);
+    if (!group.grads.empty() && group.bytes + size > cap) start_bucket(batch, group);
+    group.grads.emplace_back(grad, batch.items[batch.settled].target);
+    group.items.push_back(batch.settled);
+    group.bytes += size;
+  }
+}
+
 void reduce_batch(Batch& batch) {
   at::NoGradGuard no_grad;
-  std::vector<Group> groups;  // in first-arrival order, the same on every rank
   std::lock_guard<std::mutex> lock(batch.mutex);
-  for (const auto& item : batch.items) {
-    const at::Tensor leaf(item.leaf.lock());
-    if (!leaf.defined() || !leaf.grad().defined()) continue;
-    auto* impl = dtensor_impl(leaf.grad());
-    if (impl == nullptr || impl->layout() == item.target) continue;
-    if (impl->layout() != item.partial) {  // something changed .grad since the hook: convert it alone
-      leaf.mutable_grad() = redistribute(leaf.grad(), item.target);
-      continue;
+  for (auto& bucket : batch.started) {
+    bucket.sum.wait();
+    for (auto& [grad, target] : bucket.grads) {
+      auto* impl = dtensor_impl(grad);
+      impl->replace(impl->local(), target);
     }
-    std::vector<int64_t> axes;
-    for (int64_t a = 0; a < item.partial->mesh()->ndim(); ++a)
-      if (item.partial->is_partial(a)) axes.push_back(a);
-    const auto& local = impl->local();
-    Group* group = nullptr;
-    for (auto& g : groups)
-      if (g.mesh->same_mesh(*impl->device_mesh()) && g.axes == axes && g.dtype == local.scalar_type() &&
-          g.device == local.device())
-        group = &g;
-    if (group == nullptr)
-      group = &groups.emplace_back(Group{impl->device_mesh(), axes, local.scalar_type(), local.device(), {}});
-    group->grads.emplace_back(leaf.grad(), item.target);
+    g_buckets.fetch_add(1, std::memory_order_relaxed);
+    g_overlapped.fetch_add(1, std::memory_order_relaxed);
+    g_bucketed.fetch_add(static_cast<int64_t>(bucket.grads.size()), std::memory_order_relaxed);
+  }
+  std::vector<Group> groups;  // in first-arrival order, the same on every rank
+  std::vector<int64_t> axes;
+  for (const auto& item : batch.items) {
+    if (item.started) continue;
+    const at::Tensor grad = pending_grad(item, axes);
+    if (grad.defined()) group_of(groups, grad, axes).grads.emplace_back(grad, item.target);
   }
   const int64_t cap = g_bucket_bytes.load(std::memory_order_relaxed);
   for (auto& group : groups) {
     size_t begin = 0;
     int64_t bytes = 0;
     for (size_t i = 0; i < group.grads.size(); ++i) {
-      const auto& local = dtensor_impl(group.grads[i].first)->local();
-      const int64_t size = local.numel() * static_cast<int64_t>(local.element_size());
+      const int64_t size = local_bytes(group.grads[i].first);
       if (i > begin && bytes + size > cap) {
         reduce_bucket(group, begin, i);
         begin = i;
@@ -246,7 +340,7 @@ at::Tensor grad_to_leaf_layout(const WeakTensor& weak, const at::Tensor& grad) {
   const auto& partial = grad_impl->layout();
   if (may_defer(strong, partial, target)) {
     const GradSlot slot = grad_slot(strong, partial, target);
-    if (slot != GradSlot::kOther && defer(Deferred{weak, partial, target})) {
+    if (slot != GradSlot::kOther && defer(Deferred{weak, partial, target, grad.device()})) {
       if (slot == GradSlot::kReduced) make_partial_in_place(*dtensor_impl(strong.grad()), partial);
       return grad;
     }
@@ -291,15 +385,20 @@ void set_grad_bucket_bytes(int64_t bytes) {
 
 int64_t grad_bucket_bytes() { return g_bucket_bytes.load(std::memory_order_relaxed); }
 
+void set_grad_overlap(bool overlap) { g_overlap.store(overlap, std::memory_order_relaxed); }
+
+bool grad_overlap() { return g_overlap.load(std::memory_order_relaxed); }
+
 GradSyncStats grad_sync_stats() {
   return {g_reduced_on_arrival.load(std::memory_order_relaxed), g_bucketed.load(std::memory_order_relaxed),
-          g_buckets.load(std::memory_order_relaxed)};
+          g_buckets.load(std::memory_order_relaxed), g_overlapped.load(std::memory_order_relaxed)};
 }
 
 void reset_grad_sync_stats() {
   g_reduced_on_arrival.store(0, std::memory_order_relaxed);
   g_bucketed.store(0, std::memory_order_relaxed);
   g_buckets.store(0, std::memory_order_relaxed);
+  g_overlapped.store(0, std::memory_order_relaxed);
 }
 
 }  // namespace hypershard::runtime

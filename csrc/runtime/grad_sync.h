@@ -1,7 +1,7 @@
 // The gradient layout policy: a leaf's .grad keeps the leaf's layout. A gradient that differs
-// from it only by Partial(sum) axes (data-parallel gradients) is reduced at the end of the
-// backward pass, together with the others, in buckets: one all-reduce per mesh axis per bucket
-// instead of one per parameter (see grad_sync.cpp).
+// from it only by Partial(sum) axes (data-parallel gradients) is reduced in buckets: one
+// all-reduce per mesh axis per bucket instead of one per parameter, started while the backward
+// pass goes on as buckets fill (overlap) and finished when it ends (see grad_sync.cpp).
 #pragma once
 
 #include <cstdint>
@@ -13,10 +13,16 @@ namespace hypershard::runtime {
 void set_grad_bucket_bytes(int64_t bytes);
 int64_t grad_bucket_bytes();
 
+// Whether full buckets start their all-reduce during the backward pass (default true); false:
+// every bucket is reduced when the pass ends (the exposed-communication baseline of the bench).
+void set_grad_overlap(bool overlap);
+bool grad_overlap();
+
 struct GradSyncStats {
   int64_t reduced_on_arrival = 0;  // gradients the hook redistributed at once
-  int64_t bucketed = 0;            // gradients reduced in a bucket at the end of backward
+  int64_t bucketed = 0;            // gradients reduced in a bucket
   int64_t buckets = 0;             // buckets reduced (each: one all-reduce per Partial axis)
+  int64_t overlapped = 0;          // of those, buckets started during the backward pass
 };
 GradSyncStats grad_sync_stats();
 void reset_grad_sync_stats();

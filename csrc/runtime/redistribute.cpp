@@ -1,5 +1,7 @@
 #include "runtime/redistribute.h"
 
+#include "runtime/async_sum.h"
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -390,6 +392,24 @@ at::Tensor all_reduce_along(const at::Tensor& local, const DeviceMesh& mesh, int
   if (mesh.mesh()->shape()[axis] == 1) return local.clone();
   count_all_reduce(local, mesh, axis);
   return all_reduce_raw(local, mesh, axis, op);
+}
+
+PendingSum::PendingSum(at::Tensor buffer, const DeviceMesh& mesh, int64_t axis) : buffer_(std::move(buffer)) {
+  TORCH_INTERNAL_ASSERT(buffer_.is_contiguous());
+  if (mesh.mesh()->shape()[axis] == 1) return;
+  count_all_reduce(buffer_, mesh, axis);
+  moved_ = reducible(buffer_, ReduceOp::Sum);
+  std::vector<at::Tensor> tensors{moved_};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = to_c10d(ReduceOp::Sum);
+  work_ = mesh.group(axis).allreduce(tensors, opts);
+}
+
+void PendingSum::wait() {
+  if (!work_) return;
+  work_->wait();
+  work_.reset();
+  if (!moved_.is_alias_of(buffer_)) buffer_.copy_(moved_);
 }
 
 void sum_in_place_along(at::Tensor& buffer, const DeviceMesh& mesh, int64_t axis) {

@@ -13,7 +13,8 @@ expected path:
 - torch.autograd.grad, backward(inputs=...), a post-accumulate-grad hook and a user tensor hook
   that clamps: the gradient is reduced before anything can read it, and the values still equal
   one device;
-- a backward pass that raises midway, then a normal one: bucketed and right.
+- a backward pass that raises midway, then a normal one: bucketed and right;
+- buckets started during the pass (overlap, the default) against all at the end: the same values.
 """
 
 import pytest
@@ -191,7 +192,33 @@ def after_raising_backward(mesh, x, *params):
     return grads_of(params)
 
 
-CASES = {"bucketed": bucketed, "accumulated": accumulated, "autograd_grad": autograd_grad,
+def overlapped(mesh, x, *params):
+    """Buckets started during the backward pass (a 1-byte cap: every settled single-axis gradient
+    fills one and starts it when the next gradient of its group settles) against no overlap
+    (set_grad_overlap(False): every bucket at the end): the same buckets, the same values."""
+    grads = EXPECTED[mesh][0]
+    results = []
+    for overlap in (True, False):
+        saved = hs._C.grad_overlap()
+        hs._C.set_grad_overlap(overlap)
+        try:
+            for p in params:
+                p.grad = None
+            with Cap(1):
+                loss_of(x, *params).backward()
+                check_layouts(params, reduced_on_arrival=0, bucketed=grads, buckets=grads)
+                started = hs._C.grad_sync_stats()["overlapped"]
+        finally:
+            hs._C.set_grad_overlap(saved)
+        if in_distributed_run():
+            assert (started > 0) == overlap and started < grads, (overlap, started)
+        results.append(grads_of(params))
+    if in_distributed_run():
+        assert all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(*results))
+    return results[0]
+
+
+CASES = {"bucketed": bucketed, "overlapped": overlapped, "accumulated": accumulated, "autograd_grad": autograd_grad,
          "some_inputs": some_inputs, "post_accumulate_hook": post_accumulate_hook, "clamping_hook": clamping_hook,
          "after_raising_backward": after_raising_backward}
 
