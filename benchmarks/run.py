@@ -33,8 +33,11 @@ Sections (see benchmarks/README.md for what each measures and how; the code is i
   memory      peak RSS growth and parameter + gradient + optimizer-state bytes per rank of a
               larger Qwen3 config: hypershard vs torch DTensor vs one device (measured at the end
               of the step launches)
+  grad_overlap
+              data-parallel gradient buckets started during backward vs all at the end (dp=4 Qwen3,
+              1 MiB buckets): backward time and the exposed gradient-sum time
   context_parallel
-              (only when named: ~2.5 min with all_gather_kv, ~1 min more per further algorithm) a
+              (~2.7 min) a
               small Qwen3 on one long sequence (8192 tokens) sharded over cp=2 and cp=4 ranks, every
               algorithm of
               hypershard.parallel.CP_ALGORITHMS, vs one device (cp=1): peak activation memory per
@@ -43,7 +46,7 @@ Sections (see benchmarks/README.md for what each measures and how; the code is i
 
 Writes bench/results.json, bench/RESULTS.md and bench/results.png and prints the tables.
 
-    .venv/bin/python benchmarks/run.py [--quick] [--sections dispatch,fallback,rotary,checkpoint,fully_shard,step,memory,context_parallel,true_size] [--out bench]
+    .venv/bin/python benchmarks/run.py [--quick] [--sections dispatch,fallback,rotary,checkpoint,fully_shard,step,memory,grad_overlap,context_parallel,true_size] [--out bench]
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from hsbench.context_parallel import run_context_parallel  # noqa: E402
 from hsbench.dispatch import run_dispatch  # noqa: E402
 from hsbench.fallback import run_fallback  # noqa: E402
 from hsbench.fully_shard import run_fully_shard  # noqa: E402
+from hsbench.grad_overlap import run_grad_overlap  # noqa: E402
 from hsbench.memory import MEMORY_CONFIG  # noqa: E402
 from hsbench.report import markdown, targets  # noqa: E402
 from hsbench.rotary import run_rotary  # noqa: E402
@@ -83,12 +87,11 @@ SECTIONS = (
     "fully_shard",
     "step",
     "memory",
+    "grad_overlap",
     "context_parallel",
     "true_size",
 )
-# true_size holds ~13 GB and runs ~15 min on 2 cores; context_parallel runs ~2.5 min with
-# all_gather_kv alone and ~1 min more per further cp algorithm: a default run (make bench) leaves
-# them out
+# true_size holds ~13 GB and runs ~15 min on 2 cores: a default run (make bench) leaves it out
 OPT_IN_SECTIONS = ("true_size",)
 DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s not in OPT_IN_SECTIONS)
 
@@ -192,6 +195,8 @@ def main(argv=None) -> int:
             results.update(step=step, bytes=traffic, rule_cache=cache)
         if memory:
             results["memory"] = memory
+    if "grad_overlap" in sections:
+        results["grad_overlap"] = run_grad_overlap(args, log)
     if "context_parallel" in sections:
         results["context_parallel"] = run_context_parallel(args, log)
     if "true_size" in sections:

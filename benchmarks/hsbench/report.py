@@ -8,6 +8,7 @@ from .common import geomean
 from .context_parallel import context_parallel_lines
 from .dispatch import IMPL_NAMES
 from .fully_shard import fully_shard_lines
+from .grad_overlap import grad_overlap_lines
 from .rotary import rotary_lines
 from .training import STEP_MESHES
 from .true_size import true_size_lines
@@ -123,6 +124,7 @@ def markdown(results: dict) -> str:
     lines += rotary_lines(results.get("rotary"))
     lines += checkpoint_lines(results.get("checkpoint"))
     lines += fully_shard_lines(results.get("fully_shard"))
+    lines += grad_overlap_lines(results.get("grad_overlap"))
     lines += context_parallel_lines(results.get("context_parallel"))
     lines += true_size_lines(results.get("true_size"))
     s = results.get("step")

@@ -45,6 +45,7 @@
 #include "runtime/dispatch_internal.h"
 #include "runtime/async_sum.h"
 #include "runtime/dtensor_impl.h"
+#include "runtime/gil.h"
 #include "runtime/redistribute.h"
 
 namespace hypershard::runtime {
@@ -83,12 +84,22 @@ struct Started {
   PendingSum sum;
 };
 
+void finish_started(std::vector<Started>& started);
+
 struct Batch {
   std::mutex mutex;
   std::vector<Deferred> items;
   size_t settled = 0;          // items before this one were looked at for overlap
   std::vector<Group> filling;  // single-axis groups filling during the pass
   std::vector<Started> started;
+  // A pass that raised drops its callback unrun: the started sums still finish, and their .grad
+  // (summed in place) take the leaf's layout, so every .grad keeps a right value.
+  ~Batch() {
+    try {
+      finish_started(started);
+    } catch (...) {  // a destructor must not throw; c10d reported the collective's own error
+    }
+  }
 };
 
 std::atomic<bool> g_overlap{true};
@@ -254,11 +265,11 @@ void fill_buckets(Batch& batch) {
   }
 }
 
-void reduce_batch(Batch& batch) {
-  at::NoGradGuard no_grad;
-  std::lock_guard<std::mutex> lock(batch.mutex);
-  for (auto& bucket : batch.started) {
-    bucket.sum.wait();
+// Waits for the buckets started during the pass (without the GIL: c10d's wait may need it) and
+// gives each member's .grad its leaf's layout.
+void finish_started(std::vector<Started>& started) {
+  for (auto& bucket : started) {
+    without_gil([&] { bucket.sum.wait(); });
     for (auto& [grad, target] : bucket.grads) {
       auto* impl = dtensor_impl(grad);
       impl->replace(impl->local(), target);
@@ -267,6 +278,13 @@ void reduce_batch(Batch& batch) {
     g_overlapped.fetch_add(1, std::memory_order_relaxed);
     g_bucketed.fetch_add(static_cast<int64_t>(bucket.grads.size()), std::memory_order_relaxed);
   }
+  started.clear();
+}
+
+void reduce_batch(Batch& batch) {
+  at::NoGradGuard no_grad;
+  std::lock_guard<std::mutex> lock(batch.mutex);
+  finish_started(batch.started);
   std::vector<Group> groups;  // in first-arrival order, the same on every rank
   std::vector<int64_t> axes;
   for (const auto& item : batch.items) {

@@ -215,6 +215,32 @@ def overlapped(mesh, x, *params):
         results.append(grads_of(params))
     if in_distributed_run():
         assert all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(*results))
+    # A pass that raises after some buckets started: their sums still finish and those .grad take
+    # their parameter's layout (the others stay Partial); every .grad reads the same value as
+    # without overlap.
+    raised = []
+    for overlap in (True, False):
+        saved = hs._C.grad_overlap()
+        hs._C.set_grad_overlap(overlap)
+        try:
+            for p in params:
+                p.grad = None
+            with Cap(1):
+                w1 = RaiseInBackward.apply(params[0])
+                try:
+                    loss_of(x, w1, *params[1:]).backward()
+                except RuntimeError as exc:
+                    assert "raised in backward on purpose" in str(exc), exc
+        finally:
+            hs._C.set_grad_overlap(saved)
+        if in_distributed_run():
+            assert (hs._C.grad_sync_stats()["overlapped"] > 0) == overlap, hs._C.grad_sync_stats()
+            raised.append([p.grad.full_tensor() if p.grad is not None else None for p in params])
+    if in_distributed_run():
+        for a, b in zip(*raised):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (a, b)
+    for p in params:
+        p.grad = None
     return results[0]
 
 
