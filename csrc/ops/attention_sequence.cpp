@@ -247,52 +247,72 @@ void merge(at::Tensor& out, at::Tensor& lse, const at::Tensor& block_out, at::Te
   lse = base + total.log();
 }
 
+// What a blockwise call (ring or gathered) shares: the call's arguments, popped off the stack,
+// this rank's query rows and the blocks' masks.
+struct Blockwise {
+  std::vector<c10::IValue> base;
+  at::Tensor query;
+  c10::ScalarType math;
+  std::optional<RingMasks> masks;
+
+  Blockwise(const OpCall& c, const SequencePlan& p, torch::jit::Stack& stack) {
+    const auto n = static_cast<std::ptrdiff_t>(c.schema().arguments().size());
+    base.assign(stack.end() - n, stack.end());
+    torch::jit::drop(stack, static_cast<size_t>(n));
+    query = base[p.query_arg].toTensor();
+    math = at::toOpMathType(query.scalar_type());
+    masks.emplace(c, p, base.data(), query);
+  }
+  at::Tensor zeros(const at::Tensor& like) const { return at::zeros(like.sizes(), like.options().dtype(math)); }
+};
+
+// The forward's running output and log-sum-exp over the blocks seen so far.
+struct MergedRows {
+  at::Tensor out, lse;
+
+  MergedRows(const Blockwise& b, int64_t value_dim) {
+    const at::Tensor& q = b.query;
+    out = at::zeros({q.size(0), q.size(1), q.size(2), value_dim}, q.options().dtype(b.math));
+    lse = at::full({q.size(0), q.size(1), q.size(2)}, -kInf, q.options().dtype(b.math));
+  }
+  void add(const std::vector<c10::IValue>& results, const RingBlock& block) {
+    merge(out, lse, results[0].toTensor(), results[1].toTensor().to(out.scalar_type()), block.hidden_rows);
+  }
+  void push(torch::jit::Stack& stack, at::ScalarType dtype) {
+    lse.masked_fill_(lse.isinf(), 0);  // a row every key is hidden from: the kernel's 0 and 0
+    stack.emplace_back(out.to(dtype));
+    stack.emplace_back(lse);
+  }
+};
+
 void run_ring_forward(const OpCall& c, const SequencePlan& p, torch::jit::Stack& stack) {
-  const size_t n_args = c.schema().arguments().size();
-  const std::vector<c10::IValue> base(stack.end() - static_cast<std::ptrdiff_t>(n_args), stack.end());
-  torch::jit::drop(stack, n_args);
-  const at::Tensor query = base[p.query_arg].toTensor();
-  at::Tensor key = base[p.key_arg].toTensor().contiguous(), value = base[p.value_arg].toTensor().contiguous();
+  Blockwise b(c, p, stack);
+  at::Tensor key = b.base[p.key_arg].toTensor().contiguous(), value = b.base[p.value_arg].toTensor().contiguous();
   const int64_t axis = p.axes[0], n = c.mesh->mesh()->shape()[axis], me = c.mesh->coordinate(axis);
-  const RingMasks masks(c, p, base.data(), query);
-  const auto math = at::toOpMathType(query.scalar_type());
-  at::Tensor out = at::zeros({query.size(0), query.size(1), query.size(2), value.size(3)}, query.options().dtype(math));
-  at::Tensor lse = at::full({query.size(0), query.size(1), query.size(2)}, -kInf, query.options().dtype(math));
+  MergedRows rows(b, value.size(3));
   for (int64_t step = 0; step < n; ++step) {
     std::optional<RingPass> pass;
     if (step + 1 < n) pass.emplace(c, axis, pack(key, value), kKeyValueTag);
-    const RingBlock block = masks.at((me + n - step) % n);
-    if (!block.skip) {
-      const auto results = call_block(c, p, base, key, value, block);
-      merge(out, lse, results[0].toTensor(), results[1].toTensor().to(math), block.hidden_rows);
-    }
+    const RingBlock block = b.masks->at((me + n - step) % n);
+    if (!block.skip) rows.add(call_block(c, p, b.base, key, value, block), block);
     if (pass) unpack(pass->wait(), key, value);
   }
-  // A row every key is hidden from: the kernel's convention, output 0 and logsumexp 0.
-  lse.masked_fill_(lse.isinf(), 0);
-  stack.emplace_back(out.to(query.scalar_type()));
-  stack.emplace_back(lse);
+  rows.push(stack, b.query.scalar_type());
 }
 
 void run_ring_backward(const OpCall& c, const SequencePlan& p, torch::jit::Stack& stack) {
-  const size_t n_args = c.schema().arguments().size();
-  const std::vector<c10::IValue> base(stack.end() - static_cast<std::ptrdiff_t>(n_args), stack.end());
-  torch::jit::drop(stack, n_args);
-  const at::Tensor query = base[p.query_arg].toTensor();
-  at::Tensor key = base[p.key_arg].toTensor().contiguous(), value = base[p.value_arg].toTensor().contiguous();
+  Blockwise b(c, p, stack);
+  at::Tensor key = b.base[p.key_arg].toTensor().contiguous(), value = b.base[p.value_arg].toTensor().contiguous();
   const int64_t axis = p.axes[0], n = c.mesh->mesh()->shape()[axis], me = c.mesh->coordinate(axis);
-  const RingMasks masks(c, p, base.data(), query);
-  const auto math = at::toOpMathType(query.scalar_type());
-  at::Tensor grad_query = at::zeros(query.sizes(), query.options().dtype(math));
+  at::Tensor grad_query = b.zeros(b.query);
   // The key/value gradient of the block this rank holds, travelling with it.
-  at::Tensor grad_key = at::zeros(key.sizes(), key.options().dtype(math));
-  at::Tensor grad_value = at::zeros(value.sizes(), value.options().dtype(math));
+  at::Tensor grad_key = b.zeros(key), grad_value = b.zeros(value);
   for (int64_t step = 0; step < n; ++step) {
     std::optional<RingPass> pass;
     if (step + 1 < n) pass.emplace(c, axis, pack(key, value), kKeyValueTag);
-    const RingBlock block = masks.at((me + n - step) % n);
+    const RingBlock block = b.masks->at((me + n - step) % n);
     if (!block.skip) {
-      const auto results = call_block(c, p, base, key, value, block);
+      const auto results = call_block(c, p, b.base, key, value, block);
       grad_query.add_(results[0].toTensor());
       grad_key.add_(results[1].toTensor());
       grad_value.add_(results[2].toTensor());
@@ -302,59 +322,47 @@ void run_ring_backward(const OpCall& c, const SequencePlan& p, torch::jit::Stack
     if (pass) unpack(pass->wait(), key, value);
     unpack(gradients.wait(), grad_key, grad_value);
   }
-  stack.emplace_back(grad_query.to(query.scalar_type()));
+  stack.emplace_back(grad_query.to(b.query.scalar_type()));
   stack.emplace_back(grad_key.to(key.scalar_type()));
   stack.emplace_back(grad_value.to(value.scalar_type()));
+}
+
+// Block `source` of a gathered key or value (S in equal blocks).
+at::Tensor block_of(const at::Tensor& whole, const SequencePlan& p, int64_t source) {
+  const int64_t length = p.length_k / dim_parts(*p.query, 2);
+  return whole.narrow(2, source * length, length).contiguous();
 }
 
 // All-gather-KV on a causal call: the gathered key/value taken block by block like the ring's (a
 // mask per block, not one of rows x S; a block hidden from every row skipped).
 void run_gathered_forward(const OpCall& c, const SequencePlan& p, torch::jit::Stack& stack) {
-  const size_t n_args = c.schema().arguments().size();
-  const std::vector<c10::IValue> base(stack.end() - static_cast<std::ptrdiff_t>(n_args), stack.end());
-  torch::jit::drop(stack, n_args);
-  const at::Tensor query = base[p.query_arg].toTensor();
-  const at::Tensor key = gathered(c, p, base.data(), 0), value = gathered(c, p, base.data(), 1);
-  const int64_t parts = dim_parts(*p.query, 2), block_length = p.length_k / parts;
-  const RingMasks masks(c, p, base.data(), query);
-  const auto math = at::toOpMathType(query.scalar_type());
-  at::Tensor out = at::zeros({query.size(0), query.size(1), query.size(2), value.size(3)}, query.options().dtype(math));
-  at::Tensor lse = at::full({query.size(0), query.size(1), query.size(2)}, -kInf, query.options().dtype(math));
-  for (int64_t source = 0; source < parts; ++source) {
-    const RingBlock block = masks.at(source);
-    if (block.skip) continue;
-    const auto results = call_block(c, p, base, key.narrow(2, source * block_length, block_length).contiguous(),
-                                    value.narrow(2, source * block_length, block_length).contiguous(), block);
-    merge(out, lse, results[0].toTensor(), results[1].toTensor().to(math), block.hidden_rows);
+  Blockwise b(c, p, stack);
+  const at::Tensor key = gathered(c, p, b.base.data(), 0), value = gathered(c, p, b.base.data(), 1);
+  MergedRows rows(b, value.size(3));
+  for (int64_t source = 0; source < dim_parts(*p.query, 2); ++source) {
+    const RingBlock block = b.masks->at(source);
+    if (!block.skip)
+      rows.add(call_block(c, p, b.base, block_of(key, p, source), block_of(value, p, source), block), block);
   }
-  lse.masked_fill_(lse.isinf(), 0);
-  stack.emplace_back(out.to(query.scalar_type()));
-  stack.emplace_back(lse);
+  rows.push(stack, b.query.scalar_type());
 }
 
 void run_gathered_backward(const OpCall& c, const SequencePlan& p, torch::jit::Stack& stack) {
-  const size_t n_args = c.schema().arguments().size();
-  const std::vector<c10::IValue> base(stack.end() - static_cast<std::ptrdiff_t>(n_args), stack.end());
-  torch::jit::drop(stack, n_args);
-  const at::Tensor query = base[p.query_arg].toTensor();
-  const at::Tensor key = gathered(c, p, base.data(), 0), value = gathered(c, p, base.data(), 1);
-  const int64_t parts = dim_parts(*p.query, 2), block_length = p.length_k / parts;
-  const RingMasks masks(c, p, base.data(), query);
-  const auto math = at::toOpMathType(query.scalar_type());
-  at::Tensor grad_query = at::zeros(query.sizes(), query.options().dtype(math));
+  Blockwise b(c, p, stack);
+  const at::Tensor key = gathered(c, p, b.base.data(), 0), value = gathered(c, p, b.base.data(), 1);
+  const int64_t parts = dim_parts(*p.query, 2), length = p.length_k / parts;
+  at::Tensor grad_query = b.zeros(b.query);
   // This rank's rows' part of every key/value gradient: a Partial(sum), reduce-scattered below.
-  at::Tensor grad_key = at::zeros(key.sizes(), key.options().dtype(math));
-  at::Tensor grad_value = at::zeros(value.sizes(), value.options().dtype(math));
+  at::Tensor grad_key = b.zeros(key), grad_value = b.zeros(value);
   for (int64_t source = 0; source < parts; ++source) {
-    const RingBlock block = masks.at(source);
+    const RingBlock block = b.masks->at(source);
     if (block.skip) continue;
-    const auto results = call_block(c, p, base, key.narrow(2, source * block_length, block_length).contiguous(),
-                                    value.narrow(2, source * block_length, block_length).contiguous(), block);
+    const auto results = call_block(c, p, b.base, block_of(key, p, source), block_of(value, p, source), block);
     grad_query.add_(results[0].toTensor());
-    grad_key.narrow(2, source * block_length, block_length).add_(results[1].toTensor());
-    grad_value.narrow(2, source * block_length, block_length).add_(results[2].toTensor());
+    grad_key.narrow(2, source * length, length).add_(results[1].toTensor());
+    grad_value.narrow(2, source * length, length).add_(results[2].toTensor());
   }
-  stack.emplace_back(grad_query.to(query.scalar_type()));
+  stack.emplace_back(grad_query.to(b.query.scalar_type()));
   for (int i = 0; i < 2; ++i) {
     const at::Tensor grad = (i == 0 ? grad_key : grad_value).to((i == 0 ? key : value).scalar_type());
     stack.emplace_back(runtime::redistribute_local(grad, p.partial_grad[i], p.scattered_grad[i], *c.mesh));

@@ -192,51 +192,52 @@ def after_raising_backward(mesh, x, *params):
     return grads_of(params)
 
 
+class Overlap:
+    """Cap(1) with set_grad_overlap(`overlap`), every .grad cleared first; restores the setting."""
+
+    def __init__(self, overlap, params):
+        self.overlap, self.params, self.cap = overlap, params, Cap(1)
+
+    def __enter__(self):
+        self.saved = hs._C.grad_overlap()
+        hs._C.set_grad_overlap(self.overlap)
+        for p in self.params:
+            p.grad = None
+        return self.cap.__enter__()
+
+    def __exit__(self, *exc):
+        hs._C.set_grad_overlap(self.saved)
+        return self.cap.__exit__(*exc)
+
+
 def overlapped(mesh, x, *params):
     """Buckets started during the backward pass (a 1-byte cap: every settled single-axis gradient
     fills one and starts it when the next gradient of its group settles) against no overlap
-    (set_grad_overlap(False): every bucket at the end): the same buckets, the same values."""
+    (set_grad_overlap(False): every bucket at the end): the same buckets, the same values. Then a
+    pass that raises after some buckets started: their sums still finish and those .grad take
+    their parameter's layout (the others stay Partial); every .grad reads the same value as
+    without overlap."""
     grads = EXPECTED[mesh][0]
-    results = []
+    results, raised = [], []
     for overlap in (True, False):
-        saved = hs._C.grad_overlap()
-        hs._C.set_grad_overlap(overlap)
-        try:
-            for p in params:
-                p.grad = None
-            with Cap(1):
-                loss_of(x, *params).backward()
-                check_layouts(params, reduced_on_arrival=0, bucketed=grads, buckets=grads)
-                started = hs._C.grad_sync_stats()["overlapped"]
-        finally:
-            hs._C.set_grad_overlap(saved)
+        with Overlap(overlap, params):
+            loss_of(x, *params).backward()
+            check_layouts(params, reduced_on_arrival=0, bucketed=grads, buckets=grads)
+            started = hs._C.grad_sync_stats()["overlapped"]
         if in_distributed_run():
             assert (started > 0) == overlap and started < grads, (overlap, started)
         results.append(grads_of(params))
-    if in_distributed_run():
-        assert all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(*results))
-    # A pass that raises after some buckets started: their sums still finish and those .grad take
-    # their parameter's layout (the others stay Partial); every .grad reads the same value as
-    # without overlap.
-    raised = []
-    for overlap in (True, False):
-        saved = hs._C.grad_overlap()
-        hs._C.set_grad_overlap(overlap)
-        try:
-            for p in params:
-                p.grad = None
-            with Cap(1):
-                w1 = RaiseInBackward.apply(params[0])
-                try:
-                    loss_of(x, w1, *params[1:]).backward()
-                except RuntimeError as exc:
-                    assert "raised in backward on purpose" in str(exc), exc
-        finally:
-            hs._C.set_grad_overlap(saved)
+        with Overlap(overlap, params):
+            try:
+                loss_of(x, RaiseInBackward.apply(params[0]), *params[1:]).backward()
+            except RuntimeError as exc:
+                assert "raised in backward on purpose" in str(exc), exc
+            started = hs._C.grad_sync_stats()["overlapped"]
         if in_distributed_run():
-            assert (hs._C.grad_sync_stats()["overlapped"] > 0) == overlap, hs._C.grad_sync_stats()
+            assert (started > 0) == overlap, (overlap, started)
             raised.append([p.grad.full_tensor() if p.grad is not None else None for p in params])
     if in_distributed_run():
+        assert all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(*results))
         for a, b in zip(*raised):
             assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (a, b)
     for p in params:
