@@ -40,7 +40,15 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["GRAD_RTOL", "LOSS_RTOL", "UPDATE_RTOL", "TrainingRecord", "check_training", "record_training"]
+__all__ = [
+    "GRAD_RTOL",
+    "LOSS_RTOL",
+    "UPDATE_RTOL",
+    "TrainingRecord",
+    "check_training",
+    "record_cp_training",
+    "record_training",
+]
 
 U32 = 2.0**-24  # float32 unit roundoff
 LOSS_RTOL = 1e-5
@@ -82,6 +90,23 @@ def record_training(
     record.losses = train(model, batches, on_backward=on_backward, **train_kwargs)
     record.final = {name: _full(p) for name, p in model.named_parameters()}
     return record
+
+
+def record_cp_training(model: torch.nn.Module, batches: list, mesh) -> tuple:
+    """record_training of a model on a context-parallel mesh, with what strict-mode cp tests check:
+    (record, dispatch stats, attention calls per cp algorithm), both counted over the run alone.
+    The mesh's cp declarations go back to their defaults afterwards (the cases of one launch share
+    the mesh)."""
+    from .. import _C
+
+    _C.reset_dispatch_stats()
+    _C.reset_cp_attention_calls()
+    try:
+        got = record_training(model, batches)
+        return got, _C.dispatch_stats(), _C.cp_attention_calls()
+    finally:
+        mesh.load_balanced_sequence_axis = -1
+        mesh.cp_algorithm = "all_gather_kv"
 
 
 def _norm(t: torch.Tensor) -> float:

@@ -79,7 +79,7 @@ def trainer(batch, fault=None, algorithm="all_gather_kv", use_cache=True, model_
         from hypershard.context_parallel import causal_lm_loss
         from hypershard.models import tiny_model
         from hypershard.parallel import parallelize
-        from hypershard.testing.training import check_training, record_training
+        from hypershard.testing.training import check_training, record_cp_training, record_training
 
         expected = record_training(tiny_model(config()), batches(config()))
         mesh = current_mesh()
@@ -97,13 +97,7 @@ def trainer(batch, fault=None, algorithm="all_gather_kv", use_cache=True, model_
             mesh.load_balanced_sequence_axis = -1
         if fault == "local_count":
             model.loss_function = local_count_loss(mesh.size())
-        hs._C.reset_dispatch_stats()
-        hs._C.reset_cp_attention_calls()
-        got = record_training(model, batches(config()))
-        stats = hs._C.dispatch_stats()
-        calls = hs._C.cp_attention_calls()
-        mesh.load_balanced_sequence_axis = -1
-        mesh.cp_algorithm = "all_gather_kv"  # the cases of one launch share the mesh
+        got, stats, calls = record_cp_training(model, batches(config()), mesh)
         problems, worst = check_training(got, expected)
         if fault is None:
             assert not problems, "\n".join(problems)

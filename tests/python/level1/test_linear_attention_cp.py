@@ -80,10 +80,9 @@ def trainer(batch, fault=None, algorithm="all_gather_kv"):
         return torch.tensor(train(tiny_model(config()), batches(config())), dtype=torch.float64)
 
     def distributed(_dummy):
-        import hypershard as hs
         from hypershard.models import tiny_model
         from hypershard.parallel import parallelize
-        from hypershard.testing.training import check_training, record_training
+        from hypershard.testing.training import check_training, record_cp_training, record_training
 
         expected = record_training(tiny_model(config()), batches(config()))
         mesh = current_mesh()
@@ -97,13 +96,7 @@ def trainer(batch, fault=None, algorithm="all_gather_kv"):
         assert mesh.cp_algorithm == algorithm
         if fault == "state_not_passed":
             forget_received_state(model, mesh, cp)
-        hs._C.reset_dispatch_stats()
-        hs._C.reset_cp_attention_calls()
-        got = record_training(model, batches(config()))
-        stats = hs._C.dispatch_stats()
-        calls = hs._C.cp_attention_calls()
-        mesh.load_balanced_sequence_axis = -1
-        mesh.cp_algorithm = "all_gather_kv"  # the cases of one launch share the mesh
+        got, stats, calls = record_cp_training(model, batches(config()), mesh)
         problems, worst = check_training(got, expected)
         if fault is None:
             assert not problems, "\n".join(problems)
