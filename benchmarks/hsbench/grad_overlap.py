@@ -129,4 +129,4 @@ def grad_overlap_lines(result) -> list:
         r = result[name]
         lines.append(f"| {name} | {r['backward_s']:.3f} | {r['exposed_s']:.3f} | {r['overlapped']} of {r['buckets']} |")
     lines.append(f"| compute alone | {result['compute']['backward_s']:.3f} | — | — |")
-    return lines
+    return lines + [""]

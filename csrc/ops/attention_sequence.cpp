@@ -168,10 +168,19 @@ void unpack(const at::Tensor& packed, at::Tensor& a, at::Tensor& b) {
 // This rank's query rows against key/value block `source`: the mask the kernel takes (causal part
 // from GLOBAL positions plus the caller's columns of that block), whether every row is hidden
 // (the block is skipped) and which rows are (their logsumexp is -inf, not the kernel's 0).
+// A causal call without the caller's mask: a block as pieces of whole chunks (this rank's query
+// rows x the block's key columns), each fully visible or causal on its diagonal (the kernel's
+// is_causal skips the hidden half); chunks hidden from each other make no piece.
+struct Piece {
+  int64_t rows_begin = 0, rows = 0, columns_begin = 0, columns = 0;
+  bool causal = false;
+};
+
 struct RingBlock {
   bool skip = false;
   c10::IValue mask;  // None: no mask
   at::Tensor hidden_rows;
+  std::vector<Piece> pieces;  // non-empty: run these instead of one masked call
 };
 
 class RingMasks {
@@ -186,12 +195,19 @@ class RingMasks {
     if (chunks > 0) check_head_tail(c, p, chunks);
     chunks_ = chunks;
     causal_ = true;
-    rows_ = stored_positions(p.query->global_offset_at(c.mesh->position())[2], query.size(2), p.length_q, chunks);
+    const int64_t offset = p.query->global_offset_at(c.mesh->position())[2];
+    rows_ = stored_positions(offset, query.size(2), p.length_q, chunks);
+    row_block_ = offset / block_;
   }
 
   RingBlock at(int64_t source) const {
     RingBlock b;
     at::Tensor mask;
+    if (causal_ && !caller_.defined()) {
+      b.pieces = pieces(source);
+      b.skip = b.pieces.empty();
+      return b;
+    }
     if (causal_) {
       const at::Tensor columns = stored_positions(source * block_, block_, p_.length_k, chunks_);
       const at::Tensor hidden = columns.unsqueeze(0).gt(rows_.unsqueeze(1));
@@ -214,10 +230,27 @@ class RingMasks {
   }
 
  private:
+  // The chunks of block `block` (block-local start, length, natural chunk index): one in natural
+  // order, the head and the tail chunk in head-tail order.
+  std::vector<std::array<int64_t, 3>> chunks_of(int64_t block) const {
+    if (chunks_ == 0) return {{0, block_, block}};
+    const int64_t unit = block_ / 2;
+    return {{0, unit, block}, {unit, unit, chunks_ - 1 - block}};
+  }
+
+  std::vector<Piece> pieces(int64_t source) const {
+    std::vector<Piece> out;
+    for (const auto& [rows_begin, rows, row_chunk] : chunks_of(row_block_))
+      for (const auto& [columns_begin, columns, column_chunk] : chunks_of(source))
+        if (column_chunk <= row_chunk)
+          out.push_back(Piece{rows_begin, rows, columns_begin, columns, column_chunk == row_chunk});
+    return out;
+  }
+
   const SequencePlan& p_;
   at::TensorOptions options_;
   at::Tensor caller_, rows_;
-  int64_t parts_ = 1, block_ = 0, chunks_ = 0;
+  int64_t parts_ = 1, block_ = 0, chunks_ = 0, row_block_ = 0;
   bool causal_ = false;
 };
 
@@ -229,6 +262,19 @@ std::vector<c10::IValue> call_block(const OpCall& c, const SequencePlan& p, std:
   s[p.value_arg] = value;
   if (p.causal_arg >= 0) s[p.causal_arg] = false;
   if (p.mask_arg >= 0) s[p.mask_arg] = block.mask;
+  c.op->callBoxed(s);
+  return s;
+}
+
+// Calls the kernel on `piece` of this rank's rows (every row argument narrowed) against `piece`'s
+// columns of key/value block `key`, `value`; returns its results.
+std::vector<c10::IValue> call_piece(const OpCall& c, const SequencePlan& p, std::vector<c10::IValue> s,
+                                    const at::Tensor& key, const at::Tensor& value, const Piece& piece) {
+  for (int64_t arg : p.row_args) s[arg] = s[arg].toTensor().narrow(2, piece.rows_begin, piece.rows);
+  s[p.key_arg] = key.narrow(2, piece.columns_begin, piece.columns).contiguous();
+  s[p.value_arg] = value.narrow(2, piece.columns_begin, piece.columns).contiguous();
+  s[p.causal_arg] = piece.causal;
+  if (p.mask_arg >= 0) s[p.mask_arg] = c10::IValue();
   c.op->callBoxed(s);
   return s;
 }
@@ -275,8 +321,23 @@ struct MergedRows {
     out = at::zeros({q.size(0), q.size(1), q.size(2), value_dim}, q.options().dtype(b.math));
     lse = at::full({q.size(0), q.size(1), q.size(2)}, -kInf, q.options().dtype(b.math));
   }
-  void add(const std::vector<c10::IValue>& results, const RingBlock& block) {
-    merge(out, lse, results[0].toTensor(), results[1].toTensor().to(out.scalar_type()), block.hidden_rows);
+  // One block's results over every row (a masked call) or each piece's over its rows.
+  void add(const OpCall& c, const SequencePlan& p, const std::vector<c10::IValue>& base, const at::Tensor& key,
+           const at::Tensor& value, const RingBlock& block) {
+    if (block.pieces.empty()) {
+      const auto results = call_block(c, p, base, key, value, block);
+      merge(out, lse, results[0].toTensor(), results[1].toTensor().to(out.scalar_type()), block.hidden_rows);
+      return;
+    }
+    for (const Piece& piece : block.pieces) {
+      const auto results = call_piece(c, p, base, key, value, piece);
+      at::Tensor rows_out = out.narrow(2, piece.rows_begin, piece.rows);
+      at::Tensor rows_lse = lse.narrow(2, piece.rows_begin, piece.rows);
+      at::Tensor merged_out = rows_out, merged_lse = rows_lse;
+      merge(merged_out, merged_lse, results[0].toTensor(), results[1].toTensor().to(out.scalar_type()), {});
+      rows_out.copy_(merged_out);
+      rows_lse.copy_(merged_lse);
+    }
   }
   void push(torch::jit::Stack& stack, at::ScalarType dtype) {
     lse.masked_fill_(lse.isinf(), 0);  // a row every key is hidden from: the kernel's 0 and 0
@@ -284,6 +345,27 @@ struct MergedRows {
     stack.emplace_back(lse);
   }
 };
+
+// Adds the backward of this rank's rows against key/value block `key`, `value` to the query's
+// gradient and the block's key/value gradients (views are added to in place).
+void add_gradients(const OpCall& c, const SequencePlan& p, const Blockwise& b, const at::Tensor& key,
+                   const at::Tensor& value, const RingBlock& block, at::Tensor grad_query, at::Tensor grad_key,
+                   at::Tensor grad_value) {
+  if (block.skip) return;
+  if (block.pieces.empty()) {
+    const auto results = call_block(c, p, b.base, key, value, block);
+    grad_query.add_(results[0].toTensor());
+    grad_key.add_(results[1].toTensor());
+    grad_value.add_(results[2].toTensor());
+    return;
+  }
+  for (const Piece& piece : block.pieces) {
+    const auto results = call_piece(c, p, b.base, key, value, piece);
+    grad_query.narrow(2, piece.rows_begin, piece.rows).add_(results[0].toTensor());
+    grad_key.narrow(2, piece.columns_begin, piece.columns).add_(results[1].toTensor());
+    grad_value.narrow(2, piece.columns_begin, piece.columns).add_(results[2].toTensor());
+  }
+}
 
 void run_ring_forward(const OpCall& c, const SequencePlan& p, torch::jit::Stack& stack) {
   Blockwise b(c, p, stack);
@@ -294,7 +376,7 @@ void run_ring_forward(const OpCall& c, const SequencePlan& p, torch::jit::Stack&
     std::optional<RingPass> pass;
     if (step + 1 < n) pass.emplace(c, axis, pack(key, value), kKeyValueTag);
     const RingBlock block = b.masks->at((me + n - step) % n);
-    if (!block.skip) rows.add(call_block(c, p, b.base, key, value, block), block);
+    if (!block.skip) rows.add(c, p, b.base, key, value, block);
     if (pass) unpack(pass->wait(), key, value);
   }
   rows.push(stack, b.query.scalar_type());
@@ -310,13 +392,7 @@ void run_ring_backward(const OpCall& c, const SequencePlan& p, torch::jit::Stack
   for (int64_t step = 0; step < n; ++step) {
     std::optional<RingPass> pass;
     if (step + 1 < n) pass.emplace(c, axis, pack(key, value), kKeyValueTag);
-    const RingBlock block = b.masks->at((me + n - step) % n);
-    if (!block.skip) {
-      const auto results = call_block(c, p, b.base, key, value, block);
-      grad_query.add_(results[0].toTensor());
-      grad_key.add_(results[1].toTensor());
-      grad_value.add_(results[2].toTensor());
-    }
+    add_gradients(c, p, b, key, value, b.masks->at((me + n - step) % n), grad_query, grad_key, grad_value);
     // After the last step the accumulator goes home: n passes, the block owner's receives its own.
     RingPass gradients(c, axis, pack(grad_key, grad_value), kGradientTag);
     if (pass) unpack(pass->wait(), key, value);
@@ -341,8 +417,7 @@ void run_gathered_forward(const OpCall& c, const SequencePlan& p, torch::jit::St
   MergedRows rows(b, value.size(3));
   for (int64_t source = 0; source < dim_parts(*p.query, 2); ++source) {
     const RingBlock block = b.masks->at(source);
-    if (!block.skip)
-      rows.add(call_block(c, p, b.base, block_of(key, p, source), block_of(value, p, source), block), block);
+    if (!block.skip) rows.add(c, p, b.base, block_of(key, p, source), block_of(value, p, source), block);
   }
   rows.push(stack, b.query.scalar_type());
 }
@@ -354,14 +429,9 @@ void run_gathered_backward(const OpCall& c, const SequencePlan& p, torch::jit::S
   at::Tensor grad_query = b.zeros(b.query);
   // This rank's rows' part of every key/value gradient: a Partial(sum), reduce-scattered below.
   at::Tensor grad_key = b.zeros(key), grad_value = b.zeros(value);
-  for (int64_t source = 0; source < parts; ++source) {
-    const RingBlock block = b.masks->at(source);
-    if (block.skip) continue;
-    const auto results = call_block(c, p, b.base, block_of(key, p, source), block_of(value, p, source), block);
-    grad_query.add_(results[0].toTensor());
-    grad_key.narrow(2, source * length, length).add_(results[1].toTensor());
-    grad_value.narrow(2, source * length, length).add_(results[2].toTensor());
-  }
+  for (int64_t source = 0; source < parts; ++source)
+    add_gradients(c, p, b, block_of(key, p, source), block_of(value, p, source), b.masks->at(source), grad_query,
+                  grad_key.narrow(2, source * length, length), grad_value.narrow(2, source * length, length));
   stack.emplace_back(grad_query.to(b.query.scalar_type()));
   for (int i = 0; i < 2; ++i) {
     const at::Tensor grad = (i == 0 ? grad_key : grad_value).to((i == 0 ? key : value).scalar_type());
@@ -424,6 +494,10 @@ void plan_even_split(const OpCall& call, SequencePlan& p, std::vector<LayoutPtr>
     inputs[t] = p.kv_sharded[i];
   }
   p.blockwise = true;
+  p.row_args = {p.query_arg};
+  if (backward)
+    for (const auto& names : {std::initializer_list<const char*>{"grad_out", "grad_out_"}, {"out"}, {"logsumexp"}})
+      if (const int64_t t = call.tensor_named(names); t >= 0) p.row_args.push_back(call.tensors[t].arg);
   if (axes.size() != 1) return;
   p.ring = true;
   // Ulysses: every rank's query and key/value heads split into n blocks.

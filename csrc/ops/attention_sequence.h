@@ -43,6 +43,7 @@ struct SequencePlan {
   bool even = false;
   std::vector<int64_t> axes;
   LayoutPtr kv_sharded[2], kv_whole[2];
+  std::vector<int64_t> row_args;       // arguments holding this rank's query rows on dim 2
   bool blockwise = false;              // all-gather-KV runs a causal call block by block (the CPU kernel)
   bool ring = false;                   // the ring algorithm can run (one axis, the CPU kernel)
   std::vector<HeadsMove> ulysses_in;   // empty: Ulysses cannot run (heads do not divide, ...)
