@@ -180,19 +180,19 @@ def make_batches(
 IMAGE_TOKEN, VISION_START = 120, 121
 
 
-def make_image_batches(steps: int, seq: int = 16, batch: int = 2, seed: int = 0) -> list:
+def make_image_batches(steps: int, seq: int = 16, batch: int = 2, seed: int = 0, image_at: int = 3) -> list:
     """`steps` batches (input_ids, labels, image inputs) for tiny_config("qwen3_vl_moe",
     image_token_id=IMAGE_TOKEN, vision_start_token_id=VISION_START): each sample holds one
-    16-patch image (grid 1 x 4 x 4, merged 2 x 2 into 4 image tokens at positions 3-6), the text
-    before it unlabelled."""
+    16-patch image (grid 1 x 4 x 4, merged 2 x 2 into 4 image tokens at positions `image_at` to
+    `image_at` + 3), the text before it unlabelled."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
         ids = torch.randint(0, 100, (batch, seq), generator=g)
-        ids[:, 2] = VISION_START
-        ids[:, 3:7] = IMAGE_TOKEN
+        ids[:, image_at - 1] = VISION_START
+        ids[:, image_at : image_at + 4] = IMAGE_TOKEN
         labels = ids.clone()
-        labels[:, :7] = -100
+        labels[:, : image_at + 4] = -100
         images = {
             "pixel_values": torch.randn(16 * batch, 3 * 2 * 4 * 4, generator=g),
             "image_grid_thw": torch.tensor([[1, 4, 4]] * batch),

@@ -20,8 +20,8 @@
 //                                    indices are GLOBAL coordinates since the input is whole.
 //                                    argwhere and where(cond) decompose to nonzero.
 //   _is_all_true, _is_any_true,      likewise gathered, a Replicate result shaped by the computation
-//   masked_scatter_backward,         (a bool scalar, the backward's sizes, the repeated indices)
-//   repeat_interleave.Tensor
+//   repeat_interleave.Tensor         (a bool scalar, the repeated indices); masked_scatter_backward
+//                                    is in masked.cpp
 //   linspace/logspace with tensor     the 0-d bounds read whole (a Partial reduced), the result
 //   bounds (Tensor_Tensor, ...)       Replicate: every rank computes the same `steps` values
 //   one_hot                          a kernel of its own at the autograd key (its composite kernel
@@ -158,10 +158,9 @@ void register_tensor_ops(Registry& r) {
   r.add("aten::_local_scalar_dense", &gather_scalar_rule, KeyScalars::kNone);
   r.add("aten::masked_select", &gathered_data_shaped_rule, KeyScalars::kNone);
   // Whole inputs, a Replicate result shaped by the computation too: the all/any checks HF's
-  // torch_compilable_check runs, masked_scatter's backward, repeat_interleave's counts.
+  // torch_compilable_check runs, repeat_interleave's counts.
   r.add("aten::_is_all_true", &gathered_data_shaped_rule, KeyScalars::kNone);
   r.add("aten::_is_any_true", &gathered_data_shaped_rule, KeyScalars::kNone);
-  r.add("aten::masked_scatter_backward", &gathered_data_shaped_rule, KeyScalars::kNone);
   r.add("aten::repeat_interleave.Tensor", &gathered_data_shaped_rule, KeyScalars::kNone);
   r.add("aten::nonzero", &gathered_data_shaped_rule, KeyScalars::kNone);
   for (const char* op :

@@ -21,8 +21,9 @@ transformers reads the position ids for packed sequences, which parallelize's al
 mask prevents. Each run checks
 that every attention call ran the chosen algorithm (hypershard._C.cp_attention_calls).
 
-DeepSeek-V3.2 (cp2 ring, dp2 x cp2, tp2 x cp2), Qwen3-VL-MoE (an image per sample on cp2 ring;
-text on dp2 x cp2 Ulysses, tp2 x cp2 ring, ep2 x cp2 Ulysses) and Qwen3.5-MoE (ep2 x cp2 ring, its
+DeepSeek-V3.2 (cp2 ring, dp2 x cp2, tp2 x cp2), Qwen3-VL-MoE (an image per sample, its 4 tokens
+across the cp boundary, on cp2 ring, dp2 x cp2 Ulysses and tp2 x cp2 all-gather-KV: the image merge
+keeps the sequence sharded; text on tp2 x cp2 ring, ep2 x cp2 Ulysses) and Qwen3.5-MoE (ep2 x cp2 ring, its
 gated delta nets' state passed rank to rank) keep natural order (hypershard.context_parallel.natural_order_reason), one
 sequence per dp rank (their MoE layers flatten (batch, sequence) into tokens)."""
 
@@ -56,7 +57,8 @@ def trainer(batch, fault=None, algorithm="all_gather_kv", use_cache=True, model_
     def batches(config):
         from hypershard.models import make_batches, make_image_batches
         if images:
-            return make_image_batches(STEPS, seq=SEQ, batch=batch)
+            # the image's 4 tokens at 6-9 cross the cp2 boundary at 8
+            return make_image_batches(STEPS, seq=SEQ, batch=batch, image_at=6)
         plain = make_batches(config.get_text_config().vocab_size, STEPS, batch=batch, seq=SEQ)
         # parallelize turns the cache off in training unless the caller asks for one: Qwen3 runs
         # ask (K/V must stay sharded through the cache's first update, a cat), one run does not
@@ -105,11 +107,11 @@ def trainer(batch, fault=None, algorithm="all_gather_kv", use_cache=True, model_
             # every attention call (2 layers, forward and backward, every step) ran the chosen
             # algorithm; DeepSeek-V3.2's attention (a mask from its indexer) takes sdpa's math path
             # on CPU (matmul, softmax: K gathered by the matmul rule), no attention kernel call.
-            # With an image, masked_scatter (the image features into the embeddings) gathers the
-            # sequence today: the call is correct but not sequence-sharded (docs/context_parallel.md)
+            # With an image, the merge (masked_scatter, the deepstack's x[mask] and x[mask] = v) keeps
+            # the sequence sharded, so the attention calls stay sequence-sharded too
             text = config().get_text_config()
             layers = (getattr(text, "layer_types", None) or []).count("full_attention") or text.num_hidden_layers
-            want = 0 if model_type == "deepseek_v32" or images else 2 * layers * STEPS
+            want = 0 if model_type == "deepseek_v32" else 2 * layers * STEPS
             assert calls == {name: want if name == algorithm else 0 for name in calls}, calls
             # stored rows are in head-tail order: shifting distributed labels would pick wrong targets
             vocab = config().get_text_config().vocab_size
@@ -146,8 +148,10 @@ def test_qwen3_trains_on_cp_like_one_device():
         _case("deepseek_v32_dp2_cp2", ((2, 2), ("dp", "cp")), *trainer(2, model_type="deepseek_v32")),
         _case("qwen3_vl_moe_image_cp2_ring", ((2,), ("cp",)),
               *trainer(1, algorithm="ring", model_type="qwen3_vl_moe", images=True)),
-        _case("qwen3_vl_moe_dp2_cp2_ulysses", ((2, 2), ("dp", "cp")),
-              *trainer(2, algorithm="ulysses", model_type="qwen3_vl_moe")),
+        _case("qwen3_vl_moe_image_dp2_cp2_ulysses", ((2, 2), ("dp", "cp")),
+              *trainer(2, algorithm="ulysses", model_type="qwen3_vl_moe", images=True)),
+        _case("qwen3_vl_moe_image_tp2_cp2", ((2, 2), ("tp", "cp")),
+              *trainer(1, model_type="qwen3_vl_moe", images=True)),
         # tensor and expert parallelism beside cp
         _case("deepseek_v32_tp2_cp2", ((2, 2), ("tp", "cp")), *trainer(1, model_type="deepseek_v32")),
         _case("qwen3_vl_moe_tp2_cp2_ring", ((2, 2), ("tp", "cp")),
