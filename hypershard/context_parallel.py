@@ -50,7 +50,10 @@ def natural_order_reason(model: torch.nn.Module) -> Optional[str]:
     - a vision-language model scatters image features into the embeddings in the stored order of
       the image tokens (masked_scatter), which is not their natural order once permuted;
     - a linear-attention recurrence (Qwen3.5's gated delta net) runs its state along the stored
-      order, and its causal conv1d's halo reads natural neighbours."""
+      order, and its causal conv1d's halo reads natural neighbours;
+    - an attention other than sdpa (eager: matmul, softmax) adds the causal mask transformers
+      builds from natural positions (the stored order would be masked as if natural: silently
+      wrong); only sdpa's causal call reaches the attention rule, which places the positions."""
     config = getattr(model, "config", None)
     if config is None:
         return None
@@ -59,8 +62,15 @@ def natural_order_reason(model: torch.nn.Module) -> Optional[str]:
         return "its lightning indexer's causal mask is built from natural positions"
     if getattr(config, "vision_config", None) is not None:
         return "image features are scattered into the embeddings in the stored order of the image tokens"
-    if "linear_attention" in (getattr(text, "layer_types", None) or ()):
+    from .linear_attention import is_gated_delta_net
+
+    if "linear_attention" in (getattr(text, "layer_types", None) or ()) or any(
+        map(is_gated_delta_net, model.modules())
+    ):
         return "its linear-attention recurrence and causal conv1d run along natural positions"
+    attention = getattr(text, "_attn_implementation", None) or getattr(config, "_attn_implementation", None) or "sdpa"
+    if attention != "sdpa":
+        return f"its {attention!r} attention adds a causal mask transformers builds from natural positions"
     return None
 
 

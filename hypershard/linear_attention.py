@@ -322,7 +322,8 @@ def context_parallel_chunk_gated_delta_rule(original: Callable, mesh, axis: int)
     return chunk_gated_delta_rule
 
 
-def _is_gated_delta_net(module: nn.Module) -> bool:
+def is_gated_delta_net(module: nn.Module) -> bool:
+    """A gated delta net (linear attention) of transformers: Qwen3.5, Qwen3-Next."""
     return type(module).__name__.endswith("GatedDeltaNet")
 
 
@@ -349,7 +350,7 @@ def install_context_parallel_linear_attention(model: nn.Module, mesh, axis: int)
     gated delta net whose forward calls neither (another transformers version)."""
     count = 0
     for name, module in model.named_modules():
-        if not _is_gated_delta_net(module):
+        if not is_gated_delta_net(module):
             continue
         own = getattr(module, _INSTANCE_ATTRIBUTE, None)
         if callable(own) and not isinstance(own, nn.Module):

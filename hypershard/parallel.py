@@ -675,7 +675,8 @@ def parallelize(
     algorithm cannot run (uneven blocks, heads that do not divide) runs all-gather-KV.
     `cp_load_balance`: store sequences in head-tail order (True) or natural order (False); None
     decides from the model (hypershard.context_parallel.natural_order_reason): natural order for
-    models that read the stored order as natural positions.
+    models that read the stored order as natural positions (DeepSeek-V3.2's indexer, vision-language
+    models, linear attention, an attention implementation other than sdpa, e.g. eager).
 
     A model with linear-attention layers (gated delta nets: Qwen3.5, Qwen3-Next) on a cp mesh gets
     their recurrence passed rank to rank (hypershard.linear_attention) and keeps its sequence in
@@ -753,10 +754,9 @@ def parallelize(
     if cp is not None:
         mesh.load_balanced_sequence_axis = cp if balanced else -1
         mesh.cp_algorithm = cp_algorithm
-    if cp is not None and _install_linear_attention(model, mesh, cp):
-        # The recurrence's state chain and the conv's halo read the NATURAL order of the sequence.
-        mesh.load_balanced_sequence_axis = -1
-        balanced = False
+    if cp is not None:
+        # its recurrence's state chain and conv halo keep natural order (natural_order_reason)
+        _install_linear_attention(model, mesh, cp)
     if shard_inputs:
         model.register_forward_pre_hook(_shard_inputs(mesh, dp, cp, balanced), with_kwargs=True)
     if cp is not None:  # a loss that flattens (batch, sequence) needs one sequence per dp rank

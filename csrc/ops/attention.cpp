@@ -404,10 +404,10 @@ LayoutPtr scattered_back(const Layout& caller, const LayoutPtr& planned, const F
 }
 
 // What a kernel cannot do with the query's sequence sharded (or stored in head-tail order).
-void check_sequence_kernel(const OpCall& call, const SequencePlan& p, int64_t causal_arg, int64_t mask_arg) {
-  const bool causal = causal_arg >= 0 && call.arg(causal_arg).toBool();
+void check_sequence_kernel(const OpCall& call, const SequencePlan& p) {
+  const bool causal = p.causal_arg >= 0 && call.arg(p.causal_arg).toBool();
   // Keyed on its scalars (KeyScalars::kAll): is_causal is this plan's.
-  if (causal && mask_arg < 0) {
+  if (causal && p.mask_arg < 0) {
     if (head_tail_chunks(*call.mesh) > 0)
       fail_call(call,
                 "is_causal over a sequence stored in head-tail order: this kernel takes no mask to hold "
@@ -479,7 +479,7 @@ OpPlan finish(const OpCall& call, const Attention& a, const FactorSpec& spec, bo
   p.key_arg = call.tensors[a.key].arg;
   p.value_arg = call.tensors[a.value].arg;
   p.query_arg = call.tensors[a.query].arg;
-  if (positions) check_sequence_kernel(call, p, p.causal_arg, p.mask_arg);
+  if (positions) check_sequence_kernel(call, p);
   // An even split keeps key and value sharded: the expand runs the mesh's algorithm.
   if (!kv && a.sequences())
     sequence_attention::plan_even_split(call, p, plan.inputs, plan.outputs, a.key, a.value, a.mask, a.query_heads,

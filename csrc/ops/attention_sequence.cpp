@@ -165,6 +165,9 @@ void unpack(const at::Tensor& packed, at::Tensor& a, at::Tensor& b) {
   b = packed.narrow(0, a.numel(), b.numel()).view(b.sizes());
 }
 
+// The length of each key/value block (S in equal blocks, one per rank of the query's sequence).
+int64_t block_length(const SequencePlan& p) { return p.length_k / dim_parts(*p.query, 2); }
+
 // This rank's query rows against key/value block `source`: the mask the kernel takes (causal part
 // from GLOBAL positions plus the caller's columns of that block), whether every row is hidden
 // (the block is skipped) and which rows are (their logsumexp is -inf, not the kernel's 0).
@@ -188,16 +191,16 @@ class RingMasks {
   RingMasks(const OpCall& c, const SequencePlan& p, const c10::IValue* args, const at::Tensor& query)
       : p_(p), options_(query.options()) {
     if (p.mask_arg >= 0) caller_ = caller_mask_of(args[p.mask_arg]);
-    parts_ = dim_parts(*p.query, 2);
-    block_ = p.length_k / parts_;
+    block_ = block_length(p);
     if (!is_causal(p, args)) return;
     const int64_t chunks = head_tail_chunks(*c.mesh);
     if (chunks > 0) check_head_tail(c, p, chunks);
     chunks_ = chunks;
     causal_ = true;
     const int64_t offset = p.query->global_offset_at(c.mesh->position())[2];
-    rows_ = stored_positions(offset, query.size(2), p.length_q, chunks);
     row_block_ = offset / block_;
+    // the stored positions of this rank's rows: only the masked path (a caller's mask) reads them
+    if (caller_.defined()) rows_ = stored_positions(offset, query.size(2), p.length_q, chunks);
   }
 
   RingBlock at(int64_t source) const {
@@ -250,7 +253,7 @@ class RingMasks {
   const SequencePlan& p_;
   at::TensorOptions options_;
   at::Tensor caller_, rows_;
-  int64_t parts_ = 1, block_ = 0, chunks_ = 0, row_block_ = 0;
+  int64_t block_ = 0, chunks_ = 0, row_block_ = 0;
   bool causal_ = false;
 };
 
@@ -405,7 +408,7 @@ void run_ring_backward(const OpCall& c, const SequencePlan& p, torch::jit::Stack
 
 // Block `source` of a gathered key or value (S in equal blocks).
 at::Tensor block_of(const at::Tensor& whole, const SequencePlan& p, int64_t source) {
-  const int64_t length = p.length_k / dim_parts(*p.query, 2);
+  const int64_t length = block_length(p);
   return whole.narrow(2, source * length, length).contiguous();
 }
 
@@ -425,7 +428,7 @@ void run_gathered_forward(const OpCall& c, const SequencePlan& p, torch::jit::St
 void run_gathered_backward(const OpCall& c, const SequencePlan& p, torch::jit::Stack& stack) {
   Blockwise b(c, p, stack);
   const at::Tensor key = gathered(c, p, b.base.data(), 0), value = gathered(c, p, b.base.data(), 1);
-  const int64_t parts = dim_parts(*p.query, 2), length = p.length_k / parts;
+  const int64_t parts = dim_parts(*p.query, 2), length = block_length(p);
   at::Tensor grad_query = b.zeros(b.query);
   // This rank's rows' part of every key/value gradient: a Partial(sum), reduce-scattered below.
   at::Tensor grad_key = b.zeros(key), grad_value = b.zeros(value);

@@ -18,8 +18,10 @@ of the per-rank means instead of the global mean). The loss refuses distributed 
 shift_labels. The Qwen3 runs pass use_cache=True (the cache's first update must keep K/V
 sharded), one passes nothing: parallelize's default in training is no cache, and without one
 transformers reads the position ids for packed sequences, which parallelize's all-ones attention
-mask prevents. Each run checks
-that every attention call ran the chosen algorithm (hypershard._C.cp_attention_calls).
+mask prevents. Each run checks that every attention call ran the chosen algorithm
+(hypershard._C.cp_attention_calls). Qwen3 with eager attention (matmul, softmax and a causal mask
+transformers builds from natural positions) keeps natural order on dp2 x cp2: in head-tail order
+it trained wrong silently (losses off by 3e-4, gradients by 0.3 to 0.8 of their norm).
 
 DeepSeek-V3.2 (cp2 ring, dp2 x cp2, tp2 x cp2), Qwen3-VL-MoE (an image per sample, its 4 tokens
 across the cp boundary, on cp2 ring, dp2 x cp2 Ulysses and tp2 x cp2 all-gather-KV: the image merge
@@ -51,9 +53,10 @@ def local_count_loss(world):
     return loss
 
 
-def trainer(batch, fault=None, algorithm="all_gather_kv", use_cache=True, model_type="qwen3", images=False):
+def trainer(batch, fault=None, algorithm="all_gather_kv", use_cache=True, model_type="qwen3", images=False,
+            attention="sdpa"):
     """Qwen3 ("sdpa" attention) by default; `model_type` another tiny model, `images` a
-    Qwen3-VL-MoE batch with one image per sample."""
+    Qwen3-VL-MoE batch with one image per sample, `attention` transformers' attn_implementation."""
     def batches(config):
         from hypershard.models import make_batches, make_image_batches
         if images:
@@ -70,7 +73,7 @@ def trainer(batch, fault=None, algorithm="all_gather_kv", use_cache=True, model_
         from hypershard.models import IMAGE_TOKEN, VISION_START, tiny_config
         if images:
             return tiny_config(model_type, image_token_id=IMAGE_TOKEN, vision_start_token_id=VISION_START)
-        return tiny_config(model_type)
+        return tiny_config(model_type, attn_implementation=attention)
 
     def reference(_dummy):
         from hypershard.models import tiny_model, train
@@ -90,8 +93,8 @@ def trainer(batch, fault=None, algorithm="all_gather_kv", use_cache=True, model_
         model = parallelize(tiny_model(config()), mesh, cp_algorithm=algorithm)
         # without a KV cache transformers would take head-tail position ids for packed sequences
         # unless parallelize passes its all-ones attention mask
-        balanced = natural_order_reason(model) is None  # Qwen3 only: the others keep natural order
-        assert balanced == (model_type == "qwen3")
+        balanced = natural_order_reason(model) is None  # sdpa Qwen3 only: the others keep natural order
+        assert balanced == (model_type == "qwen3" and attention == "sdpa")
         assert mesh.load_balanced_sequence_axis == (list(mesh.mesh_dim_names).index("cp") if balanced else -1)
         assert mesh.cp_algorithm == algorithm
         assert model.loss_function is causal_lm_loss  # HF's flattening loss replaced
@@ -106,12 +109,13 @@ def trainer(batch, fault=None, algorithm="all_gather_kv", use_cache=True, model_
             assert stats["implicit_calls"] == 0 and stats["fallback_calls"] == 0, stats
             # every attention call (2 layers, forward and backward, every step) ran the chosen
             # algorithm; DeepSeek-V3.2's attention (a mask from its indexer) takes sdpa's math path
-            # on CPU (matmul, softmax: K gathered by the matmul rule), no attention kernel call.
+            # on CPU (matmul, softmax: K gathered by the matmul rule), no attention kernel call; so
+            # does eager attention (and its mask, built by transformers from natural positions).
             # With an image, the merge (masked_scatter, the deepstack's x[mask] and x[mask] = v) keeps
             # the sequence sharded, so the attention calls stay sequence-sharded too
             text = config().get_text_config()
             layers = (getattr(text, "layer_types", None) or []).count("full_attention") or text.num_hidden_layers
-            want = 0 if model_type == "deepseek_v32" else 2 * layers * STEPS
+            want = 0 if model_type == "deepseek_v32" or attention != "sdpa" else 2 * layers * STEPS
             assert calls == {name: want if name == algorithm else 0 for name in calls}, calls
             # stored rows are in head-tail order: shifting distributed labels would pick wrong targets
             vocab = config().get_text_config().vocab_size
@@ -141,6 +145,8 @@ def test_qwen3_trains_on_cp_like_one_device():
         _case("qwen3_dp2_cp2_ring_no_cache", ((2, 2), ("dp", "cp")), *trainer(4, algorithm="ring", use_cache=False)),
         _case("qwen3_dp2_cp2_ulysses", ((2, 2), ("dp", "cp")), *trainer(4, algorithm="ulysses")),
         _case("qwen3_tp2_cp2_ulysses", ((2, 2), ("tp", "cp")), *trainer(1, algorithm="ulysses")),
+        # eager attention keeps natural order (its causal mask comes from natural positions)
+        _case("qwen3_eager_dp2_cp2", ((2, 2), ("dp", "cp")), *trainer(2, attention="eager")),
         # natural order (hypershard.context_parallel.natural_order_reason): DeepSeek-V3.2 (its
         # indexer's mask), Qwen3-VL-MoE with an image per sample (M-RoPE ids from get_rope_index);
         # one sequence per dp rank: their MoE layers flatten (batch, sequence) into tokens

@@ -53,16 +53,8 @@ def parallelize_keeping_head_tail(model, mesh, algorithm):
     from unittest import mock
 
     from hypershard import parallel
-    from hypershard.linear_attention import install_context_parallel_linear_attention
 
-    def install_but_keep_head_tail(model, mesh, cp):
-        install_context_parallel_linear_attention(model, mesh, cp)
-        return 0
-
-    with (
-        mock.patch.object(parallel, "_install_linear_attention", install_but_keep_head_tail),
-        mock.patch.object(parallel, "natural_order_reason", lambda model: None),
-    ):
+    with mock.patch.object(parallel, "natural_order_reason", lambda model: None):
         return parallel.parallelize(model, mesh, cp_algorithm=algorithm)
 
 

@@ -54,6 +54,35 @@ def test_refusals():
         parallelize(torch.nn.Linear(2, 2), Mesh(), cp_algorithm="pass_q")
 
 
+def test_natural_order_reasons():
+    """Which models keep natural order on a cp mesh, and parallelize refusing head-tail order for
+    them: sdpa Qwen3 alone may be load-balanced."""
+    from hypershard.context_parallel import natural_order_reason
+    from hypershard.models import tiny_config, tiny_model
+
+    reasons = {
+        name: natural_order_reason(tiny_model(tiny_config(model_type, **overrides)))
+        for name, model_type, overrides in [
+            ("sdpa", "qwen3", {}),
+            ("eager", "qwen3", {"attn_implementation": "eager"}),
+            ("indexer", "deepseek_v32", {}),
+            ("images", "qwen3_vl_moe", {}),
+            ("linear attention", "qwen3_5_text", {}),
+        ]
+    }
+    assert reasons["sdpa"] is None, reasons
+    assert "'eager' attention adds a causal mask" in reasons["eager"]
+    assert "lightning indexer" in reasons["indexer"]
+    assert "image features" in reasons["images"]
+    assert "linear-attention recurrence" in reasons["linear attention"]
+
+    class Mesh:
+        mesh_dim_names = ("cp",)
+        shape = (2,)
+    with pytest.raises(ValueError, match=r"cp_load_balance=True: this model must keep natural order \(its 'eager'"):
+        parallelize(tiny_model(tiny_config("qwen3", attn_implementation="eager")), Mesh(), cp_load_balance=True)
+
+
 def test_mesh_cp_algorithm():
     """The DeviceMesh property the attention expand reads per call: every name parallelize accepts
     round-trips, an unknown one is refused with the allowed names."""

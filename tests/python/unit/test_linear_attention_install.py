@@ -28,14 +28,14 @@ def test_install_on_qwen3_5_instances_only():
     ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         before = model(input_ids=ids).logits
-    nets = [m for m in model.modules() if linear_attention._is_gated_delta_net(m)]
+    nets = [m for m in model.modules() if linear_attention.is_gated_delta_net(m)]
     assert len(nets) == config.layer_types.count("linear_attention") == 1
     assert linear_attention.install_context_parallel_linear_attention(model, None, 0) == 1
     net = nets[0]
     assert "forward" in vars(net)  # this instance's forward
     installed = net.forward.__func__.__globals__[linear_attention._FUNCTION_NAME]
     assert installed.__name__ == "chunk_gated_delta_rule" and hasattr(installed, "__wrapped__")
-    other = next(m for m in untouched.modules() if linear_attention._is_gated_delta_net(m))
+    other = next(m for m in untouched.modules() if linear_attention.is_gated_delta_net(m))
     assert "forward" not in vars(other)  # the class and other instances keep transformers' function
     with torch.no_grad():
         after = model(input_ids=ids).logits
