@@ -20,6 +20,17 @@ rounding propagates, not by what one CPU happened to show:
   is < 1e-4 = GRAD_RTOL (about 1700 u). Norm-wise, because single elements that nearly cancel
   have unbounded relative error while the tensor's does not. The faults the check exists for
   give 0.25 (half of one of two data-parallel contributions) to 1 (a missing sum).
+- A gradient that is a sum of terms which nearly cancel (Qwen3.5's dt_bias and A_log: sums over
+  tokens of per-token terms) has a norm-wise error far above the chained-reduction estimate in
+  ANY float32 evaluation: on tp2 x cp2 the one-device run itself is 5.5e-5 of the norm away from
+  the exact (float64) gradient, the distributed run 4.5e-5, and the two differ by 6.7e-5, too near
+  GRAD_RTOL for every CPU. Such a test passes `exact`, the same one-device run in float64: each
+  gradient is then compared with the exact one and allowed GRAD_RTOL of its norm plus
+  CONDITIONING_FACTOR = 2 times the one-device float32 run's own distance from it. That distance
+  measures how this gradient is conditioned on this CPU and BLAS; the distributed run does the same
+  sums in another order, whose rounding is of the same size (measured 0.8x to 1.3x of it), and the
+  allowance grows with it on a CPU where both grow. A fault still moves a gradient by 0.25 or more
+  of its norm.
 - Parameters after the last step, per parameter, in norm, relative to how far training moved
   them: ||p_dist - p_ref|| <= UPDATE_RTOL ||p_ref - p_init|| + steps * u * ||p_ref||. AdamW's
   step is lr * m / (sqrt(v) + eps): for an element whose gradient is well above its rounding
@@ -41,6 +52,7 @@ from typing import Callable, Optional
 import torch
 
 __all__ = [
+    "CONDITIONING_FACTOR",
     "GRAD_RTOL",
     "LOSS_RTOL",
     "UPDATE_RTOL",
@@ -54,6 +66,7 @@ U32 = 2.0**-24  # float32 unit roundoff
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
 UPDATE_RTOL = 1e-2
+CONDITIONING_FACTOR = 2.0
 
 
 @dataclass
@@ -113,10 +126,13 @@ def _norm(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t)) if t.numel() else 0.0
 
 
-def check_training(got: TrainingRecord, expected: TrainingRecord) -> tuple[list, dict]:
+def check_training(
+    got: TrainingRecord, expected: TrainingRecord, exact: Optional[TrainingRecord] = None
+) -> tuple[list, dict]:
     """(problems, worst) comparing a distributed record with the single-device one: `problems`
     lists every check that failed (empty = equal within the tolerances above); `worst` has the
-    largest observed ratio of each kind, for reports."""
+    largest observed ratio of each kind, for reports. `exact`: the one-device run in float64, for
+    gradients that nearly cancel (see the module docstring)."""
     problems = []
     worst = {"loss_rel": 0.0, "grad_rel": 0.0, "update_rel": 0.0}
     steps = len(expected.losses)
@@ -131,14 +147,22 @@ def check_training(got: TrainingRecord, expected: TrainingRecord) -> tuple[list,
         problems.append(
             f"parameters with a gradient differ: {sorted(set(got.first_grads) ^ set(expected.first_grads))}"
         )
-    check_first_grads(got, expected, GRAD_RTOL, problems, worst)
+    check_first_grads(got, expected, GRAD_RTOL, problems, worst, exact)
     check_final_params(got, expected, UPDATE_RTOL, problems, worst)
     return problems, worst
 
 
-def check_first_grads(got: TrainingRecord, expected: TrainingRecord, rtol: float, problems: list, worst: dict) -> None:
+def check_first_grads(
+    got: TrainingRecord,
+    expected: TrainingRecord,
+    rtol: float,
+    problems: list,
+    worst: dict,
+    exact: Optional[TrainingRecord] = None,
+) -> None:
     """Each parameter's first-step gradient within `rtol` of its norm (appends to `problems`,
-    keeps the largest ratio in worst["grad_rel"])."""
+    keeps the largest ratio in worst["grad_rel"]); with `exact` (float64), compared with the exact
+    gradient and allowed CONDITIONING_FACTOR times the one-device float32 run's own error more."""
     for name, g_ref in expected.first_grads.items():
         if name not in got.first_grads:
             continue
@@ -146,11 +170,19 @@ def check_first_grads(got: TrainingRecord, expected: TrainingRecord, rtol: float
         if g.shape != g_ref.shape:
             problems.append(f"{name}: gradient shape {tuple(g.shape)}, expected {tuple(g_ref.shape)}")
             continue
-        err, scale = _norm(g - g_ref), _norm(g_ref)
+        if exact is None:
+            err, scale, allowed = _norm(g - g_ref), _norm(g_ref), rtol * _norm(g_ref)
+        else:
+            g_exact = exact.first_grads[name]
+            err, scale = _norm(g - g_exact), _norm(g_exact)
+            allowed = rtol * scale + CONDITIONING_FACTOR * _norm(g_ref - g_exact)
         rel = err / scale if scale else (0.0 if err == 0 else math.inf)
         worst["grad_rel"] = max(worst["grad_rel"], rel)
-        if not err <= rtol * scale:
-            problems.append(f"{name}: first-step gradient differs by {rel:.2e} of its norm (> {rtol:g})")
+        if not err <= allowed:
+            against = "its norm" if exact is None else "the exact gradient's norm"
+            problems.append(
+                f"{name}: first-step gradient differs by {rel:.2e} of {against} (allowed {allowed / (scale or 1):.2e})"
+            )
 
 
 def check_final_params(
