@@ -14,7 +14,9 @@ tokens) do not care about the order.
 
 The causal-LM loss keeps the (batch, sequence) dims (``causal_lm_loss``): transformers' loss
 flattens them into one token dim, which a rank's [sequences, tokens] block on a dp x cp mesh is a
-contiguous range of only with one sequence per dp rank.
+contiguous range of only with one sequence per dp rank. An MoE block flattens them too; it treats
+every token alone, so its input is handed over as one run of tokens per rank
+(``tokens_in_rank_order``).
 
 The Python side only computes the permutation and installs the loss; per-op logic (the mask from
 positions, the all-gather of K/V and the reduce-scatter of their gradients, the loss's global
@@ -23,6 +25,7 @@ count) is in csrc/ops.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -38,6 +41,8 @@ __all__ = [
     "causal_lm_loss",
     "use_causal_lm_loss",
     "natural_order_reason",
+    "is_moe_block",
+    "tokens_in_rank_order",
 ]
 
 
@@ -164,3 +169,59 @@ def use_causal_lm_loss(model: torch.nn.Module) -> None:
         return
     if getattr(model, "loss_function", None) is ForCausalLMLoss:
         model.loss_function = causal_lm_loss
+
+
+def is_moe_block(module: torch.nn.Module) -> bool:
+    """A transformers MoE block (router ``gate`` and ``experts``): Qwen3.5-MoE's and Qwen3-VL-MoE's
+    SparseMoeBlock, DeepSeek-V3.2's MoE. Its forward flattens [B, L, H] into tokens."""
+    return isinstance(getattr(module, "gate", None), torch.nn.Module) and isinstance(
+        getattr(module, "experts", None), torch.nn.Module
+    )
+
+
+def _tokens_as_one_run(hidden: torch.Tensor):
+    """(tokens, back) for an MoE block's input [B, L, H] whose sequence is sharded and whose rank
+    blocks hold two or more sequences, else None. `tokens` is [1, B x L, H] with every rank's
+    block -- its sequences' tokens, in local order -- one contiguous range of the token dim
+    (sharded over the batch's axes, then the sequence's); `back(output)` puts an output of that
+    layout back in `hidden`'s. Differentiable (to_local / from_local), no communication. The
+    token dim's order is the ranks' order, not (batch, sequence): right for a block that treats
+    every token alone (router, experts, shared experts)."""
+    if not _C.is_dtensor(hidden) or hidden.dim() != 3:
+        return None
+    layout = _C.layout_of(hidden)
+    batch_axes, sequence_axes, hidden_axes = layout.dim_axes
+    mesh = _C.device_mesh_of(hidden)
+    local = layout.local_shape_at(mesh.position)
+    if not sequence_axes or hidden_axes or layout.has_partial() or local[0] <= 1:
+        return None  # one sequence per rank: the block's own flatten keeps the blocks contiguous
+    sizes = layout.mesh.shape
+    batch, length, width = layout.global_shape
+    ranks = math.prod(sizes[a] for a in (*batch_axes, *sequence_axes))
+    if local[0] * local[1] * ranks != batch * length:
+        return None  # uneven blocks: no layout says "every rank's tokens"; the block refuses them
+    run = _C.Layout.create(layout.mesh, [1, batch * length, width], [[], [*batch_axes, *sequence_axes], []])
+
+    def back(output: torch.Tensor) -> torch.Tensor:
+        if _C.layout_of(output) != run:
+            output = _C.redistribute(output, run)
+        return _C.from_local(_C.to_local(output).reshape(local), mesh, layout)
+
+    return _C.from_local(_C.to_local(hidden).reshape(1, -1, width), mesh, run), back
+
+
+def tokens_in_rank_order(block: torch.nn.Module) -> None:
+    """Makes MoE block `block` (is_moe_block) take a sequence-sharded input with several
+    sequences per rank: its forward sees the tokens as one run per rank (_tokens_as_one_run) and
+    its output goes back to the input's layout. Without this, its flatten of (batch, sequence)
+    would cut through the sharded sequence (strict mode refuses the view)."""
+    forward = block.forward
+
+    def run(hidden_states, *args, **kwargs):
+        relaid = _tokens_as_one_run(hidden_states)
+        if relaid is None:
+            return forward(hidden_states, *args, **kwargs)
+        tokens, back = relaid
+        return back(forward(tokens, *args, **kwargs))
+
+    block.forward = run

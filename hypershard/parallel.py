@@ -88,7 +88,7 @@ import torch
 from torch import nn
 
 from . import _C
-from .context_parallel import natural_order_reason, use_causal_lm_loss
+from .context_parallel import is_moe_block, natural_order_reason, tokens_in_rank_order, use_causal_lm_loss
 from .dtensor import distribute_tensor
 from .placement_types import Replicate, Shard
 
@@ -757,6 +757,11 @@ def parallelize(
     if cp is not None:
         # its recurrence's state chain and conv halo keep natural order (natural_order_reason)
         _install_linear_attention(model, mesh, cp)
+        # MoE blocks flatten (batch, sequence): with several sequences per rank they take the
+        # tokens as one run per rank
+        for module in model.modules():
+            if is_moe_block(module):
+                tokens_in_rank_order(module)
     if shard_inputs:
         model.register_forward_pre_hook(_shard_inputs(mesh, dp, cp, balanced), with_kwargs=True)
     if cp is not None:  # a loss that flattens (batch, sequence) needs one sequence per dp rank

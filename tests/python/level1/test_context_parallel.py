@@ -26,8 +26,11 @@ it trained wrong silently (losses off by 3e-4, gradients by 0.3 to 0.8 of their 
 DeepSeek-V3.2 (cp2 ring, dp2 x cp2, tp2 x cp2), Qwen3-VL-MoE (an image per sample, its 4 tokens
 across the cp boundary, on cp2 ring, dp2 x cp2 Ulysses and tp2 x cp2 all-gather-KV: the image merge
 keeps the sequence sharded; text on tp2 x cp2 ring, ep2 x cp2 Ulysses) and Qwen3.5-MoE (ep2 x cp2 ring, its
-gated delta nets' state passed rank to rank) keep natural order (hypershard.context_parallel.natural_order_reason), one
-sequence per dp rank (their MoE layers flatten (batch, sequence) into tokens)."""
+gated delta nets' state passed rank to rank) keep natural order (hypershard.context_parallel.natural_order_reason).
+Their MoE blocks flatten (batch, sequence) into tokens, which cuts through a sharded sequence with
+two or more sequences per rank: parallelize hands such a block its tokens as one run per rank
+(context_parallel.tokens_in_rank_order); DeepSeek-V3.2 on dp2 x cp2, Qwen3-VL-MoE with images on
+dp2 x cp2 and Qwen3.5-MoE on ep2 x cp2 run two sequences per rank."""
 
 import pytest
 import torch
@@ -149,13 +152,15 @@ def test_qwen3_trains_on_cp_like_one_device():
         _case("qwen3_eager_dp2_cp2", ((2, 2), ("dp", "cp")), *trainer(2, attention="eager")),
         # natural order (hypershard.context_parallel.natural_order_reason): DeepSeek-V3.2 (its
         # indexer's mask), Qwen3-VL-MoE with an image per sample (M-RoPE ids from get_rope_index);
-        # one sequence per dp rank: their MoE layers flatten (batch, sequence) into tokens
+        # their MoE blocks flatten (batch, sequence): with two sequences per rank they take the
+        # tokens as one run per rank (context_parallel.tokens_in_rank_order)
         _case("deepseek_v32_cp2_ring", ((2,), ("cp",)), *trainer(1, algorithm="ring", model_type="deepseek_v32")),
-        _case("deepseek_v32_dp2_cp2", ((2, 2), ("dp", "cp")), *trainer(2, model_type="deepseek_v32")),
+        _case("deepseek_v32_dp2_cp2_two_sequences_per_dp_rank", ((2, 2), ("dp", "cp")),
+              *trainer(4, model_type="deepseek_v32")),
         _case("qwen3_vl_moe_image_cp2_ring", ((2,), ("cp",)),
               *trainer(1, algorithm="ring", model_type="qwen3_vl_moe", images=True)),
-        _case("qwen3_vl_moe_image_dp2_cp2_ulysses", ((2, 2), ("dp", "cp")),
-              *trainer(2, algorithm="ulysses", model_type="qwen3_vl_moe", images=True)),
+        _case("qwen3_vl_moe_image_dp2_cp2_ulysses_two_sequences_per_dp_rank", ((2, 2), ("dp", "cp")),
+              *trainer(4, algorithm="ulysses", model_type="qwen3_vl_moe", images=True)),
         _case("qwen3_vl_moe_image_tp2_cp2", ((2, 2), ("tp", "cp")),
               *trainer(1, model_type="qwen3_vl_moe", images=True)),
         # tensor and expert parallelism beside cp
@@ -164,8 +169,8 @@ def test_qwen3_trains_on_cp_like_one_device():
               *trainer(1, algorithm="ring", model_type="qwen3_vl_moe")),
         _case("qwen3_vl_moe_ep2_cp2_ulysses", ((2, 2), ("ep", "cp")),
               *trainer(1, algorithm="ulysses", model_type="qwen3_vl_moe")),
-        _case("qwen3_5_moe_ep2_cp2_ring", ((2, 2), ("ep", "cp")),
-              *trainer(1, algorithm="ring", model_type="qwen3_5_moe_text")),
+        _case("qwen3_5_moe_ep2_cp2_ring_two_sequences_per_rank", ((2, 2), ("ep", "cp")),
+              *trainer(2, algorithm="ring", model_type="qwen3_5_moe_text")),
         _case("qwen3_cp2_planted_head_tail_undeclared_is_caught", ((2,), ("cp",)),
               *trainer(1, fault="head_tail_undeclared")),
         _case("qwen3_dp2_cp2_planted_local_count_is_caught", ((2, 2), ("dp", "cp")),

@@ -151,3 +151,28 @@ def test_causal_lm_loss_refusal_and_installation():
     linear = torch.nn.Linear(2, 2)
     use_causal_lm_loss(linear)  # not a transformers model: nothing to replace
     assert not hasattr(linear, "loss_function")
+
+
+def test_moe_block_tokens_as_one_run_per_rank():
+    """An MoE block's [B, L, H] input with its sequence sharded and two or more sequences per rank
+    becomes [1, B x L, H] with the token dim over the batch's axes then the sequence's (every
+    rank's tokens one contiguous block), and back; one sequence per rank, a sharded hidden dim
+    or a Partial input stay as they are."""
+    import hypershard as hs
+    from hypershard.context_parallel import _tokens_as_one_run, is_moe_block
+    from hypershard.models import tiny_config, tiny_model
+    from hypershard.testing.planning import PlanningMesh
+
+    m = PlanningMesh({"dp": 2, "cp": 2}, rank=3)
+    hidden = m.dtensor([4, 8, 5], ["S(0)", "S(1)"])
+    tokens, back = _tokens_as_one_run(hidden)
+    layout = hs._C.layout_of(tokens)
+    assert list(layout.global_shape) == [1, 32, 5] and [list(a) for a in layout.dim_axes] == [[], [0, 1], []]
+    assert list(hs._C.local_of(tokens).shape) == [1, 8, 5]
+    assert hs._C.layout_of(back(tokens)) == hs._C.layout_of(hidden)
+    assert _tokens_as_one_run(m.dtensor([2, 8, 5], ["S(0)", "S(1)"])) is None  # one sequence per rank
+    assert _tokens_as_one_run(m.dtensor([4, 8, 6], ["S(1)", "S(2)"])) is None  # hidden sharded
+    assert _tokens_as_one_run(m.dtensor([4, 8, 5], ["R", "R"])) is None  # sequence whole
+    assert _tokens_as_one_run(m.dtensor([4, 8, 5], [hs.Partial(), "S(1)"])) is None  # Partial over dp
+    blocks = [type(x).__name__ for x in tiny_model(tiny_config("qwen3_5_moe_text")).modules() if is_moe_block(x)]
+    assert blocks and set(blocks) == {"Qwen3_5MoeSparseMoeBlock"}
