@@ -453,9 +453,10 @@ def _head_tail_inputs(kwargs: dict, chunks: int, module=None) -> dict:
     """The forward's keyword tensors in head-tail order along the sequence (hypershard.context_parallel),
     natural-order work done first: labels shifted by one position over the WHOLE sequence (passed as
     ``shift_labels``, which transformers' ForCausalLMLoss then takes as they are), position ids made
-    when the caller gave none, an all-ones attention mask always (see below); a padding mask is
-    refused: transformers builds its causal part from natural positions. `chunks` None: the
-    sequence stays in natural order (a model with linear attention, see parallelize)."""
+    when the caller gave none, an all-ones attention mask always (see below). A padding mask is
+    taken only on the right (_right_padding_dropped); others are refused: transformers builds the
+    mask's causal part from natural positions. `chunks` None: the sequence stays in natural order
+    (a model with linear attention, see parallelize)."""
     from .context_parallel import shift_labels, to_head_tail
 
     kwargs = dict(kwargs)
@@ -472,13 +473,8 @@ def _head_tail_inputs(kwargs: dict, chunks: int, module=None) -> dict:
             f"a multiple of {chunks}"
         )
     mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and not _C.is_dtensor(mask):
-        if not bool(mask.bool().all()):
-            raise ValueError(
-                "hypershard: parallelize: a padding attention_mask on a context-parallel mesh is not "
-                "supported (transformers builds its causal part from natural positions); allowed: "
-                "no mask or an all-ones mask (pack or pad the sequences with labels -100)"
-            )
+    if isinstance(mask, torch.Tensor) and not _C.is_dtensor(mask) and not bool(mask.bool().all()):
+        _right_padding_dropped(mask, kwargs, module)
     # Always an all-ones mask: without one (and without a KV cache, use_cache=False) transformers
     # reads head-tail position ids as packed sequences and masks across their "boundaries"; with
     # one it sees nothing to mask and attention runs is_causal over the global positions.
@@ -501,6 +497,48 @@ def _head_tail_inputs(kwargs: dict, chunks: int, module=None) -> dict:
             elif name == "inputs_embeds":
                 kwargs[name] = to_head_tail(value, 1, chunks)
     return kwargs
+
+
+def _right_padding_dropped(mask: torch.Tensor, kwargs: dict, module) -> None:
+    """Checks that padding `mask` [B, L] can be replaced by all ones, else raises: every row
+    padded on the right only, no trained target on a pad position, and no auxiliary router loss.
+    Then no real token attends to a later pad (the models are causal; a causal conv or
+    recurrence reads only earlier tokens), so every real position's output and every trained
+    token's loss are the ones the mask gives; only the pads' own outputs differ, and nothing
+    trains on them. A left-padded row needs the mask's causal part at global positions, which
+    transformers builds from natural ones."""
+    from .context_parallel import shift_labels
+
+    if mask.dim() != 2:
+        raise ValueError(
+            f"hypershard: parallelize: a {mask.dim()}-D attention_mask on a context-parallel mesh (its "
+            "positions would be read as natural ones); allowed: a 2-D mask padding on the right, or none"
+        )
+    keep = mask.bool()
+    lengths = keep.sum(-1, keepdim=True)
+    positions = torch.arange(keep.shape[-1], device=keep.device)
+    if not torch.equal(keep, positions < lengths):
+        raise ValueError(
+            "hypershard: parallelize: a padding attention_mask on a context-parallel mesh must pad on "
+            "the right (transformers builds the causal part of a left-padding mask from natural "
+            "positions); allowed: right padding with labels -100 on the pads, packing, or no mask"
+        )
+    shifted = kwargs.get("shift_labels")
+    if shifted is None and isinstance(kwargs.get("labels"), torch.Tensor):
+        shifted = shift_labels(kwargs["labels"])
+    if isinstance(shifted, torch.Tensor) and bool((shifted[~keep] != -100).any()):
+        raise ValueError(
+            "hypershard: parallelize: a right-padding attention_mask on a context-parallel mesh with "
+            "a trained target on a pad position (the mask is replaced by all ones, which changes the "
+            "pads' own outputs); allowed: labels -100 on every pad token"
+        )
+    config = _text_config(module) if module is not None else None
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(
+            "hypershard: parallelize: a padding attention_mask on a context-parallel mesh with the "
+            "auxiliary router loss (output_router_logits): it would count the pad tokens once the "
+            "mask is replaced by all ones; allowed: output_router_logits=False, or no padding"
+        )
 
 
 def _shard_inputs(mesh, dp_axis: Optional[int], cp_axis: Optional[int] = None, head_tail: bool = True):

@@ -282,11 +282,12 @@ def run_rank(rank: int, world: int, args) -> dict:
     micro_per_step = args.batch_size // args.micro_batch_size
     crash_at = _crash_step(world, rank)
     pad = pad_id(tokenizer)
-    # A sharded sequence is stored head-tail in 2 x cp chunks (docs/context_parallel.md), and a
-    # padding attention_mask is refused there. The batches are padded on the right with labels
-    # -100 and the models are causal: no real token attends to (or, through a causal conv or
-    # recurrence, reads) a later pad token, so without the mask every trained token's loss is the
-    # same. (A MoE's auxiliary balance loss would count the pad tokens: the SFT trains without it.)
+    # A sharded sequence is stored head-tail in 2 x cp chunks (docs/context_parallel.md), where
+    # parallelize replaces a right-padding attention_mask by all ones. The batches are padded on
+    # the right with labels -100 and the models are causal: no real token attends to (or, through
+    # a causal conv or recurrence, reads) a later pad token, so without the mask every trained
+    # token's loss is the same. (A MoE's auxiliary balance loss would count the pad tokens: the
+    # SFT trains without it.)
     context_parallel = "cp" in args.mesh[1]  # parallelize treats a cp axis of any size as one
     multiple = 2 * axis_size(args.mesh, "cp") if context_parallel else 1
 

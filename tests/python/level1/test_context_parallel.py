@@ -22,6 +22,8 @@ mask prevents. Each run checks that every attention call ran the chosen algorith
 (hypershard._C.cp_attention_calls). Qwen3 with eager attention (matmul, softmax and a causal mask
 transformers builds from natural positions) keeps natural order on dp2 x cp2: in head-tail order
 it trained wrong silently (losses off by 3e-4, gradients by 0.3 to 0.8 of their norm).
+A right-padded batch (every odd sample's last 5 tokens masked, labels -100) on dp2 x cp2 with
+ring: parallelize replaces the mask by all ones, against the one-device run with the mask.
 
 DeepSeek-V3.2 (cp2 ring, dp2 x cp2, tp2 x cp2), Qwen3-VL-MoE (an image per sample, its 4 tokens
 across the cp boundary, on cp2 ring, dp2 x cp2 Ulysses and tp2 x cp2 all-gather-KV: the image merge
@@ -56,20 +58,35 @@ def local_count_loss(world):
     return loss
 
 
+def right_padded(batches):
+    """`batches` with every odd sample padded on the right: its last 5 tokens masked out of the
+    attention_mask, their labels -100 (the one-device reference trains with the mask)."""
+    out = []
+    for ids, labels, *rest in batches:
+        mask = torch.ones_like(ids)
+        mask[1::2, -5:] = 0
+        labels = labels.masked_fill(mask == 0, -100)
+        out.append((ids, labels, {**(rest[0] if rest else {}), "attention_mask": mask}))
+    return out
+
+
 def trainer(batch, fault=None, algorithm="all_gather_kv", use_cache=True, model_type="qwen3", images=False,
-            attention="sdpa"):
+            attention="sdpa", padded=False):
     """Qwen3 ("sdpa" attention) by default; `model_type` another tiny model, `images` a
-    Qwen3-VL-MoE batch with one image per sample, `attention` transformers' attn_implementation."""
+    Qwen3-VL-MoE batch with one image per sample, `attention` transformers' attn_implementation,
+    `padded` right-padded samples (right_padded)."""
     def batches(config):
         from hypershard.models import make_batches, make_image_batches
         if images:
             # the image's 4 tokens at 6-9 cross the cp2 boundary at 8
             return make_image_batches(STEPS, seq=SEQ, batch=batch, image_at=6)
         plain = make_batches(config.get_text_config().vocab_size, STEPS, batch=batch, seq=SEQ)
+        if padded:
+            plain = right_padded(plain)
         # parallelize turns the cache off in training unless the caller asks for one: Qwen3 runs
         # ask (K/V must stay sharded through the cache's first update, a cat), one run does not
         if model_type == "qwen3" and use_cache:
-            return [(ids, labels, {"use_cache": True}) for ids, labels in plain]
+            return [(ids, labels, {**(rest[0] if rest else {}), "use_cache": True}) for ids, labels, *rest in plain]
         return plain
 
     def config():
@@ -150,6 +167,8 @@ def test_qwen3_trains_on_cp_like_one_device():
         _case("qwen3_tp2_cp2_ulysses", ((2, 2), ("tp", "cp")), *trainer(1, algorithm="ulysses")),
         # eager attention keeps natural order (its causal mask comes from natural positions)
         _case("qwen3_eager_dp2_cp2", ((2, 2), ("dp", "cp")), *trainer(2, attention="eager")),
+        # right padding: parallelize replaces the mask by all ones (nothing trains on a pad)
+        _case("qwen3_dp2_cp2_ring_right_padded", ((2, 2), ("dp", "cp")), *trainer(4, algorithm="ring", padded=True)),
         # natural order (hypershard.context_parallel.natural_order_reason): DeepSeek-V3.2 (its
         # indexer's mask), Qwen3-VL-MoE with an image per sample (M-RoPE ids from get_rope_index);
         # their MoE blocks flatten (batch, sequence): with two sequences per rank they take the

@@ -1,7 +1,8 @@
 """UT: what parallelize does to a forward's inputs on a context-parallel mesh before sharding them
 (hypershard.parallel._head_tail_inputs, docs/context_parallel.md): labels shifted over the whole
 natural-order sequence, then input ids, position ids and labels put in head-tail order; refusals
-for a length 2 x cp does not divide, a padding mask and an unknown cp_algorithm (parallelize's and
+for a length 2 x cp does not divide, a left-padding or 4-D mask and an unknown cp_algorithm
+(a right-padding mask is replaced by all ones when no target sits on a pad) (parallelize's and
 the mesh's); the causal-LM loss parallelize installs on a cp mesh (causal_lm_loss) against
 transformers' ForCausalLMLoss. No processes."""
 
@@ -30,6 +31,29 @@ def test_inputs_in_head_tail_order_with_global_shift():
     assert _head_tail_inputs({"input_ids": ids}, chunks=4)["attention_mask"].tolist() == [[1] * 8]
 
 
+def test_right_padding_mask_is_replaced_by_all_ones():
+    """A right-padding mask is dropped (all ones passed) when nothing trains on a pad position:
+    the model is causal, so no real token sees a later pad. The last real token's target may be
+    anything (its output does not change); a pad's target must be -100."""
+    ids = torch.arange(16).reshape(2, 8)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0  # row 1: 5 real tokens, 3 pads
+    labels = ids.clone()
+    labels[1, 6:] = -100  # labels[1, 5] (a pad's token) is the last real token's target: allowed
+    out = _head_tail_inputs({"input_ids": ids, "labels": labels, "attention_mask": mask}, chunks=4)
+    assert out["attention_mask"].tolist() == [[1] * 8] * 2
+    with pytest.raises(ValueError, match="trained target on a pad position"):
+        labels[1, 7] = 3  # the target of pad position 6
+        _head_tail_inputs({"input_ids": ids, "labels": labels, "attention_mask": mask}, chunks=4)
+    # no labels (inference): the pads' outputs may differ, nothing trains on them
+    assert _head_tail_inputs({"input_ids": ids, "attention_mask": mask}, chunks=4)["attention_mask"].all()
+
+    class RouterLoss(torch.nn.Module):
+        config = type("Config", (), {"output_router_logits": True})()
+    with pytest.raises(ValueError, match="auxiliary router loss"):
+        _head_tail_inputs({"input_ids": ids, "attention_mask": mask}, chunks=4, module=RouterLoss())
+
+
 def test_round_trip():
     x = torch.randn(2, 12, 3)
     assert torch.equal(from_head_tail(to_head_tail(x, 1, 6), 1, 6), x)
@@ -39,10 +63,13 @@ def test_round_trip():
 def test_refusals():
     with pytest.raises(ValueError, match="cannot be stored in head-tail order of 4 chunks"):
         _head_tail_inputs({"input_ids": torch.zeros(1, 6, dtype=torch.long)}, chunks=4)
-    mask = torch.ones(1, 8)
-    mask[0, 7] = 0
-    with pytest.raises(ValueError, match="padding attention_mask"):
-        _head_tail_inputs({"input_ids": torch.zeros(1, 8, dtype=torch.long), "attention_mask": mask}, chunks=4)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    left = torch.ones(2, 8)
+    left[1, 0] = 0
+    with pytest.raises(ValueError, match="must pad on the right"):
+        _head_tail_inputs({"input_ids": ids, "attention_mask": left}, chunks=4)
+    with pytest.raises(ValueError, match="4-D attention_mask"):
+        _head_tail_inputs({"input_ids": ids, "attention_mask": torch.ones(2, 1, 8, 8).tril()}, chunks=4)
     with pytest.raises(ValueError, match="head-tail chunks"):
         head_tail_order(6, 4)
     assert CP_ALGORITHMS == ("all_gather_kv", "ulysses", "ring")
