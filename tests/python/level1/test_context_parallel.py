@@ -25,7 +25,7 @@ it trained wrong silently (losses off by 3e-4, gradients by 0.3 to 0.8 of their 
 A right-padded batch (every odd sample's last 5 tokens masked, labels -100) on dp2 x cp2 with
 ring: parallelize replaces the mask by all ones, against the one-device run with the mask.
 
-DeepSeek-V3.2 (cp2 ring, dp2 x cp2, tp2 x cp2), Qwen3-VL-MoE (an image per sample, its 4 tokens
+DeepSeek-V3.2 (cp2 ring, dp2 x cp2, tp2 x cp2, ep2 x cp2 Ulysses), Qwen3-VL-MoE (an image per sample, its 4 tokens
 across the cp boundary, on cp2 ring, dp2 x cp2 Ulysses and tp2 x cp2 all-gather-KV: the image merge
 keeps the sequence sharded; text on tp2 x cp2 ring, ep2 x cp2 Ulysses) and Qwen3.5-MoE (ep2 x cp2 ring, its
 gated delta nets' state passed rank to rank) keep natural order (hypershard.context_parallel.natural_order_reason).
@@ -184,6 +184,8 @@ def test_qwen3_trains_on_cp_like_one_device():
               *trainer(1, model_type="qwen3_vl_moe", images=True)),
         # tensor and expert parallelism beside cp
         _case("deepseek_v32_tp2_cp2", ((2, 2), ("tp", "cp")), *trainer(1, model_type="deepseek_v32")),
+        _case("deepseek_v32_ep2_cp2_ulysses_two_sequences_per_rank", ((2, 2), ("ep", "cp")),
+              *trainer(2, algorithm="ulysses", model_type="deepseek_v32")),
         _case("qwen3_vl_moe_tp2_cp2_ring", ((2, 2), ("tp", "cp")),
               *trainer(1, algorithm="ring", model_type="qwen3_vl_moe")),
         _case("qwen3_vl_moe_ep2_cp2_ulysses", ((2, 2), ("ep", "cp")),

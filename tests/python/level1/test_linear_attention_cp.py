@@ -9,7 +9,9 @@ attention call run by the chosen algorithm (hypershard._C.cp_attention_calls). d
 A_log's gradients are sums over tokens that nearly cancel: the one-device float32 run is itself
 5.5e-5 of their norm from the exact gradient, so the gradients are checked against the same run in
 float64 (check_training's `exact`; on tp2 x cp2 the distributed run is 4.5e-5 from it, the two
-float32 runs 6.7e-5 from each other).
+float32 runs 6.7e-5 from each other). A right-padded batch on dp2 x cp2 (the mask replaced by all
+ones) against the one-device run with the mask, which zeroes the pads' inputs to the gated delta
+net: the pads come after every real token, so no real token reads them.
 
 parallelize keeps such a model's sequence in NATURAL order (no load-balance declaration): the gated
 delta rule's state goes rank to rank (hypershard.linear_attention) and the conv's halo exchange
@@ -62,14 +64,24 @@ def parallelize_keeping_head_tail(model, mesh, algorithm):
         return parallel.parallelize(model, mesh, cp_algorithm=algorithm)
 
 
-def trainer(batch, fault=None, algorithm="all_gather_kv"):
+def trainer(batch, fault=None, algorithm="all_gather_kv", padded=False):
     def config():
         from hypershard.models import tiny_config
         return tiny_config("qwen3_5_text", max_position_embeddings=SEQ)
 
     def batches(config):
         from hypershard.models import make_batches
-        return make_batches(config.vocab_size, STEPS, batch=batch, seq=SEQ)
+        plain = make_batches(config.vocab_size, STEPS, batch=batch, seq=SEQ)
+        if not padded:
+            return plain
+        # every odd sample's last 40 tokens masked, labels -100: parallelize replaces the mask by
+        # all ones; the one-device run zeroes the pads' inputs to the gated delta net
+        out = []
+        for ids, labels in plain:
+            mask = torch.ones_like(ids)
+            mask[1::2, -40:] = 0
+            out.append((ids, labels.masked_fill(mask == 0, -100), {"attention_mask": mask}))
+        return out
 
     def reference(_dummy):
         from hypershard.models import tiny_model, train
@@ -117,6 +129,7 @@ def test_qwen3_5_trains_on_cp_like_one_device():
         _case("qwen3_5_cp2", ((2,), ("cp",)), *trainer(1)),
         _case("qwen3_5_dp2_cp2", ((2, 2), ("dp", "cp")), *trainer(2)),
         _case("qwen3_5_tp2_cp2", ((2, 2), ("tp", "cp")), *trainer(1)),
+        _case("qwen3_5_dp2_cp2_right_padded", ((2, 2), ("dp", "cp")), *trainer(4, padded=True)),
         _case("qwen3_5_cp2_ring", ((2,), ("cp",)), *trainer(1, algorithm="ring")),
         _case("qwen3_5_dp2_cp2_ulysses_two_sequences_per_dp_rank", ((2, 2), ("dp", "cp")),
               *trainer(4, algorithm="ulysses")),
