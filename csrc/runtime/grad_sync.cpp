@@ -17,10 +17,12 @@
 // Overlap: a bucket need not wait for the end. A leaf's hook runs right before autograd
 // accumulates into its .grad, on the thread that runs that device's nodes, so when the next
 // deferred gradient of the same device arrives the previous one is final for this pass. Such
-// settled gradients fill buckets as they come; a full bucket of a group with ONE Partial axis
-// starts its all-reduce at once (async), and each member's .grad becomes its slice of the bucket
-// (still Partial: nobody reads it before the end, and its old memory is freed). The end callback
-// waits for those sums, gives each .grad the leaf's layout, and reduces what is left as above.
+// settled gradients fill buckets as they come; a full bucket starts its all-reduce over its first
+// Partial axis at once (async), and each member's .grad becomes its slice of the bucket (still
+// Partial: nobody reads it before the end, and its old memory is freed). The end callback waits
+// for those sums and starts each bucket's next axis (dp x cp gradients are Partial on both) in
+// the order of the end-of-pass path, so the values are the same; then it gives each .grad the
+// leaf's layout and reduces what is left as above.
 //
 // Every rank makes the same decisions in the same order: they depend only on layouts, on the
 // layout of .grad and on the graph task, all the same on every rank running the same program, and
@@ -78,10 +80,14 @@ struct Group {
   std::vector<size_t> items;                            // their Deferred indices (overlap only)
 };
 
-// A bucket whose all-reduce started during the pass.
+// A bucket whose all-reduce started during the pass: over axes[0] then, at the end, the others.
 struct Started {
   std::vector<std::pair<at::Tensor, LayoutPtr>> grads;  // (.grad, target layout)
-  PendingSum sum;
+  at::Tensor buffer;
+  DeviceMeshPtr mesh;
+  std::vector<int64_t> axes;
+  PendingSum sum;  // over axes[next - 1]
+  size_t next = 1;
 };
 
 void finish_started(std::vector<Started>& started);
@@ -90,7 +96,7 @@ struct Batch {
   std::mutex mutex;
   std::vector<Deferred> items;
   size_t settled = 0;          // items before this one were looked at for overlap
-  std::vector<Group> filling;  // single-axis groups filling during the pass
+  std::vector<Group> filling;  // groups filling during the pass
   std::vector<Started> started;
   // A pass that raised drops its callback unrun: the started sums still finish, and their .grad
   // (summed in place) take the leaf's layout, so every .grad keeps a right value.
@@ -217,7 +223,7 @@ Group& group_of(std::vector<Group>& groups, const at::Tensor& grad, const std::v
     if (g.mesh->same_mesh(*impl->device_mesh()) && g.axes == axes && g.dtype == local.scalar_type() &&
         g.device == local.device())
       return g;
-  return groups.emplace_back(Group{impl->device_mesh(), axes, local.scalar_type(), local.device(), {}});
+  return groups.emplace_back(Group{impl->device_mesh(), axes, local.scalar_type(), local.device(), {}, 0, {}});
 }
 
 int64_t local_bytes(const at::Tensor& grad) {
@@ -240,7 +246,8 @@ void start_bucket(Batch& batch, Group& group) {
     impl->replace(std::move(slice), impl->layout());  // still Partial until the sum is waited for
     offset += n;
   }
-  batch.started.push_back(Started{std::move(group.grads), PendingSum(buffer, *group.mesh, group.axes.front())});
+  PendingSum sum(buffer, *group.mesh, group.axes.front());
+  batch.started.push_back(Started{std::move(group.grads), buffer, group.mesh, group.axes, std::move(sum)});
   for (size_t i : group.items) batch.items[i].started = true;
   group.grads.clear();
   group.items.clear();
@@ -255,7 +262,7 @@ void fill_buckets(Batch& batch) {
   // Every item before the newest of its device is settled (see the header comment).
   for (; batch.settled + 1 < batch.items.size() && batch.items[batch.settled].device == device; ++batch.settled) {
     const at::Tensor grad = pending_grad(batch.items[batch.settled], axes);
-    if (!grad.defined() || axes.size() != 1) continue;  // two or more axes: summed in turn at the end
+    if (!grad.defined()) continue;
     Group& group = group_of(batch.filling, grad, axes);
     const int64_t size = local_bytes(grad);
     if (!group.grads.empty() && group.bytes + size > cap) start_bucket(batch, group);
@@ -265,11 +272,21 @@ void fill_buckets(Batch& batch) {
   }
 }
 
-// Waits for the buckets started during the pass (without the GIL: c10d's wait may need it) and
-// gives each member's .grad its leaf's layout.
+// Waits for the buckets started during the pass (without the GIL: c10d's wait may need it),
+// summing each over its remaining axes in turn (every bucket's next axis started before any is
+// waited for), and gives each member's .grad its leaf's layout.
 void finish_started(std::vector<Started>& started) {
+  for (bool more = true; more;) {
+    more = false;
+    for (auto& bucket : started) {
+      without_gil([&] { bucket.sum.wait(); });
+      if (bucket.next < bucket.axes.size()) {
+        bucket.sum = PendingSum(bucket.buffer, *bucket.mesh, bucket.axes[bucket.next++]);
+        more = true;
+      }
+    }
+  }
   for (auto& bucket : started) {
-    without_gil([&] { bucket.sum.wait(); });
     for (auto& [grad, target] : bucket.grads) {
       auto* impl = dtensor_impl(grad);
       impl->replace(impl->local(), target);

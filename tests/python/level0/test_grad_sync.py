@@ -14,7 +14,9 @@ expected path:
   that clamps: the gradient is reduced before anything can read it, and the values still equal
   one device;
 - a backward pass that raises midway, then a normal one: bucketed and right;
-- buckets started during the pass (overlap, the default) against all at the end: the same values.
+- buckets started during the pass (overlap, the default) against all at the end: the same values;
+  also with gradients Partial on both axes of 2x2 (a batch over one axis and a sequence over the
+  other, as dp x cp gives): the first axis's sum starts during the pass, the second at the end.
 """
 
 import pytest
@@ -245,14 +247,49 @@ def overlapped(mesh, x, *params):
     return results[0]
 
 
+# A [batch, sequence, hidden] input over both axes of the 2x2 mesh (as dp x cp shards it, one
+# sequence per dp rank): the weights' gradients are Partial on both axes.
+TWO_AXES_SHAPES = ((2, 6, 5), (8, 5), (7, 8), (3, 7))
+
+
+def two_axes_loss(x, w1, w2, w3):
+    return replicated((torch.tanh(torch.tanh(x @ w1.t()) @ w2.t()) @ w3.t()).pow(2).mean())
+
+
+def overlapped_two_axes(x, w1, w2, w3):
+    """Three gradients Partial on both axes, arriving w3, w2, w1 (cap 1): w3's bucket starts its
+    first axis's sum when w2's gradient settles (w1 arrives), its second at the end; the others
+    are reduced at the end. The values equal the no-overlap run's."""
+    params = (w1, w2, w3)
+    results, started = [], []
+    for overlap in (True, False):
+        with Overlap(overlap, params):
+            two_axes_loss(x, *params).backward()
+            stats = hs._C.grad_sync_stats()
+            started.append(stats["overlapped"])
+            assert stats["bucketed"] == (3 if in_distributed_run() else 0), stats
+        if in_distributed_run():
+            assert all(hs.layout_of(p.grad) == hs.layout_of(p) for p in params)
+        results.append(grads_of(params))
+    if in_distributed_run():
+        assert started == [1, 0], started
+        assert all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(*results))
+    for p in params:
+        p.grad = None
+    return results[0]
+
+
 CASES = {"bucketed": bucketed, "overlapped": overlapped, "accumulated": accumulated, "autograd_grad": autograd_grad,
          "some_inputs": some_inputs, "post_accumulate_hook": post_accumulate_hook, "clamping_hook": clamping_hook,
          "after_raising_backward": after_raising_backward}
 
 
 def cases():
+    two_axes = [Input(shape, placements=["S(0)", "S(1)"] if i == 0 else ["R", "R"], requires_grad=i > 0)
+                for i, shape in enumerate(TWO_AXES_SHAPES)]
     return [Case(f"{name}{mesh[0]}", lambda *a, fn=fn, mesh=mesh: fn(mesh, *a), inputs(mesh), mesh, check_grad=False)
-            for mesh in (MESH22, MESH4) for name, fn in CASES.items()]
+            for mesh in (MESH22, MESH4) for name, fn in CASES.items()] + [
+        Case("overlapped_two_axes", overlapped_two_axes, two_axes, MESH22, check_grad=False)]
 
 
 def test_gradient_buckets():
