@@ -377,6 +377,11 @@ at::Tensor grad_to_leaf_layout(const WeakTensor& weak, const at::Tensor& grad) {
     const GradSlot slot = grad_slot(strong, partial, target);
     if (slot != GradSlot::kOther && defer(Deferred{weak, partial, target, grad.device()})) {
       if (slot == GradSlot::kReduced) make_partial_in_place(*dtensor_impl(strong.grad()), partial);
+      // AccumulateGrad keeps a gradient only in the leaf's strides; otherwise it copies it into
+      // an empty tensor of the leaf's (Replicate) layout, and that copy_ sums the Partial right
+      // there, one blocking collective per gradient (a transposed weight gradient: a linear run
+      // as bmm on two sequences per rank). A local copy in the leaf's order keeps it Partial.
+      if (slot == GradSlot::kEmpty && strong.is_contiguous() && !grad.is_contiguous()) return grad.contiguous();
       return grad;
     }
   }

@@ -16,7 +16,8 @@ expected path:
 - a backward pass that raises midway, then a normal one: bucketed and right;
 - buckets started during the pass (overlap, the default) against all at the end: the same values;
   also with gradients Partial on both axes of 2x2 (a batch over one axis and a sequence over the
-  other, as dp x cp gives): the first axis's sum starts during the pass, the second at the end.
+  other, as dp x cp gives, two sequences per rank): every one bucketed (none summed on arrival
+  because it came transposed), the first axis's sum starting during the pass, the second at the end.
 """
 
 import pytest
@@ -247,13 +248,16 @@ def overlapped(mesh, x, *params):
     return results[0]
 
 
-# A [batch, sequence, hidden] input over both axes of the 2x2 mesh (as dp x cp shards it, one
-# sequence per dp rank): the weights' gradients are Partial on both axes.
-TWO_AXES_SHAPES = ((2, 6, 5), (8, 5), (7, 8), (3, 7))
+# A [batch, sequence, hidden] input over both axes of the 2x2 mesh (as dp x cp shards it, two
+# sequences per rank): the weights' gradients are Partial on both axes. F.linear runs as bmm on
+# it (csrc/ops/composites.cpp), whose weight gradient arrives transposed: the grad hook makes it
+# contiguous, else AccumulateGrad's copy into the leaf's strides would sum it on arrival.
+TWO_AXES_SHAPES = ((4, 6, 5), (8, 5), (7, 8), (3, 7))
 
 
 def two_axes_loss(x, w1, w2, w3):
-    return replicated((torch.tanh(torch.tanh(x @ w1.t()) @ w2.t()) @ w3.t()).pow(2).mean())
+    linear = torch.nn.functional.linear
+    return replicated(linear(torch.tanh(linear(torch.tanh(linear(x, w1)), w2)), w3).pow(2).mean())
 
 
 def overlapped_two_axes(x, w1, w2, w3):
