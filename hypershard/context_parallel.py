@@ -73,7 +73,8 @@ def natural_order_reason(model: torch.nn.Module) -> Optional[str]:
         map(is_gated_delta_net, model.modules())
     ):
         return "its linear-attention recurrence and causal conv1d run along natural positions"
-    attention = getattr(text, "_attn_implementation", None) or getattr(config, "_attn_implementation", None) or "sdpa"
+    # transformers runs eager attention when none is set; the choice is read here, at parallelize
+    attention = getattr(text, "_attn_implementation", None) or getattr(config, "_attn_implementation", None) or "eager"
     if attention != "sdpa":
         return f"its {attention!r} attention adds a causal mask transformers builds from natural positions"
     return None
@@ -191,18 +192,22 @@ def _tokens_as_one_run(hidden: torch.Tensor):
         return None
     layout = _C.layout_of(hidden)
     batch_axes, sequence_axes, hidden_axes = layout.dim_axes
-    mesh = _C.device_mesh_of(hidden)
-    local = layout.local_shape_at(mesh.position)
-    if not sequence_axes or hidden_axes or layout.has_partial() or local[0] <= 1:
-        return None  # one sequence per rank: the block's own flatten keeps the blocks contiguous
+    if not sequence_axes or hidden_axes or layout.has_partial():
+        return None
+    # Decided from the GLOBAL shape (the same on every rank): even blocks of two or more sequences
     sizes = layout.mesh.shape
     batch, length, width = layout.global_shape
-    ranks = math.prod(sizes[a] for a in (*batch_axes, *sequence_axes))
-    if local[0] * local[1] * ranks != batch * length:
-        return None  # uneven blocks: no layout says "every rank's tokens"; the block refuses them
+    batch_parts = math.prod(sizes[a] for a in batch_axes)
+    sequence_parts = math.prod(sizes[a] for a in sequence_axes)
+    if batch % batch_parts or length % sequence_parts or batch // batch_parts < 2:
+        return None  # one sequence per rank (the block's own flatten keeps it whole) or uneven blocks
+    mesh = _C.device_mesh_of(hidden)
+    local = layout.local_shape_at(mesh.position)
     run = _C.Layout.create(layout.mesh, [1, batch * length, width], [[], [*batch_axes, *sequence_axes], []])
 
-    def back(output: torch.Tensor) -> torch.Tensor:
+    def back(output):
+        if isinstance(output, tuple):  # (hidden, router logits): the logits stay in token-run order
+            return (back(output[0]), *output[1:])
         if _C.layout_of(output) != run:
             output = _C.redistribute(output, run)
         return _C.from_local(_C.to_local(output).reshape(local), mesh, layout)

@@ -202,6 +202,17 @@ def make_image_batches(steps: int, seq: int = 16, batch: int = 2, seed: int = 0,
     return out
 
 
+def right_padded(batches: list, pads: int) -> list:
+    """`batches` (as make_batches gives them, or with an inputs dict) with every odd sample padded on
+    the right: its last `pads` tokens masked out of an ``attention_mask`` and their labels -100."""
+    out = []
+    for ids, labels, *rest in batches:
+        mask = torch.ones_like(ids)
+        mask[1::2, -pads:] = 0
+        out.append((ids, labels.masked_fill(mask == 0, -100), {**(rest[0] if rest else {}), "attention_mask": mask}))
+    return out
+
+
 def train(
     model: torch.nn.Module,
     batches: list,

@@ -457,7 +457,7 @@ def _head_tail_inputs(kwargs: dict, chunks: int, module=None) -> dict:
     taken only on the right (_right_padding_dropped); others are refused: transformers builds the
     mask's causal part from natural positions. `chunks` None: the sequence stays in natural order
     (a model with linear attention, see parallelize)."""
-    from .context_parallel import shift_labels, to_head_tail
+    from .context_parallel import to_head_tail
 
     kwargs = dict(kwargs)
     ids = kwargs.get("input_ids")
@@ -483,11 +483,9 @@ def _head_tail_inputs(kwargs: dict, chunks: int, module=None) -> dict:
         kwargs["position_ids"] = _rope_index(module, kwargs)
     if kwargs.get("position_ids") is None:
         kwargs["position_ids"] = torch.arange(length, device=source.device).expand(batch, length)
-    for name in ("labels", "shift_labels"):
-        if isinstance(kwargs.get(name), torch.Tensor):
-            shifted = shift_labels(kwargs.pop(name)) if name == "labels" else kwargs.pop(name)
-            kwargs["labels"] = kwargs["shift_labels"] = shifted
-            break
+    targets = _shifted_targets(kwargs)
+    if targets is not None:
+        kwargs["labels"] = kwargs["shift_labels"] = targets
     if not chunks:  # natural order
         return kwargs
     for name, value in list(kwargs.items()):
@@ -499,6 +497,17 @@ def _head_tail_inputs(kwargs: dict, chunks: int, module=None) -> dict:
     return kwargs
 
 
+def _shifted_targets(kwargs: dict) -> Optional[torch.Tensor]:
+    """Position p's target for every p, as transformers' ForCausalLMLoss takes it: the caller's
+    ``shift_labels`` when given, else ``labels`` shifted by one (on the whole natural-order
+    sequence); None without either."""
+    from .context_parallel import shift_labels
+
+    if isinstance(kwargs.get("shift_labels"), torch.Tensor):
+        return kwargs["shift_labels"]
+    return shift_labels(kwargs["labels"]) if isinstance(kwargs.get("labels"), torch.Tensor) else None
+
+
 def _right_padding_dropped(mask: torch.Tensor, kwargs: dict, module) -> None:
     """Checks that padding `mask` [B, L] can be replaced by all ones, else raises: every row
     padded on the right only, no trained target on a pad position, and no auxiliary router loss.
@@ -507,7 +516,6 @@ def _right_padding_dropped(mask: torch.Tensor, kwargs: dict, module) -> None:
     token's loss are the ones the mask gives; only the pads' own outputs differ, and nothing
     trains on them. A left-padded row needs the mask's causal part at global positions, which
     transformers builds from natural ones."""
-    from .context_parallel import shift_labels
 
     if mask.dim() != 2:
         raise ValueError(
@@ -523,17 +531,18 @@ def _right_padding_dropped(mask: torch.Tensor, kwargs: dict, module) -> None:
             "the right (transformers builds the causal part of a left-padding mask from natural "
             "positions); allowed: right padding with labels -100 on the pads, packing, or no mask"
         )
-    shifted = kwargs.get("shift_labels")
-    if shifted is None and isinstance(kwargs.get("labels"), torch.Tensor):
-        shifted = shift_labels(kwargs["labels"])
-    if isinstance(shifted, torch.Tensor) and bool((shifted[~keep] != -100).any()):
+    shifted = _shifted_targets(kwargs)
+    if shifted is not None and bool((shifted[~keep] != -100).any()):
         raise ValueError(
             "hypershard: parallelize: a right-padding attention_mask on a context-parallel mesh with "
             "a trained target on a pad position (the mask is replaced by all ones, which changes the "
             "pads' own outputs); allowed: labels -100 on every pad token"
         )
     config = _text_config(module) if module is not None else None
-    if getattr(config, "output_router_logits", False):
+    router_loss = kwargs.get("output_router_logits")  # the forward's argument wins over the config
+    if router_loss is None:
+        router_loss = getattr(config, "output_router_logits", False)
+    if router_loss:
         raise ValueError(
             "hypershard: parallelize: a padding attention_mask on a context-parallel mesh with the "
             "auxiliary router loss (output_router_logits): it would count the pad tokens once the "

@@ -14,9 +14,10 @@
 // its sharding on any dims the mask covers -- the batch over dp and the sequence over cp alike
 // -- and the mask follows it. Let j be the last sharded dim: for each index of the dims before
 // j, this rank's elements of dim j onward are one contiguous RUN of the global row-major order.
-// One all-reduce (per sharding axis) of a small grid of run counts, [global dims before j,
-// chunks of dim j] in int64, gives each run's start, hence every local true element's GLOBAL
-// position (global_positions). Then
+// One all-reduce (per sharding axis) of the grid of run counts, [global dims before j, chunks of
+// dim j] in int64, gives each run's start, hence every local true element's GLOBAL position
+// (global_positions). The grid is B x chunks for a [B, S, ...] tensor with S the last sharded
+// dim; with a later dim sharded too (hidden over tp) it is as large as B x S x chunks. Then
 //   masked_scatter   each rank reads the source (whole) at its positions: no data moves;
 //   index_put        per-position values (whole) likewise; broadcast values as they are;
 //   index, masked_scatter_backward
@@ -72,7 +73,8 @@ at::Tensor global_positions(const at::Tensor& mask, const Layout& layout, const 
   std::vector<int64_t> tail(static_cast<size_t>(layout.ndim() - j));
   std::iota(tail.begin(), tail.end(), j);
   const auto options = mask.options().dtype(at::kLong);
-  const at::Tensor run_counts = at::sum(mask, tail, /*keepdim=*/false, at::kLong);  // [local dims before j]
+  // a byte mask selects where it is nonzero: count those, not its values
+  const at::Tensor run_counts = at::sum(mask.ne(0), tail, /*keepdim=*/false, at::kLong);  // [local dims before j]
 
   // The grid of every rank's run counts: [global dims before j, chunks of dim j]
   std::vector<int64_t> grid_shape(layout.global_shape().begin(), layout.global_shape().begin() + j);

@@ -22,15 +22,17 @@ rounding propagates, not by what one CPU happened to show:
   give 0.25 (half of one of two data-parallel contributions) to 1 (a missing sum).
 - A gradient that is a sum of terms which nearly cancel (Qwen3.5's dt_bias and A_log: sums over
   tokens of per-token terms) has a norm-wise error far above the chained-reduction estimate in
-  ANY float32 evaluation: on tp2 x cp2 the one-device run itself is 5.5e-5 of the norm away from
-  the exact (float64) gradient, the distributed run 4.5e-5, and the two differ by 6.7e-5, too near
+  ANY float32 evaluation: the one-device float32 run is 5.5e-5 of the norm away from the exact
+  (float64) gradient, the tp2 x cp2 run 4.5e-5, and the two differ by 6.7e-5, too near
   GRAD_RTOL for every CPU. Such a test passes `exact`, the same one-device run in float64: each
   gradient is then compared with the exact one and allowed GRAD_RTOL of its norm plus
   CONDITIONING_FACTOR = 2 times the one-device float32 run's own distance from it. That distance
   measures how this gradient is conditioned on this CPU and BLAS; the distributed run does the same
   sums in another order, whose rounding is of the same size (measured 0.8x to 1.3x of it), and the
-  allowance grows with it on a CPU where both grow. A fault still moves a gradient by 0.25 or more
-  of its norm.
+  allowance grows with it on a CPU where both grow. The added allowance is capped at
+  CONDITIONING_CAP = 1e-2 of the norm, 25 times below the 0.25 or more a fault moves a gradient
+  by: a gradient so badly conditioned that float32 cannot get within 0.5 % of it is a problem
+  reported as such, not a pass.
 - Parameters after the last step, per parameter, in norm, relative to how far training moved
   them: ||p_dist - p_ref|| <= UPDATE_RTOL ||p_ref - p_init|| + steps * u * ||p_ref||. AdamW's
   step is lr * m / (sqrt(v) + eps): for an element whose gradient is well above its rounding
@@ -52,6 +54,7 @@ from typing import Callable, Optional
 import torch
 
 __all__ = [
+    "CONDITIONING_CAP",
     "CONDITIONING_FACTOR",
     "GRAD_RTOL",
     "LOSS_RTOL",
@@ -67,6 +70,7 @@ LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
 UPDATE_RTOL = 1e-2
 CONDITIONING_FACTOR = 2.0
+CONDITIONING_CAP = 1e-2
 
 
 @dataclass
@@ -175,7 +179,7 @@ def check_first_grads(
         else:
             g_exact = exact.first_grads[name]
             err, scale = _norm(g - g_exact), _norm(g_exact)
-            allowed = rtol * scale + CONDITIONING_FACTOR * _norm(g_ref - g_exact)
+            allowed = rtol * scale + min(CONDITIONING_FACTOR * _norm(g_ref - g_exact), CONDITIONING_CAP * scale)
         rel = err / scale if scale else (0.0 if err == 0 else math.inf)
         worst["grad_rel"] = max(worst["grad_rel"], rel)
         if not err <= allowed:

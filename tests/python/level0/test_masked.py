@@ -12,7 +12,8 @@ forward and gradients, strict mode (the harness):
 - transformers' deepstack pattern: x[mask, :] = x[mask, :] + v;
 - the sequence sharded as context parallelism does ([B, S, H] with S over the axis, uneven: 5 over 2
   and 4 ranks; on 2x2 the batch over one axis and the sequence over the other): each rank's
-  elements are one run of the global order per batch row, a grid of run counts places them.
+  elements are one run of the global order per batch row, a grid of run counts places them; the
+  sequence and the hidden dim sharded (runs per position); a byte mask holding 2s.
 Masks are random, so ranks hold different counts (empty ones included).
 """
 
@@ -99,6 +100,17 @@ def cases():
         out.append(Case(f"seq_deepstack_pattern_{tag}", deepstack,
                         [Input((2, 5, 4), placements=seq), bool_mask((2, 5), seq), Input((10, 4), placements=whole)],
                         mesh))
+    # the hidden dim sharded too (a [B, S, 1] mask broadcast along it): runs per (batch, position)
+    fn = lambda x, m, src: x.masked_scatter(m, src) * 2  # noqa: E731
+    out.append(Case("seq_and_hidden_masked_scatter_2x2", fn,
+                    [Input((2, 5, 4), placements=["S(1)", "S(2)"]), bool_mask((2, 5, 1), ["S(1)", "R"]),
+                     Input((10, 4), placements=["R", "R"])], M22, dist_fn=keeps_sharding(fn)))
+    # a byte mask selects where it is nonzero (values 2 count once)
+    def byte_mask(s, dtype, generator):
+        return (torch.rand(s, generator=generator) < 0.4).to(torch.uint8) * 2
+    out.append(Case("seq_index_byte_mask_2", lambda x, m: x[m, :],
+                    [Input((2, 5, 4), placements=["S(1)"]),
+                     Input((2, 5), torch.uint8, placements=["S(1)"], init=byte_mask, requires_grad=False)], M2))
     # a Partial(sum) self: index is linear in it
     out.append(Case("index_mask_partial_self", lambda x, m: x[m],
                     [Input((5, 3), placements=["P"]), bool_mask((5, 3), ["R"])], M2, check_grad=False))

@@ -58,31 +58,19 @@ def local_count_loss(world):
     return loss
 
 
-def right_padded(batches):
-    """`batches` with every odd sample padded on the right: its last 5 tokens masked out of the
-    attention_mask, their labels -100 (the one-device reference trains with the mask)."""
-    out = []
-    for ids, labels, *rest in batches:
-        mask = torch.ones_like(ids)
-        mask[1::2, -5:] = 0
-        labels = labels.masked_fill(mask == 0, -100)
-        out.append((ids, labels, {**(rest[0] if rest else {}), "attention_mask": mask}))
-    return out
-
-
 def trainer(batch, fault=None, algorithm="all_gather_kv", use_cache=True, model_type="qwen3", images=False,
             attention="sdpa", padded=False):
     """Qwen3 ("sdpa" attention) by default; `model_type` another tiny model, `images` a
     Qwen3-VL-MoE batch with one image per sample, `attention` transformers' attn_implementation,
-    `padded` right-padded samples (right_padded)."""
+    `padded` every odd sample's last 5 tokens right padding (hypershard.models.right_padded)."""
     def batches(config):
-        from hypershard.models import make_batches, make_image_batches
+        from hypershard.models import make_batches, make_image_batches, right_padded
         if images:
             # the image's 4 tokens at 6-9 cross the cp2 boundary at 8
             return make_image_batches(STEPS, seq=SEQ, batch=batch, image_at=6)
         plain = make_batches(config.get_text_config().vocab_size, STEPS, batch=batch, seq=SEQ)
         if padded:
-            plain = right_padded(plain)
+            plain = right_padded(plain, 5)
         # parallelize turns the cache off in training unless the caller asks for one: Qwen3 runs
         # ask (K/V must stay sharded through the cache's first update, a cat), one run does not
         if model_type == "qwen3" and use_cache:

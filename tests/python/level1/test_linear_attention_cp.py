@@ -70,18 +70,11 @@ def trainer(batch, fault=None, algorithm="all_gather_kv", padded=False):
         return tiny_config("qwen3_5_text", max_position_embeddings=SEQ)
 
     def batches(config):
-        from hypershard.models import make_batches
+        from hypershard.models import make_batches, right_padded
         plain = make_batches(config.vocab_size, STEPS, batch=batch, seq=SEQ)
-        if not padded:
-            return plain
         # every odd sample's last 40 tokens masked, labels -100: parallelize replaces the mask by
         # all ones; the one-device run zeroes the pads' inputs to the gated delta net
-        out = []
-        for ids, labels in plain:
-            mask = torch.ones_like(ids)
-            mask[1::2, -40:] = 0
-            out.append((ids, labels.masked_fill(mask == 0, -100), {"attention_mask": mask}))
-        return out
+        return right_padded(plain, 40) if padded else plain
 
     def reference(_dummy):
         from hypershard.models import tiny_model, train

@@ -52,6 +52,16 @@ def test_right_padding_mask_is_replaced_by_all_ones():
         config = type("Config", (), {"output_router_logits": True})()
     with pytest.raises(ValueError, match="auxiliary router loss"):
         _head_tail_inputs({"input_ids": ids, "attention_mask": mask}, chunks=4, module=RouterLoss())
+    # the forward's argument wins over the config, either way
+    with pytest.raises(ValueError, match="auxiliary router loss"):
+        _head_tail_inputs({"input_ids": ids, "attention_mask": mask, "output_router_logits": True}, chunks=4)
+    off = {"input_ids": ids, "attention_mask": mask, "output_router_logits": False, "position_ids": ids * 0}
+    assert _head_tail_inputs(off, chunks=4, module=RouterLoss())["attention_mask"].all()
+    # a caller's shift_labels win over labels (transformers' ForCausalLMLoss), in the check too
+    pads_trained = labels.clone()
+    out = _head_tail_inputs({"input_ids": ids, "labels": pads_trained, "shift_labels": labels * 0 - 100,
+                             "attention_mask": mask}, chunks=4)
+    assert (out["shift_labels"] == -100).all() and (out["labels"] == -100).all()
 
 
 def test_round_trip():
@@ -198,6 +208,7 @@ def test_moe_block_tokens_as_one_run_per_rank():
     assert list(hs._C.local_of(tokens).shape) == [1, 8, 5]
     assert hs._C.layout_of(back(tokens)) == hs._C.layout_of(hidden)
     assert _tokens_as_one_run(m.dtensor([2, 8, 5], ["S(0)", "S(1)"])) is None  # one sequence per rank
+    assert _tokens_as_one_run(m.dtensor([5, 8, 5], ["S(0)", "S(1)"])) is None  # uneven: decided globally
     assert _tokens_as_one_run(m.dtensor([4, 8, 6], ["S(1)", "S(2)"])) is None  # hidden sharded
     assert _tokens_as_one_run(m.dtensor([4, 8, 5], ["R", "R"])) is None  # sequence whole
     assert _tokens_as_one_run(m.dtensor([4, 8, 5], [hs.Partial(), "S(1)"])) is None  # Partial over dp
