@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <numeric>
 
+#include "ops/expand_helpers.h"
 #include "ops/families.h"
 #include "ops/partial.h"
 #include "runtime/redistribute.h"
@@ -55,18 +56,11 @@ std::vector<int64_t> sharding_axes(const Layout& l) {
   return axes;
 }
 
-// Sums `t` over this rank's group on every axis in `axes` (distinct blocks: each position of
-// the sub-mesh those axes span once).
-at::Tensor sum_over(at::Tensor t, const runtime::DeviceMesh& mesh, const std::vector<int64_t>& axes) {
-  for (int64_t axis : axes) t = runtime::all_reduce_along(t, mesh, axis, layout::ReduceOp::Sum);
-  return t;
-}
-
 // Where this rank's true elements of `mask` (its block of a tensor laid out as `layout`, which
 // is sharded somewhere) sit among ALL true elements in GLOBAL row-major order, in local order;
 // `total` gets the global count (the same on every rank).
-at::Tensor global_positions(const at::Tensor& mask, const Layout& layout, const runtime::DeviceMesh& mesh,
-                            int64_t& total) {
+at::Tensor global_positions(const at::Tensor& mask, const Layout& layout, const OpCall& call, int64_t& total) {
+  const runtime::DeviceMesh& mesh = *call.mesh;
   const auto& dims = layout.dim_axes();
   int64_t j = layout.ndim() - 1;
   while (dims[j].empty()) --j;  // the last sharded dim
@@ -87,7 +81,8 @@ at::Tensor global_positions(const at::Tensor& mask, const Layout& layout, const 
   };
   at::Tensor grid = at::zeros(grid_shape, options);
   mine(grid).copy_(run_counts);
-  grid = sum_over(grid, mesh, sharding_axes(layout)).reshape({-1});
+  // distinct blocks: each position of the sub-mesh the sharding axes span counted once
+  grid = all_reduce_axes(grid, call, sharding_axes(layout), layout::ReduceOp::Sum).reshape({-1});
   total = grid.sum().item<int64_t>();
   const at::Tensor starts = (grid.cumsum(0) - grid).view(grid_shape);
 
@@ -101,12 +96,12 @@ at::Tensor global_positions(const at::Tensor& mask, const Layout& layout, const 
 // `rows` (one per local true element, in local order) written at their GLOBAL positions into
 // zeros of `total` rows, summed over the sharding axes: every rank's rows in global order.
 at::Tensor rows_in_global_order(const at::Tensor& rows, const at::Tensor& positions, int64_t total,
-                                const Layout& layout, const runtime::DeviceMesh& mesh) {
+                                const Layout& layout, const OpCall& call) {
   auto sizes = rows.sizes().vec();
   sizes[0] = total;
   at::Tensor out = at::zeros(sizes, rows.options());
   out.index_copy_(0, positions, rows);
-  return sum_over(out, mesh, sharding_axes(layout));
+  return all_reduce_axes(out, call, sharding_axes(layout), layout::ReduceOp::Sum);
 }
 
 void check_mask_shape(const OpCall& call, int64_t mask, const std::vector<int64_t>& self_shape) {
@@ -166,13 +161,12 @@ void masked_scatter_expand(const LayoutPtr& self_layout, const OpCall& call, Sta
   at::Tensor self = call.arg(0).toTensor();
   const at::Tensor mask = call.arg(1).toTensor().expand_as(self), source = call.arg(2).toTensor();
   int64_t total = 0;
-  const at::Tensor positions = global_positions(mask, *self_layout, *call.mesh, total);
+  const at::Tensor positions = global_positions(mask, *self_layout, call, total);
   TORCH_CHECK(total <= source.numel(), call.name(), ": Number of elements of source < number of ones in mask");
   const auto part = source.reshape({-1}).index_select(0, positions);
   const bool inplace = call.name() == "aten::masked_scatter_";
   at::Tensor out = inplace ? self.masked_scatter_(mask, part) : self.masked_scatter(mask, part);
-  torch::jit::drop(stack, call.num_args());
-  stack.emplace_back(out);
+  replace_args(call, stack, {out});
 }
 
 OpPlan masked_scatter_rule(const OpCall& call) {
@@ -191,15 +185,14 @@ void masked_scatter_backward_expand(const LayoutPtr& grad_layout, const OpCall& 
   const at::Tensor grad = call.arg(0).toTensor(), mask = call.arg(1).toTensor().expand_as(grad);
   const auto sizes = int_list(call.arg(2));
   int64_t total = 0;
-  const at::Tensor positions = global_positions(mask, *grad_layout, *call.mesh, total);
+  const at::Tensor positions = global_positions(mask, *grad_layout, call, total);
   const int64_t numel = layout::numel(sizes);
   TORCH_CHECK(total <= numel, call.name(), ": the mask selects ", total, " elements, more than sizes ",
               layout::shape_string(sizes), " hold");
   at::Tensor out = at::zeros({numel}, grad.options());
   out.index_copy_(0, positions, grad.masked_select(mask));
-  out = sum_over(out, *call.mesh, sharding_axes(*grad_layout)).view(sizes);
-  torch::jit::drop(stack, call.num_args());
-  stack.emplace_back(out);
+  out = all_reduce_axes(out, call, sharding_axes(*grad_layout), layout::ReduceOp::Sum).view(sizes);
+  replace_args(call, stack, {out});
 }
 
 OpPlan masked_scatter_backward_rule(const OpCall& call) {
@@ -238,10 +231,9 @@ void bool_index_expand(const LayoutPtr& mask_layout, const OpCall& call, Stack& 
   const at::Tensor self = call.arg(0).toTensor();
   const at::Tensor mask = call.arg(1).toList().get(0).toTensor();
   int64_t total = 0;
-  const at::Tensor positions = global_positions(mask, *mask_layout, *call.mesh, total);
-  at::Tensor out = rows_in_global_order(self.index({mask}), positions, total, *mask_layout, *call.mesh);
-  torch::jit::drop(stack, call.num_args());
-  stack.emplace_back(out);
+  const at::Tensor positions = global_positions(mask, *mask_layout, call, total);
+  at::Tensor out = rows_in_global_order(self.index({mask}), positions, total, *mask_layout, call);
+  replace_args(call, stack, {out});
 }
 
 void bool_index_put_expand(const LayoutPtr& mask_layout, bool per_position, const OpCall& call, Stack& stack) {
@@ -251,7 +243,7 @@ void bool_index_put_expand(const LayoutPtr& mask_layout, bool per_position, cons
   const bool accumulate = call.arg(3).toBool();
   if (per_position) {
     int64_t total = 0;
-    const at::Tensor positions = global_positions(mask, *mask_layout, *call.mesh, total);
+    const at::Tensor positions = global_positions(mask, *mask_layout, call, total);
     TORCH_CHECK(values.size(0) == total, call.name(), ": shape mismatch: ", values.size(0), " values for the ", total,
                 " positions the mask selects");
     values = values.index_select(0, positions);
@@ -266,8 +258,7 @@ void bool_index_put_expand(const LayoutPtr& mask_layout, bool per_position, cons
     out = self.index_put_(indices, values, accumulate);
   else
     out = at::_index_put_impl_(self, indices, values, accumulate, call.arg(4).toBool());
-  torch::jit::drop(stack, call.num_args());
-  stack.emplace_back(out);
+  replace_args(call, stack, {out});
 }
 
 // What both indexing rules plan for the mask: which tensor it is, how many leading dims of self

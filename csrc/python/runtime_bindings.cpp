@@ -241,8 +241,8 @@ void bind_runtime(py::module_& m) {
         "all-reduce per axis per bucket. 0 reduces each gradient when it arrives.");
   m.def("grad_bucket_bytes", &runtime::grad_bucket_bytes);
   m.def("set_grad_overlap", &runtime::set_grad_overlap, py::arg("overlap"),
-        "Whether a full gradient bucket (one Partial axis) starts its all-reduce during the backward "
-        "pass (default True) or every bucket waits for the end (False: no overlap).");
+        "Whether a full gradient bucket starts its all-reduce (over its first Partial axis) during the "
+        "backward pass (default True) or every bucket waits for the end (False: no overlap).");
   m.def("grad_overlap", &runtime::grad_overlap);
   m.def("grad_sync_stats", [] {
     const auto s = runtime::grad_sync_stats();

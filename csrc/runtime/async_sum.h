@@ -17,6 +17,7 @@ class PendingSum {
   PendingSum(at::Tensor buffer, const DeviceMesh& mesh, int64_t axis);
   // Blocks until the sum is in `buffer` (release the GIL around it: c10d's wait may need it).
   void wait();
+  const at::Tensor& buffer() const { return buffer_; }
 
  private:
   at::Tensor buffer_, moved_;  // moved_: the bytes the backend reduces (another dtype, or buffer_)

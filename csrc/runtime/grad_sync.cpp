@@ -83,10 +83,9 @@ struct Group {
 // A bucket whose all-reduce started during the pass: over axes[0] then, at the end, the others.
 struct Started {
   std::vector<std::pair<at::Tensor, LayoutPtr>> grads;  // (.grad, target layout)
-  at::Tensor buffer;
   DeviceMeshPtr mesh;
   std::vector<int64_t> axes;
-  PendingSum sum;  // over axes[next - 1]
+  PendingSum sum;  // of the bucket's buffer over axes[next - 1]
   size_t next = 1;
 };
 
@@ -173,28 +172,42 @@ bool defer(Deferred item) {
   return true;
 }
 
-void reduce_bucket(Group& group, size_t begin, size_t end) {
+using BucketGrads = c10::ArrayRef<std::pair<at::Tensor, LayoutPtr>>;  // (.grad, target layout)
+
+// Copies `grads`' locals into one contiguous buffer and makes each .grad's local its slice of it
+// (layout unchanged: still Partial until the buffer is summed).
+at::Tensor pack_bucket(BucketGrads grads, at::ScalarType dtype, c10::Device device) {
   int64_t total = 0;
-  for (size_t i = begin; i < end; ++i) total += dtensor_impl(group.grads[i].first)->local().numel();
-  auto buffer = at::empty({total}, at::TensorOptions().dtype(group.dtype).device(group.device));
+  for (const auto& [grad, target] : grads) total += dtensor_impl(grad)->local().numel();
+  auto buffer = at::empty({total}, at::TensorOptions().dtype(dtype).device(device));
   int64_t offset = 0;
-  for (size_t i = begin; i < end; ++i) {
-    const auto& local = dtensor_impl(group.grads[i].first)->local();
-    buffer.narrow(0, offset, local.numel()).view(local.sizes()).copy_(local);
-    offset += local.numel();
-  }
-  for (const int64_t axis : group.axes) sum_in_place_along(buffer, *group.mesh, axis);
-  offset = 0;
-  for (size_t i = begin; i < end; ++i) {
-    auto& [grad, target] = group.grads[i];
+  for (const auto& [grad, target] : grads) {
     auto* impl = dtensor_impl(grad);
-    const auto sizes = impl->local().sizes().vec();
     const int64_t n = impl->local().numel();
-    impl->replace(buffer.narrow(0, offset, n).view(sizes), target);
+    at::Tensor slice = buffer.narrow(0, offset, n).view(impl->local().sizes());
+    slice.copy_(impl->local());
+    impl->replace(std::move(slice), impl->layout());
     offset += n;
   }
+  return buffer;
+}
+
+// After the bucket's sum: each .grad (a slice of it) takes its leaf's layout; counted.
+void settle_bucket(BucketGrads grads, bool overlapped) {
+  for (const auto& [grad, target] : grads) {
+    auto* impl = dtensor_impl(grad);
+    impl->replace(impl->local(), target);
+  }
   g_buckets.fetch_add(1, std::memory_order_relaxed);
-  g_bucketed.fetch_add(static_cast<int64_t>(end - begin), std::memory_order_relaxed);
+  if (overlapped) g_overlapped.fetch_add(1, std::memory_order_relaxed);
+  g_bucketed.fetch_add(static_cast<int64_t>(grads.size()), std::memory_order_relaxed);
+}
+
+void reduce_bucket(Group& group, size_t begin, size_t end) {
+  const BucketGrads grads = BucketGrads(group.grads).slice(begin, end - begin);
+  at::Tensor buffer = pack_bucket(grads, group.dtype, group.device);
+  for (const int64_t axis : group.axes) sum_in_place_along(buffer, *group.mesh, axis);
+  settle_bucket(grads, /*overlapped=*/false);
 }
 
 // `item`'s .grad when it still holds the Partial gradient its hook left (with the Partial axes);
@@ -233,21 +246,9 @@ int64_t local_bytes(const at::Tensor& grad) {
 
 // Starts the all-reduce of `group`'s filled bucket; its members' .grad become slices of it.
 void start_bucket(Batch& batch, Group& group) {
-  int64_t total = 0;
-  for (const auto& [grad, target] : group.grads) total += dtensor_impl(grad)->local().numel();
-  auto buffer = at::empty({total}, at::TensorOptions().dtype(group.dtype).device(group.device));
-  int64_t offset = 0;
-  for (const auto& [grad, target] : group.grads) {
-    auto* impl = dtensor_impl(grad);
-    const auto sizes = impl->local().sizes().vec();
-    const int64_t n = impl->local().numel();
-    at::Tensor slice = buffer.narrow(0, offset, n).view(sizes);
-    slice.copy_(impl->local());
-    impl->replace(std::move(slice), impl->layout());  // still Partial until the sum is waited for
-    offset += n;
-  }
+  at::Tensor buffer = pack_bucket(group.grads, group.dtype, group.device);
   PendingSum sum(buffer, *group.mesh, group.axes.front());
-  batch.started.push_back(Started{std::move(group.grads), buffer, group.mesh, group.axes, std::move(sum)});
+  batch.started.push_back(Started{std::move(group.grads), group.mesh, group.axes, std::move(sum)});
   for (size_t i : group.items) batch.items[i].started = true;
   group.grads.clear();
   group.items.clear();
@@ -281,20 +282,12 @@ void finish_started(std::vector<Started>& started) {
     for (auto& bucket : started) {
       without_gil([&] { bucket.sum.wait(); });
       if (bucket.next < bucket.axes.size()) {
-        bucket.sum = PendingSum(bucket.buffer, *bucket.mesh, bucket.axes[bucket.next++]);
+        bucket.sum = PendingSum(bucket.sum.buffer(), *bucket.mesh, bucket.axes[bucket.next++]);
         more = true;
       }
     }
   }
-  for (auto& bucket : started) {
-    for (auto& [grad, target] : bucket.grads) {
-      auto* impl = dtensor_impl(grad);
-      impl->replace(impl->local(), target);
-    }
-    g_buckets.fetch_add(1, std::memory_order_relaxed);
-    g_overlapped.fetch_add(1, std::memory_order_relaxed);
-    g_bucketed.fetch_add(static_cast<int64_t>(bucket.grads.size()), std::memory_order_relaxed);
-  }
+  for (const auto& bucket : started) settle_bucket(bucket.grads, /*overlapped=*/true);
   started.clear();
 }
 

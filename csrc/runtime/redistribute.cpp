@@ -413,10 +413,7 @@ void PendingSum::wait() {
 }
 
 void sum_in_place_along(at::Tensor& buffer, const DeviceMesh& mesh, int64_t axis) {
-  TORCH_INTERNAL_ASSERT(buffer.is_contiguous());
-  if (mesh.mesh()->shape()[axis] == 1) return;
-  count_all_reduce(buffer, mesh, axis);
-  all_reduce_in_place(buffer, mesh, axis, ReduceOp::Sum);
+  PendingSum(buffer, mesh, axis).wait();
 }
 
 void check_same_on_every_rank(const at::Tensor& tensor, const DeviceMesh& mesh, const std::string& what) {
