@@ -88,7 +88,14 @@ import torch
 from torch import nn
 
 from . import _C
-from .context_parallel import is_moe_block, natural_order_reason, tokens_in_rank_order, use_causal_lm_loss
+from .context_parallel import (
+    is_moe_block,
+    natural_order_reason,
+    shift_labels,
+    to_head_tail,
+    tokens_in_rank_order,
+    use_causal_lm_loss,
+)
 from .dtensor import distribute_tensor
 from .placement_types import Replicate, Shard
 
@@ -455,10 +462,8 @@ def _head_tail_inputs(kwargs: dict, chunks: int, module=None) -> dict:
     ``shift_labels``, which transformers' ForCausalLMLoss then takes as they are), position ids made
     when the caller gave none, an all-ones attention mask always (see below). A padding mask is
     taken only on the right (_right_padding_dropped); others are refused: transformers builds the
-    mask's causal part from natural positions. `chunks` None: the sequence stays in natural order
-    (a model with linear attention, see parallelize)."""
-    from .context_parallel import to_head_tail
-
+    mask's causal part from natural positions. `chunks` 0: the sequence stays in natural order
+    (a model that keeps it, see parallelize)."""
     kwargs = dict(kwargs)
     ids = kwargs.get("input_ids")
     embeds = kwargs.get("inputs_embeds")
@@ -501,8 +506,6 @@ def _shifted_targets(kwargs: dict) -> Optional[torch.Tensor]:
     """Position p's target for every p, as transformers' ForCausalLMLoss takes it: the caller's
     ``shift_labels`` when given, else ``labels`` shifted by one (on the whole natural-order
     sequence); None without either."""
-    from .context_parallel import shift_labels
-
     if isinstance(kwargs.get("shift_labels"), torch.Tensor):
         return kwargs["shift_labels"]
     return shift_labels(kwargs["labels"]) if isinstance(kwargs.get("labels"), torch.Tensor) else None
@@ -516,7 +519,6 @@ def _right_padding_dropped(mask: torch.Tensor, kwargs: dict, module) -> None:
     token's loss are the ones the mask gives; only the pads' own outputs differ, and nothing
     trains on them. A left-padded row needs the mask's causal part at global positions, which
     transformers builds from natural ones."""
-
     if mask.dim() != 2:
         raise ValueError(
             f"hypershard: parallelize: a {mask.dim()}-D attention_mask on a context-parallel mesh (its "
