@@ -74,6 +74,10 @@ from .loading import from_pretrained  # noqa: E402
 from .mixed_precision import mixed_precision  # noqa: E402
 from .parallel import parallelize  # noqa: E402
 from .placement_types import Partial, Replicate, Shard  # noqa: E402
+from .traced import (
+    TracedDTensor,  # noqa: E402
+    compile,  # noqa: E402,A004  (hypershard.compile: the traced local program)
+)
 
 LayoutError.__module__ = __name__  # shown as hypershard.LayoutError in tracebacks
 
@@ -106,9 +110,11 @@ __all__ = [
     "ReduceOp",
     "Span",
     "StepKind",
+    "TracedDTensor",
     "alias",
     "checkpoint",
     "chunk_span",
+    "compile",
     "from_alias",
     "from_placements",
     "from_pretrained",

@@ -98,6 +98,7 @@ from .context_parallel import (
 )
 from .dtensor import distribute_tensor
 from .placement_types import Replicate, Shard
+from .traced import TracedDTensor
 
 __all__ = ["parallelize", "tp_plan_of", "ep_plan_of", "STYLES", "Style", "style"]
 
@@ -140,6 +141,8 @@ def _experts_dim(module, name, param):
 
 
 def _replicate_tensor_on(t, axis: int):
+    if isinstance(t, TracedDTensor):  # in hypershard.compile's traced forward: an op Dynamo records
+        return torch.ops.hypershard.replicate_on(t, axis)
     if isinstance(t, torch.Tensor) and _C.is_dtensor(t):
         layout = _C.layout_of(t)
         if layout.is_partial(axis) or layout.is_sharded(axis):

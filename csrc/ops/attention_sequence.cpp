@@ -35,6 +35,7 @@
 #include <string>
 
 #include "runtime/redistribute.h"
+#include "runtime/traced_collectives.h"
 
 namespace hypershard::ops::sequence_attention {
 namespace {
@@ -139,6 +140,7 @@ class RingPass {
  public:
   RingPass(const OpCall& c, int64_t axis, const at::Tensor& send, int tag) : send_(send.contiguous()) {
     const int64_t n = c.mesh->mesh()->shape()[axis], me = c.mesh->coordinate(axis);
+    runtime::check_not_tracing("ring attention's rank-to-rank passing");
     received_ = at::empty_like(send_);
     auto& group = c.mesh->group(axis);
     std::vector<at::Tensor> out{runtime::movable_view(send_)}, in{runtime::movable_view(received_)};

@@ -43,6 +43,7 @@
 #include "ops/families.h"
 #include "ops/sharding_search.h"
 #include "runtime/dtensor_impl.h"
+#include "runtime/traced_collectives.h"
 
 namespace hypershard::ops {
 namespace {
@@ -83,7 +84,10 @@ void embedding_vocab_expand(const VocabShard& v, const OpCall& call, Stack& stac
               "Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, Int; "
               "but got ",
               indices.scalar_type(), " instead (while checking arguments for embedding)");
-  if (indices.numel() > 0) {
+  if (indices.numel() > 0 && runtime::tracing()) {  // no values to read: a device-side assert
+    const auto [low, high] = at::aminmax(indices);
+    at::_assert_async(low.ge(0).logical_and(high.lt(vocab)), "hypershard: embedding: index out of range in self");
+  } else if (indices.numel() > 0) {
     const auto [low, high] = at::aminmax(indices);
     TORCH_CHECK_INDEX(low.item<int64_t>() >= 0 && high.item<int64_t>() < vocab, "index out of range in self");
   }

@@ -69,6 +69,7 @@
 #include "ops/sharding_search.h"
 #include "runtime/dtensor_impl.h"
 #include "runtime/redistribute.h"
+#include "runtime/traced_collectives.h"
 
 namespace hypershard::ops {
 namespace {
@@ -289,7 +290,9 @@ at::Tensor local_targets(const Nll& n, const OpCall& call, const at::Tensor& sel
   const auto t = target.scalar_type() == at::kByte ? target.to(at::kLong) : target;
   const auto used = t.ne(ignore);
   const auto bad = used.logical_and(t.lt(0).logical_or(t.ge(n_classes)));
-  if (!t.is_cpu()) {  // no host sync on accelerators: a device-side assert, as torch's kernels
+  // No host sync on accelerators, nor while tracing (no values): a device-side assert, as
+  // torch's kernels.
+  if (!t.is_cpu() || runtime::tracing()) {
     at::_assert_async(bad.any().logical_not(), "hypershard: nll_loss: a target is out of bounds");
   } else if (bad.any().item<bool>()) {
     TORCH_CHECK_INDEX(false, "Target ", t.masked_select(bad)[0].item<int64_t>(), " is out of bounds.");

@@ -21,6 +21,7 @@
 #include "runtime/fully_shard.h"
 #include "runtime/grad_sync.h"
 #include "runtime/redistribute.h"
+#include "runtime/traced_collectives.h"
 
 namespace py = pybind11;
 
@@ -28,6 +29,35 @@ namespace hypershard::python {
 namespace {
 
 using runtime::DeviceMesh;
+
+// __torch_dispatch__ hands a Tensor argument that was a Python number (`x * 2`) over as that
+// number; the schema wants a tensor: the wrapped-number tensor the arg parser had made.
+py::object wrapped_number(const c10::Argument& argument, const py::handle& value) {
+  if (!argument.type()->isSubtypeOf(*c10::TensorType::get()) ||
+      !(PyBool_Check(value.ptr()) || PyLong_Check(value.ptr()) || PyFloat_Check(value.ptr()) ||
+        PyComplex_Check(value.ptr())))
+    return py::reinterpret_borrow<py::object>(value);
+  at::Tensor t = c10::scalar_to_tensor(torch::jit::toIValue(value, c10::NumberType::get()).toScalar());
+  t.unsafeGetTensorImpl()->set_wrapped_number(true);
+  return py::cast(t);
+}
+
+py::tuple with_wrapped_numbers(const c10::FunctionSchema& schema, const py::args& args) {
+  py::tuple out(args.size());
+  for (size_t i = 0; i < args.size(); ++i)
+    out[i] = i < schema.arguments().size() ? wrapped_number(schema.arguments()[i], args[i])
+                                           : py::reinterpret_borrow<py::object>(args[i]);
+  return out;
+}
+
+py::dict with_wrapped_numbers(const c10::FunctionSchema& schema, const py::kwargs& kwargs) {
+  py::dict out;
+  for (const auto& [key, value] : kwargs) {
+    const auto index = schema.argumentIndexWithName(py::cast<std::string>(key));
+    out[key] = index ? wrapped_number(schema.arguments()[*index], value) : py::reinterpret_borrow<py::object>(value);
+  }
+  return out;
+}
 using runtime::DeviceMeshPtr;
 
 // DeviceMesh::SequenceAttention's values, in order, as parallelize's cp_algorithm names them.
@@ -130,6 +160,46 @@ void bind_runtime(py::module_& m) {
       },
       py::arg("local"), py::arg("device_mesh"), py::arg("layout"), py::call_guard<py::gil_scoped_release>());
   m.def("to_local", &runtime::to_local, py::arg("tensor"), py::call_guard<py::gil_scoped_release>());
+  // Tracing (hypershard/compile_support.py): the traced program's DTensors are Python wrappers
+  // around traced locals; these run hypershard's operator flow on them with collectives emitted
+  // as functional collectives (runtime/traced_collectives.h). They hold the GIL: the locals'
+  // ops call back into Python (the tracer's modes).
+  m.def(
+      "wrap_local",
+      [](const at::Tensor& local, const DeviceMeshPtr& mesh, const layout::Layout& layout, std::vector<int64_t> strides,
+         int64_t storage_offset) {
+        const runtime::Geometry geometry{strides, storage_offset};
+        return runtime::make_dtensor(local, layout::intern_layout(layout), mesh, &geometry);
+      },
+      py::arg("local"), py::arg("device_mesh"), py::arg("layout"), py::arg("strides"), py::arg("storage_offset"),
+      "A DTensor around `local` itself (no alias, not differentiable) reporting the global `strides` "
+      "and `storage_offset`.");
+  m.def(
+      "traced_call",
+      [](const std::string& name, const std::string& overload, const py::args& args, const py::kwargs& kwargs) {
+        const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+        auto stack = torch::jit::createStackForSchema(op.schema(), with_wrapped_numbers(op.schema(), args),
+                                                      with_wrapped_numbers(op.schema(), kwargs), std::nullopt);
+        {
+          runtime::TracingScope tracing;
+          runtime::detail::dtensor_fallback(op, c10::DispatchKeySet(c10::DispatchKey::PrivateUse2), &stack);
+        }
+        return torch::jit::createPyObjectForStack(std::move(stack));
+      },
+      py::arg("name"), py::arg("overload"),
+      "Op name.overload on DTensors whose locals are traced: hypershard's operator flow, each "
+      "collective a functional collective the tracer records.");
+  m.def(
+      "traced_redistribute",
+      [](const at::Tensor& t, const layout::Layout& layout) {
+        const auto& impl = runtime::checked_dtensor(t, "traced_redistribute");
+        const auto dst = layout::intern_layout(layout);
+        runtime::TracingScope tracing;
+        return runtime::make_dtensor(runtime::redistribute_local(impl.local(), impl.layout(), dst, *impl.device_mesh()),
+                                     dst, impl.device_mesh());
+      },
+      py::arg("tensor"), py::arg("layout"),
+      "`tensor` (a DTensor with a traced local) in `layout`, not differentiable.");
   // Collectives run without the GIL: a finished gloo work is destroyed on gloo's thread, and
   // its saved thread-local state may drop Python references (which needs the GIL) -- holding
   // the GIL while waiting for that work deadlocks (seen as a random hang in full_tensor).

@@ -9,6 +9,7 @@
 #include "layout/error.h"
 #include "runtime/dispatch_internal.h"
 #include "runtime/redistribute.h"
+#include "runtime/traced_collectives.h"
 
 namespace hypershard::runtime {
 namespace {
@@ -95,6 +96,7 @@ void FullyShardGroup::start_gather() {
   const int64_t bytes = flat_ * (members_ - 1) * static_cast<int64_t>(send_.element_size());
   count_collective(bytes);
   stats_.bytes_sent += bytes;
+  check_not_tracing("fully_shard's parameter all-gather");
   at::Tensor received_bytes = movable_view(received_), send_bytes = movable_view(send_);
   work_ = mesh_->group(axis_)._allgather_base(received_bytes, send_bytes);
 }
@@ -232,6 +234,7 @@ std::vector<at::Tensor> FullyShardGroup::reduce_scatter(const std::vector<at::Te
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
     auto send_flat = send.view({members_ * flat_});  // c10d wants the members' blocks in one flat dim
+    check_not_tracing("fully_shard's gradient reduce-scatter");
     mesh_->group(axis_)._reduce_scatter_base(received, send_flat, opts)->wait();
   }
   ++stats_.reduce_scatters;

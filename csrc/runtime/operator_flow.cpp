@@ -22,6 +22,7 @@
 #include "runtime/dispatch_internal.h"
 #include "runtime/dtensor_impl.h"
 #include "runtime/redistribute.h"
+#include "runtime/traced_collectives.h"
 
 namespace hypershard::runtime {
 namespace detail {
@@ -60,6 +61,9 @@ std::vector<std::pair<std::vector<int64_t>, int64_t>> view_geometry(const c10::O
     else
       meta.push_back(v);
   }
+  // Internal meta tensors: a tracer's modes (torch.compile) must neither see nor record them.
+  c10::impl::ExcludeDispatchKeyGuard no_modes(
+      c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
   op.callBoxed(&meta);
   std::vector<std::pair<std::vector<int64_t>, int64_t>> out;
   for (const auto& r : meta) {
@@ -488,7 +492,8 @@ void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
                        /*counted=*/plain == PlainDestination::kGathered);
     return;
   }
-  if (g_check_replicas.load(std::memory_order_relaxed)) check_plain_operands(call);
+  // (a traced operand has no values to compare)
+  if (g_check_replicas.load(std::memory_order_relaxed) && !tracing()) check_plain_operands(call);
   check_detached_views(op, info, call);
   info.calls.fetch_add(1, std::memory_order_relaxed);
 

@@ -1,6 +1,7 @@
 #include "runtime/redistribute.h"
 
 #include "runtime/async_sum.h"
+#include "runtime/traced_collectives.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -35,6 +36,20 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
       return c10d::ReduceOp::PRODUCT;
   }
   return c10d::ReduceOp::SUM;
+}
+
+// The functional collectives' name of to_c10d(op).
+const char* functional_name(ReduceOp op) {
+  switch (to_c10d(op)) {
+    case c10d::ReduceOp::MAX:
+      return "max";
+    case c10d::ReduceOp::MIN:
+      return "min";
+    case c10d::ReduceOp::PRODUCT:
+      return "product";
+    default:
+      return "sum";
+  }
 }
 
 // ------------------------------------------------------------------ dtypes the backends lack
@@ -108,6 +123,17 @@ at::Tensor pad_to(const at::Tensor& t, int64_t dim, int64_t length) {
   return at::cat({t, at::zeros(sizes, t.options())}, dim);
 }
 
+// Every member's `send` (equal shapes, contiguous) along dim 0, in coordinate order.
+at::Tensor gather_dim0(const at::Tensor& send, const DeviceMesh& mesh, int64_t axis) {
+  if (tracing()) return from_movable(traced_all_gather(movable(send), mesh, axis), send);
+  auto sizes = send.sizes().vec();
+  sizes[0] *= mesh.mesh()->shape()[axis];
+  auto gathered = at::empty(sizes, send.options());
+  at::Tensor gathered_bytes = movable(gathered), send_bytes = movable(send);
+  mesh.group(axis)._allgather_base(gathered_bytes, send_bytes)->wait();
+  return gathered;
+}
+
 at::Tensor all_gather(const RedistributeStep& step, const at::Tensor& local, const DeviceMesh& mesh) {
   const int64_t k = mesh.mesh()->shape()[step.axis];
   const int64_t d = step.src_dim;
@@ -119,11 +145,7 @@ at::Tensor all_gather(const RedistributeStep& step, const at::Tensor& local, con
   }
   // Gather equal-sized padded chunks along dim 0, then trim and join along d.
   auto send = pad_to(local, d, longest).movedim(d, 0).contiguous();
-  auto sizes = send.sizes().vec();
-  sizes[0] = longest * k;
-  auto gathered = at::empty(sizes, send.options());
-  at::Tensor gathered_bytes = movable(gathered), send_bytes = movable(send);
-  mesh.group(step.axis)._allgather_base(gathered_bytes, send_bytes)->wait();
+  at::Tensor gathered = gather_dim0(send, mesh, step.axis);
   // Even chunks need no trimming: the gathered buffer already is the result along dim 0.
   const bool even = std::all_of(lengths.begin(), lengths.end(), [&](int64_t l) { return l == longest; });
   at::Tensor joined = gathered;
@@ -161,6 +183,10 @@ at::Tensor without_nan_flag(const at::Tensor& packed) {
 // One c10d all-reduce of a contiguous `buffer` over this rank's group on `axis`, in place (avg:
 // the sum; reduce_op_finish divides).
 void all_reduce_in_place(at::Tensor& buffer, const DeviceMesh& mesh, int64_t axis, ReduceOp op) {
+  if (tracing()) {  // a new tensor: the caller's `buffer` is rebound, not written
+    buffer = from_movable(traced_all_reduce(reducible(buffer, op), functional_name(op), mesh, axis), buffer);
+    return;
+  }
   std::vector<at::Tensor> tensors{reducible(buffer, op)};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
@@ -170,7 +196,8 @@ void all_reduce_in_place(at::Tensor& buffer, const DeviceMesh& mesh, int64_t axi
 
 at::Tensor all_reduce_raw(const at::Tensor& local, const DeviceMesh& mesh, int64_t axis, ReduceOp op) {
   const bool flagged = needs_nan_flag(local, op);
-  at::Tensor buffer = flagged ? with_nan_flag(local, op) : local.contiguous().clone();
+  // (a traced all-reduce returns a new tensor: no copy to reduce into)
+  at::Tensor buffer = flagged ? with_nan_flag(local, op) : tracing() ? local.contiguous() : local.contiguous().clone();
   all_reduce_in_place(buffer, mesh, axis, op);
   return reduce_op_finish(flagged ? without_nan_flag(buffer) : buffer, op, mesh.mesh()->shape()[axis]);
 }
@@ -193,12 +220,17 @@ at::Tensor reduce_scatter(const RedistributeStep& step, const at::Tensor& local_
   }
   const auto original = local.scalar_type();
   auto send = reducible(at::cat(chunks, 0).contiguous(), step.op);
-  auto sizes = send.sizes().vec();
-  sizes[0] = longest;
-  auto received = at::empty(sizes, send.options());
-  c10d::ReduceScatterOptions opts;
-  opts.reduceOp = to_c10d(step.op);
-  mesh.group(step.axis)._reduce_scatter_base(received, send, opts)->wait();
+  at::Tensor received;
+  if (tracing()) {
+    received = traced_reduce_scatter(send, functional_name(step.op), mesh, step.axis);
+  } else {
+    auto sizes = send.sizes().vec();
+    sizes[0] = longest;
+    received = at::empty(sizes, send.options());
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = to_c10d(step.op);
+    mesh.group(step.axis)._reduce_scatter_base(received, send, opts)->wait();
+  }
   if (at::isComplexType(original))
     received = at::view_as_complex(received);
   else
@@ -231,9 +263,14 @@ at::Tensor all_to_all(const RedistributeStep& step, const at::Tensor& local, con
     recv_shapes[c] = std::move(shape);
   }
   auto send = at::cat(pieces, 0);
-  auto received = at::empty({std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0})}, local.options());
-  at::Tensor received_bytes = movable(received), send_bytes = movable(send);
-  mesh.group(step.axis).alltoall_base(received_bytes, send_bytes, recv_counts, send_counts)->wait();
+  at::Tensor received;
+  if (tracing()) {
+    received = from_movable(traced_all_to_all(movable(send), recv_counts, send_counts, mesh, step.axis), send);
+  } else {
+    received = at::empty({std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0})}, local.options());
+    at::Tensor received_bytes = movable(received), send_bytes = movable(send);
+    mesh.group(step.axis).alltoall_base(received_bytes, send_bytes, recv_counts, send_counts)->wait();
+  }
   std::vector<at::Tensor> blocks;
   int64_t offset = 0;
   for (int64_t c = 0; c < k; ++c) {
@@ -397,6 +434,7 @@ at::Tensor all_reduce_along(const at::Tensor& local, const DeviceMesh& mesh, int
 PendingSum::PendingSum(at::Tensor buffer, const DeviceMesh& mesh, int64_t axis) : buffer_(std::move(buffer)) {
   TORCH_INTERNAL_ASSERT(buffer_.is_contiguous());
   if (mesh.mesh()->shape()[axis] == 1) return;
+  check_not_tracing("an asynchronous gradient-bucket sum");
   count_all_reduce(buffer_, mesh, axis);
   moved_ = reducible(buffer_, ReduceOp::Sum);
   std::vector<at::Tensor> tensors{moved_};
@@ -441,13 +479,9 @@ at::Tensor all_gather_along(const at::Tensor& local, const DeviceMesh& mesh, int
   const int64_t k = mesh.mesh()->shape()[axis];
   if (k == 1) return local;
   auto send = local.movedim(dim, 0).contiguous();
-  auto sizes = send.sizes().vec();
-  sizes[0] *= k;
-  auto gathered = at::empty(sizes, send.options());
   g_collectives.fetch_add(1, std::memory_order_relaxed);
   g_bytes.fetch_add(send.numel() * (k - 1) * static_cast<int64_t>(send.element_size()), std::memory_order_relaxed);
-  at::Tensor gathered_bytes = movable(gathered), send_bytes = movable(send);
-  mesh.group(axis)._allgather_base(gathered_bytes, send_bytes)->wait();
+  const at::Tensor gathered = gather_dim0(send, mesh, axis);
   return dim == 0 ? gathered : gathered.movedim(0, dim).contiguous();
 }
 
@@ -463,6 +497,12 @@ void count_collective(int64_t bytes) {
   g_bytes.fetch_add(bytes, std::memory_order_relaxed);
 }
 at::Tensor movable_view(const at::Tensor& t) { return movable(t); }
+at::Tensor from_movable(const at::Tensor& moved, const at::Tensor& like) {
+  if (moved.scalar_type() == like.scalar_type()) return moved;
+  if (like.is_complex()) return at::view_as_complex(from_movable(moved, at::view_as_real(like)));
+  if (moved.element_size() == like.element_size()) return moved.view(like.scalar_type());
+  return moved.to(like.scalar_type());
+}
 void reset_traffic() {
   g_collectives.store(0);
   g_bytes.store(0);

@@ -56,5 +56,8 @@ void reset_traffic();
 void count_collective(int64_t bytes);
 // The same bytes as a dtype every c10d backend moves (a view: writing it writes `t`).
 at::Tensor movable_view(const at::Tensor& t);
+// `moved` (movable_view's or a widened form of a tensor of `like`'s dtype) in `like`'s dtype: a
+// traced collective returns a new tensor in the carried dtype, not the caller's buffer.
+at::Tensor from_movable(const at::Tensor& moved, const at::Tensor& like);
 
 }  // namespace hypershard::runtime

@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "runtime/redistribute.h"
+#include "runtime/traced_collectives.h"
 
 namespace hypershard::runtime {
 namespace {
@@ -53,11 +54,16 @@ at::Tensor all_to_all_rows(const at::Tensor& send, std::vector<int64_t> send_row
   const at::Tensor contiguous = send.contiguous();
   auto shape = contiguous.sizes().vec();
   shape[0] = std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0});
-  at::Tensor received = at::empty(shape, contiguous.options());
-  at::Tensor received_bytes = movable_view(received), send_bytes = movable_view(contiguous);
   const int64_t row_elements = c10::multiply_integers(shape.begin() + 1, shape.end());
   const int64_t sent_rows = std::accumulate(send_rows.begin(), send_rows.end(), int64_t{0}) - send_rows[me];
-  mesh.group(axis).alltoall_base(received_bytes, send_bytes, recv_rows, send_rows)->wait();
+  at::Tensor received;
+  if (tracing()) {
+    received = from_movable(traced_all_to_all(movable_view(contiguous), recv_rows, send_rows, mesh, axis), contiguous);
+  } else {
+    received = at::empty(shape, contiguous.options());
+    at::Tensor received_bytes = movable_view(received), send_bytes = movable_view(contiguous);
+    mesh.group(axis).alltoall_base(received_bytes, send_bytes, recv_rows, send_rows)->wait();
+  }
   count_collective(sent_rows * row_elements * static_cast<int64_t>(contiguous.element_size()));
   return received;
 }

@@ -1,0 +1,42 @@
+// Tracing hypershard's local program (torch.compile, hypershard/compile_support.py): while a
+// TracingScope is open on this thread, the operator flow runs on traced locals (FakeTensors,
+// FunctionalTensors under a tracer) and every collective of a redistribution or of an expand
+// implementation is emitted as a functional collective (the _c10d_functional ops) followed by
+// its wait_tensor: ops the tracer records into the graph, as torch DTensor's are. Outside a
+// scope nothing here runs.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+#include <vector>
+
+#include "runtime/device_mesh.h"
+
+namespace hypershard::runtime {
+
+bool tracing();
+
+struct TracingScope {
+  TracingScope();
+  ~TracingScope();
+  TracingScope(const TracingScope&) = delete;
+  TracingScope& operator=(const TracingScope&) = delete;
+
+ private:
+  bool previous_;
+};
+
+// Raises, naming `what`, when a collective that has no functional form here runs while tracing.
+void check_not_tracing(const char* what);
+
+// The functional collectives over this rank's group on `axis`, each waited: `reduce_op` is
+// c10d's name ("sum", "max", "min", "product").
+at::Tensor traced_all_gather(const at::Tensor& send, const DeviceMesh& mesh, int64_t axis);  // along dim 0
+at::Tensor traced_all_reduce(const at::Tensor& t, const std::string& reduce_op, const DeviceMesh& mesh, int64_t axis);
+at::Tensor traced_reduce_scatter(const at::Tensor& send, const std::string& reduce_op, const DeviceMesh& mesh,
+                                 int64_t axis);  // along dim 0
+at::Tensor traced_all_to_all(const at::Tensor& send, const std::vector<int64_t>& recv_counts,
+                             const std::vector<int64_t>& send_counts, const DeviceMesh& mesh, int64_t axis);
+
+}  // namespace hypershard::runtime

@@ -1,0 +1,316 @@
+"""hypershard's local program compiled: `hypershard.compile` (docs/compile.md, "The local program").
+
+torch.compile cannot trace a hypershard DTensor (a storage-less C++ TensorImpl). Inside a
+`hypershard.compile`d call its DTensors are therefore seen as `TracedDTensor`s: a traceable
+wrapper subclass (``__tensor_flatten__`` / ``__torch_dispatch__``, as torch DTensor is) around
+the same local tensor, with the same layout and mesh. Dynamo and AOTAutograd trace through its
+``__torch_dispatch__``, which runs hypershard's own C++ operator flow (`_C.traced_call`: the rule,
+the redistribution, the local op, the output layout) on the traced locals; every collective it
+needs is emitted as a functional collective (``_c10d_functional``), so the graph holds the whole
+local program with its collectives, forward and backward, and inductor compiles it.
+
+The rules are not re-implemented here: the subclass only moves a call into C++ and back. Its
+Python runs while tracing; the compiled program runs no Python per op.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from . import _C
+
+__all__ = ["TracedDTensor", "compile", "to_traced", "from_traced"]
+
+
+_LIVE_SPECS: dict = {}
+
+
+def _live_spec(key: tuple) -> "_Spec":
+    return _LIVE_SPECS[key]
+
+
+class _Spec:
+    """What a traced DTensor carries besides its local: its layout and mesh (the flatten context
+    Dynamo guards on, compared by value)."""
+
+    __slots__ = ("layout", "mesh", "key")
+
+    def __init__(self, layout: _C.Layout, mesh: _C.DeviceMesh):
+        self.layout, self.mesh = layout, mesh
+        # names it across processes (inductor's and AOTAutograd's caches pickle it): the layout,
+        # the mesh's process groups (their names are unique) and this rank's place in the mesh --
+        # the traced program is each rank's own (its chunk offsets are constants in the graph),
+        # so two ranks must never share a cached program
+        self.key = (
+            str(layout),
+            tuple(mesh.group(a).group_name for a in range(len(layout.partial))),
+            mesh.rank,
+        )
+        _LIVE_SPECS.setdefault(self.key, self)
+
+    def __reduce__(self):
+        return _live_spec, (self.key,)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Spec) and self.layout == other.layout and self.mesh is other.mesh
+
+    def __hash__(self) -> int:
+        return hash(self.layout)
+
+    def __repr__(self) -> str:
+        return f"_Spec({self.layout})"
+
+    def __deepcopy__(self, memo: dict) -> "_Spec":  # Dynamo's guards keep a copy; both parts are immutable
+        return self
+
+
+class TracedDTensor(torch.Tensor):
+    """A hypershard DTensor as torch.compile traces it: global shape and strides outside, this
+    rank's local tensor inside (see the module docstring)."""
+
+    _local: torch.Tensor
+    _spec: _Spec
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, spec: _Spec, shape, strides, requires_grad: bool = False):
+        out = torch.Tensor._make_wrapper_subclass(
+            cls, shape, strides=strides, dtype=local.dtype, device=local.device, requires_grad=requires_grad
+        )
+        out._local, out._spec = local, spec
+        return out
+
+    def __repr__(self) -> str:
+        return f"TracedDTensor(local={self._local!r}, layout={self._spec.layout})"
+
+    def __tensor_flatten__(self):
+        return ["_local"], self._spec
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, spec: _Spec, outer_size, outer_stride):
+        return TracedDTensor(inner["_local"], spec, outer_size, outer_stride)
+
+    def __coerce_tangent_metadata__(self):
+        """The gradient AOTAutograd should expect for this output: its layout with Partial axes
+        Replicate (the gradient of a sum of partial values is the same on every rank)."""
+        return torch.ops.hypershard.redistribute_like(self, self)
+
+    def __coerce_same_metadata_as_tangent__(self, expected: _Spec, expected_type=None):
+        """A gradient that arrives at run time in another layout than the traced one, moved there."""
+        if expected_type not in (None, TracedDTensor):
+            return None
+        if expected.layout == self._spec.layout:
+            return self
+        return _from_hypershard(_C.redistribute(_hypershard_of(self), expected.layout))
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        wrappers: dict = {}  # id of a hypershard DTensor made here -> the TracedDTensor it stands for
+
+        def to_hypershard(t: TracedDTensor) -> torch.Tensor:
+            dt = _hypershard_of(t)
+            wrappers[id(dt)] = (t, dt)
+            return dt
+
+        args, kwargs = pytree.tree_map_only(TracedDTensor, to_hypershard, (args, kwargs))
+        handler = _SPECIAL.get(func)
+        if handler is not None:
+            out = handler(*args, **kwargs)
+        else:
+            schema = func._schema
+            out = _C.traced_call(schema.name, schema.overload_name, *args, **kwargs)
+
+        def back(value: Any) -> Any:
+            if not (isinstance(value, torch.Tensor) and _C.is_dtensor(value)):
+                return value
+            known = wrappers.get(id(value))
+            if known is not None and known[1] is value:  # a written argument: the caller's tensor
+                traced = known[0]
+                traced._local, traced._spec = _C.local_of(value), _Spec(_C.layout_of(value), traced._spec.mesh)
+                return traced
+            return _from_hypershard(value)
+
+        return pytree.tree_map(back, out)
+
+
+def _hypershard_of(t: TracedDTensor) -> torch.Tensor:
+    """A hypershard DTensor around `t`'s local (the same memory; not differentiable)."""
+    return _C.wrap_local(t._local, t._spec.mesh, t._spec.layout, list(t.stride()), t.storage_offset())
+
+
+def _without_partial(layout: _C.Layout) -> _C.Layout:
+    return _C.Layout.create(layout.mesh, layout.global_shape, layout.dim_axes, [None] * len(layout.partial))
+
+
+def _from_hypershard(dt: torch.Tensor, requires_grad: bool = False) -> TracedDTensor:
+    return TracedDTensor(
+        _C.local_of(dt), _Spec(_C.layout_of(dt), _C.device_mesh_of(dt)), dt.shape, dt.stride(), requires_grad
+    )
+
+
+# ------------------------------------------------------------------------- traced redistribution
+# parallelize's hooks make a module's input or output Replicate on an axis; in a traced program
+# they call this op, which Dynamo records like any other (its layout arithmetic runs in
+# __torch_dispatch__, which Dynamo does not trace).
+
+_LIB = torch.library.Library("hypershard", "FRAGMENT")  # noqa: TOR901 -- an op namespace of our own
+_LIB.define("replicate_on(Tensor self, int axis) -> Tensor")
+_LIB.define("redistribute_like(Tensor grad, Tensor like) -> Tensor")
+
+
+def _refuse_plain(*args, **kwargs):
+    raise RuntimeError("hypershard: replicate_on / redistribute_like take a traced hypershard DTensor")
+
+
+for _name in ("replicate_on", "redistribute_like"):
+    _LIB.impl(_name, _refuse_plain, "CompositeExplicitAutograd")
+
+
+def _replicate_on(dt: torch.Tensor, axis: int) -> torch.Tensor:
+    layout = _C.layout_of(dt)
+    dims = [[a for a in axes if a != axis] for axes in layout.dim_axes]
+    partial = [None if a == axis else op for a, op in enumerate(layout.partial)]
+    return _C.traced_redistribute(dt, _C.Layout.create(layout.mesh, layout.global_shape, dims, partial))
+
+
+def _redistribute_like(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`grad` in `like`'s layout with its Partial axes Replicate: the gradient of a redistribution."""
+    return _C.traced_redistribute(grad, _without_partial(_C.layout_of(like)))
+
+
+_SPECIAL = {
+    torch.ops.hypershard.replicate_on.default: _replicate_on,
+    torch.ops.hypershard.redistribute_like.default: _redistribute_like,
+}
+
+
+def _replicate_on_backward(ctx, grad):
+    return torch.ops.hypershard.redistribute_like(grad, ctx.saved_tensors[0]), None
+
+
+def _replicate_on_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+torch.library.register_autograd(
+    "hypershard::replicate_on", _replicate_on_backward, setup_context=_replicate_on_setup, lib=_LIB
+)
+
+
+# ------------------------------------------------------------------- eager <-> traced boundaries
+
+
+class _ToTraced(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dt):
+        return _from_hypershard(dt)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _hypershard_of(grad) if isinstance(grad, TracedDTensor) else grad
+
+
+class _FromTraced(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, traced):
+        ctx.layout = _without_partial(traced._spec.layout)  # the gradient the traced backward expects
+        ctx.mesh = traced._spec.mesh
+        return _hypershard_of(traced)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not _C.is_dtensor(grad):  # an output the loss did not use: autograd's zeros
+            local = grad.new_zeros(ctx.layout.local_shape_at(ctx.mesh.position))
+            grad = _C.wrap_local(local, ctx.mesh, ctx.layout, list(grad.stride()), 0)
+        elif _C.layout_of(grad) != ctx.layout:
+            grad = _C.redistribute(grad, ctx.layout)
+        return _from_hypershard(grad)
+
+
+def _plain_tangent_as_traced(self: torch.Tensor, expected: Any, expected_type: Any = None):
+    """AOTAutograd's hook for a gradient whose type differs from the traced one: autograd hands a
+    compiled output that the loss did not use (HF's logits) a plain zeros tensor. A plain tensor
+    is taken as Replicate, as hypershard takes plain operands, and cut to the expected layout
+    (a local chunk, no communication). Other expected types keep torch's error (None)."""
+    if expected_type is not TracedDTensor or not isinstance(expected, _Spec):
+        return None
+    replicated = _C.Layout.create(
+        expected.layout.mesh, list(self.shape), [[] for _ in self.shape], [None] * len(expected.layout.partial)
+    )
+    whole = _C.wrap_local(self.contiguous(), expected.mesh, replicated, list(self.contiguous().stride()), 0)
+    return _from_hypershard(_C.redistribute(whole, expected.layout))
+
+
+# torch.Tensor has no such hook; this one answers only for TracedDTensor tangents.
+torch.Tensor.__coerce_same_metadata_as_tangent__ = _plain_tangent_as_traced
+
+
+def to_traced(value: Any) -> Any:
+    """A hypershard DTensor as a TracedDTensor (differentiable; the same local memory)."""
+    if isinstance(value, torch.Tensor) and _C.is_dtensor(value):
+        if value.requires_grad and value.is_leaf:
+            _C.install_grad_hook(value)  # as its first use in an op would (gradient layout, grad sync)
+        return _ToTraced.apply(value)
+    return value
+
+
+def from_traced(value: Any) -> Any:
+    """A TracedDTensor back as a hypershard DTensor (differentiable)."""
+    return _FromTraced.apply(value) if isinstance(value, TracedDTensor) else value
+
+
+def compile(target: Any, **compile_kwargs: Any) -> Any:
+    """torch.compile(target, **compile_kwargs) with hypershard's DTensors traced (module docstring):
+    the local program and its collectives become the graph, forward and backward.
+
+    - A function: returns a callable; its DTensor arguments enter as TracedDTensors and its
+      DTensor outputs leave as hypershard DTensors (differentiable both ways).
+    - An nn.Module: its forward is compiled and replaced; `target` is returned. Parameters,
+      buffers and DTensor arguments enter as TracedDTensors; gradients reach the parameters as
+      hypershard DTensors, so grad sync and optimizers see what eager gives them. The module's
+      own forward hooks (parallelize's input sharding) run eagerly around the compiled forward;
+      its submodules' hooks are traced.
+    """
+    if not isinstance(target, torch.nn.Module):
+        compiled_fn = torch.compile(target, **compile_kwargs)
+
+        @functools.wraps(target)
+        def traced_call(*args: Any, **kwargs: Any) -> Any:
+            args, kwargs = pytree.tree_map(to_traced, (args, kwargs))
+            return pytree.tree_map(from_traced, compiled_fn(*args, **kwargs))
+
+        return traced_call
+
+    model = target
+    forward = type(model).forward.__get__(model)
+    compiled = torch.compile(forward, **compile_kwargs)
+    takes_use_cache = "use_cache" in inspect.signature(forward).parameters
+
+    @functools.wraps(forward)
+    def traced_forward(*args: Any, **kwargs: Any) -> Any:
+        if takes_use_cache and model.training:
+            # A training forward needs no cache, and a cache object (not a pytree) would hand its
+            # traced tensors to the caller.
+            kwargs.setdefault("use_cache", False)
+        swapped = []
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, value in table.items():
+                    if isinstance(value, torch.Tensor) and _C.is_dtensor(value):
+                        swapped.append((table, name, value))
+                        table[name] = to_traced(value)
+        try:
+            args, kwargs = pytree.tree_map(to_traced, (args, kwargs))
+            out = compiled(*args, **kwargs)
+        finally:
+            for table, name, value in swapped:
+                table[name] = value
+        return pytree.tree_map(from_traced, out)
+
+    model.forward = traced_forward
+    return model
