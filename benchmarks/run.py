@@ -43,10 +43,13 @@ Sections (see benchmarks/README.md for what each measures and how; the code is i
               hypershard.parallel.CP_ALGORITHMS, vs one device (cp=1): peak activation memory per
               rank vs cp=1 (goal ~1/cp), step time, bytes per step vs the formula from the model's
               shape
+  compile     (~1.5 min) the demo's model on dp2 x tp2: hs.compile (inductor, the local program
+              and its functional collectives in one graph) vs eager hypershard, forward + backward
+              time per step and the first call's compile time
 
 Writes bench/results.json, bench/RESULTS.md and bench/results.png and prints the tables.
 
-    .venv/bin/python benchmarks/run.py [--quick] [--sections dispatch,fallback,rotary,checkpoint,fully_shard,step,memory,grad_overlap,context_parallel,true_size] [--out bench]
+    .venv/bin/python benchmarks/run.py [--quick] [--sections dispatch,fallback,rotary,checkpoint,fully_shard,step,memory,grad_overlap,context_parallel,compile,true_size] [--out bench]
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ for path in (ROOT, Path(__file__).resolve().parent):
 from hsbench.chart import plot  # noqa: E402
 from hsbench.checkpoint import run_checkpoint  # noqa: E402
 from hsbench.common import error_text  # noqa: E402
+from hsbench.compiled import run_compiled  # noqa: E402
 from hsbench.context_parallel import run_context_parallel  # noqa: E402
 from hsbench.dispatch import run_dispatch  # noqa: E402
 from hsbench.fallback import run_fallback  # noqa: E402
@@ -89,6 +93,7 @@ SECTIONS = (
     "memory",
     "grad_overlap",
     "context_parallel",
+    "compile",
     "true_size",
 )
 # true_size holds ~13 GB and runs ~15 min on 2 cores: a default run (make bench) leaves it out
@@ -199,6 +204,8 @@ def main(argv=None) -> int:
         results["grad_overlap"] = run_grad_overlap(args, log)
     if "context_parallel" in sections:
         results["context_parallel"] = run_context_parallel(args, log)
+    if "compile" in sections:
+        results["compile"] = run_compiled(args, log)
     if "true_size" in sections:
         results["true_size"] = run_true_size(args, log)
     results["meta"] = {

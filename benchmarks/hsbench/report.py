@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .checkpoint import checkpoint_lines
 from .common import geomean
+from .compiled import compiled_lines
 from .context_parallel import context_parallel_lines
 from .dispatch import IMPL_NAMES
 from .fully_shard import fully_shard_lines
@@ -126,6 +127,7 @@ def markdown(results: dict) -> str:
     lines += fully_shard_lines(results.get("fully_shard"))
     lines += grad_overlap_lines(results.get("grad_overlap"))
     lines += context_parallel_lines(results.get("context_parallel"))
+    lines += compiled_lines(results.get("compile"))
     lines += true_size_lines(results.get("true_size"))
     s = results.get("step")
     if s:

@@ -1,5 +1,6 @@
 // hypershard._C runtime bindings: DeviceMesh, DTensor construction and inspection,
 // redistribution, dispatch statistics. Bindings only, no logic.
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/python.h>
@@ -40,6 +41,24 @@ py::object wrapped_number(const c10::Argument& argument, const py::handle& value
   at::Tensor t = c10::scalar_to_tensor(torch::jit::toIValue(value, c10::NumberType::get()).toScalar());
   t.unsafeGetTensorImpl()->set_wrapped_number(true);
   return py::cast(t);
+}
+
+// Whether a traced_call runs under a tracer (Dynamo's fake propagation, AOTAutograd's trace: a
+// dispatch mode is active, or a DTensor's local is a Python tensor such as a FakeTensor) or for
+// real (the FX graph of backend="eager" run op by op on real locals).
+bool being_traced(const torch::jit::Stack& stack) {
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) return true;
+  auto traced_local = [](const at::Tensor& t) {
+    const auto* impl = t.defined() ? runtime::dtensor_impl(t) : nullptr;
+    return impl != nullptr && impl->local().key_set().has(c10::DispatchKey::Python);
+  };
+  for (const auto& v : stack) {
+    if (v.isTensor() && traced_local(v.toTensor())) return true;
+    if (v.isTensorList())
+      for (const at::Tensor& t : v.toTensorList())
+        if (traced_local(t)) return true;
+  }
+  return false;
 }
 
 py::tuple with_wrapped_numbers(const c10::FunctionSchema& schema, const py::args& args) {
@@ -180,8 +199,11 @@ void bind_runtime(py::module_& m) {
         const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
         auto stack = torch::jit::createStackForSchema(op.schema(), with_wrapped_numbers(op.schema(), args),
                                                       with_wrapped_numbers(op.schema(), kwargs), std::nullopt);
-        {
+        if (being_traced(stack)) {
           runtime::TracingScope tracing;
+          runtime::detail::dtensor_fallback(op, c10::DispatchKeySet(c10::DispatchKey::PrivateUse2), &stack);
+        } else {  // run for real (a graph run op by op, backend="eager"): c10d without the GIL
+          py::gil_scoped_release no_gil;
           runtime::detail::dtensor_fallback(op, c10::DispatchKeySet(c10::DispatchKey::PrivateUse2), &stack);
         }
         return torch::jit::createPyObjectForStack(std::move(stack));
@@ -194,6 +216,12 @@ void bind_runtime(py::module_& m) {
       [](const at::Tensor& t, const layout::Layout& layout) {
         const auto& impl = runtime::checked_dtensor(t, "traced_redistribute");
         const auto dst = layout::intern_layout(layout);
+        if (!being_traced({c10::IValue(t)})) {
+          py::gil_scoped_release no_gil;
+          return runtime::make_dtensor(
+              runtime::redistribute_local(impl.local(), impl.layout(), dst, *impl.device_mesh()), dst,
+              impl.device_mesh());
+        }
         runtime::TracingScope tracing;
         return runtime::make_dtensor(runtime::redistribute_local(impl.local(), impl.layout(), dst, *impl.device_mesh()),
                                      dst, impl.device_mesh());

@@ -5,12 +5,13 @@ Every case compiles with fullgraph=True (a graph break fails it) on a 2-rank mes
 and checks, besides the harness's comparison with one device (forward, and the gradients of a
 seeded random cotangent):
 - the compiled call against the same function run eagerly by hypershard on the same DTensors:
-  outputs and the gradients of the outputs' sum. aot_eager runs the very local ops eager runs, in
-  the same order, so it must be bit-identical (rtol = atol = 0; the model case's gradients are
-  the exception argued there). Inductor fuses and reorders
-  float32 arithmetic; its allowance is the harness's float32 default (1.3e-6 relative), the
-  rounding of a few reassociated float32 sums of O(1) terms, far below any layout error (a
-  wrong shard or a missed reduction changes values by O(1));
+  outputs and the gradients of the outputs' sum. Backends "eager" (Dynamo's graph run op by op on
+  the traced DTensors, for real) and "aot_eager" run the very local ops eager runs, in the same
+  order, so they must be bit-identical (rtol = atol = 0; the model case's gradients under
+  aot_eager are the exception argued there). Inductor fuses and reorders float32 arithmetic; its
+  allowance is the harness's float32 default (1.3e-6 relative), the rounding of a few
+  reassociated float32 sums of O(1) terms, far below any layout error (a wrong shard or a missed
+  reduction changes values by O(1));
 - with aot_eager, the forward and backward graphs hold exactly the functional collectives
   expected (`_c10d_functional.*` nodes), so communication is in the graph, not hidden in eager
   code.
@@ -79,7 +80,7 @@ def traced(fn, backend, collectives=None):
     """The case's dist_fn: hs.compile(fn, fullgraph=True), checked against eager fn on the same
     DTensors (module docstring). `collectives`: (forward, backward) functional collectives the
     aot_eager graphs must hold."""
-    tolerance = EXACT if backend == "aot_eager" else FLOAT32
+    tolerance = FLOAT32 if backend == "inductor" else EXACT
 
     def run(*inputs):
         import torch._dynamo
@@ -174,7 +175,7 @@ def function_cases():
         ),
     ]
     cases = []
-    for backend in ("aot_eager", "inductor"):
+    for backend in ("eager", "aot_eager", "inductor"):
         for name, fn, inputs, collectives in functions:
             expected = collectives if backend == "aot_eager" else None
             cases.append(
@@ -224,7 +225,7 @@ def qwen3_traced(backend, collectives=None):
             # a tensor used several times (the residual stream) gets its contributions summed by
             # autograd's engine in eager, in the joint graph's order when compiled -- float32
             # reassociation (measured: 2.2e-8 absolute on the embedding's gradient).
-            exact = backend == "aot_eager" and index == 0
+            exact = backend != "inductor" and (index == 0 or backend == "eager")
             _assert_close(g, w, EXACT if exact else FLOAT32, name)
         if collectives is not None:
             assert counter.collectives[:2] == list(collectives), (counter.collectives, collectives)

@@ -1,0 +1,111 @@
+"""Section "compile": hypershard.compile (the local program and its functional collectives in one
+graph, docs/compile.md) against eager hypershard, on the demo's model and mesh.
+
+`make demo`'s tiny HF Qwen3 on 4 gloo ranks (dp2 x tp2, `parallelize`), strict mode. Per setting,
+in the same processes, interleaved step by step so that both see the same machine load:
+
+- eager: hypershard's per-op C++ dispatch;
+- compiled: `hs.compile(model, backend="inductor", fullgraph=True)` on a second copy of the same
+  model (same seed); its first call traces and compiles (reported as compile seconds).
+
+Timed per step, median over the timed steps on rank 0: forward + backward (`model(...).loss`,
+`loss.backward()`, gradient sums included), then the AdamW step (eager in both). The losses of
+the two copies are compared at every step (they train the same batches).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+from .common import error_text
+
+WORLD = 4
+MESH = ((2, 2), ("dp", "tp"))
+BATCH, SEQ = 4, 32
+
+
+def _worker(rank: int, world: int, settings: dict) -> dict:
+    import torch
+
+    import hypershard as hs
+    from hypershard.models import make_batches, tiny_config, tiny_model
+    from hypershard.parallel import parallelize
+
+    mesh = hs.init_device_mesh("cpu", *MESH)
+    hs.set_strict(True)
+    config = tiny_config("qwen3")
+    steps = settings["warmup"] + settings["timed"]
+    batches = make_batches(config.vocab_size, steps, batch=BATCH, seq=SEQ)
+
+    def build(compiled: bool):
+        torch.manual_seed(0)
+        model = parallelize(tiny_model(config), mesh)
+        if compiled:
+            hs.compile(model, backend="inductor", fullgraph=True)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    runs = {"eager": build(False), "compiled": build(True)}
+    times = {name: [] for name in runs}
+    losses = {name: [] for name in runs}
+    compile_s = None
+    for step, (ids, labels) in enumerate(batches):
+        for name, (model, optimizer) in runs.items():
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            elapsed = time.perf_counter() - start
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses[name].append(loss.full_tensor().item())
+            if name == "compiled" and step == 0:
+                compile_s = elapsed
+            if step >= settings["warmup"]:
+                times[name].append(elapsed)
+    return {
+        "fwd_bwd_s": {name: statistics.median(t) for name, t in times.items()},
+        "fwd_bwd_min_s": {name: min(t) for name, t in times.items()},
+        "compile_s": compile_s,
+        "max_loss_diff": max(abs(a - b) for a, b in zip(losses["eager"], losses["compiled"])),
+        "steps": steps,
+    }
+
+
+def run_compiled(args, log: Callable) -> dict:
+    from hypershard.launch import spawn_local_ranks
+
+    settings = {"warmup": 2, "timed": 5 if args.quick else 20}
+    log(f"compile: tiny Qwen3 on dp2 x tp2, {BATCH} x {SEQ} tokens, eager vs hs.compile (inductor) ...")
+    start = time.perf_counter()
+    try:
+        ranks = spawn_local_ranks(_worker, WORLD, settings, timeout=args.timeout)
+    except Exception as exc:  # noqa: BLE001 -- reported like the other sections' failures
+        log(f"  failed: {error_text(exc)}")
+        return {"error": error_text(exc)}
+    log(f"  done in {time.perf_counter() - start:.0f} s")
+    return ranks[0]
+
+
+def compiled_lines(result) -> list:
+    if not result:
+        return []
+    lines = ["", "## hypershard.compile vs eager hypershard (demo model, dp2 x tp2)", ""]
+    if "error" in result:
+        return lines + [f"failed: {result['error']}"]
+    eager, compiled = result["fwd_bwd_s"]["eager"], result["fwd_bwd_s"]["compiled"]
+    lines += [
+        f"Tiny Qwen3, {BATCH} x {SEQ} tokens per step, strict mode, {result['steps']} steps each, interleaved; "
+        "forward + backward (gradient sums included), median on rank 0. The compiled copy is "
+        '`hs.compile(model, backend="inductor", fullgraph=True)`.',
+        "",
+        "| | fwd+bwd s (median) | min s | vs eager |",
+        "|---|---:|---:|---:|",
+        f"| eager hypershard | {eager:.4f} | {result['fwd_bwd_min_s']['eager']:.4f} | 1.00 |",
+        f"| hs.compile (inductor) | {compiled:.4f} | {result['fwd_bwd_min_s']['compiled']:.4f} | {compiled / eager:.2f} |",
+        "",
+        f"First compiled call (trace + compile): {result['compile_s']:.1f} s. "
+        f"Largest loss difference over the steps: {result['max_loss_diff']:.2e}.",
+    ]
+    return lines + [""]
