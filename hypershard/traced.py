@@ -287,6 +287,15 @@ def compile(target: Any, **compile_kwargs: Any) -> Any:
         return traced_call
 
     model = target
+    for param in model.parameters():
+        if _C.is_dtensor(param) and _C.device_mesh_of(param).load_balanced_sequence_axis >= 0:
+            # transformers (with torch < 2.14) builds the causal mask from natural positions
+            # whenever Dynamo traces; a head-tail ordered sequence would be masked wrongly
+            raise ValueError(
+                "hypershard: compile: this model's sequence is sharded in head-tail order "
+                "(context parallelism with load balancing), but a compiled forward gets transformers' "
+                "causal mask built from natural positions; allowed: parallelize(..., cp_load_balance=False)"
+            )
     forward = type(model).forward.__get__(model)
     compiled = torch.compile(forward, **compile_kwargs)
     takes_use_cache = "use_cache" in inspect.signature(forward).parameters

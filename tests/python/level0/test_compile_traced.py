@@ -30,6 +30,7 @@ from hypershard.testing import Case, Input, assert_all_passed, run_cases
 from hypershard.testing.spec import randint
 
 TP2 = ((2,), ("tp",))
+CP2 = ((2,), ("cp",))
 EXACT = {"rtol": 0.0, "atol": 0.0}
 FLOAT32 = {"rtol": 1.3e-6, "atol": 1e-5}
 
@@ -204,7 +205,7 @@ def qwen3_step(ids):
     return _train_once(_qwen3(), ids)
 
 
-def qwen3_traced(backend, collectives=None):
+def qwen3_traced(backend, collectives=None, **parallelize_kwargs):
     """dist_fn: the model parallelized on the mesh, trained once eagerly and once through
     hs.compile(fullgraph=True); the two losses and all gradients compared (module docstring)."""
 
@@ -212,9 +213,10 @@ def qwen3_traced(backend, collectives=None):
         import torch._dynamo
 
         torch._dynamo.reset()
-        want = _train_once(hs.parallelize(_qwen3(), ids.device_mesh), ids)
+        mesh, ids = ids.device_mesh, ids.full_tensor()  # plain: parallelize's input hook lays it out
+        want = _train_once(hs.parallelize(_qwen3(), mesh, **parallelize_kwargs), ids)
         counter = GraphCounter()
-        model = hs.parallelize(_qwen3(), ids.device_mesh)
+        model = hs.parallelize(_qwen3(), mesh, **parallelize_kwargs)
         hs.compile(model, backend=counter.backend() if backend == "aot_eager" else backend, fullgraph=True)
         got = _train_once(model, ids)
         names = ["loss"] + [name for name, _ in model.named_parameters()]
@@ -234,9 +236,33 @@ def qwen3_traced(backend, collectives=None):
     return run
 
 
+def _compile_head_tail(ids):
+    return hs.compile(hs.parallelize(_qwen3(), ids.device_mesh), backend="aot_eager")
+
+
 def model_cases():
     ids = [Input((2, 16), torch.int64, placements=["R"], init=randint(0, 128))]
+    one_sequence = [Input((1, 16), torch.int64, placements=["R"], init=randint(0, 128))]
     return [
+        # context parallelism in natural order (the sequence sharded by parallelize's input hook,
+        # all-gather-KV attention); head-tail order is refused: transformers builds the causal
+        # mask from natural positions while Dynamo traces
+        Case(
+            "qwen3_cp2_natural_aot_eager",
+            fn=qwen3_step,
+            inputs=one_sequence,
+            mesh=CP2,
+            check_grad=False,
+            dist_fn=qwen3_traced("aot_eager", cp_load_balance=False),
+        ),
+        Case(
+            "qwen3_cp2_head_tail_refused",
+            fn=qwen3_step,
+            inputs=one_sequence,
+            mesh=CP2,
+            dist_fn=_compile_head_tail,
+            expect_error="allowed: parallelize(..., cp_load_balance=False)",
+        ),
         Case(
             "qwen3_tp2_aot_eager",
             fn=qwen3_step,
@@ -244,7 +270,7 @@ def model_cases():
             mesh=TP2,
             check_grad=False,
             dist_fn=qwen3_traced("aot_eager", (5, 4)),
-        )
+        ),
     ]
 
 
