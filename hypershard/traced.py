@@ -57,10 +57,10 @@ class _Spec:
         return _live_spec, (self.key,)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Spec) and self.layout == other.layout and self.mesh is other.mesh
+        return isinstance(other, _Spec) and self.layout == other.layout and self.key == other.key
 
     def __hash__(self) -> int:
-        return hash(self.layout)
+        return hash(self.key)
 
     def __repr__(self) -> str:
         return f"_Spec({self.layout})"
@@ -306,13 +306,15 @@ def compile(target: Any, **compile_kwargs: Any) -> Any:
             # A training forward needs no cache, and a cache object (not a pytree) would hand its
             # traced tensors to the caller.
             kwargs.setdefault("use_cache", False)
-        swapped = []
+        swapped, traced = [], {}  # a tied parameter gets one TracedDTensor
         for module in model.modules():
             for table in (module._parameters, module._buffers):
                 for name, value in table.items():
                     if isinstance(value, torch.Tensor) and _C.is_dtensor(value):
                         swapped.append((table, name, value))
-                        table[name] = to_traced(value)
+                        if id(value) not in traced:
+                            traced[id(value)] = to_traced(value)
+                        table[name] = traced[id(value)]
         try:
             args, kwargs = pytree.tree_map(to_traced, (args, kwargs))
             out = compiled(*args, **kwargs)

@@ -52,6 +52,23 @@ def error_text(exc: BaseException) -> str:
     return text if len(text) <= 800 else text[:150] + " ... " + text[-650:]  # a traceback ends with the cause
 
 
+def launch_section(log: Callable, worker: Callable, world: int, settings: dict, timeout: float) -> dict:
+    """Rank 0's result of `worker` run on `world` spawned ranks, the launch's time logged; a
+    failure is logged and returned as {"error": text}, as every section reports one."""
+    import time
+
+    from hypershard.launch import spawn_local_ranks
+
+    start = time.perf_counter()
+    try:
+        ranks = spawn_local_ranks(worker, world, settings, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 -- a section's failure is reported, not raised
+        log(f"  failed: {error_text(exc)}")
+        return {"error": error_text(exc)}
+    log(f"  done in {time.perf_counter() - start:.0f} s")
+    return ranks[0]
+
+
 def mesh_text(spec) -> str:
     return " x ".join(f"{n}={s}" for s, n in zip(*spec))
 

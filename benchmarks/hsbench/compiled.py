@@ -19,7 +19,7 @@ import statistics
 import time
 from typing import Callable
 
-from .common import error_text
+from .common import launch_section
 
 WORLD = 4
 MESH = ((2, 2), ("dp", "tp"))
@@ -74,18 +74,9 @@ def _worker(rank: int, world: int, settings: dict) -> dict:
 
 
 def run_compiled(args, log: Callable) -> dict:
-    from hypershard.launch import spawn_local_ranks
-
     settings = {"warmup": 2, "timed": 5 if args.quick else 20}
     log(f"compile: tiny Qwen3 on dp2 x tp2, {BATCH} x {SEQ} tokens, eager vs hs.compile (inductor) ...")
-    start = time.perf_counter()
-    try:
-        ranks = spawn_local_ranks(_worker, WORLD, settings, timeout=args.timeout)
-    except Exception as exc:  # noqa: BLE001 -- reported like the other sections' failures
-        log(f"  failed: {error_text(exc)}")
-        return {"error": error_text(exc)}
-    log(f"  done in {time.perf_counter() - start:.0f} s")
-    return ranks[0]
+    return launch_section(log, _worker, WORLD, settings, args.timeout)
 
 
 def compiled_lines(result) -> list:

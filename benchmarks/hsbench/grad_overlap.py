@@ -22,7 +22,7 @@ import statistics
 import time
 from typing import Callable
 
-from .common import error_text
+from .common import launch_section
 
 GRAD_OVERLAP_CONFIG = dict(
     vocab_size=4096,
@@ -91,18 +91,11 @@ def _worker(rank: int, world: int, settings: dict) -> dict:
 
 
 def run_grad_overlap(args, log: Callable) -> dict:
-    from hypershard.launch import spawn_local_ranks
-
     settings = {"warmup": 1, "timed": 3 if args.quick else 5}
     log(f"grad_overlap: dp={WORLD}, {BATCH_PER_RANK} x {SEQ} tokens per rank ...")
-    start = time.perf_counter()
-    try:
-        ranks = spawn_local_ranks(_worker, WORLD, settings, timeout=args.timeout)
-    except Exception as exc:  # noqa: BLE001 -- reported like the other sections' failures
-        log(f"  failed: {error_text(exc)}")
-        return {"error": error_text(exc)}
-    log(f"  done in {time.perf_counter() - start:.0f} s")
-    r0 = ranks[0]
+    r0 = launch_section(log, _worker, WORLD, settings, args.timeout)
+    if "error" in r0:
+        return r0
     compute = r0["compute"]["backward_s"]
     for name in ("on", "off"):
         r0[name]["exposed_s"] = r0[name]["backward_s"] - compute

@@ -27,18 +27,11 @@ import torch.nn.functional as F
 import hypershard as hs
 from hypershard import compile_support
 from hypershard.testing import Case, Input, assert_all_passed, in_distributed_run, run_cases
+from hypershard.testing.compiled_checks import check_against_eager
 
 M2 = ((2,), ("dp",))
 TP2 = ((2,), ("tp",))
 EXACT = {"rtol": 0.0, "atol": 0.0}
-
-
-def _full(value):
-    return value.full_tensor() if isinstance(value, hs.DTensor) else value
-
-
-def _leaves(value):
-    return list(value) if isinstance(value, (tuple, list)) else [value]
 
 
 def compiled(fn, backend, captures_plain_code=False):
@@ -56,21 +49,10 @@ def compiled(fn, backend, captures_plain_code=False):
         if captures_plain_code:
             assert counters["stats"]["calls_captured"] > 0, "Dynamo captured no plain-tensor code"
         want = fn(*inputs)
-        for index, (g, w) in enumerate(zip(_leaves(got), _leaves(want))):
-            assert isinstance(g, hs.DTensor) == isinstance(w, hs.DTensor), f"output {index}: kind differs"
-            if isinstance(g, hs.DTensor):
-                assert g.placements == w.placements, (index, g.placements, w.placements)
-            assert torch.equal(_full(g), _full(w)), f"output {index}: compiled differs from eager"
-        differentiable = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-        if differentiable:
-            def total(outputs):
-                return sum(o.sum() for o in _leaves(outputs) if isinstance(o, torch.Tensor) and o.requires_grad)
-            g_grads = torch.autograd.grad(total(got), differentiable, retain_graph=True, allow_unused=True)
-            w_grads = torch.autograd.grad(total(want), differentiable, allow_unused=True)
-            for index, (g, w) in enumerate(zip(g_grads, w_grads)):
-                assert (g is None) == (w is None), f"grad {index}: present in one run only"
-                if g is not None:
-                    assert torch.equal(_full(g), _full(w)), f"grad {index}: compiled differs from eager"
+
+        def identical(g, w, what):
+            assert torch.equal(g, w), f"{what}: compiled differs from eager"
+        check_against_eager(got, want, list(inputs), identical)
         return got
     return run
 

@@ -27,20 +27,13 @@ import torch.nn.functional as F
 
 import hypershard as hs
 from hypershard.testing import Case, Input, assert_all_passed, run_cases
+from hypershard.testing.compiled_checks import check_against_eager, full
 from hypershard.testing.spec import randint
 
 TP2 = ((2,), ("tp",))
 CP2 = ((2,), ("cp",))
 EXACT = {"rtol": 0.0, "atol": 0.0}
 FLOAT32 = {"rtol": 1.3e-6, "atol": 1e-5}
-
-
-def _full(value):
-    return value.full_tensor() if isinstance(value, hs.DTensor) else value
-
-
-def _leaves(value):
-    return list(value) if isinstance(value, (tuple, list)) else [value]
 
 
 class GraphCounter:
@@ -70,7 +63,7 @@ class GraphCounter:
 
 
 def _assert_close(got, want, tolerance, what):
-    got, want = _full(got), _full(want)
+    got, want = full(got), full(want)
     if tolerance is EXACT:
         assert torch.equal(got, want), f"{what}: compiled differs from eager by {(got - want).abs().max()}"
     else:
@@ -91,23 +84,7 @@ def traced(fn, backend, collectives=None):
         compiled = hs.compile(fn, backend=counter.backend() if backend == "aot_eager" else backend, fullgraph=True)
         got = compiled(*inputs)
         want = fn(*inputs)
-        for index, (g, w) in enumerate(zip(_leaves(got), _leaves(want))):
-            assert isinstance(g, hs.DTensor) == isinstance(w, hs.DTensor), f"output {index}: kind differs"
-            if isinstance(g, hs.DTensor):
-                assert g.placements == w.placements, (index, g.placements, w.placements)
-            _assert_close(g, w, tolerance, f"output {index}")
-        differentiable = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-        if differentiable:
-
-            def total(outputs):
-                return sum(o.sum() for o in _leaves(outputs) if isinstance(o, torch.Tensor) and o.requires_grad)
-
-            g_grads = torch.autograd.grad(total(got), differentiable, retain_graph=True, allow_unused=True)
-            w_grads = torch.autograd.grad(total(want), differentiable, allow_unused=True)
-            for index, (g, w) in enumerate(zip(g_grads, w_grads)):
-                assert (g is None) == (w is None), f"grad {index}: present in one run only"
-                if g is not None:
-                    _assert_close(g, w, tolerance, f"grad {index}")
+        check_against_eager(got, want, list(inputs), lambda g, w, what: _assert_close(g, w, tolerance, what))
         if collectives is not None:
             assert counter.collectives[:2] == list(collectives), (counter.collectives, collectives)
         return got
