@@ -146,9 +146,7 @@ def _replicate_tensor_on(t, axis: int):
     if isinstance(t, torch.Tensor) and _C.is_dtensor(t):
         layout = _C.layout_of(t)
         if layout.is_partial(axis) or layout.is_sharded(axis):
-            dims = [[a for a in axes if a != axis] for axes in layout.dim_axes]
-            partial = [None if a == axis else op for a, op in enumerate(layout.partial)]
-            return _C.redistribute(t, _C.Layout.create(layout.mesh, layout.global_shape, dims, partial))
+            return _C.redistribute(t, layout.without_axis(axis))
     return t
 
 

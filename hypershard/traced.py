@@ -172,10 +172,7 @@ for _name in ("replicate_on", "redistribute_like"):
 
 
 def _replicate_on(dt: torch.Tensor, axis: int) -> torch.Tensor:
-    layout = _C.layout_of(dt)
-    dims = [[a for a in axes if a != axis] for axes in layout.dim_axes]
-    partial = [None if a == axis else op for a, op in enumerate(layout.partial)]
-    return _C.traced_redistribute(dt, _C.Layout.create(layout.mesh, layout.global_shape, dims, partial))
+    return _C.traced_redistribute(dt, _C.layout_of(dt).without_axis(axis))
 
 
 def _redistribute_like(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -239,9 +236,7 @@ def _plain_tangent_as_traced(self: torch.Tensor, expected: Any, expected_type: A
     (a local chunk, no communication). Other expected types keep torch's error (None)."""
     if expected_type is not TracedDTensor or not isinstance(expected, _Spec):
         return None
-    replicated = _C.Layout.create(
-        expected.layout.mesh, list(self.shape), [[] for _ in self.shape], [None] * len(expected.layout.partial)
-    )
+    replicated = _C.Layout.replicate(expected.layout.mesh, list(self.shape))
     whole = _C.wrap_local(self.contiguous(), expected.mesh, replicated, list(self.contiguous().stride()), 0)
     return _from_hypershard(_C.redistribute(whole, expected.layout))
 

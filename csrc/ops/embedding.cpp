@@ -84,12 +84,12 @@ void embedding_vocab_expand(const VocabShard& v, const OpCall& call, Stack& stac
               "Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, Int; "
               "but got ",
               indices.scalar_type(), " instead (while checking arguments for embedding)");
-  if (indices.numel() > 0 && runtime::tracing()) {  // no values to read: a device-side assert
+  if (indices.numel() > 0) {
     const auto [low, high] = at::aminmax(indices);
-    at::_assert_async(low.ge(0).logical_and(high.lt(vocab)), "hypershard: embedding: index out of range in self");
-  } else if (indices.numel() > 0) {
-    const auto [low, high] = at::aminmax(indices);
-    TORCH_CHECK_INDEX(low.item<int64_t>() >= 0 && high.item<int64_t>() < vocab, "index out of range in self");
+    if (runtime::tracing())  // no values to read: a device-side assert
+      at::_assert_async(low.ge(0).logical_and(high.lt(vocab)), "hypershard: embedding: index out of range in self");
+    else
+      TORCH_CHECK_INDEX(low.item<int64_t>() >= 0 && high.item<int64_t>() < vocab, "index out of range in self");
   }
   auto shape = indices.sizes().vec();
   shape.push_back(weight.size(1));

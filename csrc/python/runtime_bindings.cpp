@@ -1,6 +1,5 @@
 // hypershard._C runtime bindings: DeviceMesh, DTensor construction and inspection,
 // redistribution, dispatch statistics. Bindings only, no logic.
-#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/python.h>
@@ -30,6 +29,7 @@ namespace hypershard::python {
 namespace {
 
 using runtime::DeviceMesh;
+using runtime::DeviceMeshPtr;
 
 // __torch_dispatch__ hands a Tensor argument that was a Python number (`x * 2`) over as that
 // number; the schema wants a tensor: the wrapped-number tensor the arg parser had made.
@@ -43,22 +43,17 @@ py::object wrapped_number(const c10::Argument& argument, const py::handle& value
   return py::cast(t);
 }
 
-// Whether a traced_call runs under a tracer (Dynamo's fake propagation, AOTAutograd's trace: a
-// dispatch mode is active, or a DTensor's local is a Python tensor such as a FakeTensor) or for
-// real (the FX graph of backend="eager" run op by op on real locals).
-bool being_traced(const torch::jit::Stack& stack) {
-  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) return true;
-  auto traced_local = [](const at::Tensor& t) {
-    const auto* impl = t.defined() ? runtime::dtensor_impl(t) : nullptr;
-    return impl != nullptr && impl->local().key_set().has(c10::DispatchKey::Python);
-  };
-  for (const auto& v : stack) {
-    if (v.isTensor() && traced_local(v.toTensor())) return true;
-    if (v.isTensorList())
-      for (const at::Tensor& t : v.toTensorList())
-        if (traced_local(t)) return true;
+// Runs `run` under a TracingScope when `traced` (collectives become functional collectives the
+// tracer records), else for real with the GIL released (c10d: see "Collectives run without the
+// GIL" below).
+template <class Run>
+auto traced_or_real(bool traced, Run&& run) {
+  if (traced) {
+    runtime::TracingScope tracing;
+    return run();
   }
-  return false;
+  py::gil_scoped_release no_gil;
+  return run();
 }
 
 py::tuple with_wrapped_numbers(const c10::FunctionSchema& schema, const py::args& args) {
@@ -77,7 +72,6 @@ py::dict with_wrapped_numbers(const c10::FunctionSchema& schema, const py::kwarg
   }
   return out;
 }
-using runtime::DeviceMeshPtr;
 
 // DeviceMesh::SequenceAttention's values, in order, as parallelize's cp_algorithm names them.
 constexpr const char* kSequenceAttentionNames[] = {"all_gather_kv", "ulysses", "ring"};
@@ -179,10 +173,10 @@ void bind_runtime(py::module_& m) {
       },
       py::arg("local"), py::arg("device_mesh"), py::arg("layout"), py::call_guard<py::gil_scoped_release>());
   m.def("to_local", &runtime::to_local, py::arg("tensor"), py::call_guard<py::gil_scoped_release>());
-  // Tracing (hypershard/compile_support.py): the traced program's DTensors are Python wrappers
-  // around traced locals; these run hypershard's operator flow on them with collectives emitted
-  // as functional collectives (runtime/traced_collectives.h). They hold the GIL: the locals'
-  // ops call back into Python (the tracer's modes).
+  // Tracing (hypershard/traced.py): the traced program's DTensors are Python wrappers around
+  // traced locals; these run hypershard's operator flow on them with collectives emitted as
+  // functional collectives (runtime/traced_collectives.h). Under a tracer they hold the GIL: the
+  // locals' ops call back into Python (the tracer's modes).
   m.def(
       "wrap_local",
       [](const at::Tensor& local, const DeviceMeshPtr& mesh, const layout::Layout& layout, std::vector<int64_t> strides,
@@ -199,13 +193,9 @@ void bind_runtime(py::module_& m) {
         const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
         auto stack = torch::jit::createStackForSchema(op.schema(), with_wrapped_numbers(op.schema(), args),
                                                       with_wrapped_numbers(op.schema(), kwargs), std::nullopt);
-        if (being_traced(stack)) {
-          runtime::TracingScope tracing;
+        traced_or_real(runtime::under_tracer(stack), [&] {
           runtime::detail::dtensor_fallback(op, c10::DispatchKeySet(c10::DispatchKey::PrivateUse2), &stack);
-        } else {  // run for real (a graph run op by op, backend="eager"): c10d without the GIL
-          py::gil_scoped_release no_gil;
-          runtime::detail::dtensor_fallback(op, c10::DispatchKeySet(c10::DispatchKey::PrivateUse2), &stack);
-        }
+        });
         return torch::jit::createPyObjectForStack(std::move(stack));
       },
       py::arg("name"), py::arg("overload"),
@@ -216,15 +206,11 @@ void bind_runtime(py::module_& m) {
       [](const at::Tensor& t, const layout::Layout& layout) {
         const auto& impl = runtime::checked_dtensor(t, "traced_redistribute");
         const auto dst = layout::intern_layout(layout);
-        if (!being_traced({c10::IValue(t)})) {
-          py::gil_scoped_release no_gil;
+        return traced_or_real(runtime::under_tracer({c10::IValue(t)}), [&] {
           return runtime::make_dtensor(
               runtime::redistribute_local(impl.local(), impl.layout(), dst, *impl.device_mesh()), dst,
               impl.device_mesh());
-        }
-        runtime::TracingScope tracing;
-        return runtime::make_dtensor(runtime::redistribute_local(impl.local(), impl.layout(), dst, *impl.device_mesh()),
-                                     dst, impl.device_mesh());
+        });
       },
       py::arg("tensor"), py::arg("layout"),
       "`tensor` (a DTensor with a traced local) in `layout`, not differentiable.");

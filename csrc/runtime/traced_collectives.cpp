@@ -1,7 +1,10 @@
 #include "runtime/traced_collectives.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/Exception.h>
+
+#include "runtime/dtensor_impl.h"
 
 namespace hypershard::runtime {
 namespace {
@@ -24,6 +27,21 @@ c10::IValue group_name(const DeviceMesh& mesh, int64_t axis) { return c10::IValu
 }  // namespace
 
 bool tracing() { return t_tracing; }
+
+bool under_tracer(const torch::jit::Stack& arguments) {
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) return true;
+  auto traced_local = [](const at::Tensor& t) {
+    const auto* impl = t.defined() ? dtensor_impl(t) : nullptr;
+    return impl != nullptr && impl->local().key_set().has(c10::DispatchKey::Python);
+  };
+  for (const auto& v : arguments) {
+    if (v.isTensor() && traced_local(v.toTensor())) return true;
+    if (v.isTensorList())
+      for (const at::Tensor& t : v.toTensorList())
+        if (traced_local(t)) return true;
+  }
+  return false;
+}
 
 TracingScope::TracingScope() : previous_(t_tracing) { t_tracing = true; }
 TracingScope::~TracingScope() { t_tracing = previous_; }

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/stack.h>
 
 #include <string>
 #include <vector>
@@ -16,6 +17,11 @@
 namespace hypershard::runtime {
 
 bool tracing();
+
+// Whether a call with these arguments runs under a tracer (a dispatch mode is active, or a
+// DTensor's local is a Python tensor such as a FakeTensor) rather than for real (Dynamo's graph
+// run op by op on real locals, backend="eager").
+bool under_tracer(const torch::jit::Stack& arguments);
 
 struct TracingScope {
   TracingScope();
