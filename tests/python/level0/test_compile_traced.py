@@ -9,9 +9,12 @@ seeded random cotangent):
   the traced DTensors, for real) and "aot_eager" run the very local ops eager runs, in the same
   order, so they must be bit-identical (rtol = atol = 0; the model case's gradients under
   aot_eager are the exception argued there). Inductor fuses and reorders float32 arithmetic; its
-  allowance is the harness's float32 default (1.3e-6 relative), the rounding of a few
-  reassociated float32 sums of O(1) terms, far below any layout error (a wrong shard or a missed
-  reduction changes values by O(1));
+  allowance is torch.testing's float32 default, FLOAT32: rtol 1.3e-6 (about 11 float32 ulps,
+  eps = 1.19e-7: a few reassociated roundings) and atol 1e-5 for values that cancel (reordering a
+  sum of n terms moves it by up to about n * eps * the sum of their magnitudes; the inductor
+  cases' sums have n <= 8 terms of randn-sized values, i.e. about 8 * 1.19e-7 * 8 * 1.5 = 1.1e-5
+  only in the worst case, a few 1e-7 in practice), far below any layout error (a wrong shard or a missed reduction changes
+  values by O(1));
 - with aot_eager, the forward and backward graphs hold exactly the functional collectives
   expected (`_c10d_functional.*` nodes), so communication is in the graph, not hidden in eager
   code.
