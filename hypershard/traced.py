@@ -16,7 +16,9 @@ Python runs while tracing; the compiled program runs no Python per op.
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -28,6 +30,19 @@ __all__ = ["TracedDTensor", "compile", "to_traced", "from_traced"]
 
 
 _LIVE_SPECS: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _build_identity() -> str:
+    """This build of hypershard's traced path: its C++ library and this file. The traced program
+    comes from code no Dynamo graph shows (the rules, the redistributions, the dispatch below), so
+    torch's compile caches, keyed on that graph, must also see the build: a program compiled by
+    another build is never reused."""
+    digest = hashlib.sha256()
+    for path in (_C.__file__, __file__):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
 
 
 def _live_spec(key: tuple) -> "_Spec":
@@ -45,11 +60,12 @@ class _Spec:
         # names it across processes (inductor's and AOTAutograd's caches pickle it): the layout,
         # the mesh's process groups (their names are unique) and this rank's place in the mesh --
         # the traced program is each rank's own (its chunk offsets are constants in the graph),
-        # so two ranks must never share a cached program
+        # so two ranks must never share a cached program; nor two builds (_build_identity)
         self.key = (
             str(layout),
             tuple(mesh.group(a).group_name for a in range(len(layout.partial))),
             mesh.rank,
+            _build_identity(),
         )
         _LIVE_SPECS.setdefault(self.key, self)
 
@@ -108,6 +124,7 @@ class TracedDTensor(torch.Tensor):
         return _from_hypershard(_C.redistribute(_hypershard_of(self), expected.layout))
 
     @classmethod
+    @torch._disable_dynamo  # runs eagerly when a graph break leaves an op to eager code (as torch DTensor's)
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         wrappers: dict = {}  # id of a hypershard DTensor made here -> the TracedDTensor it stands for
@@ -259,6 +276,55 @@ def from_traced(value: Any) -> Any:
     return _FromTraced.apply(value) if isinstance(value, TracedDTensor) else value
 
 
+def _static_shapes(compile_kwargs: dict) -> dict:
+    """The compile settings with dynamic=False. A traced program is made for concrete layouts:
+    every rank's chunk sizes and offsets are constants in its graph. With dynamic shapes, Dynamo
+    recompiled a training forward generically after its second sequence length, and the ranks'
+    programs then disagreed on the collectives they issue (gloo: "received data size doesn't
+    match"). Each new input shape compiles its own program instead."""
+    if compile_kwargs.get("dynamic"):
+        raise ValueError(
+            "hypershard: compile: dynamic=True: a traced program's layouts have concrete shapes "
+            "(each rank's chunk offsets are constants in its graph); allowed: dynamic=False or None "
+            "(each new input shape then compiles its own program)"
+        )
+    return {**compile_kwargs, "dynamic": False}
+
+
+def _some_shard_empty(layout: _C.Layout) -> bool:
+    """Whether some rank's chunk of a non-empty tensor is empty (a global batch smaller than dp,
+    as the last micro-batch of an epoch can be). Read from the layout alone (the same answer on
+    every rank), following its nested torch.chunk arithmetic: chunk size ceil(n / k), the last
+    chunk shorter or empty."""
+    if 0 in layout.global_shape:
+        return False  # empty everywhere: every rank runs the same (empty) program
+    mesh_shape = layout.mesh.shape
+    for size, axes in zip(layout.global_shape, layout.dim_axes):
+        sizes = {size}
+        for axis in axes:
+            k, chunk_sizes = mesh_shape[axis], set()
+            for n in sizes:
+                chunk = -(-n // k)
+                if chunk * (k - 1) >= n:
+                    return True
+                chunk_sizes.update((chunk, n - (k - 1) * chunk))
+            sizes = chunk_sizes
+    return False
+
+
+def _runs_eagerly(values: Any) -> bool:
+    """A call where some DTensor has an empty shard on some rank runs eagerly, on every rank. Its
+    traced programs would differ between ranks beyond their constants: the compiler drops the
+    zero-size work of the empty rank and with it the collectives that only fed that work (a
+    LlamaFactory run's one-sequence last micro-batch on dp2 x tp2 left gloo with mismatched
+    collectives)."""
+    return any(
+        _some_shard_empty(_C.layout_of(v))
+        for v in pytree.tree_leaves(values)
+        if isinstance(v, torch.Tensor) and _C.is_dtensor(v)
+    )
+
+
 def compile(target: Any, **compile_kwargs: Any) -> Any:
     """torch.compile(target, **compile_kwargs) with hypershard's DTensors traced (module docstring):
     the local program and its collectives become the graph, forward and backward.
@@ -271,17 +337,22 @@ def compile(target: Any, **compile_kwargs: Any) -> Any:
       own forward hooks (parallelize's input sharding) run eagerly around the compiled forward;
       its submodules' hooks are traced.
     """
+    compile_kwargs = _static_shapes(compile_kwargs)
     if not isinstance(target, torch.nn.Module):
         compiled_fn = torch.compile(target, **compile_kwargs)
 
         @functools.wraps(target)
         def traced_call(*args: Any, **kwargs: Any) -> Any:
+            if _runs_eagerly((args, kwargs)):
+                return target(*args, **kwargs)
             args, kwargs = pytree.tree_map(to_traced, (args, kwargs))
             return pytree.tree_map(from_traced, compiled_fn(*args, **kwargs))
 
         return traced_call
 
     model = target
+    if getattr(model, "_hypershard_compiled", None) == compile_kwargs:
+        return model  # compiled already with these settings (HF prepares a model more than once)
     for param in model.parameters():
         if _C.is_dtensor(param) and _C.device_mesh_of(param).load_balanced_sequence_axis >= 0:
             # transformers (with torch < 2.14) builds the causal mask from natural positions
@@ -293,6 +364,14 @@ def compile(target: Any, **compile_kwargs: Any) -> Any:
             )
     forward = type(model).forward.__get__(model)
     compiled = torch.compile(forward, **compile_kwargs)
+    states = [t for m in model.modules() for t in (*m._parameters.values(), *m._buffers.values())]
+    parameters_run_eagerly = _runs_eagerly(states)
+    if parameters_run_eagerly:
+        warnings.warn(
+            "hypershard: compile: a parameter or buffer of this model has an empty shard on some rank "
+            "(a dim smaller than its shard count), so its forward runs eagerly, uncompiled",
+            stacklevel=2,
+        )
     takes_use_cache = "use_cache" in inspect.signature(forward).parameters
 
     @functools.wraps(forward)
@@ -301,6 +380,8 @@ def compile(target: Any, **compile_kwargs: Any) -> Any:
             # A training forward needs no cache, and a cache object (not a pytree) would hand its
             # traced tensors to the caller.
             kwargs.setdefault("use_cache", False)
+        if parameters_run_eagerly or _runs_eagerly((args, kwargs)):
+            return forward(*args, **kwargs)
         swapped, traced = [], {}  # a tied parameter gets one TracedDTensor
         for module in model.modules():
             for table in (module._parameters, module._buffers):
@@ -319,4 +400,5 @@ def compile(target: Any, **compile_kwargs: Any) -> Any:
         return pytree.tree_map(from_traced, out)
 
     model.forward = traced_forward
+    model._hypershard_compiled = dict(compile_kwargs)
     return model

@@ -24,6 +24,16 @@ at::Tensor call_and_wait(const char* name, std::vector<c10::IValue> args) {
 
 c10::IValue group_name(const DeviceMesh& mesh, int64_t axis) { return c10::IValue(mesh.group(axis).getGroupName()); }
 
+// Inductor (torch 2.13) lowers a data-moving functional collective of a bool tensor into an int64
+// buffer: a compiled program's gathered padding mask came back int64 (sdpa then refuses it). A
+// bool tensor therefore moves converted to uint8 and is converted back (not viewed: inductor's CPU
+// code for a uint8 -> bool view inside a fused kernel does not compile).
+template <typename Move>
+at::Tensor moved_as_bytes(const at::Tensor& send, Move move) {
+  if (send.scalar_type() != at::kBool) return move(send);
+  return move(send.to(at::kByte)).to(at::kBool);
+}
+
 }  // namespace
 
 bool tracing() { return t_tracing; }
@@ -53,8 +63,10 @@ void check_not_tracing(const char* what) {
 }
 
 at::Tensor traced_all_gather(const at::Tensor& send, const DeviceMesh& mesh, int64_t axis) {
-  return call_and_wait("_c10d_functional::all_gather_into_tensor",
-                       {send, c10::IValue(mesh.mesh()->shape()[axis]), group_name(mesh, axis)});
+  return moved_as_bytes(send, [&](const at::Tensor& bytes) {
+    return call_and_wait("_c10d_functional::all_gather_into_tensor",
+                         {bytes, c10::IValue(mesh.mesh()->shape()[axis]), group_name(mesh, axis)});
+  });
 }
 
 at::Tensor traced_all_reduce(const at::Tensor& t, const std::string& reduce_op, const DeviceMesh& mesh, int64_t axis) {
@@ -69,8 +81,10 @@ at::Tensor traced_reduce_scatter(const at::Tensor& send, const std::string& redu
 
 at::Tensor traced_all_to_all(const at::Tensor& send, const std::vector<int64_t>& recv_counts,
                              const std::vector<int64_t>& send_counts, const DeviceMesh& mesh, int64_t axis) {
-  return call_and_wait("_c10d_functional::all_to_all_single",
-                       {send, c10::IValue(recv_counts), c10::IValue(send_counts), group_name(mesh, axis)});
+  return moved_as_bytes(send, [&](const at::Tensor& bytes) {
+    return call_and_wait("_c10d_functional::all_to_all_single",
+                         {bytes, c10::IValue(recv_counts), c10::IValue(send_counts), group_name(mesh, axis)});
+  });
 }
 
 }  // namespace hypershard::runtime

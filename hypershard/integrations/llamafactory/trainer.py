@@ -16,6 +16,9 @@ HF run would do data parallelism itself:
 - a VLM's mrope ``position_ids`` from LlamaFactory's collator, shaped (4, batch, seq), are split on
   their batch dim (1) over dp, like the text they belong to, before the model's hook (which would
   split dim 0, the 4 rope rows) sees them;
+- HF's ``torch_compile=True`` compiles through ``hs.compile`` (the local program with its
+  collectives in the graph, docs/compile.md) instead of accelerate's ``torch.compile(model)``,
+  which would graph-break at every DTensor;
 - token counts are not summed over processes (``average_tokens_across_devices`` off): every rank
   already counts the whole global batch;
 - checkpoints are written shard-wise (hypershard.checkpoint / DCP) inside HF's ``checkpoint-N``
@@ -44,7 +47,7 @@ except ImportError as error:  # pragma: no cover - only without LlamaFactory
 
 from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, DynamoBackend
 from transformers import TrainerCallback
 
 __all__ = ["HyperParallelTrainer", "HyperParallelArguments"]
@@ -89,11 +92,27 @@ class _HypershardAccelerator(Accelerator):
         return DistributedType.NO if self._hs_preparing_model else super().distributed_type
 
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        plugin = self.state.dynamo_plugin
+        backend = plugin.backend
+        if backend != DynamoBackend.NO:
+            # HF's torch_compile (module docstring): hypershard.compile, with accelerate's settings;
+            # accelerate's own torch.compile(model) is skipped
+            from hypershard.traced import compile as hypershard_compile
+
+            kwargs = plugin.to_kwargs()
+            if _rank_world()[0] == 0 and not hasattr(model, "_hypershard_compiled"):
+                print(
+                    f"hypershard: torch_compile: the model's forward compiles through hypershard.compile({kwargs})",
+                    flush=True,
+                )
+            hypershard_compile(model, **kwargs)
+            plugin.backend = DynamoBackend.NO
         self._hs_preparing_model = True
         try:
             return super().prepare_model(model, device_placement=False, evaluation_mode=evaluation_mode)
         finally:
             self._hs_preparing_model = False
+            plugin.backend = backend
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         # As accelerate prepares it for ONE process: every rank reads the whole global batch, in the

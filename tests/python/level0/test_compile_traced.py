@@ -17,7 +17,7 @@ seeded random cotangent):
   values by O(1));
 - with aot_eager, the forward and backward graphs hold exactly the functional collectives
   expected (`_c10d_functional.*` nodes), so communication is in the graph, not hidden in eager
-  code.
+  code; a call with an empty shard on some rank must make no graph at all (it runs eagerly).
 
 The tiny Qwen3 case compiles HF's whole training forward (tp2: colwise/rowwise projections, the
 rowwise outputs all-reduced by parallelize's hooks: 4 all-reduces and lm_head's all-gather in the
@@ -67,6 +67,7 @@ class GraphCounter:
 
 def _assert_close(got, want, tolerance, what):
     got, want = full(got), full(want)
+    assert got.dtype == want.dtype, f"{what}: compiled gives {got.dtype}, eager {want.dtype}"
     if tolerance is EXACT:
         assert torch.equal(got, want), f"{what}: compiled differs from eager by {(got - want).abs().max()}"
     else:
@@ -122,6 +123,14 @@ def embedding(ids, weight):
     return F.embedding(ids, weight) * 2.0
 
 
+def padding_mask_expanded(mask):
+    """transformers' sdpa mask of a padding mask (masking_utils): the [batch, kv] bool mask read at
+    broadcast arange indices, [batch, 1, 1, kv]."""
+    rows = torch.arange(mask.shape[0])[:, None, None, None]
+    columns = torch.arange(mask.shape[1])[None, None, None, :]
+    return mask[rows, columns]
+
+
 def function_cases():
     functions = [
         # S(0) x R: nothing moves, forward or backward (y's gradient stays Partial, as in eager)
@@ -153,6 +162,22 @@ def function_cases():
             embedding,
             [Input((3, 4), torch.int64, placements=["R"], init=randint(0, 8)), Input((8, 5), placements=["S(0)"])],
             (0, 0),
+        ),
+        # a bool tensor gathered (indexing the sharded batch dim): inductor (torch 2.13) lowers a
+        # functional all-gather of bool into an int64 buffer, which came back as an int64 mask
+        (
+            "padding_mask_gathered",
+            padding_mask_expanded,
+            [Input((4, 16), torch.bool, placements=["S(0)"])],
+            (1,),  # no backward graph: nothing is differentiable
+        ),
+        # one row over 2 ranks: rank 1's shard is empty, so the call runs eagerly on both ranks
+        # (no graph: a compiler drops the empty rank's zero-size work and the collectives feeding it)
+        (
+            "matmul_empty_shard",
+            matmul_relu,
+            [Input((1, 8), placements=["S(0)"]), Input((8, 4), placements=["R"])],
+            (),
         ),
     ]
     cases = []

@@ -1,0 +1,46 @@
+"""hypershard.compile's process-free decisions (hypershard/traced.py): which calls run eagerly
+(an empty shard on some rank) and the compile settings it accepts."""
+
+import itertools
+
+import pytest
+
+import hypershard as hs
+from hypershard.traced import _some_shard_empty, _static_shapes
+
+
+def _layouts():
+    meshes = [hs.mesh({"dp": 2, "tp": 2}), hs.mesh({"dp": 4}), hs.mesh({"dp": 3, "tp": 2})]
+    for mesh in meshes:
+        names = mesh.axis_names
+        for rows, columns in itertools.product(range(0, 10), (1, 3)):
+            shape = [rows, columns]
+            for first, second in itertools.product([(), *[(n,) for n in names], tuple(names)], repeat=2):
+                if set(first) & set(second):
+                    continue
+                alias = tuple(("None" if not a else a[0] if len(a) == 1 else a) for a in (first, second))
+                yield hs.from_alias(mesh, shape, alias)
+
+
+def test_empty_shard_read_from_the_layout_matches_every_rank_local_shape():
+    """Against the C++ layout's own local shapes at every rank: some rank's chunk is empty while
+    the tensor is not (nested chunking included: a dim over (dp, tp))."""
+    checked = found = 0
+    for layout in _layouts():
+        mesh = layout.mesh
+        numel = 1
+        for size in layout.global_shape:
+            numel *= size
+        locals_empty = any(0 in layout.local_shape(rank) for rank in mesh.ranks)
+        expected = numel > 0 and locals_empty
+        assert _some_shard_empty(layout) == expected, (str(layout), [layout.local_shape(r) for r in mesh.ranks])
+        checked += 1
+        found += expected
+    assert checked == 460 and 50 < found < checked  # both answers are exercised
+
+
+def test_dynamic_shapes_are_refused_and_static_is_the_default():
+    assert _static_shapes({"backend": "inductor"}) == {"backend": "inductor", "dynamic": False}
+    assert _static_shapes({"dynamic": None})["dynamic"] is False
+    with pytest.raises(ValueError, match=r"dynamic=True: .*allowed: dynamic=False or None"):
+        _static_shapes({"dynamic": True})
