@@ -98,7 +98,7 @@ from .context_parallel import (
 )
 from .dtensor import distribute_tensor
 from .placement_types import Replicate, Shard
-from .traced import TracedDTensor
+from .traced import TracedDTensor, from_traced, to_traced
 
 __all__ = ["parallelize", "tp_plan_of", "ep_plan_of", "STYLES", "Style", "style"]
 
@@ -364,10 +364,12 @@ _LOCAL_EXPERTS_CALL = "_hypershard_local_experts"
 
 class _LocalExpertsCall:
     """One expert-parallel call of an experts module: this rank's local weights, its expert count,
-    and the mesh and layout of the hidden states (the output's, made Partial(sum) over ep)."""
+    the mesh and layout of the hidden states (the output's, made Partial(sum) over ep), and whether
+    the call came from hypershard.compile's traced forward (its output then goes back traced)."""
 
-    def __init__(self, parameters: dict, num_experts: int, mesh, layout):
+    def __init__(self, parameters: dict, num_experts: int, mesh, layout, traced: bool):
         self.parameters, self.num_experts, self.mesh, self.layout = parameters, num_experts, mesh, layout
+        self.traced = traced
 
     def view_of(self, module: nn.Module) -> nn.Module:
         """A shallow copy of `module` that sees this rank's experts as transformers' EP sets them
@@ -382,6 +384,7 @@ class _LocalExpertsCall:
         return view
 
 
+@torch._dynamo.disable  # the experts' local program reads its routing (see _local_experts)
 def _experts_forward(self, *args, **kwargs):
     """An experts module's forward under expert parallelism: the class's forward, on the view the
     pre-hook's call describes (or on the module itself for a call the pre-hook left alone)."""
@@ -399,13 +402,20 @@ def _local_experts(mesh, ep_axis: int):
     sees the experts' [tokens, 2 x intermediate] products (whose zeros in other ranks' rows no
     Layout can say); gradients come back Partial over ep (inputs) and over the token axes
     (weights), and the usual reductions sum them. The hooks keep no state: the pre-hook's
-    `_LocalExpertsCall` travels with the call's kwargs."""
+    `_LocalExpertsCall` travels with the call's kwargs.
+
+    Under hypershard.compile the three hooks run eagerly (torch._dynamo.disable: the experts'
+    program reads its routing, as transformers' grouped products read their offsets), on the
+    traced DTensors taken back as hypershard DTensors; the output goes back traced."""
     ep_size = mesh.shape[ep_axis]
     ep_rank = mesh.get_local_rank(ep_axis)
 
+    @torch._dynamo.disable
     def pre(module, args, kwargs):
         names = ("hidden_states", "top_k_index", "top_k_weights")
         values = list(args) + [kwargs[n] for n in names[len(args) :] if n in kwargs]
+        traced = any(isinstance(v, TracedDTensor) for v in values)
+        values = [from_traced(v) for v in values]
         if len(values) != 3 or not all(_C.is_dtensor(v) for v in values):
             return None  # not a call this hook understands (plain tensors): transformers' own path
         hidden, index, weights = values
@@ -413,21 +423,25 @@ def _local_experts(mesh, ep_axis: int):
         token_axes = sorted({a for axes in _C.layout_of(hidden).dim_axes for a in axes})
         parameters = {}
         for name, param in module._parameters.items():
-            if param is not None and _C.is_dtensor(param):
+            if isinstance(param, TracedDTensor):  # hypershard.compile's swap hooked the parameter itself
+                parameters[name] = _local(from_traced(param), token_axes)
+            elif param is not None and _C.is_dtensor(param):
                 _C.install_grad_hook(param)  # it reaches no op itself: its Partial gradient needs the hook
                 parameters[name] = _local(param, token_axes)
-        call = _LocalExpertsCall(parameters, local_count, _C.device_mesh_of(hidden), _C.layout_of(hidden))
+        call = _LocalExpertsCall(parameters, local_count, _C.device_mesh_of(hidden), _C.layout_of(hidden), traced)
         index = _C.local_of(index)
         mine = torch.div(index, local_count, rounding_mode="floor") == ep_rank
         index = torch.where(mine, index - ep_rank * local_count, torch.full_like(index, local_count))
         weights = _local(weights, [ep_axis]).masked_fill(~mine, 0.0)
         return (_local(hidden, [ep_axis]), index, weights), {_LOCAL_EXPERTS_CALL: call}
 
+    @torch._dynamo.disable
     def post(module, args, kwargs, output):
         call = kwargs.get(_LOCAL_EXPERTS_CALL)
         if call is None:
             return output
-        return _C.from_local(output, call.mesh, _with_partial(call.layout, [ep_axis]))
+        output = _C.from_local(output, call.mesh, _with_partial(call.layout, [ep_axis]))
+        return to_traced(output) if call.traced else output
 
     return pre, post
 
