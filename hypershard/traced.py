@@ -291,35 +291,15 @@ def _static_shapes(compile_kwargs: dict) -> dict:
     return {**compile_kwargs, "dynamic": False}
 
 
-def _some_shard_empty(layout: _C.Layout) -> bool:
-    """Whether some rank's chunk of a non-empty tensor is empty (a global batch smaller than dp,
-    as the last micro-batch of an epoch can be). Read from the layout alone (the same answer on
-    every rank), following its nested torch.chunk arithmetic: chunk size ceil(n / k), the last
-    chunk shorter or empty."""
-    if 0 in layout.global_shape:
-        return False  # empty everywhere: every rank runs the same (empty) program
-    mesh_shape = layout.mesh.shape
-    for size, axes in zip(layout.global_shape, layout.dim_axes):
-        sizes = {size}
-        for axis in axes:
-            k, chunk_sizes = mesh_shape[axis], set()
-            for n in sizes:
-                chunk = -(-n // k)
-                if chunk * (k - 1) >= n:
-                    return True
-                chunk_sizes.update((chunk, n - (k - 1) * chunk))
-            sizes = chunk_sizes
-    return False
-
-
 def _runs_eagerly(values: Any) -> bool:
     """A call where some DTensor has an empty shard on some rank runs eagerly, on every rank. Its
     traced programs would differ between ranks beyond their constants: the compiler drops the
     zero-size work of the empty rank and with it the collectives that only fed that work (a
     LlamaFactory run's one-sequence last micro-batch on dp2 x tp2 left gloo with mismatched
-    collectives)."""
+    collectives). Layout.has_empty_shard reads it from the layout alone: the same answer on every
+    rank."""
     return any(
-        _some_shard_empty(_C.layout_of(v))
+        _C.layout_of(v).has_empty_shard
         for v in pytree.tree_leaves(values)
         if isinstance(v, torch.Tensor) and _C.is_dtensor(v)
     )

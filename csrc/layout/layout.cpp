@@ -44,6 +44,26 @@ Span chunk_span(int64_t size, int64_t parts, int64_t index) {
   return {begin, end - begin};
 }
 
+bool Layout::has_empty_shard() const {
+  if (numel(global_shape_) == 0) return false;  // empty everywhere
+  for (size_t d = 0; d < global_shape_.size(); ++d) {
+    std::vector<int64_t> lengths{global_shape_[d]};  // the chunks of dim d after each nested axis
+    for (const int64_t axis : dim_axes_[d]) {
+      const int64_t parts = mesh_->shape()[axis];
+      std::vector<int64_t> next;
+      for (const int64_t length : lengths) {
+        for (int64_t i = 0; i < parts; ++i) {
+          const int64_t chunk = chunk_span(length, parts, i).length;
+          if (chunk == 0) return true;
+          next.push_back(chunk);
+        }
+      }
+      lengths = std::move(next);
+    }
+  }
+  return false;
+}
+
 int64_t numel(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t s : shape) n *= s;

@@ -72,6 +72,9 @@ class Layout {
   // The same by rank id (raises when the rank is not in the mesh).
   std::vector<int64_t> local_shape(int64_t rank) const;
   std::vector<int64_t> global_offset(int64_t rank) const;
+  // Whether some rank's chunk of a non-empty tensor is empty (a dim smaller than its shard count,
+  // or a nested chunking leaving nothing): the same answer on every rank.
+  bool has_empty_shard() const;
 
   // Copies with one thing changed; each result is validated.
   Layout with_partial(int64_t axis, std::optional<ReduceOp> op) const;

@@ -120,6 +120,7 @@ void bind_layout(py::module_& m) {
       .def("local_shape_at", &Layout::local_shape_at, py::arg("position"))
       .def("global_offset_at", &Layout::global_offset_at, py::arg("position"))
       .def("local_shape", &Layout::local_shape, py::arg("rank"))
+      .def_property_readonly("has_empty_shard", &Layout::has_empty_shard)
       .def("global_offset", &Layout::global_offset, py::arg("rank"))
       .def("with_partial", &Layout::with_partial, py::arg("axis"), py::arg("op"))
       .def("with_global_shape", &Layout::with_global_shape, py::arg("global_shape"))

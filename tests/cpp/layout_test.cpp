@@ -38,6 +38,22 @@ TEST(Layout, NestedChunkingOfOneDimOverTwoAxes) {
   EXPECT_EQ(reversed.to_string(), "[5, 4] ((\"tp\", \"dp\"), \"None\")");
 }
 
+TEST(Layout, HasEmptyShardAgreesWithEveryRanksLocalShape) {
+  auto mesh = Mesh::create({2, 2}, {"dp", "tp"});
+  for (int64_t rows = 0; rows <= 9; ++rows) {
+    for (const DimAxes& axes : {DimAxes{{0}, {}}, DimAxes{{0, 1}, {}}, DimAxes{{1, 0}, {}}, DimAxes{{}, {0}}}) {
+      const auto layout = Layout::create(mesh, {rows, 1}, axes);
+      bool some_local_empty = false;
+      for (int64_t p = 0; p < 4; ++p) some_local_empty |= numel(layout.local_shape_at(p)) == 0;
+      EXPECT_EQ(layout.has_empty_shard(), rows > 0 && some_local_empty) << layout.to_string();
+    }
+  }
+  // 5 rows over dp then tp: chunks [3, 2], then [2, 1] and [1, 1]: none empty.
+  EXPECT_FALSE(Layout::create(mesh, {5, 4}, {{0, 1}, {}}).has_empty_shard());
+  // 1 row over dp: one rank holds it, the other nothing.
+  EXPECT_TRUE(Layout::create(mesh, {1, 4}, {{0}, {}}).has_empty_shard());
+}
+
 TEST(Layout, LocalShapeByRankId) {
   auto mesh = Mesh::create({2}, {"dp"}, {7, 3});
   auto layout = Layout::create(mesh, {3, 2}, {{0}, {}});

@@ -1,12 +1,12 @@
 """hypershard.compile's process-free decisions (hypershard/traced.py): which calls run eagerly
-(an empty shard on some rank) and the compile settings it accepts."""
+(an empty shard on some rank: Layout.has_empty_shard) and the compile settings it accepts."""
 
 import itertools
 
 import pytest
 
 import hypershard as hs
-from hypershard.traced import _some_shard_empty, _static_shapes
+from hypershard.traced import _static_shapes
 
 
 def _layouts():
@@ -33,7 +33,7 @@ def test_empty_shard_read_from_the_layout_matches_every_rank_local_shape():
             numel *= size
         locals_empty = any(0 in layout.local_shape(rank) for rank in mesh.ranks)
         expected = numel > 0 and locals_empty
-        assert _some_shard_empty(layout) == expected, (str(layout), [layout.local_shape(r) for r in mesh.ranks])
+        assert layout.has_empty_shard == expected, (str(layout), [layout.local_shape(r) for r in mesh.ranks])
         checked += 1
         found += expected
     assert checked == 460 and 50 < found < checked  # both answers are exercised
