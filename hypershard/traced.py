@@ -19,6 +19,7 @@ import functools
 import hashlib
 import inspect
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,8 +46,23 @@ def _build_identity() -> str:
     return digest.hexdigest()[:16]
 
 
-def _live_spec(key: tuple) -> "_Spec":
-    return _LIVE_SPECS[key]
+_LIVE_MESHES: dict = {}  # the process groups' names of a mesh -> the mesh (meshes live as long as their groups)
+
+
+def _live_spec(key: tuple, recipe: tuple = ()) -> "_Spec":
+    """The spec a pickled one names (a compile cache's entry). One this process has not made yet (an
+    entry written by an earlier run: a backward's intermediate layout) is made again from its
+    recipe on the live mesh of the same process groups and rank; without one, the KeyError makes
+    the cache miss and the program is compiled anew."""
+    spec = _LIVE_SPECS.get(key)
+    if spec is None and recipe:
+        mesh = _LIVE_MESHES.get(key[1])
+        if mesh is not None and mesh.rank == key[2] and _build_identity() == key[3]:
+            global_shape, dim_axes, partial = recipe
+            spec = _Spec(_C.Layout.create(mesh.mesh, list(global_shape), dim_axes, partial), mesh)
+    if spec is None or spec.key != key:
+        raise KeyError(key)
+    return spec
 
 
 class _Spec:
@@ -68,9 +84,11 @@ class _Spec:
             _build_identity(),
         )
         _LIVE_SPECS.setdefault(self.key, self)
+        _LIVE_MESHES.setdefault(self.key[1], mesh)
 
     def __reduce__(self):
-        return _live_spec, (self.key,)
+        recipe = (tuple(self.layout.global_shape), self.layout.dim_axes, self.layout.partial)
+        return _live_spec, (self.key, recipe)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Spec) and self.layout == other.layout and self.key == other.key
@@ -262,6 +280,52 @@ def _plain_tangent_as_traced(self: torch.Tensor, expected: Any, expected_type: A
 torch.Tensor.__coerce_same_metadata_as_tangent__ = _plain_tangent_as_traced
 
 
+# ------------------------------------------------------- transformers' grouped_mm_fallback backward
+# transformers' MoE product without aten's _grouped_mm (float32 under torch.compile) is its custom
+# op grouped_mm_fallback, whose backward loops over offs.tolist(): values a traced program does not
+# have (torch.compile on one device fails there too: GuardOnDataDependentSymNode). For traced
+# hypershard DTensors its backward is instead the same maths as two grouped products, with rules
+# and a traceable local program (hypershard::grouped_mm_local) -- what hypershard's eager autograd
+# kernel for DTensors records (csrc/kernels/external_autograd.cpp). Plain tensors keep
+# transformers' backward, unchanged.
+
+_GROUPED_MM_FALLBACK = "transformers::grouped_mm_fallback"
+
+
+def _grouped_mm_fallback_backward_of(original_setup: Callable, original_backward: Callable) -> tuple:
+    def setup_context(ctx, inputs, output):
+        ctx.hypershard_traced = isinstance(inputs[1], TracedDTensor)
+        if ctx.hypershard_traced:
+            ctx.save_for_backward(*inputs)
+        else:
+            original_setup(ctx, inputs, output)
+
+    def backward(ctx, grad):
+        if not ctx.hypershard_traced:
+            return original_backward(ctx, grad)
+        input, weight, offs = ctx.saved_tensors
+        # group e's rows of the input gradient: grad's rows times weight[e]^T; weight[e]'s
+        # gradient: those rows of input^T times grad
+        dinput = torch._grouped_mm(grad, weight.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
+        dweight = torch._grouped_mm(input.transpose(0, 1), grad, offs) if ctx.needs_input_grad[1] else None
+        return dinput, dweight, None
+
+    backward.hypershard_routes_traced = True
+    return setup_context, backward
+
+
+def _route_grouped_mm_fallback_backward() -> None:
+    """Installs the traced backward above on transformers' op, once, when transformers defined it
+    as a torch.library custom op (otherwise there is nothing to route and its backward is its own)."""
+    from torch._library.custom_ops import OPDEFS
+
+    opdef = OPDEFS.get(_GROUPED_MM_FALLBACK)
+    if opdef is None or opdef._backward_fn is None or getattr(opdef._backward_fn, "hypershard_routes_traced", False):
+        return
+    setup_context, backward = _grouped_mm_fallback_backward_of(opdef._setup_context_fn, opdef._backward_fn)
+    opdef.register_autograd(backward, setup_context=setup_context)
+
+
 def to_traced(value: Any) -> Any:
     """A hypershard DTensor as a TracedDTensor (differentiable; the same local memory)."""
     if isinstance(value, torch.Tensor) and _C.is_dtensor(value):
@@ -325,6 +389,7 @@ def compile(target: Any, **compile_kwargs: Any) -> Any:
         def traced_call(*args: Any, **kwargs: Any) -> Any:
             if _runs_eagerly((args, kwargs)):
                 return target(*args, **kwargs)
+            _route_grouped_mm_fallback_backward()
             args, kwargs = pytree.tree_map(to_traced, (args, kwargs))
             return pytree.tree_map(from_traced, compiled_fn(*args, **kwargs))
 
@@ -362,6 +427,7 @@ def compile(target: Any, **compile_kwargs: Any) -> Any:
             kwargs.setdefault("use_cache", False)
         if parameters_run_eagerly or _runs_eagerly((args, kwargs)):
             return forward(*args, **kwargs)
+        _route_grouped_mm_fallback_backward()
         swapped, traced = [], {}  # a tied parameter gets one TracedDTensor
         for module in model.modules():
             for table in (module._parameters, module._buffers):

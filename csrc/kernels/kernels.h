@@ -29,6 +29,10 @@ void forbid_second_derivative(const std::vector<at::Tensor>& outputs, const std:
 // those ops are defined (torch_npu / transformers imported later).
 void register_external_autograd_kernels();
 
+// grouped_mm.cpp: hypershard::grouped_mm_local, the local program of the grouped products'
+// rule (csrc/ops/matmul.cpp).
+void register_grouped_mm_kernels();
+
 // rotary.cpp: hypershard::rotary_position_embedding and its backward (modes 0..3).
 void register_rotary_kernels();
 // Raises the argument errors of rotary_position_embedding (mode, D, cos/sin shapes, dtypes).

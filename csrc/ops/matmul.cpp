@@ -51,6 +51,7 @@
 #include <algorithm>
 #include <array>
 
+#include "kernels/kernels.h"
 #include "ops/families.h"
 #include "ops/sharding_search.h"
 #include "runtime/redistribute.h"
@@ -188,22 +189,12 @@ OpPlan mm_out_rule(const OpCall& call) {
 //                                  free; e (a result-only dim) whole: every group computed
 //   3d x 3d         "bmk,bkn->bmn" the batched product (bmm's rule)
 // offs and the groups' data-dependent sizes are read on every rank alike (offs is whole; an
-// integer Partial(sum) offs is reduced first). The
-// local product is a loop of mm over the local groups: torch's CPU kernel asks 16-byte aligned
-// strides, which a shard of an aligned weight need not have.
+// integer Partial(sum) offs is reduced first). The local product is hypershard::grouped_mm_local
+// (csrc/kernels/grouped_mm.cpp): a loop of mm over the rank's groups, as one op a traced program
+// can hold (the group sizes are values).
 constexpr EinsumSpec kGroupedRows{"mk,ekn->mn", false, "m"};
 constexpr EinsumSpec kGroupedContraction{"km,mn->ekn", false, "me"};
 constexpr EinsumSpec kGroupedBatch{"bmk,bkn->bmn", false};
-
-std::vector<int64_t> group_ends(const at::Tensor& offs) {
-  const at::Tensor values = offs.is_cpu() && offs.is_contiguous() ? offs : offs.cpu().contiguous();
-  if (values.scalar_type() == at::kInt) {
-    const int32_t* v = values.const_data_ptr<int32_t>();
-    return {v, v + values.numel()};
-  }
-  const at::Tensor longs = values.to(at::kLong);
-  return {longs.const_data_ptr<int64_t>(), longs.const_data_ptr<int64_t>() + longs.numel()};
-}
 
 OpPlan grouped_mm_rule(const OpCall& call) {
   const int64_t self = call.tensor_named({"self", "input"}), mat2 = call.tensor_named({"mat2", "weight"});
@@ -237,47 +228,21 @@ OpPlan grouped_mm_rule(const OpCall& call) {
   OpPlan plan = einsum_plan(call, *spec, groups);
   if (offs < 0) return plan;
   plan.inputs[offs] = replicate_like(call.layout(offs), call.layout(offs).global_shape());
-  // The rank's first expert (the weight's dim 0 may be sharded: expert parallelism).
+  // The rank's first expert: the weight's dim 0 may be sharded (expert parallelism).
   const LayoutPtr weight = plan.inputs[mat2];
   const bool rows = spec == &kGroupedRows;
   plan.expand = [weight, rows](const OpCall& c, torch::jit::Stack& stack) {
+    static const auto local_op = c10::Dispatcher::singleton()
+                                     .findSchemaOrThrow("hypershard::grouped_mm_local", "")
+                                     .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                                       std::optional<at::ScalarType>)>();
     const size_t n = c.schema().arguments().size();
     const c10::IValue* args = stack.data() + (stack.size() - n);
-    const at::Tensor x = args[0].toTensor(), w = args[1].toTensor();
-    const auto ends = group_ends(args[2].toTensor());
-    c10::ScalarType dtype = x.scalar_type();
+    std::optional<at::ScalarType> dtype;
     if (const auto i = c.schema().argumentIndexWithName("out_dtype"); i && !args[*i].isNone())
       dtype = args[*i].toScalarType();
-    // Each group's product is written into its block of the result (mm_out: no temporary); only
-    // the rows no local group computes are zeroed.
-    at::Tensor out;
-    if (rows) {
-      const int64_t first = weight->global_offset_at(c.mesh->position())[0], local_groups = w.size(0);
-      const int64_t rows_begin = first == 0 ? 0 : ends.at(first - 1);
-      const int64_t rows_end = local_groups == 0 ? rows_begin : ends.at(first + local_groups - 1);
-      out = at::empty({x.size(0), w.size(2)}, x.options().dtype(dtype));
-      if (rows_begin > 0) out.narrow(0, 0, rows_begin).zero_();
-      if (rows_end < x.size(0)) out.narrow(0, rows_end, x.size(0) - rows_end).zero_();
-      for (int64_t g = 0; g < local_groups; ++g) {
-        const int64_t e = first + g;
-        const int64_t begin = e == 0 ? 0 : ends.at(e - 1), end = ends.at(e);
-        if (end > begin) {
-          at::Tensor block = out.narrow(0, begin, end - begin);
-          at::mm_out(block, x.narrow(0, begin, end - begin), w[g]);
-        }
-      }
-    } else {
-      const int64_t groups = static_cast<int64_t>(ends.size());
-      out = at::empty({groups, x.size(0), w.size(1)}, x.options().dtype(dtype));
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t begin = g == 0 ? 0 : ends[g - 1], end = ends[g];
-        at::Tensor block = out[g];
-        if (end > begin)
-          at::mm_out(block, x.narrow(1, begin, end - begin), w.narrow(0, begin, end - begin));
-        else
-          block.zero_();
-      }
-    }
+    const int64_t first = rows ? weight->global_offset_at(c.mesh->position())[0] : 0;
+    at::Tensor out = local_op.call(args[0].toTensor(), args[1].toTensor(), args[2].toTensor(), first, dtype);
     torch::jit::drop(stack, n);
     stack.emplace_back(std::move(out));
   };
@@ -302,6 +267,7 @@ void register_matmul(Registry& r) {
   // offs, bias and out_dtype: tensors or dtypes; no scalar changes a layout.
   r.add("aten::_grouped_mm", &grouped_mm_rule, KeyScalars::kNone);
   r.add("transformers::grouped_mm_fallback", &grouped_mm_rule, KeyScalars::kNone);
+  r.kernels(&kernels::register_grouped_mm_kernels);
 }
 
 }  // namespace hypershard::ops

@@ -22,11 +22,15 @@ seeded random cotangent):
 The tiny Qwen3 case compiles HF's whole training forward (tp2: colwise/rowwise projections, the
 rowwise outputs all-reduced by parallelize's hooks: 4 all-reduces and lm_head's all-gather in the
 forward graph, the colwise inputs' gradients all-reduced in the backward graph) and compares
-the loss and every parameter's gradient. One 2-rank launch.
+the loss and every parameter's gradient. The tiny Qwen3.5-MoE on tp2 (inductor) does the same
+with the experts' grouped products in the graph; transformers' grouped_mm_fallback is checked
+alone with experts replicated, colwise, rowwise and expert-sharded; a program reloaded from the
+compile cache by a fresh Dynamo must hit AOTAutograd's cache. One 2-rank launch.
 """
 
 import torch
 import torch.nn.functional as F
+import transformers.integrations.moe  # noqa: F401 -- defines transformers::grouped_mm_fallback
 
 import hypershard as hs
 from hypershard.testing import Case, Input, assert_all_passed, run_cases
@@ -131,6 +135,21 @@ def padding_mask_expanded(mask):
     return mask[rows, columns]
 
 
+# 11 tokens in 4 experts (expert 2 empty): the GLOBAL cumulative row ends
+GROUP_ENDS = torch.tensor([3, 7, 7, 11], dtype=torch.int32)
+
+
+def grouped_mm_fallback(x, w, offs):
+    """transformers' MoE product without aten's _grouped_mm (float32 when compiled): its custom op,
+    whose own backward reads offs' values (hypershard's traced backward does not)."""
+    return torch.ops.transformers.grouped_mm_fallback(x, w, offs)
+
+
+def _grouped_inputs(x_placement, w_placement):
+    offs = Input((4,), torch.int32, init=GROUP_ENDS, requires_grad=False)
+    return [Input((11, 8), placements=[x_placement]), Input((4, 8, 12), placements=[w_placement]), offs]
+
+
 def function_cases():
     functions = [
         # S(0) x R: nothing moves, forward or backward (y's gradient stays Partial, as in eager)
@@ -179,6 +198,14 @@ def function_cases():
             [Input((1, 8), placements=["S(0)"]), Input((8, 4), placements=["R"])],
             (),
         ),
+        # the MoE experts' grouped products (tp MoE: experts colwise / rowwise; ep: expert-sharded):
+        # group sizes are values, so the local program is one op (hypershard::grouped_mm_local)
+        # that the graph holds and that reads offs when the compiled program runs. No collective:
+        # the rowwise and expert outputs, and the tokens' gradients there, stay Partial, as eager
+        ("grouped_replicate", grouped_mm_fallback, _grouped_inputs("R", "R"), (0, 0)),
+        ("grouped_colwise", grouped_mm_fallback, _grouped_inputs("R", "S(2)"), (0, 0)),
+        ("grouped_rowwise", grouped_mm_fallback, _grouped_inputs("S(1)", "S(1)"), (0, 0)),
+        ("grouped_expert", grouped_mm_fallback, _grouped_inputs("R", "S(0)"), (0, 0)),
     ]
     cases = []
     for backend in ("eager", "aot_eager", "inductor"):
@@ -208,6 +235,10 @@ def _qwen3_vl_moe():
     return _tiny("qwen3_vl_moe")
 
 
+def _qwen3_5_moe():
+    return _tiny("qwen3_5_moe_text")
+
+
 def _train_once(model, ids):
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -220,6 +251,10 @@ def qwen3_step(ids):
 
 def qwen3_vl_moe_step(ids):
     return _train_once(_qwen3_vl_moe(), ids)
+
+
+def qwen3_5_moe_step(ids):
+    return _train_once(_qwen3_5_moe(), ids)
 
 
 def qwen3_traced(backend, collectives=None, build=_qwen3, fullgraph=True, **parallelize_kwargs):
@@ -296,6 +331,19 @@ def model_cases():
             check_grad=False,
             dist_fn=qwen3_traced("aot_eager", build=_qwen3_vl_moe, fullgraph=False),
         ),
+        # tensor-parallel MoE: Qwen3.5-MoE's experts colwise / rowwise, their grouped products
+        # (transformers' grouped_mm_fallback in float32) inside the graph, with the gated delta
+        # net's linear attention. Inductor: torch 2.13's aot_eager fails this model's backward on
+        # ONE device too (a view of the gated delta net's gradient whose real strides differ from
+        # the traced ones); inductor lays out its buffers itself
+        Case(
+            "qwen3_5_moe_tp2_inductor",
+            fn=qwen3_5_moe_step,
+            inputs=ids,
+            mesh=TP2,
+            check_grad=False,
+            dist_fn=qwen3_traced("inductor", build=_qwen3_5_moe),
+        ),
         Case(
             "qwen3_tp2_aot_eager",
             fn=qwen3_step,
@@ -307,8 +355,38 @@ def model_cases():
     ]
 
 
+def reloaded_from_compile_cache(x, w):
+    """matmul_relu compiled twice by inductor, the second time as a new process would: Dynamo reset
+    and no traced spec alive. The backward's Partial gradient layout then exists only in the
+    cached program; it is made again from its pickled recipe, so AOTAutograd's cache must hit
+    (it missed, with a KeyError warning, when a spec could only be looked up)."""
+    import torch._dynamo
+    import torch._functorch.config
+    import torch._inductor.config
+    from torch._dynamo.utils import counters
+
+    from hypershard import traced as traced_module
+
+    with torch._inductor.config.patch(force_disable_caches=False), torch._functorch.config.patch(
+        enable_autograd_cache=True
+    ):
+        for attempt in range(2):
+            torch._dynamo.reset()
+            traced_module._LIVE_SPECS.clear()
+            hits = counters["aot_autograd"]["autograd_cache_hit"]
+            compiled = hs.compile(matmul_relu, backend="inductor", fullgraph=True)
+            torch.autograd.grad(compiled(x, w).sum(), (x, w))  # compiles the backward too
+        assert counters["aot_autograd"]["autograd_cache_hit"] == hits + 1, dict(counters["aot_autograd"])
+        return compiled(x, w)  # the reloaded program, against one device
+
+
+def cache_cases():
+    inputs = [Input((6, 8), placements=["R"]), Input((8, 4), placements=["S(1)"])]
+    return [Case("reloaded_from_compile_cache", matmul_relu, inputs, TP2, dist_fn=reloaded_from_compile_cache)]
+
+
 def test_traced_matches_eager_and_one_device():
-    assert_all_passed(run_cases(function_cases() + model_cases(), timeout=600))
+    assert_all_passed(run_cases(function_cases() + model_cases() + cache_cases(), timeout=600))
 
 
 def _dropping_hook_collectives(dist_fn):
