@@ -297,7 +297,7 @@ def _grouped_mm_fallback_backward_of(original_setup: Callable, original_backward
         ctx.hypershard_traced = isinstance(inputs[1], TracedDTensor)
         if ctx.hypershard_traced:
             ctx.save_for_backward(*inputs)
-        else:
+        elif original_setup is not None:
             original_setup(ctx, inputs, output)
 
     def backward(ctx, grad):
@@ -317,8 +317,10 @@ def _grouped_mm_fallback_backward_of(original_setup: Callable, original_backward
 def _route_grouped_mm_fallback_backward() -> None:
     """Installs the traced backward above on transformers' op, once, when transformers defined it
     as a torch.library custom op (otherwise there is nothing to route and its backward is its own)."""
-    from torch._library.custom_ops import OPDEFS
-
+    try:
+        from torch._library.custom_ops import OPDEFS  # torch's registry of torch.library custom ops
+    except ImportError:  # another torch: transformers' backward stays (it fails where it reads offs)
+        return
     opdef = OPDEFS.get(_GROUPED_MM_FALLBACK)
     if opdef is None or opdef._backward_fn is None or getattr(opdef._backward_fn, "hypershard_routes_traced", False):
         return

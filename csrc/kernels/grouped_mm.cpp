@@ -37,9 +37,8 @@ void check_grouped_mm_arguments(const at::Tensor& self, const at::Tensor& mat2, 
               self.dim(), "-d by ", mat2.dim(), "-d");
   TORCH_CHECK(offs.dim() == 1, "hypershard::grouped_mm_local: offs must be 1-d, got ", offs.dim(), "-d");
   if (rows)
-    TORCH_CHECK(first_group >= 0 && first_group + mat2.size(0) <= offs.size(0),
-                "hypershard::grouped_mm_local: groups ", first_group, "..", first_group + mat2.size(0) - 1,
-                " are not among offs' ", offs.size(0));
+    TORCH_CHECK(first_group >= 0 && first_group + mat2.size(0) <= offs.size(0), "hypershard::grouped_mm_local: groups ",
+                first_group, "..", first_group + mat2.size(0) - 1, " are not among offs' ", offs.size(0));
 }
 
 // The result, uninitialized, after the argument checks.
@@ -51,8 +50,8 @@ at::Tensor grouped_mm_local_meta(const at::Tensor& self, const at::Tensor& mat2,
   return at::empty({offs.size(0), self.size(0), mat2.size(1)}, options);
 }
 
-at::Tensor grouped_mm_local(const at::Tensor& self, const at::Tensor& mat2, const at::Tensor& offs,
-                            int64_t first_group, std::optional<at::ScalarType> out_dtype) {
+at::Tensor grouped_mm_local(const at::Tensor& self, const at::Tensor& mat2, const at::Tensor& offs, int64_t first_group,
+                            std::optional<at::ScalarType> out_dtype) {
   at::Tensor out = grouped_mm_local_meta(self, mat2, offs, first_group, out_dtype);
   // out_dtype (bfloat16 operands, a float32 result): the operands widened, so that products and
   // sums are in the result's dtype, rounded once, as _grouped_mm's out_dtype promises
@@ -94,8 +93,8 @@ void register_grouped_mm_kernels() {
   def->def(
       "grouped_mm_local(Tensor self, Tensor mat2, Tensor offs, int first_group=0, ScalarType? out_dtype=None) -> "
       "Tensor");
-  static auto* any = new torch::Library(torch::Library::IMPL, "hypershard",
-                                        c10::DispatchKey::CompositeExplicitAutograd, __FILE__, __LINE__);
+  static auto* any = new torch::Library(torch::Library::IMPL, "hypershard", c10::DispatchKey::CompositeExplicitAutograd,
+                                        __FILE__, __LINE__);
   any->impl("grouped_mm_local", TORCH_FN(grouped_mm_local));
   static auto* meta =
       new torch::Library(torch::Library::IMPL, "hypershard", c10::DispatchKey::Meta, __FILE__, __LINE__);

@@ -1,12 +1,14 @@
 """hypershard.compile's process-free decisions (hypershard/traced.py): which calls run eagerly
-(an empty shard on some rank: Layout.has_empty_shard) and the compile settings it accepts."""
+(an empty shard on some rank: Layout.has_empty_shard), the compile settings it accepts, and the
+backward it routes for transformers' grouped_mm_fallback (traced DTensors only; plain tensors keep
+transformers' own)."""
 
 import itertools
 
 import pytest
 
 import hypershard as hs
-from hypershard.traced import _static_shapes
+from hypershard.traced import _route_grouped_mm_fallback_backward, _static_shapes
 
 
 def _layouts():
@@ -44,3 +46,30 @@ def test_dynamic_shapes_are_refused_and_static_is_the_default():
     assert _static_shapes({"dynamic": None})["dynamic"] is False
     with pytest.raises(ValueError, match=r"dynamic=True: .*allowed: dynamic=False or None"):
         _static_shapes({"dynamic": True})
+
+
+def test_grouped_mm_fallback_keeps_transformers_backward_for_plain_tensors():
+    """After the route is installed (twice: idempotent), a plain call's gradients are transformers'
+    own backward's: the same values as before the route, bit for bit (the same code runs)."""
+    import torch
+    import transformers.integrations.moe  # noqa: F401 -- defines the op
+    from torch._library.custom_ops import OPDEFS
+
+    def gradients():
+        gen = torch.Generator().manual_seed(4)
+        x = torch.randn(7, 3, generator=gen, requires_grad=True)
+        w = torch.randn(2, 3, 5, generator=gen, requires_grad=True)
+        out = torch.ops.transformers.grouped_mm_fallback(x, w, torch.tensor([4, 6], dtype=torch.int32))
+        (out * out).sum().backward()
+        return x.grad, w.grad
+
+    opdef = OPDEFS["transformers::grouped_mm_fallback"]
+    before = gradients()
+    _route_grouped_mm_fallback_backward()
+    routed = opdef._backward_fn
+    assert getattr(routed, "hypershard_routes_traced", False)
+    _route_grouped_mm_fallback_backward()
+    assert opdef._backward_fn is routed  # installed once
+    after = gradients()
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert before[0][6].abs().max() == 0  # row 6 is past the last group: no gradient
