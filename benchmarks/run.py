@@ -44,8 +44,8 @@ Sections (see benchmarks/README.md for what each measures and how; the code is i
               rank vs cp=1 (goal ~1/cp), step time, bytes per step vs the formula from the model's
               shape
   compile     (~1 min) the demo's model on dp2 x tp2: hs.compile (inductor, the local program
-              and its functional collectives in one graph) vs eager hypershard, forward + backward
-              time per step and the first call's compile time
+              and its functional collectives in one graph; also with its waits moved) vs eager
+              hypershard, forward + backward time per step and the first call's compile time
 
 Writes bench/results.json, bench/RESULTS.md and bench/results.png and prints the tables.
 

@@ -23,9 +23,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 
 from . import _C
+from .dtensor import _placements_of
 
 __all__ = ["TracedDTensor", "compile", "to_traced", "from_traced"]
 
@@ -140,6 +142,36 @@ class TracedDTensor(torch.Tensor):
         if expected.layout == self._spec.layout:
             return self
         return _from_hypershard(_C.redistribute(_hypershard_of(self), expected.layout))
+
+    # hypershard's DTensor methods (hypershard/dtensor.py) on the DTensor this one stands for, run
+    # eagerly, differentiable. Dynamo breaks the graph at redistribute (its mesh and placements are
+    # no graph values), but records to_local() / full_tensor() into the graph, where the compiler
+    # would run their collectives on tracing tensors: those raise while tracing (before, they
+    # silently gave uninitialized memory). The layout properties are data.
+    def _eager_only(self, name: str) -> torch.Tensor:
+        if is_fake(self._local):
+            raise RuntimeError(
+                f"hypershard: {name}() inside a hypershard.compile'd function is not traced (its "
+                "collectives would not be in the compiled program); allowed: call it outside the "
+                "compiled function, on its result"
+            )
+        return from_traced(self)
+
+    @torch._disable_dynamo
+    def to_local(self) -> torch.Tensor:
+        return self._eager_only("to_local").to_local()
+
+    @torch._disable_dynamo
+    def full_tensor(self) -> torch.Tensor:
+        return self._eager_only("full_tensor").full_tensor()
+
+    @torch._disable_dynamo
+    def redistribute(self, device_mesh: Any = None, placements: Any = None, **kwargs: Any) -> "TracedDTensor":
+        return to_traced(self._eager_only("redistribute").redistribute(device_mesh, placements, **kwargs))
+
+    placements = property(lambda self: _placements_of(self._spec.layout))
+    device_mesh = property(lambda self: self._spec.mesh)
+    sharding = property(lambda self: self._spec.layout)
 
     @classmethod
     @torch._disable_dynamo  # runs eagerly when a graph break leaves an op to eager code (as torch DTensor's)

@@ -28,6 +28,9 @@ alone with experts replicated, colwise, rowwise and expert-sharded; a program re
 compile cache by a fresh Dynamo must hit AOTAutograd's cache. One 2-rank launch.
 """
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 import transformers.integrations.moe  # noqa: F401 -- defines transformers::grouped_mm_fallback
@@ -355,6 +358,35 @@ def model_cases():
     ]
 
 
+def norm_beside_compute(x, y, w):
+    """layer_norm over x's sharded dim (its rule all-gathers it) beside compute that does not need
+    the gathered values: the wait of the gather can move below that compute."""
+    return F.layer_norm(x, (x.shape[-1],)) * 2.0 + torch.tanh(y @ w) @ w
+
+
+def waits_moved(x, y, w):
+    """norm_beside_compute compiled by inductor with its compute/communication reordering
+    (benchmarks/hsbench/compiled.py WAITS_MOVED): the forward program issues the all-gather, runs
+    the independent products, and only then waits -- checked in inductor's generated code -- and
+    the results (outputs and gradients) equal eager's within FLOAT32."""
+    import torch._dynamo
+    from torch._inductor.utils import run_and_get_code
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+    from hsbench.compiled import WAITS_MOVED
+
+    torch._dynamo.reset()
+    compiled = hs.compile(norm_beside_compute, backend="inductor", fullgraph=True, options=WAITS_MOVED)
+    got, codes = run_and_get_code(compiled, x, y, w)
+    forward = next(code for code in codes if "all_gather" in code)
+    body = forward[forward.index("def call(") :]
+    gather, wait, product = (body.index(s) for s in ("all_gather_into_tensor", "wait_tensor", "extern_kernels.mm"))
+    assert gather < product < wait, "the gather's wait was not moved below the independent product"
+    want = norm_beside_compute(x, y, w)
+    check_against_eager(got, want, [x, y, w], lambda g, w, what: _assert_close(g, w, FLOAT32, what))
+    return got
+
+
 def reloaded_from_compile_cache(x, w):
     """matmul_relu compiled twice by inductor, the second time as a new process would: Dynamo reset
     and no traced spec alive. The backward's Partial gradient layout then exists only in the
@@ -380,13 +412,42 @@ def reloaded_from_compile_cache(x, w):
         return compiled(x, w)  # the reloaded program, against one device
 
 
-def cache_cases():
-    inputs = [Input((6, 8), placements=["R"]), Input((8, 4), placements=["S(1)"])]
-    return [Case("reloaded_from_compile_cache", matmul_relu, inputs, TP2, dist_fn=reloaded_from_compile_cache)]
+def placements_then_redistribute(x):
+    """hypershard's DTensor API inside a compiled function: the placements read as data, a
+    redistribute (Dynamo breaks the graph there; it runs eagerly, differentiable)."""
+    scale = 2.0 if x.placements[0].is_shard() else 3.0
+    return (x * scale).redistribute(x.device_mesh, [hs.Replicate()]).sin()
+
+
+def dtensor_api(x):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    got = hs.compile(placements_then_redistribute, backend="aot_eager")(x)
+    want = placements_then_redistribute(x)
+    check_against_eager(got, want, [x], lambda g, w, what: _assert_close(g, w, EXACT, what))
+    try:  # traced into the graph it would gather on tracing tensors: a clear error instead
+        hs.compile(lambda t: t.full_tensor().sum(), backend="aot_eager")(x)
+    except Exception as error:  # Dynamo wraps it
+        assert "full_tensor() inside a hypershard.compile'd function is not traced" in str(error), error
+    else:
+        raise AssertionError("full_tensor() was traced into a compiled program")
+    return got
+
+
+def inductor_option_cases():
+    reload_inputs = [Input((6, 8), placements=["R"]), Input((8, 4), placements=["S(1)"])]
+    waits_inputs = [Input((8, 16), placements=["S(1)"]), Input((8, 16), placements=["R"]), Input((16, 16), placements=["R"])]
+    return [
+        Case("reloaded_from_compile_cache", matmul_relu, reload_inputs, TP2, dist_fn=reloaded_from_compile_cache),
+        Case("waits_moved_inductor", norm_beside_compute, waits_inputs, TP2, dist_fn=waits_moved),
+        Case("dtensor_api_aot_eager", lambda x: (x * 2.0).sin(), [Input((6, 4), placements=["S(0)"])], TP2,
+             dist_fn=dtensor_api),
+    ]
 
 
 def test_traced_matches_eager_and_one_device():
-    assert_all_passed(run_cases(function_cases() + model_cases() + cache_cases(), timeout=600))
+    assert_all_passed(run_cases(function_cases() + model_cases() + inductor_option_cases(), timeout=600))
 
 
 def _dropping_hook_collectives(dist_fn):
