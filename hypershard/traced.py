@@ -146,8 +146,8 @@ class TracedDTensor(torch.Tensor):
     # hypershard's DTensor methods (hypershard/dtensor.py) on the DTensor this one stands for, run
     # eagerly, differentiable. Dynamo breaks the graph at redistribute (its mesh and placements are
     # no graph values), but records to_local() / full_tensor() into the graph, where the compiler
-    # would run their collectives on tracing tensors: those raise while tracing (before, they
-    # silently gave uninitialized memory). The layout properties are data.
+    # would run their collectives on tracing tensors and return uninitialized memory: those raise
+    # while tracing. The layout properties are data.
     def _eager_only(self, name: str) -> torch.Tensor:
         if is_fake(self._local):
             raise RuntimeError(

@@ -25,7 +25,10 @@ forward graph, the colwise inputs' gradients all-reduced in the backward graph) 
 the loss and every parameter's gradient. The tiny Qwen3.5-MoE on tp2 (inductor) does the same
 with the experts' grouped products in the graph; transformers' grouped_mm_fallback is checked
 alone with experts replicated, colwise, rowwise and expert-sharded; a program reloaded from the
-compile cache by a fresh Dynamo must hit AOTAutograd's cache. One 2-rank launch.
+compile cache by a fresh Dynamo must hit AOTAutograd's cache; with inductor's compute/communication
+reordering, a gather's wait must move below independent compute and results stay eager's;
+hypershard's DTensor API inside a compiled function (placements read, redistribute run eagerly,
+full_tensor refused while tracing). One 2-rank launch.
 """
 
 import sys
