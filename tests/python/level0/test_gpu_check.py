@@ -1,12 +1,14 @@
 """Level0: the prepared GPU check (hypershard/testing/gpu_check.py) in its --dry-run form: the
 same script on CPU with gloo, reduced (2 cases per level0 family on 1-rank meshes, 6 cases of
-the 2-rank slice, two bench op classes), so that the script a GPU session runs cannot rot.
-Run as a file (the way `make test-gpu` runs it, before hypershard could be imported). About 50 s.
+the 2-rank slice, two bench op classes, the tiny Qwen3 in float32, two compile cases), so that
+the script a GPU session runs cannot rot. Run as a file (the way `make test-gpu` runs it, before
+hypershard could be imported). About 45 s.
 
 It checks the report, not only the exit status: every phase ran; level0 reached at least 25
 families and passed at least 80% of its cases (the rest fail on a CPU 1-rank mesh as well: cases
 that assume more ranks, reported as such); the 2-rank slice passed; the bench timed plain,
-hypershard and torch DTensor in microseconds.
+hypershard and torch DTensor in microseconds; the tiny Qwen3 trained strict on a 1-rank mesh
+with the losses of the plain run; the two compile cases passed.
 """
 
 import json
@@ -24,7 +26,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     report = json.loads((out / "report.json").read_text())
     phases = report["phases"]
-    assert report["dry_run"] and list(phases) == ["env", "build", "level0", "multirank", "bench"]
+    assert report["dry_run"] and list(phases) == ["env", "build", "level0", "multirank", "bench", "model", "compile"]
     assert all(phase["status"] == "passed" for phase in phases.values()), {k: v["status"] for k, v in phases.items()}
 
     level0 = phases["level0"]["families"]
@@ -42,3 +44,10 @@ def test_gpu_check_dry_run(tmp_path):
         for key in ("plain_us", "hypershard_replicate_us", "hypershard_shard_us", "torch_dtensor_us"):
             assert isinstance(row[key], float) and 0 < row[key] < 10_000, (row["op"], key, row[key])
     assert "µs per op" in (out / "report.md").read_text()
+
+    model = phases["model"]["runs"]
+    assert [run["precision"] for run in model] == ["float32"] and model[0]["loss_rdiff"] <= 1e-5, model
+    assert any("scaled_dot_product" in name for name in model[0]["attention_ops"]), model
+
+    compile_cases = phases["compile"]["families"]["test_compile_traced"]
+    assert compile_cases["passed"] == compile_cases["run"] == 2, compile_cases
