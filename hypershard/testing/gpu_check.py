@@ -92,7 +92,8 @@ MIN_PHASE_S = 10  # a phase is not started with less than this
 
 
 def _phase_command(name: str, args) -> list:
-    command = [sys.executable, os.path.abspath(__file__), "--phase", name, "--out", args.out]
+    # -X faulthandler: a phase that dies of a signal (a segfault in C++) leaves its Python stack
+    command = [sys.executable, "-X", "faulthandler", os.path.abspath(__file__), "--phase", name, "--out", args.out]
     if args.dry_run:
         command.append("--dry-run")
     if args.per_family is not None:
@@ -130,6 +131,9 @@ def drive(args) -> int:
     deadline = None if budget is None else time.monotonic() + budget - REPORT_RESERVE_S
     results = {}
     for name in PHASE_ORDER:
+        if args.phases and name not in args.phases:
+            results[name] = {"phase": name, "seconds": 0, "status": "not run", "summary": "not in --phases"}
+            continue
         limit = limits[name] if deadline is None else min(limits[name], deadline - time.monotonic())
         if limit < MIN_PHASE_S:
             results[name] = {"phase": name, "seconds": 0, "status": "not run", "summary": f"--budget {budget} s spent"}
@@ -597,6 +601,12 @@ MODEL_PRECISIONS = (
 )
 
 
+def _is_distributed(model) -> bool:
+    import hypershard as hs
+
+    return any(hs._C.is_dtensor(p) for p in model.parameters())
+
+
 def _train_on(device: str, autocast, scaler: bool):
     """A training function for hypershard.testing.training.record_training: AdamW (foreach, the
     CUDA default), clip_grad_norm_, `autocast` dtype name or None, a GradScaler if `scaler`
@@ -610,15 +620,18 @@ def _train_on(device: str, autocast, scaler: bool):
         grad_scaler = torch.amp.GradScaler(device) if scaler else None
         losses = []
         for step, (ids, labels) in enumerate(batches):
+            print(f"  step {step}: {'DTensor' if _is_distributed(model) else 'plain'} forward", flush=True)
             cast = torch.autocast(device, dtype=getattr(torch, autocast)) if autocast else contextlib.nullcontext()
             with cast:
                 loss = model(input_ids=ids.to(device), labels=labels.to(device)).loss
             optimizer.zero_grad()
+            print(f"  step {step}: backward", flush=True)
             (grad_scaler.scale(loss) if grad_scaler else loss).backward()
             if grad_scaler:
                 grad_scaler.unscale_(optimizer)
             if on_backward is not None:
                 on_backward(step, model)
+            print(f"  step {step}: clip and optimizer", flush=True)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             if grad_scaler:
                 grad_scaler.step(optimizer)
@@ -647,6 +660,7 @@ def phase_model(args) -> dict:
     for precision, autocast, scaler, rtol in MODEL_PRECISIONS[:1] if args.dry_run else MODEL_PRECISIONS:
         run = {"precision": precision, "rtol": rtol or LOSS_RTOL}
         runs.append(run)
+        print(f"model: {precision}", flush=True)
         try:
             train = _train_on(device, autocast, scaler)
             expected = record_training(tiny_model(config).to(device), batches, train=train)
@@ -694,6 +708,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.path.join(REPO, "gpu_check_out"), help="report folder")
     parser.add_argument("--skip-build", action="store_true", help="only check that hypershard imports")
     parser.add_argument("--per-family", type=int, default=None, help="cases per level0 family")
+    parser.add_argument("--phases", nargs="+", choices=PHASE_ORDER, help="run only these phases (default: all)")
     parser.add_argument(
         "--budget", type=float, default=None, help=f"seconds for the whole run (default {BUDGET_S}; none in a dry run)"
     )

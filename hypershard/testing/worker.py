@@ -289,7 +289,9 @@ class _Rank:
     # -- process group -----------------------------------------------------------------------
     def init_group(self) -> None:
         # Each generation gets its own key prefix, so a recreated group never sees old keys.
-        backend = "gloo" if self.plan.device_type == "cpu" else None  # None: gloo + NCCL
+        # gloo for CPU tensors beside NCCL: the health check and CPU-side exchanges run on CPU
+        # (backend=None gives NCCL alone in torch 2.11 when a GPU is present)
+        backend = "gloo" if self.plan.device_type == "cpu" else "cpu:gloo,cuda:nccl"
         if self.plan.device_type == "cuda":
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
         dist.init_process_group(
