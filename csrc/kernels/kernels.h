@@ -1,6 +1,6 @@
-// hypershard's own fused ops: schema, CPU kernels, autograd. Each register_* defines its ops in
-// the `hypershard` library; the family holding the ops' distributed rules (csrc/ops) hands it to
-// the registry (r.kernels), and install_dispatch installs them once.
+// hypershard's own fused ops: schema, CPU kernels, kernels for other devices, autograd. Each register_* defines its ops
+// in the `hypershard` library; the family holding the ops' distributed rules (csrc/ops) hands it to the registry
+// (r.kernels), and install_dispatch installs them once.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -50,5 +50,10 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x, const at::T
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad, const at::Tensor& x,
                                                          const at::Tensor& weight, const at::Tensor& rstd,
                                                          std::array<bool, 2> output_mask);
+
+// composite.cpp: the ops above composed of ATen ops at CompositeExplicitAutograd, for every
+// device without a kernel of its own (CUDA, NPU); called by the two register_* above.
+void register_rms_norm_composite();
+void register_rotary_composite();
 
 }  // namespace hypershard::kernels

@@ -226,6 +226,7 @@ void register_rms_norm_kernels() {
       new torch::Library(torch::Library::IMPL, "hypershard", c10::DispatchKey::Meta, __FILE__, __LINE__);
   meta->impl("rms_norm", TORCH_FN(rms_norm_meta));
   meta->impl("rms_norm_backward", TORCH_FN(rms_norm_backward_meta));
+  register_rms_norm_composite();
 }
 
 }  // namespace hypershard::kernels

@@ -400,6 +400,7 @@ void register_rotary_kernels() {
       new torch::Library(torch::Library::IMPL, "hypershard", c10::DispatchKey::Meta, __FILE__, __LINE__);
   meta->impl("rotary_position_embedding", TORCH_FN(rotary_position_embedding_meta));
   meta->impl("rotary_position_embedding_backward", TORCH_FN(rotary_position_embedding_backward_meta));
+  register_rotary_composite();
 }
 
 }  // namespace hypershard::kernels

@@ -322,6 +322,7 @@ def _launch(
 
     records: dict[int, dict] = {}  # case index -> {rank: record}
     fatal: dict[int, str] = {}
+    restarts: dict[int, int] = {}  # rank -> the case after which it stopped for a fresh process
     done = set()
     progress = _read_all_progress(directory, world_size)
     for rank in range(world_size):
@@ -330,6 +331,8 @@ def _launch(
                 records.setdefault(record["index"], {})[rank] = record
             elif record["type"] == "fatal":
                 fatal[rank] = record["message"]
+            elif record["type"] == "restart":
+                restarts[rank] = record["index"]
             elif record["type"] == "done":
                 done.add(rank)
     if state == "ok" and len(done) < world_size:
@@ -351,6 +354,13 @@ def _launch(
         exitcodes=[proc.exitcode for proc in procs],
         directory=directory if keep_dir else None,
     )
+    if len(restarts) == world_size and codes and all(code == 0 for code in codes.values()):
+        # Every rank stopped on purpose after a case that left the device unusable (the case's
+        # own result says why): the remaining cases run in a fresh launch.
+        after = next(pc for pc in batch if pc.index == max(restarts.values()))
+        info.outcome, info.case = "restart", after.case.name
+        info.message = f"the ranks stopped after case {after.case.name!r} left the device unusable"
+        return info, outcome, stuck.index if stuck is not None else None
     resume_from = None
     if state != "ok":
         where = "\n".join(

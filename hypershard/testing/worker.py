@@ -435,6 +435,7 @@ class _Rank:
                 return {
                     "status": "error",
                     "raised": False,
+                    "sticky": _sticky_device_error(exc),
                     "message": "the single-process reference raised (the case itself is "
                     "wrong):\n" + _short_exception(exc),
                 }
@@ -444,10 +445,12 @@ class _Rank:
                 got = self.execute(pc, mesh)
         except Exception as exc:  # noqa: BLE001
             text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            sticky = _sticky_device_error(exc)
             if case.expect_error is None:
                 return {
                     "status": "error",
                     "raised": True,
+                    "sticky": sticky,
                     "message": "the distributed run raised:\n" + _short_exception(exc),
                 }
             if case.expect_error in f"{type(exc).__name__}: {exc}":
@@ -455,6 +458,7 @@ class _Rank:
             return {
                 "status": "failed",
                 "raised": True,
+                "sticky": sticky,
                 "message": f"expected an error containing {case.expect_error!r}, got:\n" + _short_exception(exc),
             }
         if case.expect_error is not None:
@@ -477,7 +481,16 @@ class _Rank:
             record.update(self.run_case(pc))
             record["duration"] = time.perf_counter() - start
             self.report(pc.index, name, "sync")
-            everyone = self.exchange(f"case{pc.index}", {"raised": record["raised"]})
+            sticky = record.pop("sticky", False)
+            everyone = self.exchange(f"case{pc.index}", {"raised": record["raised"], "sticky": sticky})
+            if any(peer["sticky"] for peer in everyone):
+                # The device context is unusable (a device-side assert): every later case in this
+                # process would fail with the same error. All ranks stop here; the launcher runs
+                # the remaining cases in fresh processes.
+                record.update(type="case", index=pc.index, name=name, rank=self.rank)
+                self.record(record)
+                self.record({"type": "restart", "rank": self.rank, "index": pc.index})
+                return
             if any(peer["raised"] for peer in everyone):
                 # After an error the ranks may have left collectives unmatched: make sure the
                 # group still works, and recreate it for the next cases if it does not.
@@ -500,6 +513,12 @@ class _Rank:
             dist.destroy_process_group()
         self.record({"type": "done", "rank": self.rank})
         self.report(None, None, "done")
+
+
+def _sticky_device_error(exc: BaseException) -> bool:
+    """An error after which the process's CUDA context is unusable (a device-side assert, an
+    illegal address): torch raises them as AcceleratorError ("CUDA error: ...")."""
+    return type(exc).__name__ == "AcceleratorError" or str(exc).startswith("CUDA error")
 
 
 def rank_main(rank: int, plan: LaunchPlan) -> None:

@@ -295,6 +295,39 @@ def test_hang_is_killed_and_named():
 
 
 # ---------------------------------------------------------------------------------------------
+# a device left unusable (CUDA's device-side asserts), imitated on CPU
+
+class AcceleratorError(RuntimeError):
+    """Named as torch's: a CUDA error after which the process's device context is unusable."""
+
+
+def _device_left_unusable(a):
+    os.environ["HYPERSHARD_TEST_DEVICE_UNUSABLE"] = "1"  # this rank process only
+    raise AcceleratorError("CUDA error: device-side assert triggered")
+
+
+def _needs_a_usable_device(a):
+    if os.environ.get("HYPERSHARD_TEST_DEVICE_UNUSABLE"):
+        raise RuntimeError("ran in the process an earlier case left with an unusable device")
+    return -a
+
+
+def test_unusable_device_ends_the_launch_and_later_cases_run_in_fresh_ranks():
+    # On a GPU one device-side assert (an index out of range) made every later case of the same
+    # launch fail with it; the ranks now stop after such a case and the rest run in a new launch.
+    cases = [Case("device_assert", fn=torch.neg, dist_fn=_device_left_unusable,
+                  inputs=[Input((4,), placements=["S(0)"])]),
+             Case("after_device_assert", fn=torch.neg, dist_fn=_needs_a_usable_device,
+                  inputs=[Input((4,), placements=["S(0)"])])]
+    results = H.run_cases(cases, world_size=2, backend="torch", timeout=60)
+    failed = results["device_assert"]
+    assert failed.status == "error" and "AcceleratorError: CUDA error: device-side assert" in failed.message
+    assert results["after_device_assert"].passed, results["after_device_assert"].message
+    assert [launch.outcome for launch in results.launches] == ["restart", "ok"]
+    assert results.launches[0].case == "device_assert" and not results.problems
+
+
+# ---------------------------------------------------------------------------------------------
 # the hypershard backend
 
 def _hypershard_runtime_missing():

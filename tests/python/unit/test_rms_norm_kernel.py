@@ -1,4 +1,6 @@
-"""UT: the fused RMSNorm kernel (csrc/kernels/rms_norm.cpp) on plain CPU tensors.
+"""UT: the fused RMSNorm kernel (csrc/kernels/rms_norm.cpp) on plain CPU tensors, and the same
+op's kernel for other devices (csrc/kernels/composite.cpp, ATen ops; called at its dispatch key
+here) against the same bounds.
 
 y, rstd and the two gradients (dx, dweight) for x in float32 / bfloat16 / float16 / float64 with a
 weight of x's dtype (and a float32 weight with bfloat16 x: y is float32 then, as in HF's RMSNorm),
@@ -202,11 +204,21 @@ def reference(x, w, g, k, eps=EPS, mean_count=None):
     return y.detach(), r.detach(), dx, dw
 
 
-def run_kernel(x, w, g, eps=EPS):
+def run_kernel(x, w, g, eps=EPS, kernel="cpu"):
+    """y, rstd, dx, dweight: through autograd and the CPU kernel, or ("composite") the ops' kernel
+    for every other device (csrc/kernels/composite.cpp: CUDA, NPU), called at its dispatch key."""
+    if kernel == "composite":
+        key = torch._C.DispatchKey.CompositeExplicitAutograd
+        y, rstd = FWD._op_dk(key, x, w, eps)
+        dx, dw = BWD._op_dk(key, g, x, w, rstd, [True, True])
+        return y, rstd, dx, dw
     xs, ws = (t.detach().clone().requires_grad_() for t in (x, w))
     y, rstd = FWD(xs, ws, eps)
     y.backward(g)
     return y.detach(), rstd, xs.grad, ws.grad
+
+
+KERNELS = ["cpu", "composite"]
 
 
 # (id, x shape, normalized dims k)
@@ -220,11 +232,12 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("x_dtype,w_dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("name,x_shape,k", [pytest.param(*r, id=r[0]) for r in SHAPES])
-def test_output_and_gradients_within_bounds(name, x_shape, k, x_dtype, w_dtype):
+def test_output_and_gradients_within_bounds(name, x_shape, k, x_dtype, w_dtype, kernel):
     x, w, g = make_inputs(x_shape, k, x_dtype, w_dtype, seed=zlib.crc32(f"{name}:{x_dtype}:{w_dtype}".encode()))
-    y, rstd, dx, dw = run_kernel(x, w, g)
+    y, rstd, dx, dw = run_kernel(x, w, g, kernel=kernel)
     out_dtype = torch.result_type(x, w)
     assert y.dtype == out_dtype and y.shape == x.shape
     assert rstd.dtype == OPMATH[x_dtype]

@@ -1,4 +1,6 @@
-"""UT: the fused rotary position embedding kernel (csrc/kernels/rotary.cpp) on plain CPU tensors.
+"""UT: the fused rotary position embedding kernel (csrc/kernels/rotary.cpp) on plain CPU tensors,
+and the same op's kernel for other devices (csrc/kernels/composite.cpp, ATen ops; called at its
+dispatch key here) against the same bounds.
 
 Output and the three gradients (dx, dcos, dsin) of every mode and dtype, x in BNSD/BSND/SBND with
 full-size and broadcast cos/sin, against the composed form (hypershard.ops.
@@ -133,19 +135,25 @@ SHAPES = [
 ]
 
 
-def run_kernel(x, cos, sin, g, mode):
+def run_kernel(x, cos, sin, g, mode, kernel="cpu"):
+    """y, dx, dcos, dsin: through autograd and the CPU kernel, or ("composite") the ops' kernel
+    for every other device (csrc/kernels/composite.cpp: CUDA, NPU), called at its dispatch key."""
+    if kernel == "composite":
+        key = torch._C.DispatchKey.CompositeExplicitAutograd
+        return (OP._op_dk(key, x, cos, sin, mode), *BWD._op_dk(key, g, x, cos, sin, mode, [True, True, True]))
     xs, cs, ss = (t.detach().clone().requires_grad_() for t in (x, cos, sin))
     y = OP(xs, cs, ss, mode)
     y.backward(g)
     return y.detach(), xs.grad, cs.grad, ss.grad
 
 
+@pytest.mark.parametrize("kernel", ["cpu", "composite"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mode", range(4))
 @pytest.mark.parametrize("name,x_shape,cos_shape,sin_shape", [pytest.param(*r, id=r[0]) for r in SHAPES])
-def test_output_and_gradients_within_bounds(name, x_shape, cos_shape, sin_shape, mode, dtype):
+def test_output_and_gradients_within_bounds(name, x_shape, cos_shape, sin_shape, mode, dtype, kernel):
     x, cos, sin, g = make_inputs(x_shape, cos_shape, sin_shape, dtype, seed=zlib.crc32(f"{name}:{mode}".encode()))
-    y, dx, dcos, dsin = run_kernel(x, cos, sin, g, mode)
+    y, dx, dcos, dsin = run_kernel(x, cos, sin, g, mode, kernel)
     for got, want in ((y, x), (dx, x), (dcos, cos), (dsin, sin)):
         assert got.dtype == dtype and got.shape == want.shape
     y_ref, dx_ref, dcos_ref, dsin_ref = reference(x, cos, sin, g, mode)
