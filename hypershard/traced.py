@@ -360,6 +360,41 @@ def _route_grouped_mm_fallback_backward() -> None:
     opdef.register_autograd(backward, setup_context=setup_context)
 
 
+def _break_graph_at_redistribute() -> None:
+    """torch 2.11 and 2.12: Dynamo's TensorVariable.method_redistribute records any tensor's
+    .redistribute(mesh, placements) into the graph with those arguments as constants (made for
+    torch DTensor); hypershard's mesh is no Dynamo constant, so tracing stopped with
+    "InternalTorchDynamoError: ... UserDefinedObjectVariable(DeviceMesh) is not a constant". For a
+    traced hypershard DTensor the graph breaks there instead, as torch 2.13 does for every tensor
+    (which has no such method): TracedDTensor.redistribute then runs eagerly. Installed once."""
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    original = getattr(TensorVariable, "method_redistribute", None)
+    if original is None or getattr(original, "hypershard_breaks_graph", False):
+        return
+
+    def method_redistribute(self, tx, *args, **kwargs):
+        if isinstance(self.python_type(), type) and issubclass(self.python_type(), TracedDTensor):
+            from torch._dynamo.exc import unimplemented
+
+            unimplemented(
+                gb_type="hypershard DTensor redistribute",
+                context=f"redistribute({args}, {kwargs})",
+                explanation="hypershard's redistribute runs eagerly between compiled graphs",
+                hints=[],
+            )
+        return original(self, tx, *args, **kwargs)
+
+    method_redistribute.hypershard_breaks_graph = True
+    TensorVariable.method_redistribute = method_redistribute
+
+
+def _prepare_tracing() -> None:
+    """What a compiled call needs from torch and transformers before Dynamo traces it."""
+    _break_graph_at_redistribute()
+    _route_grouped_mm_fallback_backward()  # every call: transformers may be imported later
+
+
 def to_traced(value: Any) -> Any:
     """A hypershard DTensor as a TracedDTensor (differentiable; the same local memory)."""
     if isinstance(value, torch.Tensor) and _C.is_dtensor(value):
@@ -423,7 +458,7 @@ def compile(target: Any, **compile_kwargs: Any) -> Any:
         def traced_call(*args: Any, **kwargs: Any) -> Any:
             if _runs_eagerly((args, kwargs)):
                 return target(*args, **kwargs)
-            _route_grouped_mm_fallback_backward()
+            _prepare_tracing()
             args, kwargs = pytree.tree_map(to_traced, (args, kwargs))
             return pytree.tree_map(from_traced, compiled_fn(*args, **kwargs))
 
@@ -461,7 +496,7 @@ def compile(target: Any, **compile_kwargs: Any) -> Any:
             kwargs.setdefault("use_cache", False)
         if parameters_run_eagerly or _runs_eagerly((args, kwargs)):
             return forward(*args, **kwargs)
-        _route_grouped_mm_fallback_backward()
+        _prepare_tracing()
         swapped, traced = [], {}  # a tied parameter gets one TracedDTensor
         for module in model.modules():
             for table in (module._parameters, module._buffers):

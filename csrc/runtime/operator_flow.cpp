@@ -461,7 +461,12 @@ void wrap_output(const OpInfo& info, const ops::OpCall& call, const ops::OpPlan&
       at::Tensor local = v.toTensor();
       if (local.defined()) {
         LayoutPtr layout = plan.outputs.at(out_index);
-        if (plan.data_shaped && local.sizes() != c10::IntArrayRef(layout->global_shape()))  // whole dims, Partial kept
+        // A layout split nowhere: its local shape is its global shape, and the kernel's result is
+        // the authority where the plan's shape (from a Meta kernel) differs -- cuDNN attention's
+        // dropout seed and offset are 1-element tensors on a GPU, 0-dim per its Meta kernel.
+        // data_shaped plans take every shape from the local result (whole dims, Partial kept).
+        if ((plan.data_shaped || !layout->is_sharded_anywhere()) &&
+            local.sizes() != c10::IntArrayRef(layout->global_shape()))
           layout = intern_layout(layout::Layout::create(layout->mesh(), local.sizes().vec(),
                                                         layout::DimAxes(local.dim()), layout->partial()));
         v = wrap(std::move(local), ri.kind == ReturnKind::kView, layout);

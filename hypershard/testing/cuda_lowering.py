@@ -94,6 +94,15 @@ def _no_dropout(dropout_p):
         )
 
 
+# Outputs whose shape on a GPU differs from the op's Meta kernel: cuDNN attention returns its
+# dropout seed and offset as 1-element tensors where the Meta kernel says 0-dim (seen on an H200,
+# torch 2.11; hypershard's plan takes shapes from Meta, so the imitation returns the real ones).
+REAL_SHAPES = {
+    (aten._scaled_dot_product_cudnn_attention.default, 6): (1,),
+    (aten._scaled_dot_product_cudnn_attention.default, 7): (1,),
+}
+
+
 def _forward(op, args, kwargs, query, key, value, bias, dropout_p, is_causal, scale):
     """The op's outputs: its Meta kernel's shapes and dtypes, output and logsumexp computed."""
     _no_dropout(dropout_p)
@@ -115,7 +124,7 @@ def _forward(op, args, kwargs, query, key, value, bias, dropout_p, is_causal, sc
                 stat.view(stat.size(0), stat.size(1), -1)[..., : lse.size(-1)] = lse.to(m.dtype)
             outs.append(stat)
         else:
-            outs.append(torch.zeros(m.shape, dtype=m.dtype))
+            outs.append(torch.zeros(REAL_SHAPES.get((op, i), m.shape), dtype=m.dtype))
     return tuple(outs)
 
 

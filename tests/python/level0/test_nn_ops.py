@@ -286,6 +286,19 @@ def sdpa_gqa(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
+def cudnn_attention_seed(q, k, v):
+    """cuDNN attention's output and dropout seed. On a GPU the seed is a 1-element tensor where the
+    op's Meta kernel (hypershard's planned shape) says 0-dim; hypershard.testing.cuda_lowering's
+    CPU kernel returns the GPU's shape. The wrapper must take the local's shape (it was 0-dim
+    around a (1,) local)."""
+    from hypershard.testing import cuda_lowering
+
+    cuda_lowering.install_cpu_kernels()
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False)
+    assert out[6].shape == (1,), out[6].shape  # a DTensor's global shape as the kernel's
+    return out[0], out[6]
+
+
 def sdpa_dropout(q, k, v):
     torch.manual_seed(11)
     return F.scaled_dot_product_attention(q, k, v, dropout_p=0.25, is_causal=True)
@@ -370,6 +383,7 @@ def attention_cases():
     add(C("sdpa_bool_mask", sdpa_bool_mask, qkv(S1)))
     add(C("sdpa_gqa_heads", sdpa_gqa, qkv(S1, hkv=2), placements=["Shard(dim=1)"]))
     add(C("sdpa_gqa_batch", sdpa_gqa, qkv(S0, hkv=2), mesh=M4))
+    add(C("cudnn_attention_seed_shape", cudnn_attention_seed, qkv(S1)))
     add(C("hf_sdpa_repeat_kv_mask", hf_sdpa_with_mask, qkv(S1, hkv=2) + [I((1, 1, L, L), requires_grad=False)]))
     add(C("m22_sdpa_batch_x_heads_y", sdpa_causal, qkv(["S(0)", "S(1)"]), mesh=M22,
           placements=["Shard(dim=0)", "Shard(dim=1)"]))
