@@ -78,8 +78,7 @@ at::Tensor permute_out(const at::Tensor& t, int64_t mode) {
 // R: the signed rotation of pairs (rotary.cpp's header); mode 3 rotates halves after p.
 at::Tensor rotate(const at::Tensor& t, int64_t mode) {
   const int64_t d = t.size(-1);
-  if (mode == 1)
-    return at::stack({-t.slice(-1, 1, c10::nullopt, 2), t.slice(-1, 0, c10::nullopt, 2)}, -1).flatten(-2);
+  if (mode == 1) return at::stack({-t.slice(-1, 1, c10::nullopt, 2), t.slice(-1, 0, c10::nullopt, 2)}, -1).flatten(-2);
   if (mode == 2) {
     const int64_t q = d / 4;
     return at::cat({-t.narrow(-1, q, q), t.narrow(-1, 0, q), -t.narrow(-1, 3 * q, q), t.narrow(-1, 2 * q, q)}, -1);
