@@ -206,10 +206,12 @@ def _install() -> None:
     _aten = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel": intended
+        # allow_override: torch registers some of these from Python, and torch 2.11 refuses to
+        # replace such a kernel unless asked (2.13 allows it by default)
         for op in _OPS:
-            _library.impl(op, _kernel(op), "Meta")
-        _aten.impl("_local_scalar_dense", _meta_item, "Meta")
-        _aten.impl("_grouped_mm", _meta_grouped_mm, "Meta")
+            _library.impl(op, _kernel(op), "Meta", allow_override=True)
+        _aten.impl("_local_scalar_dense", _meta_item, "Meta", allow_override=True)
+        _aten.impl("_grouped_mm", _meta_grouped_mm, "Meta", allow_override=True)
 
 
 def _meta_grouped_mm(a, b, offs=None, bias=None, out_dtype=None):

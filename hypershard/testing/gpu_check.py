@@ -681,6 +681,8 @@ def phase_model(args) -> dict:
                 run["error"] = "; ".join(problems)[:600]
         except Exception as exc:  # noqa: BLE001 -- recorded in the report, the next precision runs
             run.update(status="error", error=f"{type(exc).__name__}: {exc}"[:600])
+        # kept if a later precision kills the process (a segfault on the H200 lost the float32 result)
+        _write(args, "model", {"status": "partial", "runs": runs, "summary": f"stopped after {precision}"})
     dist.destroy_process_group()
     bad = [run["precision"] for run in runs if run["status"] != "passed"]
     return {
