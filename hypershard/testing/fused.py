@@ -195,7 +195,7 @@ _NPU_KERNELS = {
 
 def define_npu_kernels(schemas: dict):
     """torch.ops.npu with the ops of `schemas` (NPU_RMS_NORM_SCHEMAS / NPU_ROTARY_MUL_SCHEMAS)
-    defined where missing and given the stand-in CPU kernels above and, for the forward ops, a
+    defined where missing and given the stand-in kernels above (for CPU and CUDA) and, for the forward ops, a
     plain-tensor autograd kernel that calls the backward op (torch_npu's structure); an op that
     has a CPU kernel already (torch_npu, or an earlier call) is left alone."""
     ops_namespace = define_npu_standins(schemas)
@@ -208,6 +208,7 @@ def define_npu_kernels(schemas: dict):
             _NPU_LIBRARIES.append(library)
         cpu, autograd = _NPU_KERNELS[name]
         library.impl(name, cpu, "CPU")
+        library.impl(name, cpu, "CUDA")  # torch ops, any device: the GPU check's cases reach them too
         if autograd is not None:
             library.impl(name, autograd, "Autograd")
     return ops_namespace
