@@ -484,20 +484,30 @@ def batches(config, steps: int, padding: bool = False, batch: int = 4, seq: int 
 
 
 def train(
-    model, batches: list, scenario: Scenario, lr: float = 1e-3, clip: Optional[float] = 1.0, on_backward=None
+    model,
+    batches: list,
+    scenario: Scenario,
+    lr: float = 1e-3,
+    clip: Optional[float] = 1.0,
+    on_backward=None,
+    device: str = "cpu",
 ) -> list:
     """hypershard.models.train with `scenario`'s lowering, AdamW foreach setting, autocast and
-    GradScaler (unscaled before on_backward and clipping, as HF's Trainer does)."""
+    GradScaler (unscaled before on_backward and clipping, as HF's Trainer does), the batches on
+    `device` (the GPU check trains on "cuda" with no lowering: the real kernels)."""
     install_cpu_kernels()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, foreach=scenario.foreach)
-    scaler = torch.amp.GradScaler("cpu") if scenario.scaler else None
+    scaler = torch.amp.GradScaler(device) if scenario.scaler else None
     lowering = CudaLowering(scenario.backend) if scenario.backend else contextlib.nullcontext()
     losses = []
     with lowering:
         for step, (ids, labels, *rest) in enumerate(batches):
-            autocast = torch.autocast("cpu", dtype=scenario.autocast) if scenario.autocast else contextlib.nullcontext()
+            autocast = (
+                torch.autocast(device, dtype=scenario.autocast) if scenario.autocast else contextlib.nullcontext()
+            )
+            extra = {k: v.to(device) for k, v in rest[0].items()} if rest else {}
             with autocast:
-                loss = model(input_ids=ids, labels=labels, **(rest[0] if rest else {})).loss
+                loss = model(input_ids=ids.to(device), labels=labels.to(device), **extra).loss
             optimizer.zero_grad()
             (scaler.scale(loss) if scaler else loss).backward()
             if scaler:

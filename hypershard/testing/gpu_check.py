@@ -32,8 +32,7 @@ is cut to what is left of it, and a phase with no time left is reported "not run
 The report: DIR/report.md and DIR/report.json (default DIR: gpu_check_out/).
 
 --dry-run: device "cpu" with gloo, and reduced: a few cases per level0 family, the 2-rank slice
-on 2 CPU ranks, two bench op classes with short timing, the model phase in float32 only, two
-compile cases. tests/python/level0/test_gpu_check.py
+on 2 CPU ranks, two bench op classes with short timing, two compile cases. tests/python/level0/test_gpu_check.py
 runs it, so the script cannot rot. The exit status is 0 only when every phase ran and every
 selected case passed.
 
@@ -151,6 +150,10 @@ def drive(args) -> int:
     return 0 if ok else 1
 
 
+def _number(value) -> str:
+    return f"{value:.1e}" if isinstance(value, float) else "-"
+
+
 def render(report: dict) -> str:
     phases = report["phases"]
     env = phases["env"]
@@ -210,7 +213,7 @@ def render(report: dict) -> str:
         for run in model["runs"]:
             losses = ", ".join(f"{v:.5f}" for v in run.get("losses", []))
             lines.append(
-                f"| {run['precision']} | {losses} | {run.get('loss_rdiff', '-')} | {run.get('rtol', '-')} | "
+                f"| {run['precision']} | {losses} | {_number(run.get('loss_rdiff'))} | {_number(run.get('rtol'))} | "
                 f"{', '.join(run.get('attention_ops', [])) or run.get('error', '-')[:200]} |".replace("\n", " ")
             )
     bench = phases["bench"]
@@ -601,47 +604,20 @@ MODEL_PRECISIONS = (
 )
 
 
-def _is_distributed(model) -> bool:
-    import hypershard as hs
-
-    return any(hs._C.is_dtensor(p) for p in model.parameters())
-
-
 def _train_on(device: str, autocast, scaler: bool):
-    """A training function for hypershard.testing.training.record_training: AdamW (foreach, the
-    CUDA default), clip_grad_norm_, `autocast` dtype name or None, a GradScaler if `scaler`
-    (unscaled before the gradients are recorded, as HF's Trainer does)."""
-    import contextlib
+    """A training function for hypershard.testing.training.record_training: cuda_lowering's loop
+    with no lowering (the device's own kernels), AdamW with the device's default (foreach on
+    CUDA), clip_grad_norm_, `autocast` dtype name or None, a GradScaler if `scaler`."""
+    import functools
 
     import torch
 
-    def train(model, batches, on_backward=None):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-        grad_scaler = torch.amp.GradScaler(device) if scaler else None
-        losses = []
-        for step, (ids, labels) in enumerate(batches):
-            print(f"  step {step}: {'DTensor' if _is_distributed(model) else 'plain'} forward", flush=True)
-            cast = torch.autocast(device, dtype=getattr(torch, autocast)) if autocast else contextlib.nullcontext()
-            with cast:
-                loss = model(input_ids=ids.to(device), labels=labels.to(device)).loss
-            optimizer.zero_grad()
-            print(f"  step {step}: backward", flush=True)
-            (grad_scaler.scale(loss) if grad_scaler else loss).backward()
-            if grad_scaler:
-                grad_scaler.unscale_(optimizer)
-            if on_backward is not None:
-                on_backward(step, model)
-            print(f"  step {step}: clip and optimizer", flush=True)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            if grad_scaler:
-                grad_scaler.step(optimizer)
-                grad_scaler.update()
-            else:
-                optimizer.step()
-            losses.append(float(loss.detach().float().item()))
-        return losses
+    from hypershard.testing.cuda_lowering import Scenario, train
 
-    return train
+    dtype = getattr(torch, autocast) if autocast else None
+    return functools.partial(
+        train, scenario=Scenario("gpu_check", None, autocast=dtype, scaler=scaler, foreach=None), device=device
+    )
 
 
 def phase_model(args) -> dict:
@@ -657,7 +633,7 @@ def phase_model(args) -> dict:
     config = tiny_config("qwen3", num_key_value_heads=2)
     batches = make_batches(config.vocab_size, 3)
     runs = []
-    for precision, autocast, scaler, rtol in MODEL_PRECISIONS[:1] if args.dry_run else MODEL_PRECISIONS:
+    for precision, autocast, scaler, rtol in MODEL_PRECISIONS:
         run = {"precision": precision, "rtol": rtol or LOSS_RTOL}
         runs.append(run)
         print(f"model: {precision}", flush=True)
