@@ -406,6 +406,11 @@ void register_tagged_pointwise(Registry& r) {
     const std::string full = name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
     if (tensors_only && r.find(full) == nullptr) add<A::kReject>(r, full.c_str());
   }
+  // Tagged pointwise from torch 2.13 on, untagged in torch 2.11 (pyproject allows 2.11-2.13;
+  // under 2.11, leaky_relu and _conj_physical were Missing operators in strict mode).
+  for (const char* op : {"aten::leaky_relu", "aten::leaky_relu_", "aten::_conj_physical", "aten::celu_", "aten::elu_",
+                         "aten::hardsigmoid_", "aten::hardtanh_", "aten::selu_"})
+    if (r.find(op) == nullptr) add<A::kReject>(r, op);
 }
 
 }  // namespace hypershard::ops
