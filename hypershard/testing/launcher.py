@@ -7,7 +7,9 @@ timeout it dumps every live rank's Python stacks (SIGUSR1 -> faulthandler), kill
 process groups, and reports "possible hang in case <name>" with what each rank was doing (from
 its progress file).  A rank that dies is reported as a crash of the case it was running.  After
 a hang or crash the cases that did not run are launched again (resume=True), so one bad case
-does not hide the others.
+does not hide the others.  A case that leaves the device unusable (CUDA's AcceleratorError, a
+device-side assert) ends its launch on every rank on purpose ("restart"): the rest run in fresh
+ranks.
 """
 
 from __future__ import annotations
