@@ -620,7 +620,8 @@ def _train_on(device: str, autocast, scaler: bool):
     )
 
 
-def phase_model(args) -> dict:
+def _train_one_precision(args, index: int) -> dict:
+    """One row of MODEL_PRECISIONS, in this process: the plain run, then hypershard's."""
     import torch.distributed as dist
 
     import hypershard as hs
@@ -628,38 +629,58 @@ def phase_model(args) -> dict:
     from hypershard.parallel import parallelize
     from hypershard.testing.training import LOSS_RTOL, check_training, record_training
 
+    precision, autocast, scaler, rtol = MODEL_PRECISIONS[index]
+    run = {"precision": precision, "rtol": rtol or LOSS_RTOL}
     device = _one_rank_group(args)
     mesh = hs.init_device_mesh(device, (1, 1), ("dp", "tp"))
     config = tiny_config("qwen3", num_key_value_heads=2)
     batches = make_batches(config.vocab_size, 3)
-    runs = []
-    for precision, autocast, scaler, rtol in MODEL_PRECISIONS:
-        run = {"precision": precision, "rtol": rtol or LOSS_RTOL}
-        runs.append(run)
-        print(f"model: {precision}", flush=True)
-        try:
-            train = _train_on(device, autocast, scaler)
-            expected = record_training(tiny_model(config).to(device), batches, train=train)
-            with hs.strict():
-                model = parallelize(tiny_model(config).to(device), mesh)
-                hs._C.reset_op_counts()
-                got = record_training(model, batches, train=train)
-            reached = sorted(name for name, count, *_ in hs._C.op_counts() if count)
-            run["losses"] = got.losses
-            run["attention_ops"] = [name for name in reached if "attention" in name]
-            run["loss_rdiff"] = max(abs(a - b) / abs(b) for a, b in zip(got.losses, expected.losses))
-            if rtol is None:
-                problems, _ = check_training(got, expected)
-            else:
-                problems = [] if run["loss_rdiff"] <= rtol else [f"losses {got.losses} vs {expected.losses}"]
-            run["status"] = "failed" if problems else "passed"
-            if problems:
-                run["error"] = "; ".join(problems)[:600]
-        except Exception as exc:  # noqa: BLE001 -- recorded in the report, the next precision runs
-            run.update(status="error", error=f"{type(exc).__name__}: {exc}"[:600])
-        # kept if a later precision kills the process (a segfault on the H200 lost the float32 result)
-        _write(args, "model", {"status": "partial", "runs": runs, "summary": f"stopped after {precision}"})
+    try:
+        train = _train_on(device, autocast, scaler)
+        expected = record_training(tiny_model(config).to(device), batches, train=train)
+        with hs.strict():
+            model = parallelize(tiny_model(config).to(device), mesh)
+            hs._C.reset_op_counts()
+            got = record_training(model, batches, train=train)
+        reached = sorted(name for name, count, *_ in hs._C.op_counts() if count)
+        run["losses"] = got.losses
+        run["attention_ops"] = [name for name in reached if "attention" in name]
+        run["loss_rdiff"] = max(abs(a - b) / abs(b) for a, b in zip(got.losses, expected.losses))
+        if rtol is None:
+            problems, _ = check_training(got, expected)
+        else:
+            problems = [] if run["loss_rdiff"] <= rtol else [f"losses {got.losses} vs {expected.losses}"]
+        run["status"] = "failed" if problems else "passed"
+        if problems:
+            run["error"] = "; ".join(problems)[:600]
+    except Exception as exc:  # noqa: BLE001 -- recorded in the report
+        run.update(status="error", error=f"{type(exc).__name__}: {exc}"[:600])
     dist.destroy_process_group()
+    return run
+
+
+def phase_model(args) -> dict:
+    # Each precision in its own process: one that dies (a segfault in bfloat16 on the H200 took
+    # the float32 result with it) leaves the others' results and its own Python stack.
+    if args.precision is not None:
+        return _train_one_precision(args, args.precision)
+    runs = []
+    for index, (precision, *_) in enumerate(MODEL_PRECISIONS):
+        name = f"model-{index}"
+        command = _phase_command("model", args) + ["--precision", str(index)]
+        with open(os.path.join(args.out, f"{name}.log"), "w") as log:
+            rc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO).returncode
+        path = os.path.join(args.out, f"{name}.json")
+        if rc == 0 and os.path.exists(path):
+            with open(path) as handle:
+                runs.append(json.load(handle))
+        else:
+            with open(os.path.join(args.out, f"{name}.log")) as handle:
+                text = handle.read()
+            fatal = text.find("Fatal Python error")  # faulthandler's stack, innermost frame first
+            excerpt = text[fatal : fatal + 1500] if fatal >= 0 else text[-1500:]
+            runs.append({"precision": precision, "status": "error", "error": f"exit {rc}: {excerpt}"})
+        _write(args, "model", {"status": "partial", "runs": runs, "summary": f"stopped after {precision}"})
     bad = [run["precision"] for run in runs if run["status"] != "passed"]
     return {
         "status": "failed" if bad else "passed",
@@ -691,6 +712,7 @@ def main(argv=None) -> int:
         "--budget", type=float, default=None, help=f"seconds for the whole run (default {BUDGET_S}; none in a dry run)"
     )
     parser.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
+    parser.add_argument("--precision", type=int, default=None, help=argparse.SUPPRESS)  # model: one row
     args = parser.parse_args(argv)
     args.out = os.path.abspath(args.out)
     if args.phase is None:
@@ -698,7 +720,7 @@ def main(argv=None) -> int:
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
     result = PHASES[args.phase](args)
-    _write(args, args.phase, result)
+    _write(args, args.phase if args.precision is None else f"{args.phase}-{args.precision}", result)
     return 0
 
 
