@@ -13,7 +13,6 @@
 #include <torch/library.h>
 
 #include <array>
-#include <limits>
 #include <vector>
 
 #include "kernels/kernels.h"
@@ -114,13 +113,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_backward_composite(const a
   return {dx, dcos, dsin};
 }
 
-}  // namespace
-
 torch::Library& composite_library() {
   static auto* library = new torch::Library(torch::Library::IMPL, "hypershard",
                                             c10::DispatchKey::CompositeExplicitAutograd, __FILE__, __LINE__);
   return *library;
 }
+
+}  // namespace
 
 void register_rms_norm_composite() {
   composite_library().impl("rms_norm", TORCH_FN(rms_norm_composite));

@@ -42,9 +42,11 @@ This file imports only the standard library at the top: it must run before hyper
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -100,24 +102,37 @@ def _phase_command(name: str, args) -> list:
     return command
 
 
-def _run_phase(name: str, args, limit: float) -> dict:
+def _run_phase(name: str, args, limit, precision=None) -> dict:
+    """The phase `name` (one row of the model phase's with `precision`) in a subprocess, with its
+    output in DIR/<key>.log; its JSON, or an error with the log's faulthandler stack or tail.
+
+    A phase started by the driver gets its own process group, killed whole at `limit` (seconds);
+    the model phase's rows run in the phase's group (`limit` None), so that kill reaches them."""
+    key = name if precision is None else f"{name}-{precision}"
+    command = _phase_command(name, args) + ([] if precision is None else ["--precision", str(precision)])
     start = time.monotonic()
-    log_path = os.path.join(args.out, f"{name}.log")
+    log_path = os.path.join(args.out, f"{key}.log")
     with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=limit is not None
+        )
         try:
-            rc = subprocess.run(
-                _phase_command(name, args), stdout=log, stderr=subprocess.STDOUT, timeout=limit, cwd=REPO
-            ).returncode
+            rc = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the phase and what it started (the model's rows)
+            proc.wait()
             rc = "timeout"
     result = {"phase": name, "seconds": round(time.monotonic() - start, 1), "rc": rc, "log": log_path}
-    path = os.path.join(args.out, f"{name}.json")
+    path = os.path.join(args.out, f"{key}.json")
     if os.path.exists(path):
         with open(path) as handle:
             result.update(json.load(handle))
     if rc != 0 and "status" not in result:
         with open(log_path) as handle:
-            result["status"], result["error"] = "error", handle.read()[-2000:]
+            text = handle.read()
+        fatal = text.find("Fatal Python error")  # faulthandler's stack, innermost frame first
+        result["status"], result["error"] = "error", text[fatal : fatal + 2000] if fatal >= 0 else text[-2000:]
     return result
 
 
@@ -666,20 +681,8 @@ def phase_model(args) -> dict:
         return _train_one_precision(args, args.precision)
     runs = []
     for index, (precision, *_) in enumerate(MODEL_PRECISIONS):
-        name = f"model-{index}"
-        command = _phase_command("model", args) + ["--precision", str(index)]
-        with open(os.path.join(args.out, f"{name}.log"), "w") as log:
-            rc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO).returncode
-        path = os.path.join(args.out, f"{name}.json")
-        if rc == 0 and os.path.exists(path):
-            with open(path) as handle:
-                runs.append(json.load(handle))
-        else:
-            with open(os.path.join(args.out, f"{name}.log")) as handle:
-                text = handle.read()
-            fatal = text.find("Fatal Python error")  # faulthandler's stack, innermost frame first
-            excerpt = text[fatal : fatal + 1500] if fatal >= 0 else text[-1500:]
-            runs.append({"precision": precision, "status": "error", "error": f"exit {rc}: {excerpt}"})
+        run = _run_phase("model", args, None, precision=index)
+        runs.append({"precision": precision, **run})
         _write(args, "model", {"status": "partial", "runs": runs, "summary": f"stopped after {precision}"})
     bad = [run["precision"] for run in runs if run["status"] != "passed"]
     return {
