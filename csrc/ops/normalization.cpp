@@ -36,6 +36,10 @@
 //   aten::_batch_norm_no_update        also return an empty reserve (Replicate)
 //   aten::native_batch_norm_backward   grad_out, input alike, the [C] tensors like the channel dim
 //   aten::batch_norm_backward          -> grad_input like input, grad_weight/grad_bias [C]
+//   aten::cudnn_batch_norm(_backward)  F.batch_norm on CUDA (cuDNN) and ROCm (MIOpen): the same
+//   aten::miopen_batch_norm(_backward) rules; cuDNN's reserve is the local call's workspace
+//                                      (Replicate, the rank's own shape); the backward is the
+//                                      expand's formula on the block, which needs no reserve
 //
 // Batch norm (F.batch_norm, BatchNorm1d/2d/3d, and instance_norm after its [1, N*C, *] view:
 // that view keeps whole shards only for N sharded in equal blocks; with channels sharded or an
@@ -76,7 +80,7 @@
 // gradient (the saved tensors whole on that axis).
 //
 // Excluded: batch norm's out= and _functional variants and the CUDA sync-BN ops (batch_norm_stats, ...; not
-// reached by F.batch_norm on a DTensor), cudnn's non-empty reserve, _softmax/_log_softmax and their backward (the loss
+// reached by F.batch_norm on a DTensor), _softmax/_log_softmax and their backward (the loss
 // family), _safe_softmax over a sharded dim (gathered here), group norm with sharded channels.
 #include <ATen/ATen.h>
 
@@ -406,8 +410,11 @@ void batch_norm_expand(const BatchNormExpand& e, const OpCall& call, torch::jit:
   const at::Tensor weight = optional_tensor(call, 1), bias = optional_tensor(call, 2);
   const at::Tensor running_mean = optional_tensor(call, arg_named(call, "running_mean"));
   const at::Tensor running_var = optional_tensor(call, arg_named(call, "running_var"));
-  const double momentum = call.arg(call.arg_index("momentum")).toDouble();
-  const double eps = call.arg(call.arg_index("eps")).toDouble();
+  // cudnn_batch_norm / miopen_batch_norm name them exponential_average_factor and epsilon
+  const int64_t momentum_arg = arg_named(call, "momentum"), eps_arg = arg_named(call, "eps");
+  const double momentum =
+      call.arg(momentum_arg >= 0 ? momentum_arg : call.arg_index("exponential_average_factor")).toDouble();
+  const double eps = call.arg(eps_arg >= 0 ? eps_arg : call.arg_index("epsilon")).toDouble();
   const int64_t channels = x.size(kChannelDim);
   const auto dims = reduced_dims(x.dim());
   const auto wide = x.options().dtype(at::kDouble);
@@ -514,6 +521,28 @@ OpPlan batch_norm_rule(const OpCall& call) {
   return plan;
 }
 
+// Where a batch norm backward op keeps each argument (positions in its schema). torch's order:
+// (grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
+// output_mask[, reserve]); cuDNN's / MIOpen's: (input, grad_output, weight, running_mean,
+// running_var, save_mean, save_var, epsilon[, reserveSpace]) -- only called when training (their
+// forward's derivative takes native_batch_norm_backward in inference), every gradient wanted.
+struct BatchNormBackwardArgs {
+  int64_t grad = 0, input = 1, weight = 2, running_mean = 3, running_var = 4, save_mean = 5, save_invstd = 6;
+  int64_t train = 7, eps = 8, mask = 9;  // train, mask: -1 = training, every gradient
+};
+
+BatchNormBackwardArgs backward_args(const OpCall& call) {
+  BatchNormBackwardArgs a;
+  if (call.schema().arguments()[0].name() == "input") {
+    a.input = 0;
+    a.grad = 1;
+    a.train = -1;
+    a.eps = 7;
+    a.mask = -1;
+  }
+  return a;
+}
+
 // Training backward with GLOBAL sums: sum(dy) and sum(dy * (x - mean)) per channel are
 // all-reduced over the statistic axes (float64), then torch's formula runs on the local block:
 //   dx = (dy - sum(dy) / n - (x - mean) * invstd^2 * sum(dy (x - mean)) / n) * invstd * w
@@ -521,17 +550,19 @@ OpPlan batch_norm_rule(const OpCall& call) {
 // Inference (a rank's block empty: torch's kernel divides by its size) is local: dx = dy *
 // invstd * w with invstd = 1 / sqrt(running_var + eps); dw, db the block's sums.
 void batch_norm_backward_expand(const BatchNormExpand& e, const OpCall& call, torch::jit::Stack& stack) {
-  const at::Tensor grad = call.arg(0).toTensor(), x = call.arg(1).toTensor();
-  const at::Tensor weight = optional_tensor(call, 2);
-  const bool train = call.arg(7).toBool();
-  const double eps = call.arg(8).toDouble();
-  const auto mask = call.arg(9).toBoolList();
+  const BatchNormBackwardArgs args = backward_args(call);
+  const at::Tensor grad = call.arg(args.grad).toTensor(), x = call.arg(args.input).toTensor();
+  const at::Tensor weight = optional_tensor(call, args.weight);
+  const bool train = args.train < 0 || call.arg(args.train).toBool();
+  const double eps = call.arg(args.eps).toDouble();
+  const std::array<bool, 3> mask =
+      args.mask < 0 ? std::array<bool, 3>{true, true, true} : call.arg(args.mask).to<std::array<bool, 3>>();
   const int64_t channels = x.size(kChannelDim);
   const auto math = opmath_dtype(x);
   const auto view = channel_view(x.dim(), channels);
   const auto dims = reduced_dims(x.dim());
-  const at::Tensor mean = optional_tensor(call, train ? 5 : 3);  // save_mean | running_mean
-  const at::Tensor stat = optional_tensor(call, train ? 6 : 4);  // save_invstd | running_var
+  const at::Tensor mean = optional_tensor(call, train ? args.save_mean : args.running_mean);
+  const at::Tensor stat = optional_tensor(call, train ? args.save_invstd : args.running_var);
   const auto invstd = train ? stat.to(math) : (stat.to(math) + eps).rsqrt();
   const auto xmu = x.to(math) - mean.to(math).view(view);
   const auto dy = grad.to(math);
@@ -544,7 +575,7 @@ void batch_norm_backward_expand(const BatchNormExpand& e, const OpCall& call, to
   const auto sum_dy = sums[0], dot = sums[1];
   const auto param_dtype = weight.defined() ? weight.scalar_type() : mean.scalar_type();
   at::Tensor grad_input, grad_weight, grad_bias;
-  if (mask.get(0)) {
+  if (mask[0]) {
     const auto scale = (weight.defined() ? invstd * weight.to(math) : invstd).view(view);
     if (train) {
       const auto k = (dot * invstd * invstd / e.count).view(view);
@@ -553,27 +584,30 @@ void batch_norm_backward_expand(const BatchNormExpand& e, const OpCall& call, to
       grad_input = (dy * scale).to(x.scalar_type());
     }
   }
-  if (mask.get(1)) grad_weight = (dot * invstd).to(param_dtype);
-  if (mask.get(2)) grad_bias = sum_dy.to(param_dtype);
+  if (mask[1]) grad_weight = (dot * invstd).to(param_dtype);
+  if (mask[2]) grad_bias = sum_dy.to(param_dtype);
   torch::jit::drop(stack, call.num_args());
   stack.emplace_back(grad_input);
   stack.emplace_back(grad_weight);
   stack.emplace_back(grad_bias);
 }
 
-// native_batch_norm_backward / batch_norm_backward: (grad_out, input, weight, running_mean,
-// running_var, save_mean, save_invstd, train, eps, output_mask[, reserve]).
+// native_batch_norm_backward, batch_norm_backward, cudnn_batch_norm_backward and
+// miopen_batch_norm_backward (BatchNormBackwardArgs). cuDNN's reserve is the local forward's
+// workspace: its backward always runs the expand (torch's formula on the block), which needs none.
 OpPlan batch_norm_backward_rule(const OpCall& call) {
-  const int64_t grad = call.tensor_index(0), input = call.tensor_index(1), weight = call.tensor_index(2);
-  const int64_t rmean = call.tensor_index(3), rvar = call.tensor_index(4);
-  const int64_t smean = call.tensor_index(5), sinvstd = call.tensor_index(6);
+  const BatchNormBackwardArgs args = backward_args(call);
+  const int64_t grad = call.tensor_index(args.grad), input = call.tensor_index(args.input);
+  const int64_t weight = call.tensor_index(args.weight);
+  const int64_t rmean = call.tensor_index(args.running_mean), rvar = call.tensor_index(args.running_var);
+  const int64_t smean = call.tensor_index(args.save_mean), sinvstd = call.tensor_index(args.save_invstd);
   check_batch_norm_input(call, input);
   const Layout& in = call.layout(input);
   const int64_t channels = in.global_shape()[kChannelDim];
   if (call.layout(grad).global_shape() != in.global_shape())
     fail_argument(call, grad, "shape differs from input " + layout::shape_string(in.global_shape()),
                   "grad_out shaped like input");
-  const bool train = call.arg(7).toBool();
+  const bool train = args.train < 0 || call.arg(args.train).toBool();
   for (int64_t t : {weight, rmean, rvar}) check_channel_param(call, t, channels);
   if (train) {
     for (int64_t t : {smean, sinvstd}) {
@@ -619,7 +653,7 @@ OpPlan batch_norm_backward_rule(const OpCall& call) {
   if (!train && (rmean < 0 || rvar < 0))
     fail_call(call, "running_mean and running_var must be defined in evaluation mode");
   // torch's kernel divides by the block's size: an empty block takes the expand.
-  const bool expand = (train && !e.stat_axes.empty()) || some_rank_holds_no_elements(in);
+  const bool expand = (train && !e.stat_axes.empty()) || some_rank_holds_no_elements(in) || args.train < 0;
   // Parameter gradients sum over N and spatial dims: Partial(sum) on the axes sharding them,
   // unless the training expand all-reduced the sums.
   layout::PartialOps param_partial = kept;
@@ -679,6 +713,11 @@ void register_normalization(Registry& r) {
   r.add("aten::_native_batch_norm_legit_no_training", &batch_norm_rule<BatchNormMode::kEval>, KeyScalars::kNone);
   r.add("aten::_safe_softmax", &safe_softmax_rule, KeyScalars::kAll);
   r.add("aten::batch_norm_backward", &batch_norm_backward_rule, KeyScalars::kAll);
+  // What F.batch_norm reaches on CUDA (cuDNN) and ROCm (MIOpen): the same rules.
+  r.add("aten::cudnn_batch_norm", &batch_norm_rule<BatchNormMode::kArg>, KeyScalars::kAll);
+  r.add("aten::cudnn_batch_norm_backward", &batch_norm_backward_rule, KeyScalars::kAll);
+  r.add("aten::miopen_batch_norm", &batch_norm_rule<BatchNormMode::kArg>, KeyScalars::kAll);
+  r.add("aten::miopen_batch_norm_backward", &batch_norm_backward_rule, KeyScalars::kAll);
   r.add("aten::native_batch_norm", &batch_norm_rule<BatchNormMode::kArg>, KeyScalars::kAll);
   r.add("aten::native_batch_norm_backward", &batch_norm_backward_rule, KeyScalars::kAll);
   r.add("aten::native_group_norm", &native_group_norm_rule, KeyScalars::kAll);

@@ -7,7 +7,8 @@ aten::_scaled_dot_product_{flash,efficient,cudnn}_attention; autograd then calls
 ops. On CPU (and on meta tensors) the same call picks _scaled_dot_product_flash_attention_for_cpu
 instead, so a CPU trace never reaches the CUDA kernels. This module provides:
 
-- `install_cpu_kernels()`: CPU kernels for the CUDA attention ops and their backwards (and for the
+- `install_cpu_kernels()`: CPU kernels for cuDNN's batch norm (and its backward) and for the CUDA
+  attention ops and their backwards (and for the
   PrivateUse1 hook _scaled_dot_product_fused_attention_overrideable), computing attention exactly
   (float32 or wider, grouped key/value heads, an additive or bool mask, is_causal); the extra
   outputs (philox state, placeholders) have the shapes and dtypes of the ops' own Meta kernels.
@@ -310,7 +311,30 @@ def _overrideable_backward(
     return _backward(grad_out, query, key, value, attn_bias, dropout_p, is_causal, scale, grad_input_mask[3])
 
 
+def _cudnn_batch_norm(input, weight, bias, running_mean, running_var, training, exponential_average_factor, epsilon):
+    """cuDNN's batch norm as torch's CPU kernel computes it. Its reserve (cuDNN's workspace for
+    the backward) depends on the LOCAL input, as on a GPU: one byte per row when training, empty
+    in inference -- so a distributed call's reserve is shaped by each rank's block."""
+    out, save_mean, save_invstd = aten.native_batch_norm(
+        input, weight, bias, running_mean, running_var, training, exponential_average_factor, epsilon
+    )
+    reserve = torch.zeros(input.size(0) if training else 0, dtype=torch.uint8)
+    return out, save_mean, save_invstd, reserve
+
+
+def _cudnn_batch_norm_backward(
+    input, grad_output, weight, running_mean, running_var, save_mean, save_var, epsilon, reserveSpace
+):
+    # torch calls it when training only (inference takes native_batch_norm_backward); cuDNN's
+    # save_var is the inverse standard deviation, as native_batch_norm's save_invstd
+    return aten.native_batch_norm_backward(
+        grad_output, input, weight, running_mean, running_var, save_mean, save_var, True, epsilon, [True] * 3
+    )
+
+
 KERNELS = {
+    "cudnn_batch_norm": _cudnn_batch_norm,
+    "cudnn_batch_norm_backward": _cudnn_batch_norm_backward,
     "_scaled_dot_product_flash_attention": _flash,
     "_scaled_dot_product_flash_attention_backward": _flash_backward,
     "_scaled_dot_product_efficient_attention": _efficient,

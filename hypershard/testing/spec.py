@@ -363,7 +363,11 @@ class Case:
     backward of a seeded random cotangent per differentiable output, compared per input.
     check_inputs: also compare the inputs after fn (in-place ops).  grad_placements: "match"
     (cotangent laid out like its output, Partial -> Replicate) or "replicate".  seed: of the
-    cotangents (None = derived from the name).
+    cotangents (None = derived from the name).  build_on_device: on a device launch
+    (run_cases(device_type="cuda")) fn runs under ``torch.device(device)``, so the tensors it
+    builds itself (an index, an ``out=``, ``found_inf``) are made on the device beside its inputs,
+    as a user's code there would make them; False for a fn that Dynamo compiles (it would trace
+    the context's function mode).
     """
 
     name: str
@@ -378,6 +382,7 @@ class Case:
     check_inputs: bool = False
     grad_placements: str = "match"
     seed: Optional[int] = None
+    build_on_device: bool = True
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:

@@ -352,7 +352,9 @@ class _Rank:
                 value.requires_grad_(True)
             args.append(value)
         fn = case.dist_fn if distributed and case.dist_fn is not None else case.fn
-        result = fn(*args)
+        on_device = self.plan.device_type != "cpu" and case.build_on_device
+        with torch.device(self.plan.device_type) if on_device else contextlib.nullcontext():
+            result = fn(*args)
         leaves, spec = tree_flatten(result)
         with torch.no_grad():
             outputs = [self.gather(leaf) for leaf in leaves]

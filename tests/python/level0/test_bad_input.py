@@ -179,7 +179,8 @@ EXPECTED = {
                                "self [4, 6] (\"a\", \"None\"), other [5, 6] (\"a\", \"None\"))"),
     "mm_shape_mismatch": ("", "aten::mm: argument mat2 (#1) [5, 8] (\"None\", \"None\"): size 5 of dim 'k' "
                               "differs from 6 in another operand"),
-    "mm_dtype_mismatch": ("", "expected m1 and m2 to have the same dtype, but got: float != double"),
+    # torch's text: "m1 and m2" on CPU, "mat1 and mat2" on CUDA
+    "mm_dtype_mismatch": ("", "to have the same dtype, but got: float != double"),
     "view_wrong_numel": ("", "shape '[7, 7]' is invalid for input of size 24"),
     "cat_shape_mismatch": ("", "aten::cat: argument tensors[1] (#0) [4, 5] (\"a\", \"None\"): size 5 at dim 1 "
                                "differs from 6 in another operand; allowed: equal sizes except along dim 0"),

@@ -87,6 +87,37 @@ def batch_norm_cases():
     return out
 
 
+def cudnn_bn(training):
+    """aten::cudnn_batch_norm, what F.batch_norm reaches on CUDA (cuDNN) -- here through
+    hypershard.testing.cuda_lowering's CPU kernel, on a GPU through cuDNN's own. Its reserve is
+    shaped by each rank's block; the backward (training) is the rule's formula, not cuDNN's."""
+
+    def fn(x, w, b, rm, rv):
+        from hypershard.testing import cuda_lowering
+
+        cuda_lowering.install_cpu_kernels()
+        return torch.ops.aten.cudnn_batch_norm(x, w, b, rm, rv, training, 0.1, 1e-5)[0]
+    return fn
+
+
+def cudnn_batch_norm_cases():
+    out = []
+    for name, shape, mesh, x_p, p_p, stat_p in (
+        ("batch_2", (5, 3, 4), M2, ["S(0)"], None, None),
+        ("batch_empty_block_4", (5, 3, 2, 3), M4, ["S(0)"], None, None),
+        ("spatial_4", (2, 3, 7, 3), M4, ["S(2)"], None, None),
+        ("channel_4", (4, 6, 3, 2), M4, ["S(1)"], ["S(0)"], None),
+        ("batch_channel_2x2", (5, 4, 3, 3), M22, ["S(0)", "S(1)"], ["R", "S(0)"], None),
+        ("channel_stats_whole_2x2", (5, 6, 3, 2), M22, ["S(0)", "S(1)"], ["R", "S(0)"], ["R", "R"]),
+    ):
+        for training in (True, False):
+            t = "train" if training else "eval"
+            stats = p_p if stat_p is None else stat_p
+            out.append(Case(f"cudnn_bn_{name}_{t}", cudnn_bn(training), bn_inputs(shape, x_p, p_p, stats), mesh,
+                            check_inputs=True))
+    return out
+
+
 def instance_norm_cases():
     out = []
     for name, shape, mesh, x_p in (("batch_2", (4, 3, 5), M2, ["S(0)"]),
@@ -109,6 +140,10 @@ def instance_norm_cases():
 
 def test_batch_norm_matches_one_device():
     assert_all_passed(run_cases(batch_norm_cases(), timeout=900))
+
+
+def test_cudnn_batch_norm_matches_one_device():
+    assert_all_passed(run_cases(cudnn_batch_norm_cases(), timeout=600))
 
 
 def test_instance_norm_matches_one_device():

@@ -21,13 +21,20 @@ compared with the one-device model's too. One 2-rank launch; about 25 s (most of
 Inductor compiling).
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 import hypershard as hs
 from hypershard import compile_support
-from hypershard.testing import Case, Input, assert_all_passed, in_distributed_run, run_cases
+from hypershard.testing import Case as _Case
+from hypershard.testing import Input, assert_all_passed, in_distributed_run, run_cases
 from hypershard.testing.compiled_checks import check_against_eager
+
+# Dynamo compiles these cases' functions: on a device launch they must not run under the
+# torch.device context the harness enters for other cases (Dynamo would trace its function mode).
+Case = functools.partial(_Case, build_on_device=False)
 
 M2 = ((2,), ("dp",))
 TP2 = ((2,), ("tp",))

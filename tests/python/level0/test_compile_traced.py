@@ -31,6 +31,7 @@ hypershard's DTensor API inside a compiled function (placements read, redistribu
 full_tensor refused while tracing). One 2-rank launch.
 """
 
+import functools
 import sys
 from pathlib import Path
 
@@ -39,9 +40,14 @@ import torch.nn.functional as F
 import transformers.integrations.moe  # noqa: F401 -- defines transformers::grouped_mm_fallback
 
 import hypershard as hs
-from hypershard.testing import Case, Input, assert_all_passed, run_cases
+from hypershard.testing import Case as _Case
+from hypershard.testing import Input, assert_all_passed, run_cases
 from hypershard.testing.compiled_checks import check_against_eager, full
 from hypershard.testing.spec import randint
+
+# Dynamo compiles these cases' functions: on a device launch they must not run under the
+# torch.device context the harness enters for other cases (Dynamo would trace its function mode).
+Case = functools.partial(_Case, build_on_device=False)
 
 TP2 = ((2,), ("tp",))
 CP2 = ((2,), ("cp",))

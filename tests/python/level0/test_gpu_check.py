@@ -1,13 +1,14 @@
 """Level0: the prepared GPU check (hypershard/testing/gpu_check.py) in its --dry-run form: the
 same script on CPU with gloo, reduced (2 cases per level0 family on 1-rank meshes, 6 cases of
-the 2-rank slice, two bench op classes, the tiny Qwen3 in its three precisions, two compile
-cases), so that the script a GPU session runs cannot rot. Run as a file (the way `make test-gpu`
+the 2-rank slice, two bench op classes, the attention rows on the math backend, the tiny Qwen3
+in its three precisions, two compile cases), so that the script a GPU session runs cannot rot. Run as a file (the way `make test-gpu`
 runs it, before hypershard could be imported). About 40 s.
 
 It checks the report, not only the exit status: every phase ran; level0 reached at least 25
 families and passed at least 80% of its cases (the rest fail on a CPU 1-rank mesh as well: cases
 that assume more ranks, reported as such); the 2-rank slice passed; the bench timed plain,
-hypershard and torch DTensor in microseconds; the tiny Qwen3 trained strict on a 1-rank mesh
+hypershard and torch DTensor in microseconds; the attention rows matched plain torch exactly
+(same kernel, same generator state, one rank); the tiny Qwen3 trained strict on a 1-rank mesh
 in float32, bfloat16 autocast and float16 autocast + GradScaler with the losses of the plain run
 within each bound; the two compile cases passed.
 """
@@ -27,7 +28,9 @@ def test_gpu_check_dry_run(tmp_path):
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     report = json.loads((out / "report.json").read_text())
     phases = report["phases"]
-    assert report["dry_run"] and list(phases) == ["env", "build", "level0", "multirank", "bench", "model", "compile"]
+    assert report["dry_run"] and list(phases) == [
+        "env", "build", "attention", "level0", "multirank", "bench", "model", "compile"
+    ]
     assert all(phase["status"] == "passed" for phase in phases.values()), {k: v["status"] for k, v in phases.items()}
 
     level0 = phases["level0"]["families"]
@@ -46,6 +49,8 @@ def test_gpu_check_dry_run(tmp_path):
             assert isinstance(row[key], float) and 0 < row[key] < 10_000, (row["op"], key, row[key])
     assert "µs per op" in (out / "report.md").read_text()
 
+    attention = phases["attention"]["rows"]  # each row in its own process, math backend on CPU
+    assert len(attention) == 6 and all(row["status"] == "passed" and row["max_abs"] == 0.0 for row in attention)
     model = phases["model"]["runs"]
     assert [run["precision"] for run in model] == ["float32", "bfloat16 autocast", "float16 autocast + GradScaler"]
     assert all(run["status"] == "passed" and run["loss_rdiff"] <= run["rtol"] for run in model), model

@@ -127,3 +127,37 @@ def test_errors_raise_before_anything_runs():
     with pytest.raises(Exception, match=r"argument weight \(#1\).*dtype Double with a Float input"):
         plan(A.native_batch_norm.default, x, m.dtensor([3], ["R"], dtype=torch.float64), None, None, None,
              True, 0.1, 1e-5)
+
+
+def test_cudnn_and_miopen_batch_norm_plan_as_native_batch_norm():
+    # what F.batch_norm reaches on CUDA / ROCm: the same plans, the reserve Replicate
+    m = PlanningMesh({"dp": 2, "tp": 2})
+    args = bn_args(m, [5, 4, 3, 3], ["S(0)", "S(1)"], ["R", "S(0)"])
+    native = plan(A.native_batch_norm.default, *args, True, 0.1, 1e-5)
+    for op in (A.cudnn_batch_norm.default, A.miopen_batch_norm.default):
+        p = plan(op, *args, True, 0.1, 1e-5)
+        assert p.input_specs == native.input_specs and p.output_specs[:3] == native.output_specs and p.expands
+    assert plan(A.cudnn_batch_norm.default, *args, True, 0.1, 1e-5).output_specs[3] == ["R", "R"]
+    # inference: local
+    p = plan(A.cudnn_batch_norm.default, *args, False, 0.1, 1e-5)
+    assert p.output_specs[0] == ["S(0)", "S(1)"] and not p.expands
+    with pytest.raises(Exception, match=r"aten::cudnn_batch_norm: argument input \(#0\).*Partial\(sum\) input"):
+        plan(A.cudnn_batch_norm.default, m.dtensor([5, 4, 3], [hs.Partial(), "R"]), *args[1:], True, 0.1, 1e-5)
+
+
+def test_cudnn_and_miopen_backward_take_the_formula():
+    # cuDNN's order (input, grad_output, ...), no train flag (called when training), no mask: the
+    # expand's formula on the block, even channel-sharded alone (cuDNN's reserve is not needed)
+    m = PlanningMesh({"dp": 2, "tp": 2})
+    shape = [5, 4, 3]
+    x, g = m.dtensor(shape, ["S(0)", "S(1)"]), m.dtensor(shape, ["S(0)", "S(1)"])
+    w, rm, rv, sm, si = (m.dtensor([4], ["R", "S(0)"]) for _ in range(5))
+    reserve = m.dtensor([0], ["R", "R"], dtype=torch.uint8)
+    p = plan(A.cudnn_batch_norm_backward.default, x, g, w, rm, rv, sm, si, 1e-5, reserve)
+    assert p.output_specs == [["S(0)", "S(1)"], ["R", "S(0)"], ["R", "S(0)"]] and p.expands
+    x, g = m.dtensor(shape, ["R", "S(1)"]), m.dtensor(shape, ["R", "S(1)"])
+    p = plan(A.miopen_batch_norm_backward.default, x, g, w, rm, rv, sm, si, 1e-5)
+    assert p.output_specs == [["R", "S(1)"], ["R", "S(0)"], ["R", "S(0)"]] and p.expands
+    with pytest.raises(Exception, match=r"argument grad_output \(#1\).*shape differs from input"):
+        plan(A.cudnn_batch_norm_backward.default, x, m.dtensor([5, 4, 2], ["R", "S(1)"]), w, rm, rv, sm, si,
+             1e-5, reserve)
