@@ -89,10 +89,24 @@ DEFAULT_MODE_BUILDERS = (
 # by what they are worth.
 PHASE_ORDER = ("env", "build", "attention", "level0", "multirank", "bench", "model", "compile")
 LIMITS = {
-    "env": 30, "build": 200, "attention": 60, "level0": 240, "multirank": 60, "bench": 60, "model": 90, "compile": 150
+    "env": 30,
+    "build": 200,
+    "attention": 60,
+    "level0": 240,
+    "multirank": 60,
+    "bench": 60,
+    "model": 90,
+    "compile": 150,
 }
 DRY_LIMITS = {
-    "env": 60, "build": 60, "attention": 60, "level0": 120, "multirank": 60, "bench": 60, "model": 90, "compile": 90
+    "env": 60,
+    "build": 60,
+    "attention": 60,
+    "level0": 120,
+    "multirank": 60,
+    "bench": 60,
+    "model": 90,
+    "compile": 90,
 }
 BUDGET_S = 560
 REPORT_RESERVE_S = 5  # left at the end of the budget for writing the report
@@ -491,8 +505,11 @@ def _phase_cases(args, families, per_family: int, chunk: int, phase: str) -> dic
     load_errors = [item for item in collected if isinstance(item[2], str)]
     selected = _one_rank([item for item in collected if not isinstance(item[2], str)])
     device = "cpu" if args.dry_run else "cuda"
-    excluded = {} if device == "cpu" else {c.name: TORCH_DEVICE_BEHAVIOUR[c.name] for _, _, c in selected
-                                           if c.name in TORCH_DEVICE_BEHAVIOUR}
+    excluded = (
+        {}
+        if device == "cpu"
+        else {c.name: TORCH_DEVICE_BEHAVIOUR[c.name] for _, _, c in selected if c.name in TORCH_DEVICE_BEHAVIOUR}
+    )
     selected = [item for item in selected if item[2].name not in excluded]
     outcome = _run_chunks(args, phase, device, selected, chunk, timeout=150)
     failed = [item for item in selected if not outcome[item[2].name][1].passed]
