@@ -16,7 +16,8 @@ is reported and the next still runs:
              of size 1, the placements unchanged, so Shard runs the device kernels through the
              rules; reference on the same device. Cases that fail are run again on CPU 1-rank
              meshes, to tell device findings from what a 1-rank mesh does on CPU too;
-  multirank  if 2+ GPUs: the cases whose mesh has 2 ranks, on NCCL;
+  multirank  the cases whose mesh has 2 ranks: on NCCL with 2+ GPUs; with one GPU both ranks
+             share it and gloo carries the CUDA tensors;
   bench      the dispatch overhead (benchmarks/hsbench/dispatch.py's op classes) on a 1-rank
              mesh: plain eager on the device, hypershard (Replicate, Shard), torch DTensor, in
              absolute microseconds per op (device synchronised after each timed batch);
@@ -399,7 +400,7 @@ def _adapter_for(family: str, builder: str):
     return "hypershard"
 
 
-def _run_slice(args, device: str, selected: list, timeout: float) -> dict:
+def _run_slice(args, device: str, selected: list, timeout: float, device_backend: str = "nccl") -> dict:
     """Runs [(family, builder, case)] grouped by adapter; {case name: (family, CaseResult)}."""
     from hypershard.testing import run_cases
 
@@ -409,7 +410,13 @@ def _run_slice(args, device: str, selected: list, timeout: float) -> dict:
         adapter = _adapter_for(family, builder)
         groups.setdefault(repr(adapter), (adapter, []))[1].append((family, case))
     for adapter, items in groups.values():
-        result = run_cases([case for _, case in items], backend=adapter, timeout=timeout, device_type=device)
+        result = run_cases(
+            [case for _, case in items],
+            backend=adapter,
+            timeout=timeout,
+            device_type=device,
+            device_backend=device_backend,
+        )
         for family, case in items:
             outcome[case.name] = (family, result[case.name])
     return outcome
@@ -542,8 +549,12 @@ def phase_multirank(args) -> dict:
     from hypershard.testing.spec import mesh_size, normalize_mesh
 
     count = _device_count(args)
-    if count < 2:
-        return {"status": "skipped", "summary": f"{count} GPU(s): the multi-rank slice needs 2"}
+    if count < 1:
+        return {"status": "skipped", "summary": "no GPU"}
+    # One GPU: both ranks share it, with gloo for the CUDA tensors (NCCL refuses two ranks on one
+    # device). Not NCCL's streams, but the rules' traffic between ranks on CUDA tensors, gloo's
+    # CUDA work ordered by events, and the gradient buckets' asynchronous sums.
+    backend = "nccl" if count >= 2 or args.dry_run else "gloo"
     per_family = args.per_family if args.per_family is not None else (1 if args.dry_run else 10)
     selected = []
     for family, builder, case in collect_cases(args.dry_run, None):
@@ -554,8 +565,14 @@ def phase_multirank(args) -> dict:
     if args.dry_run:
         selected = selected[:6]
     device = "cpu" if args.dry_run else "cuda"
-    outcome = _run_slice(args, device, _unique(selected), timeout=50)
-    return _summarise(outcome, {}, [])
+    chosen = _unique(selected)
+    outcome = _run_slice(args, device, chosen, timeout=50, device_backend=backend)
+    # failures again on 2 CPU ranks: what fails there too is not the device's (nor the backend's)
+    failed = [item for item in chosen if not outcome[item[2].name][1].passed]
+    cpu_outcome = _run_slice(args, "cpu", failed, timeout=50) if failed and device != "cpu" else {}
+    result = _summarise(outcome, cpu_outcome, [])
+    result["summary"] = f"{count if device == 'cuda' else 0} GPU(s), {backend}: " + result["summary"]
+    return result
 
 
 def _one_rank_group(args) -> str:

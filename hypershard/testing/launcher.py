@@ -51,11 +51,14 @@ def run_cases(
     device_type: str = "cpu",
     resume: bool = True,
     keep_dir: Optional[bool] = None,
+    device_backend: str = "nccl",
 ) -> RunResult:
     """Run `cases` on local ranks and compare each with its single-process reference.
 
-    device_type "cuda": every rank on its own GPU (rank % device count) with NCCL, the inputs,
-    references and cotangents on the GPU too (hypershard.testing.gpu_check).
+    device_type "cuda": every rank on GPU rank % device count with `device_backend` for the CUDA
+    tensors (NCCL, one GPU per rank; "gloo": ranks may share a GPU, gloo stages through the host
+    and orders its work with CUDA events), the inputs, references and cotangents on the GPU too
+    (hypershard.testing.gpu_check).
     Cases are grouped by world size (the size of their mesh; `world_size` is the default mesh
     size for cases without one); each group runs in one launch (relaunched for the remaining
     cases after a hang or crash when `resume`).  `timeout`: seconds per launch.
@@ -66,6 +69,8 @@ def run_cases(
     """
     adapter = get_adapter(backend)
     adapter.check()
+    if device_backend not in ("nccl", "gloo"):
+        raise ValueError("run_cases: device_backend must be 'nccl' or 'gloo'")
     if device_type not in ("cpu", "cuda"):
         raise ValueError(
             "run_cases: device_type must be 'cpu' (gloo) or 'cuda' (NCCL, one GPU per "
@@ -94,7 +99,7 @@ def run_cases(
             batch = [dataclasses.replace(pc, index=i) for i, pc in enumerate(remaining)]
             with _launch_directory(size, keep_dir) as directory:
                 info, outcome, resume_from = _launch(
-                    directory, batch, size, adapter, timeout, collective_timeout, keep_dir, device_type
+                    directory, batch, size, adapter, timeout, collective_timeout, keep_dir, device_type, device_backend
                 )
             result.launches.append(info)
             merged.update(outcome)
@@ -268,6 +273,7 @@ def _launch(
     collective_timeout: float,
     keep_dir: bool,
     device_type: str = "cpu",
+    device_backend: str = "nccl",
 ) -> tuple[LaunchInfo, dict, Optional[int]]:
     """Run one batch in `directory`; (launch info, {name: CaseResult} for every case of the batch,
     index of the first case to launch again or None)."""
@@ -294,6 +300,7 @@ def _launch(
                 collective_timeout,
                 timeout + 60,
                 os.getpid(),
+                device_backend,
             )
             proc = context.Process(
                 target=rank_main, args=(rank, plan), daemon=True, name=f"hypershard-testing-rank{rank}"

@@ -125,6 +125,7 @@ class LaunchPlan:
     collective_timeout: float
     store_timeout: float
     parent_pid: int
+    device_backend: str = "nccl"  # the process group's backend for CUDA tensors
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,9 +290,9 @@ class _Rank:
     # -- process group -----------------------------------------------------------------------
     def init_group(self) -> None:
         # Each generation gets its own key prefix, so a recreated group never sees old keys.
-        # gloo for CPU tensors beside NCCL: the health check and CPU-side exchanges run on CPU
-        # (backend=None gives NCCL alone in torch 2.11 when a GPU is present)
-        backend = "gloo" if self.plan.device_type == "cpu" else "cpu:gloo,cuda:nccl"
+        # gloo for CPU tensors beside the device's backend: the health check and CPU-side exchanges
+        # run on CPU (backend=None gives NCCL alone in torch 2.11 when a GPU is present)
+        backend = "gloo" if self.plan.device_type == "cpu" else f"cpu:gloo,cuda:{self.plan.device_backend}"
         if self.plan.device_type == "cuda":
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
         dist.init_process_group(
