@@ -15,6 +15,7 @@ Python runs while tracing; the compiled program runs no Python per op.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -28,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 from . import _C
 from .dtensor import _placements_of
+from .layout import make_layout
 
 __all__ = ["TracedDTensor", "compile", "to_traced", "from_traced"]
 
@@ -143,31 +145,34 @@ class TracedDTensor(torch.Tensor):
             return self
         return _from_hypershard(_C.redistribute(_hypershard_of(self), expected.layout))
 
-    # hypershard's DTensor methods (hypershard/dtensor.py) on the DTensor this one stands for, run
-    # eagerly, differentiable. Dynamo breaks the graph at redistribute (its mesh and placements are
-    # no graph values), but records to_local() / full_tensor() into the graph, where the compiler
-    # would run their collectives on tracing tensors and return uninitialized memory: those raise
-    # while tracing. The layout properties are data.
-    def _eager_only(self, name: str) -> torch.Tensor:
+    # hypershard's DTensor methods (hypershard/dtensor.py) on the DTensor this one stands for, as
+    # ops of the graph (hypershard::to_local / full_tensor / redistribute_to below: this rank's
+    # local; the whole, and a redistribution, through functional collectives), differentiable as
+    # eagerly. redistribute() to placement objects on the DTensor's own mesh is traced (Dynamo
+    # records it through _record_redistribute); any other form (alias notation, `partial=`)
+    # breaks the graph and runs eagerly. The layout properties are data.
+    def to_local(self) -> torch.Tensor:
+        return torch.ops.hypershard.to_local(self)
+
+    def full_tensor(self) -> torch.Tensor:
+        return torch.ops.hypershard.full_tensor(self)
+
+    def redistribute(self, device_mesh: Any = None, placements: Any = None, **kwargs: Any) -> "TracedDTensor":
+        names = _placement_names(placements)
+        own_mesh = device_mesh is None or getattr(device_mesh, "mesh", None) == self._spec.layout.mesh
+        if names is None or kwargs or not own_mesh:
+            return self._redistribute_eagerly(device_mesh, placements, **kwargs)
+        return torch.ops.hypershard.redistribute_to(self, names)
+
+    @torch._disable_dynamo
+    def _redistribute_eagerly(self, device_mesh: Any = None, placements: Any = None, **kwargs: Any):
         if is_fake(self._local):
             raise RuntimeError(
-                f"hypershard: {name}() inside a hypershard.compile'd function is not traced (its "
-                "collectives would not be in the compiled program); allowed: call it outside the "
-                "compiled function, on its result"
+                "hypershard: this redistribute() inside a hypershard.compile'd function is not traced; "
+                "allowed: placement objects on the DTensor's own mesh, or the call outside the "
+                "compiled function"
             )
-        return from_traced(self)
-
-    @torch._disable_dynamo
-    def to_local(self) -> torch.Tensor:
-        return self._eager_only("to_local").to_local()
-
-    @torch._disable_dynamo
-    def full_tensor(self) -> torch.Tensor:
-        return self._eager_only("full_tensor").full_tensor()
-
-    @torch._disable_dynamo
-    def redistribute(self, device_mesh: Any = None, placements: Any = None, **kwargs: Any) -> "TracedDTensor":
-        return to_traced(self._eager_only("redistribute").redistribute(device_mesh, placements, **kwargs))
+        return to_traced(from_traced(self).redistribute(device_mesh, placements, **kwargs))
 
     placements = property(lambda self: _placements_of(self._spec.layout))
     device_mesh = property(lambda self: self._spec.mesh)
@@ -205,6 +210,24 @@ class TracedDTensor(torch.Tensor):
         return pytree.tree_map(back, out)
 
 
+def _placement_names(placements: Any):
+    """Placement objects (hypershard's or torch's) as make_layout's strings ("S(0)", "R",
+    "P(sum)"): the graph's constant arguments; None for any other notation."""
+    if not isinstance(placements, (list, tuple)):
+        return None
+    names = []
+    for p in placements:
+        if not all(hasattr(p, name) for name in ("is_shard", "is_partial")):
+            return None
+        if p.is_shard():
+            names.append(f"S({p.dim})")
+        elif p.is_partial():
+            names.append(f"P({p.reduce_op})")
+        else:
+            names.append("R")
+    return names
+
+
 def _hypershard_of(t: TracedDTensor) -> torch.Tensor:
     """A hypershard DTensor around `t`'s local (the same memory; not differentiable)."""
     return _C.wrap_local(t._local, t._spec.mesh, t._spec.layout, list(t.stride()), t.storage_offset())
@@ -228,13 +251,32 @@ def _from_hypershard(dt: torch.Tensor, requires_grad: bool = False) -> TracedDTe
 _LIB = torch.library.Library("hypershard", "FRAGMENT")  # noqa: TOR901 -- an op namespace of our own
 _LIB.define("replicate_on(Tensor self, int axis) -> Tensor")
 _LIB.define("redistribute_like(Tensor grad, Tensor like) -> Tensor")
+# DTensor.to_local() / full_tensor() in a traced program, and their gradients: a local as a DTensor
+# laid out like `like`, and a whole (Replicate) tensor cut to `like`'s layout (Partial axes
+# Replicate, as redistribute_like)
+_LIB.define("to_local(Tensor self) -> Tensor")
+_LIB.define("full_tensor(Tensor self) -> Tensor")
+_LIB.define("local_as_like(Tensor local, Tensor like) -> Tensor")
+_LIB.define("whole_as_like(Tensor whole, Tensor like) -> Tensor")
+# DTensor.redistribute(mesh, placements) in a traced program (make_layout's placement strings);
+# its gradient is redistribute_like's
+_LIB.define("redistribute_to(Tensor self, str[] placements) -> Tensor")
+_TRACED_OPS = (
+    "replicate_on",
+    "redistribute_like",
+    "to_local",
+    "full_tensor",
+    "local_as_like",
+    "whole_as_like",
+    "redistribute_to",
+)
 
 
 def _refuse_plain(*args, **kwargs):
-    raise RuntimeError("hypershard: replicate_on / redistribute_like take a traced hypershard DTensor")
+    raise RuntimeError(f"hypershard: {', '.join(_TRACED_OPS)} take a traced hypershard DTensor")
 
 
-for _name in ("replicate_on", "redistribute_like"):
+for _name in _TRACED_OPS:
     _LIB.impl(_name, _refuse_plain, "CompositeExplicitAutograd")
 
 
@@ -247,9 +289,53 @@ def _redistribute_like(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return _C.traced_redistribute(grad, _without_partial(_C.layout_of(like)))
 
 
+def _contiguous_strides(shape) -> list:
+    strides, step = [], 1
+    for size in reversed(list(shape)):
+        strides.append(step)
+        step *= max(size, 1)
+    return strides[::-1]
+
+
+def _to_local(dt: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.alias(_C.local_of(dt))  # a view of this rank's local, as eagerly
+
+
+def _full_tensor(dt: torch.Tensor) -> torch.Tensor:
+    layout = _C.layout_of(dt)
+    return _C.local_of(_C.traced_redistribute(dt, _C.Layout.replicate(layout.mesh, layout.global_shape)))
+
+
+def _local_as_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """to_local's gradient: this rank's local gradient in `like`'s layout, Partial axes Replicate
+    (as hypershard's eager to_local)."""
+    layout = _without_partial(_C.layout_of(like))
+    return _C.wrap_local(local, _C.device_mesh_of(like), layout, _contiguous_strides(layout.global_shape), 0)
+
+
+def _whole_as_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """full_tensor's gradient: the whole gradient (every rank's the same) cut to `like`'s layout,
+    Partial axes Replicate (a local chunk, no communication), as eagerly."""
+    layout = _C.layout_of(like)
+    replicated = _C.Layout.replicate(layout.mesh, layout.global_shape)
+    whole = whole.contiguous()
+    dt = _C.wrap_local(whole, _C.device_mesh_of(like), replicated, _contiguous_strides(layout.global_shape), 0)
+    return _C.traced_redistribute(dt, _without_partial(layout))
+
+
+def _redistribute_to(dt: torch.Tensor, names: list) -> torch.Tensor:
+    layout = _C.layout_of(dt)
+    return _C.traced_redistribute(dt, make_layout(layout.mesh, layout.global_shape, list(names)))
+
+
 _SPECIAL = {
     torch.ops.hypershard.replicate_on.default: _replicate_on,
     torch.ops.hypershard.redistribute_like.default: _redistribute_like,
+    torch.ops.hypershard.to_local.default: _to_local,
+    torch.ops.hypershard.full_tensor.default: _full_tensor,
+    torch.ops.hypershard.local_as_like.default: _local_as_like,
+    torch.ops.hypershard.whole_as_like.default: _whole_as_like,
+    torch.ops.hypershard.redistribute_to.default: _redistribute_to,
 }
 
 
@@ -263,6 +349,30 @@ def _replicate_on_setup(ctx, inputs, output):
 
 torch.library.register_autograd(
     "hypershard::replicate_on", _replicate_on_backward, setup_context=_replicate_on_setup, lib=_LIB
+)
+
+
+def _save_input(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+torch.library.register_autograd(
+    "hypershard::to_local",
+    lambda ctx, grad: torch.ops.hypershard.local_as_like(grad, ctx.saved_tensors[0]),
+    setup_context=_save_input,
+    lib=_LIB,
+)
+torch.library.register_autograd(
+    "hypershard::redistribute_to",
+    lambda ctx, grad: (torch.ops.hypershard.redistribute_like(grad, ctx.saved_tensors[0]), None),
+    setup_context=_save_input,
+    lib=_LIB,
+)
+torch.library.register_autograd(
+    "hypershard::full_tensor",
+    lambda ctx, grad: torch.ops.hypershard.whole_as_like(grad, ctx.saved_tensors[0]),
+    setup_context=_save_input,
+    lib=_LIB,
 )
 
 
@@ -360,38 +470,74 @@ def _route_grouped_mm_fallback_backward() -> None:
     opdef.register_autograd(backward, setup_context=setup_context)
 
 
-def _break_graph_at_redistribute() -> None:
-    """torch 2.11 and 2.12: Dynamo's TensorVariable.method_redistribute records any tensor's
-    .redistribute(mesh, placements) into the graph with those arguments as constants (made for
-    torch DTensor); hypershard's mesh is no Dynamo constant, so tracing stopped with
-    "InternalTorchDynamoError: ... UserDefinedObjectVariable(DeviceMesh) is not a constant". For a
-    traced hypershard DTensor the graph breaks there instead, as torch 2.13 does for every tensor
-    (which has no such method): TracedDTensor.redistribute then runs eagerly. Installed once."""
+def _record_redistribute() -> None:
+    """Dynamo and DTensor.redistribute(mesh, placements) on a traced hypershard DTensor. Its mesh
+    is no graph value, so Dynamo cannot record the call as it records a tensor method (torch 2.13:
+    "Failed to convert args/kwargs to proxy"; 2.11 / 2.12's method_redistribute, made for torch
+    DTensor, stopped with "UserDefinedObjectVariable(DeviceMesh) is not a constant"). As torch does
+    for its own DTensor, the call is recorded as a function of the tensor alone, the mesh and the
+    placements bound into it; when AOTAutograd runs that function, TracedDTensor.redistribute
+    emits hypershard::redistribute_to. Forms it does not trace (alias notation, `partial=`) break
+    the graph and run eagerly. Other tensors keep Dynamo's own handling. Installed once."""
+    from torch._dynamo.exc import unimplemented
+    from torch._dynamo.utils import proxy_args_kwargs
+    from torch._dynamo.variables import UserDefinedObjectVariable
+    from torch._dynamo.variables.builder import wrap_fx_proxy
+    from torch._dynamo.variables.lists import BaseListVariable
     from torch._dynamo.variables.tensor import TensorVariable
 
     original = getattr(TensorVariable, "method_redistribute", None)
-    if original is None or getattr(original, "hypershard_breaks_graph", False):
+    if getattr(original, "hypershard_records", False):
         return
 
-    def method_redistribute(self, tx, *args, **kwargs):
-        if isinstance(self.python_type(), type) and issubclass(self.python_type(), TracedDTensor):
-            from torch._dynamo.exc import unimplemented
+    def python_value(tx, variable):
+        """The Python value of a constant argument: a list of placements (dataclasses, made in the
+        traced code or not), a mesh (an object Dynamo does not know), a number or a string."""
+        variable = variable.realize() if hasattr(variable, "realize") else variable
+        if isinstance(variable, BaseListVariable):
+            items = [python_value(tx, item) for item in variable.items]
+            return (
+                tuple(items) if isinstance(variable.python_type(), type) and variable.python_type() is tuple else items
+            )
+        value = getattr(variable, "value", None)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            fields = [f.name for f in dataclasses.fields(value) if f.init]
+            return type(value)(**{name: python_value(tx, variable.var_getattr(tx, name)) for name in fields})
+        if isinstance(variable, UserDefinedObjectVariable):
+            return value
+        return variable.as_python_constant()
 
+    def method_redistribute(self, tx, *args, **kwargs):
+        if not (isinstance(self.python_type(), type) and issubclass(self.python_type(), TracedDTensor)):
+            return original(self, tx, *args, **kwargs) if original is not None else None
+        try:
+            values = [python_value(tx, a) for a in args]
+            keywords = {k: python_value(tx, v) for k, v in kwargs.items()}
+        except NotImplementedError:
+            values, keywords = None, None
+        placements = keywords.get("placements", values[1] if len(values) > 1 else None) if values is not None else None
+        if values is None or set(keywords) - {"device_mesh", "placements"} or _placement_names(placements) is None:
             unimplemented(
                 gb_type="hypershard DTensor redistribute",
                 context=f"redistribute({args}, {kwargs})",
-                explanation="hypershard's redistribute runs eagerly between compiled graphs",
-                hints=[],
+                explanation="this form of hypershard's redistribute runs eagerly between compiled graphs",
+                hints=["placement objects (Shard, Replicate, Partial) on the DTensor's own mesh are traced"],
             )
-        return original(self, tx, *args, **kwargs)
 
-    method_redistribute.hypershard_breaks_graph = True
+        def prim_redistribute(x):
+            return x.redistribute(*values, **keywords)
+
+        return wrap_fx_proxy(
+            tx=tx, proxy=tx.output.create_proxy("call_function", prim_redistribute, *proxy_args_kwargs([self], {}))
+        )
+
+    method_redistribute.hypershard_records = True
     TensorVariable.method_redistribute = method_redistribute
 
 
 def _prepare_tracing() -> None:
     """What a compiled call needs from torch and transformers before Dynamo traces it."""
-    _break_graph_at_redistribute()
+    _record_redistribute()
     _route_grouped_mm_fallback_backward()  # every call: transformers may be imported later
 
 

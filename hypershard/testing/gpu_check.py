@@ -739,27 +739,30 @@ def _train_one_precision(args, index: int) -> dict:
     return run
 
 
-def phase_model(args) -> dict:
-    # Each precision in its own process: one that dies (a segfault in bfloat16 on the H200 took
-    # the float32 result with it) leaves the others' results and its own Python stack.
-    if args.precision is not None:
-        return _train_one_precision(args, args.precision)
-    runs = []
-    for index, (precision, *_) in enumerate(MODEL_PRECISIONS):
-        run = _run_phase("model", args, None, precision=index)
-        runs.append({"precision": precision, **run})
-        _write(args, "model", {"status": "partial", "runs": runs, "summary": f"stopped after {precision}"})
-    bad = [run["precision"] for run in runs if run["status"] != "passed"]
+def _run_rows(args, phase: str, labels: list, label: str, container: str, what: str) -> dict:
+    """Each row of `phase` in its own process (`--precision i`): a row that dies (a segfault in
+    bfloat16 on the H200 took the float32 result with it) leaves the others' results and its own
+    stack. The phase's JSON is rewritten after each row."""
+    rows = []
+    for index, name in enumerate(labels):
+        rows.append({label: name, **_run_phase(phase, args, None, precision=index)})
+        _write(args, phase, {"status": "partial", container: rows, "summary": f"stopped after {name}"})
+    bad = [row[label] for row in rows if row["status"] != "passed"]
     return {
         "status": "failed" if bad else "passed",
-        "runs": runs,
-        "summary": f"{len(runs) - len(bad)} of {len(runs)} precisions train as without hypershard"
-        + (f"; not: {', '.join(bad)}" if bad else ""),
+        container: rows,
+        "summary": f"{len(rows) - len(bad)} of {len(rows)} {what}" + (f"; not: {', '.join(bad)}" if bad else ""),
     }
 
 
+def phase_model(args) -> dict:
+    if args.precision is not None:
+        return _train_one_precision(args, args.precision)
+    precisions = [precision for precision, *_ in MODEL_PRECISIONS]
+    return _run_rows(args, "model", precisions, "precision", "runs", "precisions train as without hypershard")
+
+
 def phase_attention(args) -> dict:
-    # Each row in its own process, as the model's precisions: a crash leaves the others' results.
     from hypershard.testing.gpu_attention import ROWS, describe, run_row
 
     if args.precision is not None:
@@ -768,17 +771,8 @@ def phase_attention(args) -> dict:
             return run_row(args.precision, device)
         except Exception as exc:  # noqa: BLE001 -- recorded in the report
             return {"row": describe(args.precision), "status": "error", "error": f"{type(exc).__name__}: {exc}"[:600]}
-    rows = []
-    for index in range(len(ROWS)):
-        rows.append({"row": describe(index), **_run_phase("attention", args, None, precision=index)})
-        _write(args, "attention", {"status": "partial", "rows": rows, "summary": f"stopped after {describe(index)}"})
-    bad = [row["row"] for row in rows if row["status"] != "passed"]
-    return {
-        "status": "failed" if bad else "passed",
-        "rows": rows,
-        "summary": f"{len(rows) - len(bad)} of {len(rows)} fused attention calls match plain torch"
-        + (f"; not: {', '.join(bad)}" if bad else ""),
-    }
+    labels = [describe(index) for index in range(len(ROWS))]
+    return _run_rows(args, "attention", labels, "row", "rows", "fused attention calls match plain torch")
 
 
 PHASES = {

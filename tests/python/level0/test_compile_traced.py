@@ -27,8 +27,8 @@ with the experts' grouped products in the graph; transformers' grouped_mm_fallba
 alone with experts replicated, colwise, rowwise and expert-sharded; a program reloaded from the
 compile cache by a fresh Dynamo must hit AOTAutograd's cache; with inductor's compute/communication
 reordering, a gather's wait must move below independent compute and results stay eager's;
-hypershard's DTensor API inside a compiled function (placements read, redistribute run eagerly,
-full_tensor refused while tracing). One 2-rank launch.
+hypershard's DTensor API inside a compiled function (placements read; to_local, full_tensor and
+redistribute ops of the graph, their collectives counted). One 2-rank launch.
 """
 
 import functools
@@ -90,10 +90,11 @@ def _assert_close(got, want, tolerance, what):
         torch.testing.assert_close(got, want, **tolerance, msg=lambda m: f"{what}: {m}")
 
 
-def traced(fn, backend, collectives=None):
+def traced(fn, backend, collectives=None, local_as=None):
     """The case's dist_fn: hs.compile(fn, fullgraph=True), checked against eager fn on the same
     DTensors (module docstring). `collectives`: (forward, backward) functional collectives the
-    aot_eager graphs must hold."""
+    aot_eager graphs must hold. `local_as`: fn returns a rank's local; the harness compares it
+    as a DTensor with these placements (a differentiable from_local)."""
     tolerance = FLOAT32 if backend == "inductor" else EXACT
 
     def run(*inputs):
@@ -107,7 +108,7 @@ def traced(fn, backend, collectives=None):
         check_against_eager(got, want, list(inputs), lambda g, w, what: _assert_close(g, w, tolerance, what))
         if collectives is not None:
             assert counter.collectives[:2] == list(collectives), (counter.collectives, collectives)
-        return got
+        return got if local_as is None else hs.DTensor.from_local(got, inputs[0].device_mesh, local_as)
 
     return run
 
@@ -227,6 +228,61 @@ def function_cases():
                 Case(f"{name}_{backend}", fn=fn, inputs=inputs, mesh=TP2, dist_fn=traced(fn, backend, expected))
             )
     return cases
+
+
+# to_local(), full_tensor() and redistribute() inside the compiled function: ops of the graph
+# (this rank's local; the whole and the redistribution through functional collectives),
+# differentiable as eagerly. The one-device reference is the same maths on plain tensors.
+def local_of_product(x, w):
+    return (x @ w).relu().to_local() * 2.0
+
+
+def whole_of_product(x, w):
+    return (x @ w).full_tensor().sin()
+
+
+def product_replicated(x, w):
+    return (x @ w).redistribute(x.device_mesh, [hs.Replicate()]).sin()
+
+
+def product_rows(x, w):
+    return (x @ w).redistribute(placements=[hs.Shard(0)]).sin()
+
+
+def dtensor_method_cases():
+    product = (lambda x, w: (x @ w).relu() * 2.0, lambda x, w: (x @ w).sin())
+    methods = [
+        # colwise: y S(1); its local, no collective either way
+        ("to_local_colwise", local_of_product, product[0], "R", "S(1)", (0, 0), [hs.Shard(1)]),
+        # colwise: the whole of y S(1) all-gathered; its gradient cut back (no collective)
+        ("full_tensor_colwise", whole_of_product, product[1], "R", "S(1)", (1, 0), None),
+        # rowwise: y Partial(sum), all-reduced; the gradient of the whole is every rank's
+        ("full_tensor_rowwise", whole_of_product, product[1], "S(1)", "S(0)", (1, 0), None),
+        # redistribute: colwise y S(1) to Replicate (all-gather; the gradient cut back), and
+        # rowwise y Partial to S(0) (reduce-scatter; the gradient all-gathered to Replicate)
+        ("redistribute_colwise", product_replicated, product[1], "R", "S(1)", (1, 0), None),
+        ("redistribute_rowwise", product_rows, product[1], "S(1)", "S(0)", (1, 1), None),
+    ]
+    cases = []
+    for backend in ("eager", "aot_eager", "inductor"):
+        for name, fn, reference, x_placement, w_placement, collectives, local_as in methods:
+            inputs = [Input((4, 6), placements=[x_placement]), Input((6, 8), placements=[w_placement])]
+            expected = collectives if backend == "aot_eager" else None
+            dist_fn = traced(fn, backend, expected, local_as)
+            cases.append(Case(f"{name}_{backend}", fn=reference, inputs=inputs, mesh=TP2, dist_fn=dist_fn))
+    # an avg Partial made whole (all-reduce): its gradient is the whole one on every rank, as eagerly
+    average = [Input((4, 6), placements=["P(avg)"])]
+    for name, fn in (("full_tensor_avg", whole_times_3), ("redistribute_avg", replicated_times_3)):
+        cases.append(Case(f"{name}_aot_eager", lambda x: x * 3.0, average, TP2, dist_fn=traced(fn, "aot_eager", (1, 0))))
+    return cases
+
+
+def whole_times_3(x):
+    return x.full_tensor() * 3.0
+
+
+def replicated_times_3(x):
+    return x.redistribute(placements=[hs.Replicate()]) * 3.0
 
 
 # ---------------------------------------------------------------------------------- tiny Qwen3
@@ -422,10 +478,14 @@ def reloaded_from_compile_cache(x, w):
 
 
 def placements_then_redistribute(x):
-    """hypershard's DTensor API inside a compiled function: the placements read as data, a
-    redistribute (Dynamo breaks the graph there; it runs eagerly, differentiable)."""
+    """hypershard's DTensor API inside a compiled function: the placements read as data, then a
+    redistribute (in the graph; on torch 2.11 / 2.12 the graph breaks there and it runs eagerly)."""
     scale = 2.0 if x.placements[0].is_shard() else 3.0
     return (x * scale).redistribute(x.device_mesh, [hs.Replicate()]).sin()
+
+
+def alias_redistribute(x):
+    return (x * 2.0).redistribute(x.device_mesh, ("None", "None")).sin()
 
 
 def dtensor_api(x):
@@ -435,12 +495,16 @@ def dtensor_api(x):
     got = hs.compile(placements_then_redistribute, backend="aot_eager")(x)
     want = placements_then_redistribute(x)
     check_against_eager(got, want, [x], lambda g, w, what: _assert_close(g, w, EXACT, what))
-    try:  # traced into the graph it would gather on tracing tensors: a clear error instead
-        hs.compile(lambda t: t.full_tensor().sum(), backend="aot_eager")(x)
-    except Exception as error:  # Dynamo wraps it
-        assert "full_tensor() inside a hypershard.compile'd function is not traced" in str(error), error
+    # a form the graph does not hold (alias notation): the graph breaks there, it runs eagerly
+    try:
+        hs.compile(alias_redistribute, backend="aot_eager", fullgraph=True)(x)
+    except Exception as error:  # noqa: BLE001 -- Dynamo's Unsupported
+        assert "hypershard DTensor redistribute" in str(error), error
     else:
-        raise AssertionError("full_tensor() was traced into a compiled program")
+        raise AssertionError("an alias-notation redistribute was traced into the graph")
+    torch._dynamo.reset()
+    got_alias = hs.compile(alias_redistribute, backend="aot_eager")(x)
+    check_against_eager(got_alias, alias_redistribute(x), [x], lambda g, w, what: _assert_close(g, w, EXACT, what))
     return got
 
 
@@ -456,7 +520,8 @@ def inductor_option_cases():
 
 
 def test_traced_matches_eager_and_one_device():
-    assert_all_passed(run_cases(function_cases() + model_cases() + inductor_option_cases(), timeout=600))
+    cases = function_cases() + dtensor_method_cases() + model_cases() + inductor_option_cases()
+    assert_all_passed(run_cases(cases, timeout=600))
 
 
 def _dropping_hook_collectives(dist_fn):
