@@ -328,7 +328,37 @@ def _redistribute_to(dt: torch.Tensor, names: list) -> torch.Tensor:
     return _C.traced_redistribute(dt, make_layout(layout.mesh, layout.global_shape, list(names)))
 
 
+def _view_keeping_shards(op_name: str) -> Callable:
+    """aten::view / _unsafe_view in a traced program, planned as reshape: eagerly, hypershard's
+    reshape kernel (at the DTensor's autograd key) redistributes a tensor whose view would cut a
+    shard, then views it; a traced DTensor reaches its __torch_dispatch__ after torch's composite
+    reshape already chose the view, so the redistribution happens here. A traced program is
+    functional (AOTAutograd functionalizes it, writes through views included), so a view of the
+    redistributed tensor aliases nothing anyone observes. Without it, strict mode refused in the
+    compiled program what eager ran (matmul's flattening of sharded heads, DeepSeek-V3.2 tp2)."""
+
+    def view(dt: torch.Tensor, size: Any) -> torch.Tensor:
+        layout = _C.layout_of(dt)
+        shape = [int(s) for s in size]
+        if -1 in shape:
+            known = 1
+            for s in shape:
+                known *= s if s != -1 else 1
+            total = 1
+            for s in layout.global_shape:
+                total *= s
+            shape[shape.index(-1)] = total // known if known else 0
+        source = _C.view_source_layout(layout, shape)
+        if source != layout:
+            dt = _C.traced_redistribute(dt, source)
+        return _C.traced_call(op_name, "", dt, size)
+
+    return view
+
+
 _SPECIAL = {
+    torch.ops.aten.view.default: _view_keeping_shards("aten::view"),
+    torch.ops.aten._unsafe_view.default: _view_keeping_shards("aten::_unsafe_view"),
     torch.ops.hypershard.replicate_on.default: _replicate_on,
     torch.ops.hypershard.redistribute_like.default: _redistribute_like,
     torch.ops.hypershard.to_local.default: _to_local,

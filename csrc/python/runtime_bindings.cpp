@@ -14,6 +14,7 @@
 #include "ops/attention_sequence.h"
 #include "ops/families.h"
 #include "ops/op_call.h"
+#include "ops/view_plan.h"
 #include "runtime/dispatch.h"
 #include "runtime/dispatch_internal.h"
 #include "runtime/dtensor_impl.h"
@@ -201,6 +202,14 @@ void bind_runtime(py::module_& m) {
       py::arg("name"), py::arg("overload"),
       "Op name.overload on DTensors whose locals are traced: hypershard's operator flow, each "
       "collective a functional collective the tracer records.");
+  m.def(
+      "view_source_layout",
+      [](const layout::Layout& layout, const std::vector<int64_t>& shape) {
+        return *ops::plan_view(layout, shape).input;
+      },
+      py::arg("layout"), py::arg("shape"),
+      "The layout `layout` must take so that viewing it as `shape` keeps every shard a whole block "
+      "(itself when it already does): reshape's redistribution.");
   m.def(
       "traced_redistribute",
       [](const at::Tensor& t, const layout::Layout& layout) {
