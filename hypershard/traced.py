@@ -332,10 +332,12 @@ def _view_keeping_shards(op_name: str) -> Callable:
     """aten::view / _unsafe_view in a traced program, planned as reshape: eagerly, hypershard's
     reshape kernel (at the DTensor's autograd key) redistributes a tensor whose view would cut a
     shard, then views it; a traced DTensor reaches its __torch_dispatch__ after torch's composite
-    reshape already chose the view, so the redistribution happens here. A traced program is
+    reshape already chose the view, so the redistribution happens here. A compiled program is
     functional (AOTAutograd functionalizes it, writes through views included), so a view of the
-    redistributed tensor aliases nothing anyone observes. Without it, strict mode refused in the
-    compiled program what eager ran (matmul's flattening of sharded heads, DeepSeek-V3.2 tp2)."""
+    redistributed tensor aliases nothing anyone observes; run for real (Dynamo's eager backend,
+    code between graphs) it is a copy, as hypershard's default mode makes of such a view. Without
+    it, strict mode refused in the compiled program what eager ran (matmul's flattening of
+    sharded heads, DeepSeek-V3.2 tp2)."""
 
     def view(dt: torch.Tensor, size: Any) -> torch.Tensor:
         layout = _C.layout_of(dt)
@@ -373,18 +375,11 @@ def _replicate_on_backward(ctx, grad):
     return torch.ops.hypershard.redistribute_like(grad, ctx.saved_tensors[0]), None
 
 
-def _replicate_on_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0])
-
-
-torch.library.register_autograd(
-    "hypershard::replicate_on", _replicate_on_backward, setup_context=_replicate_on_setup, lib=_LIB
-)
-
-
 def _save_input(ctx, inputs, output):
     ctx.save_for_backward(inputs[0])
 
+
+torch.library.register_autograd("hypershard::replicate_on", _replicate_on_backward, setup_context=_save_input, lib=_LIB)
 
 torch.library.register_autograd(
     "hypershard::to_local",
