@@ -158,9 +158,8 @@ class TracedDTensor(torch.Tensor):
         return torch.ops.hypershard.full_tensor(self)
 
     def redistribute(self, device_mesh: Any = None, placements: Any = None, **kwargs: Any) -> "TracedDTensor":
-        names = _placement_names(placements)
-        own_mesh = device_mesh is None or getattr(device_mesh, "mesh", None) == self._spec.layout.mesh
-        if names is None or kwargs or not own_mesh:
+        names = _traced_placements(self, device_mesh, placements, **kwargs)
+        if names is None:
             return self._redistribute_eagerly(device_mesh, placements, **kwargs)
         return torch.ops.hypershard.redistribute_to(self, names)
 
@@ -210,10 +209,13 @@ class TracedDTensor(torch.Tensor):
         return pytree.tree_map(back, out)
 
 
-def _placement_names(placements: Any):
-    """Placement objects (hypershard's or torch's) as make_layout's strings ("S(0)", "R",
-    "P(sum)"): the graph's constant arguments; None for any other notation."""
-    if not isinstance(placements, (list, tuple)):
+def _traced_placements(traced: TracedDTensor, device_mesh: Any = None, placements: Any = None, **kwargs: Any):
+    """The placements of `traced.redistribute(device_mesh, placements, **kwargs)` as
+    make_layout's strings ("S(0)", "R", "P(sum)"), the graph's constant arguments, when the call
+    is one the graph holds: placement objects (hypershard's or torch's) on the DTensor's own mesh.
+    None for any other form (alias notation, `partial=`, another mesh): it runs eagerly."""
+    own_mesh = device_mesh is None or getattr(device_mesh, "mesh", None) == traced._spec.layout.mesh
+    if kwargs or not own_mesh or not isinstance(placements, (list, tuple)):
         return None
     names = []
     for p in placements:
@@ -289,12 +291,10 @@ def _redistribute_like(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return _C.traced_redistribute(grad, _without_partial(_C.layout_of(like)))
 
 
-def _contiguous_strides(shape) -> list:
-    strides, step = [], 1
-    for size in reversed(list(shape)):
-        strides.append(step)
-        step *= max(size, 1)
-    return strides[::-1]
+def _as_replicate(whole: torch.Tensor, mesh: _C.DeviceMesh) -> torch.Tensor:
+    """A plain tensor (the same on every rank) as a Replicate DTensor of `mesh`, as hypershard
+    takes plain operands (an alias, no communication)."""
+    return _C.from_local(whole.contiguous(), mesh, _C.Layout.replicate(mesh.mesh, list(whole.shape)))
 
 
 def _to_local(dt: torch.Tensor) -> torch.Tensor:
@@ -309,18 +309,13 @@ def _full_tensor(dt: torch.Tensor) -> torch.Tensor:
 def _local_as_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """to_local's gradient: this rank's local gradient in `like`'s layout, Partial axes Replicate
     (as hypershard's eager to_local)."""
-    layout = _without_partial(_C.layout_of(like))
-    return _C.wrap_local(local, _C.device_mesh_of(like), layout, _contiguous_strides(layout.global_shape), 0)
+    return _C.from_local(local, _C.device_mesh_of(like), _without_partial(_C.layout_of(like)))
 
 
 def _whole_as_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """full_tensor's gradient: the whole gradient (every rank's the same) cut to `like`'s layout,
     Partial axes Replicate (a local chunk, no communication), as eagerly."""
-    layout = _C.layout_of(like)
-    replicated = _C.Layout.replicate(layout.mesh, layout.global_shape)
-    whole = whole.contiguous()
-    dt = _C.wrap_local(whole, _C.device_mesh_of(like), replicated, _contiguous_strides(layout.global_shape), 0)
-    return _C.traced_redistribute(dt, _without_partial(layout))
+    return _C.traced_redistribute(_as_replicate(whole, _C.device_mesh_of(like)), _without_partial(_C.layout_of(like)))
 
 
 def _redistribute_to(dt: torch.Tensor, names: list) -> torch.Tensor:
@@ -341,16 +336,7 @@ def _view_keeping_shards(op_name: str) -> Callable:
 
     def view(dt: torch.Tensor, size: Any) -> torch.Tensor:
         layout = _C.layout_of(dt)
-        shape = [int(s) for s in size]
-        if -1 in shape:
-            known = 1
-            for s in shape:
-                known *= s if s != -1 else 1
-            total = 1
-            for s in layout.global_shape:
-                total *= s
-            shape[shape.index(-1)] = total // known if known else 0
-        source = _C.view_source_layout(layout, shape)
+        source = _C.view_source_layout(layout, [int(s) for s in size])
         if source != layout:
             dt = _C.traced_redistribute(dt, source)
         return _C.traced_call(op_name, "", dt, size)
@@ -438,9 +424,7 @@ def _plain_tangent_as_traced(self: torch.Tensor, expected: Any, expected_type: A
     (a local chunk, no communication). Other expected types keep torch's error (None)."""
     if expected_type is not TracedDTensor or not isinstance(expected, _Spec):
         return None
-    replicated = _C.Layout.replicate(expected.layout.mesh, list(self.shape))
-    whole = _C.wrap_local(self.contiguous(), expected.mesh, replicated, list(self.contiguous().stride()), 0)
-    return _from_hypershard(_C.redistribute(whole, expected.layout))
+    return _from_hypershard(_C.redistribute(_as_replicate(self, expected.mesh), expected.layout))
 
 
 # torch.Tensor has no such hook; this one answers only for TracedDTensor tangents.
@@ -538,10 +522,11 @@ def _record_redistribute() -> None:
         try:
             values = [python_value(tx, a) for a in args]
             keywords = {k: python_value(tx, v) for k, v in kwargs.items()}
-        except NotImplementedError:
-            values, keywords = None, None
-        placements = keywords.get("placements", values[1] if len(values) > 1 else None) if values is not None else None
-        if values is None or set(keywords) - {"device_mesh", "placements"} or _placement_names(placements) is None:
+            traced = self.proxy.node.meta["example_value"]  # the fake TracedDTensor: its spec is real
+            traceable = _traced_placements(traced, *values, **keywords) is not None
+        except (NotImplementedError, TypeError):  # no constant value; not redistribute's arguments
+            traceable = False
+        if not traceable:
             unimplemented(
                 gb_type="hypershard DTensor redistribute",
                 context=f"redistribute({args}, {kwargs})",

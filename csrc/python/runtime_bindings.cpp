@@ -1,6 +1,7 @@
 // hypershard._C runtime bindings: DeviceMesh, DTensor construction and inspection,
 // redistribution, dispatch statistics. Bindings only, no logic.
 #include <torch/csrc/utils/pybind.h>
+#include <ATen/InferSize.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/python.h>
 
@@ -205,11 +206,11 @@ void bind_runtime(py::module_& m) {
   m.def(
       "view_source_layout",
       [](const layout::Layout& layout, const std::vector<int64_t>& shape) {
-        return *ops::plan_view(layout, shape).input;
+        return *ops::plan_view(layout, at::infer_size(shape, layout::numel(layout.global_shape()))).input;
       },
       py::arg("layout"), py::arg("shape"),
-      "The layout `layout` must take so that viewing it as `shape` keeps every shard a whole block "
-      "(itself when it already does): reshape's redistribution.");
+      "The layout `layout` must take so that viewing it as `shape` (one size may be -1) keeps every "
+      "shard a whole block (itself when it already does): reshape's redistribution.");
   m.def(
       "traced_redistribute",
       [](const at::Tensor& t, const layout::Layout& layout) {

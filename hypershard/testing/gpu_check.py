@@ -127,14 +127,14 @@ def _phase_command(name: str, args) -> list:
     return command
 
 
-def _run_phase(name: str, args, limit, precision=None) -> dict:
-    """The phase `name` (one row of the model or attention phase with `precision`) in a subprocess, with its
+def _run_phase(name: str, args, limit, row=None) -> dict:
+    """The phase `name` (with `row`, one row of the model or attention phase) in a subprocess, with its
     output in DIR/<key>.log; its JSON, or an error with the log's faulthandler stack or tail.
 
     A phase started by the driver gets its own process group, killed whole at `limit` (seconds);
     the model phase's rows run in the phase's group (`limit` None), so that kill reaches them."""
-    key = name if precision is None else f"{name}-{precision}"
-    command = _phase_command(name, args) + ([] if precision is None else ["--precision", str(precision)])
+    key = name if row is None else f"{name}-{row}"
+    command = _phase_command(name, args) + ([] if row is None else ["--row", str(row)])
     start = time.monotonic()
     log_path = os.path.join(args.out, f"{key}.log")
     with open(log_path, "w") as log:
@@ -740,12 +740,12 @@ def _train_one_precision(args, index: int) -> dict:
 
 
 def _run_rows(args, phase: str, labels: list, label: str, container: str, what: str) -> dict:
-    """Each row of `phase` in its own process (`--precision i`): a row that dies (a segfault in
+    """Each row of `phase` in its own process (`--row i`): a row that dies (a segfault in
     bfloat16 on the H200 took the float32 result with it) leaves the others' results and its own
     stack. The phase's JSON is rewritten after each row."""
     rows = []
     for index, name in enumerate(labels):
-        rows.append({label: name, **_run_phase(phase, args, None, precision=index)})
+        rows.append({label: name, **_run_phase(phase, args, None, row=index)})
         _write(args, phase, {"status": "partial", container: rows, "summary": f"stopped after {name}"})
     bad = [row[label] for row in rows if row["status"] != "passed"]
     return {
@@ -756,8 +756,8 @@ def _run_rows(args, phase: str, labels: list, label: str, container: str, what: 
 
 
 def phase_model(args) -> dict:
-    if args.precision is not None:
-        return _train_one_precision(args, args.precision)
+    if args.row is not None:
+        return _train_one_precision(args, args.row)
     precisions = [precision for precision, *_ in MODEL_PRECISIONS]
     return _run_rows(args, "model", precisions, "precision", "runs", "precisions train as without hypershard")
 
@@ -765,12 +765,12 @@ def phase_model(args) -> dict:
 def phase_attention(args) -> dict:
     from hypershard.testing.gpu_attention import ROWS, describe, run_row
 
-    if args.precision is not None:
+    if args.row is not None:
         device = _one_rank_group(args)
         try:
-            return run_row(args.precision, device)
+            return run_row(args.row, device)
         except Exception as exc:  # noqa: BLE001 -- recorded in the report
-            return {"row": describe(args.precision), "status": "error", "error": f"{type(exc).__name__}: {exc}"[:600]}
+            return {"row": describe(args.row), "status": "error", "error": f"{type(exc).__name__}: {exc}"[:600]}
     labels = [describe(index) for index in range(len(ROWS))]
     return _run_rows(args, "attention", labels, "row", "rows", "fused attention calls match plain torch")
 
@@ -798,7 +798,7 @@ def main(argv=None) -> int:
         "--budget", type=float, default=None, help=f"seconds for the whole run (default {BUDGET_S}; none in a dry run)"
     )
     parser.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
-    parser.add_argument("--precision", type=int, default=None, help=argparse.SUPPRESS)  # model/attention: a row
+    parser.add_argument("--row", type=int, default=None, help=argparse.SUPPRESS)  # one row of model / attention
     args = parser.parse_args(argv)
     args.out = os.path.abspath(args.out)
     if args.phase is None:
@@ -806,7 +806,7 @@ def main(argv=None) -> int:
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
     result = PHASES[args.phase](args)
-    _write(args, args.phase if args.precision is None else f"{args.phase}-{args.precision}", result)
+    _write(args, args.phase if args.row is None else f"{args.phase}-{args.row}", result)
     return 0
 
 
