@@ -632,36 +632,68 @@ def compile(target: Any, **compile_kwargs: Any) -> Any:
                 "(context parallelism with load balancing), but a compiled forward gets transformers' "
                 "causal mask built from natural positions; allowed: parallelize(..., cp_load_balance=False)"
             )
-    forward = type(model).forward.__get__(model)
+    blocks = _compiled_modules(model)
+    for module in blocks:
+        _compile_forward(module, compile_kwargs)
+    if model not in blocks:  # its forward runs eagerly, around the compiled blocks
+        model.forward = _without_training_cache(type(model).forward.__get__(model), model)
+    model._hypershard_compiled = dict(compile_kwargs)
+    return model
+
+
+def _fully_shard_groups(model: torch.nn.Module) -> list:
+    return [m for m in model.modules() if hasattr(m, "_hs_fully_shard")]
+
+
+def _compiled_modules(model: torch.nn.Module) -> list:
+    """The modules whose forward is compiled: the model itself; with fully_shard, every group that
+    holds no other group (the blocks). A group's gather and reduce-scatter are its hooks around its
+    forward, which run eagerly (as the model's own hooks do), so each block's gathered parameters
+    enter its compiled forward like any parameter, and the groups' memory behaviour and prefetch
+    stay eager's. Code outside the blocks (the root's embedding, final norm, head, loss) runs
+    eagerly: compiling the root would trace the blocks' hooks, whose collectives are not graph
+    ops."""
+    groups = _fully_shard_groups(model)
+    if not groups:
+        return [model]
+    return [g for g in groups if not any(s is not g and hasattr(s, "_hs_fully_shard") for s in g.modules())]
+
+
+def _compile_forward(module: torch.nn.Module, compile_kwargs: dict) -> None:
+    """Replaces `module.forward` by one that runs it compiled, with the module's DTensor parameters
+    and buffers (as they are at the call: a fully_shard group's gathered ones) and its DTensor
+    arguments traced. (A model's blocks of one class share one program: level0
+    qwen3_fully_shard_dp2_aot_eager counts one forward and one backward graph for two blocks.)"""
+    forward = type(module).forward.__get__(module)
     compiled = torch.compile(forward, **compile_kwargs)
-    states = [t for m in model.modules() for t in (*m._parameters.values(), *m._buffers.values())]
-    parameters_run_eagerly = _runs_eagerly(states)
-    if parameters_run_eagerly:
-        warnings.warn(
-            "hypershard: compile: a parameter or buffer of this model has an empty shard on some rank "
-            "(a dim smaller than its shard count), so its forward runs eagerly, uncompiled",
-            stacklevel=2,
-        )
-    takes_use_cache = "use_cache" in inspect.signature(forward).parameters
+    warned = []
 
     @functools.wraps(forward)
     def traced_forward(*args: Any, **kwargs: Any) -> Any:
-        if takes_use_cache and model.training:
-            # A training forward needs no cache, and a cache object (not a pytree) would hand its
-            # traced tensors to the caller.
-            kwargs.setdefault("use_cache", False)
-        if parameters_run_eagerly or _runs_eagerly((args, kwargs)):
+        tables = [table for m in module.modules() for table in (m._parameters, m._buffers)]
+        states = [v for table in tables for v in table.values() if isinstance(v, torch.Tensor) and _C.is_dtensor(v)]
+        if _runs_eagerly(states):
+            if not warned:
+                warned.append(True)
+                warnings.warn(
+                    f"hypershard: compile: a parameter or buffer of {type(module).__name__} has an empty shard on "
+                    "some rank (a dim smaller than its shard count), so its forward runs eagerly, uncompiled",
+                    stacklevel=2,
+                )
+            return forward(*args, **kwargs)
+        if _runs_eagerly((args, kwargs)) or kwargs.get("past_key_values") is not None:
+            # (a block handed a cache object, evaluating with one: the cache, not a pytree, would
+            # keep the traced tensors it is given)
             return forward(*args, **kwargs)
         _prepare_tracing()
         swapped, traced = [], {}  # a tied parameter gets one TracedDTensor
-        for module in model.modules():
-            for table in (module._parameters, module._buffers):
-                for name, value in table.items():
-                    if isinstance(value, torch.Tensor) and _C.is_dtensor(value):
-                        swapped.append((table, name, value))
-                        if id(value) not in traced:
-                            traced[id(value)] = to_traced(value)
-                        table[name] = traced[id(value)]
+        for table in tables:
+            for name, value in table.items():
+                if isinstance(value, torch.Tensor) and _C.is_dtensor(value):
+                    swapped.append((table, name, value))
+                    if id(value) not in traced:
+                        traced[id(value)] = to_traced(value)
+                    table[name] = traced[id(value)]
         try:
             args, kwargs = pytree.tree_map(to_traced, (args, kwargs))
             out = compiled(*args, **kwargs)
@@ -670,6 +702,19 @@ def compile(target: Any, **compile_kwargs: Any) -> Any:
                 table[name] = value
         return pytree.tree_map(from_traced, out)
 
-    model.forward = traced_forward
-    model._hypershard_compiled = dict(compile_kwargs)
-    return model
+    module.forward = _without_training_cache(traced_forward, module)
+
+
+def _without_training_cache(forward: Callable, module: torch.nn.Module) -> Callable:
+    """`forward` with use_cache=False by default while training: a training forward needs no cache,
+    and a cache object (not a pytree) would hand the traced tensors it keeps to the caller."""
+    if "use_cache" not in inspect.signature(forward).parameters:
+        return forward
+
+    @functools.wraps(forward)
+    def training_forward(*args: Any, **kwargs: Any) -> Any:
+        if module.training:
+            kwargs.setdefault("use_cache", False)
+        return forward(*args, **kwargs)
+
+    return training_forward

@@ -9,7 +9,10 @@ in the same processes, interleaved step by step so that both see the same machin
   model (same seed); its first call traces and compiles (reported as compile seconds);
 - compiled, waits moved: the same with inductor's compute/communication reordering (WAITS_MOVED:
   its scheduler issues each functional collective early and moves its wait to the first use of
-  the result, so gloo's thread communicates while the compute between them runs).
+  the result, so gloo's thread communicates while the compute between them runs);
+- fully_shard, eager and compiled: the same model with each decoder layer and then the root
+  `fully_shard`ed over dp (on top of tp); compiled, each layer's forward is one program and the
+  groups' gathers and reduce-scatters stay eager hooks around it.
 
 Timed per step, median over the timed steps on rank 0: forward + backward (`model(...).loss`,
 `loss.backward()`, gradient sums included), then the AdamW step (eager in both). The losses of
@@ -53,9 +56,13 @@ def _worker(rank: int, world: int, settings: dict) -> dict:
     steps = settings["warmup"] + settings["timed"]
     batches = make_batches(config.vocab_size, steps, batch=BATCH, seq=SEQ)
 
-    def build(compiled: bool, options=None):
+    def build(compiled: bool, options=None, sharded=False):
         torch.manual_seed(0)
         model = parallelize(tiny_model(config), mesh)
+        if sharded:
+            for layer in model.model.layers:
+                hs.fully_shard(layer, mesh)
+            hs.fully_shard(model, mesh)
         if compiled:
             hs.compile(model, backend="inductor", fullgraph=True, options=options)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -64,10 +71,12 @@ def _worker(rank: int, world: int, settings: dict) -> dict:
         "eager": build(False),
         "compiled": build(True),
         "reordered": build(True, WAITS_MOVED),
+        "fsdp_eager": build(False, sharded=True),
+        "fsdp_compiled": build(True, sharded=True),
     }
     times = {name: [] for name in runs}
     losses = {name: [] for name in runs}
-    compile_s = None
+    compile_s = {}
     for step, (ids, labels) in enumerate(batches):
         for name, (model, optimizer) in runs.items():
             torch.distributed.barrier()
@@ -78,8 +87,8 @@ def _worker(rank: int, world: int, settings: dict) -> dict:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses[name].append(loss.full_tensor().item())
-            if name == "compiled" and step == 0:
-                compile_s = elapsed
+            if step == 0:
+                compile_s[name] = elapsed
             if step >= settings["warmup"]:
                 times[name].append(elapsed)
     return {
@@ -87,7 +96,7 @@ def _worker(rank: int, world: int, settings: dict) -> dict:
         "fwd_bwd_min_s": {name: min(t) for name, t in times.items()},
         "compile_s": compile_s,
         "max_loss_diff": max(
-            abs(a - b) for name in ("compiled", "reordered") for a, b in zip(losses["eager"], losses[name])
+            abs(a - b) for name in runs if name != "eager" for a, b in zip(losses["eager"], losses[name])
         ),
         "steps": steps,
     }
@@ -122,9 +131,20 @@ def compiled_lines(result) -> list:
             f"| hs.compile, waits moved (inductor's comm reordering) | {reordered:.4f} | "
             f"{result['fwd_bwd_min_s']['reordered']:.4f} | {reordered / eager:.2f} |"
         )
+    if "fsdp_eager" in result["fwd_bwd_s"]:
+        fsdp_eager, fsdp_compiled = result["fwd_bwd_s"]["fsdp_eager"], result["fwd_bwd_s"]["fsdp_compiled"]
+        lines += [
+            f"| fully_shard (layers + root over dp), eager | {fsdp_eager:.4f} | "
+            f"{result['fwd_bwd_min_s']['fsdp_eager']:.4f} | {fsdp_eager / eager:.2f} |",
+            f"| fully_shard, hs.compile (each layer's forward; gathers eager) | {fsdp_compiled:.4f} | "
+            f"{result['fwd_bwd_min_s']['fsdp_compiled']:.4f} | {fsdp_compiled / eager:.2f} "
+            f"({fsdp_compiled / fsdp_eager:.2f} of fully_shard eager) |",
+        ]
+    compile_s = result["compile_s"]
+    firsts = ", ".join(f"{name} {compile_s[name]:.1f} s" for name in ("compiled", "fsdp_compiled") if name in compile_s)
     lines += [
         "",
-        f"First compiled call (trace + compile): {result['compile_s']:.1f} s. "
+        f"First call (trace + compile): {firsts}. "
         f"Largest loss difference over the steps: {result['max_loss_diff']:.2e}.",
     ]
     return lines + [""]

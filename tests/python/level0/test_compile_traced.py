@@ -109,7 +109,7 @@ def traced(fn, backend, collectives=None, local_as=None):
         want = fn(*inputs)
         check_against_eager(got, want, list(inputs), lambda g, w, what: _assert_close(g, w, tolerance, what))
         if collectives is not None:
-            assert counter.collectives[:2] == list(collectives), (counter.collectives, collectives)
+            assert counter.collectives == list(collectives), (counter.collectives, collectives)
         return got if local_as is None else hs.DTensor.from_local(got, inputs[0].device_mesh, local_as)
 
     return run
@@ -348,19 +348,32 @@ def qwen3_5_moe_step(ids):
     return _train_once(_qwen3_5_moe(), ids)
 
 
-def qwen3_traced(backend, collectives=None, build=_qwen3, fullgraph=True, **parallelize_kwargs):
-    """dist_fn: the model `build` makes, parallelized on the mesh, trained once eagerly and once
-    through hs.compile (fullgraph=True unless said); the two losses and all gradients compared
-    (module docstring)."""
+def _blocks_fully_sharded(model, mesh):
+    """fully_shard per decoder layer, then the root (the usual FSDP wrapping)."""
+    for layer in model.model.layers:
+        hs.fully_shard(layer, mesh)
+    return hs.fully_shard(model, mesh)
+
+
+def qwen3_traced(backend, collectives=None, build=_qwen3, fullgraph=True, shard=None, **parallelize_kwargs):
+    """dist_fn: the model `build` makes, parallelized on the mesh (then `shard(model, mesh)`, if
+    given), trained once eagerly and once through hs.compile (fullgraph=True unless said); the two
+    losses and all gradients compared (module docstring). With aot_eager, `collectives` are the
+    forward and backward graphs' counts, and the only graphs."""
 
     def run(ids):
         import torch._dynamo
 
         torch._dynamo.reset()
         mesh, ids = ids.device_mesh, ids.full_tensor()  # plain: parallelize's input hook lays it out
-        want = _train_once(hs.parallelize(build(), mesh, **parallelize_kwargs), ids)
+
+        def parallelized():
+            model = hs.parallelize(build(), mesh, **parallelize_kwargs)
+            return shard(model, mesh) if shard is not None else model
+
+        want = _train_once(parallelized(), ids)
         counter = GraphCounter()
-        model = hs.parallelize(build(), mesh, **parallelize_kwargs)
+        model = parallelized()
         hs.compile(model, backend=counter.backend() if backend == "aot_eager" else backend, fullgraph=fullgraph)
         got = _train_once(model, ids)
         names = ["loss"] + [name for name, _ in model.named_parameters()]
@@ -380,7 +393,7 @@ def qwen3_traced(backend, collectives=None, build=_qwen3, fullgraph=True, **para
             exact = backend != "inductor" and (index == 0 or backend == "eager")
             _assert_close(g, w, EXACT if exact else FLOAT32, name)
         if collectives is not None:
-            assert counter.collectives[:2] == list(collectives), (counter.collectives, collectives)
+            assert counter.collectives == list(collectives), (counter.collectives, collectives)
         if backend == "aot_eager":
             assert counter.collectives, "nothing was compiled"
         return got
@@ -437,6 +450,16 @@ def model_cases():
             mesh=TP2,
             check_grad=False,
             dist_fn=qwen3_traced("inductor", build=_qwen3_5_moe),
+        ),
+        # fully_shard per block: each block's forward compiled (one program the blocks share:
+        # one forward and one backward graph), its gather and reduce-scatter eager hooks around it
+        Case(
+            "qwen3_fully_shard_dp2_aot_eager",
+            fn=qwen3_step,
+            inputs=ids,
+            mesh=((2,), ("dp",)),
+            check_grad=False,
+            dist_fn=qwen3_traced("aot_eager", (0, 0), shard=_blocks_fully_sharded),
         ),
         Case(
             "qwen3_tp2_aot_eager",
