@@ -618,7 +618,7 @@ def compile(target: Any, **compile_kwargs: Any) -> Any:
             args, kwargs = pytree.tree_map(to_traced, (args, kwargs))
             return pytree.tree_map(from_traced, compiled_fn(*args, **kwargs))
 
-        return traced_call
+        return _outside_dynamo(traced_call)
 
     model = target
     if getattr(model, "_hypershard_compiled", None) == compile_kwargs:
@@ -636,7 +636,7 @@ def compile(target: Any, **compile_kwargs: Any) -> Any:
     for module in blocks:
         _compile_forward(module, compile_kwargs)
     if model not in blocks:  # its forward runs eagerly, around the compiled blocks
-        model.forward = _without_training_cache(type(model).forward.__get__(model), model)
+        model.forward = _outside_dynamo(_without_training_cache(type(model).forward.__get__(model), model))
     model._hypershard_compiled = dict(compile_kwargs)
     return model
 
@@ -702,7 +702,15 @@ def _compile_forward(module: torch.nn.Module, compile_kwargs: dict) -> None:
                 table[name] = value
         return pytree.tree_map(from_traced, out)
 
-    module.forward = _without_training_cache(traced_forward, module)
+    module.forward = _outside_dynamo(_without_training_cache(traced_forward, module))
+
+
+def _outside_dynamo(fn: Callable) -> Callable:
+    """`fn`, which a torch.compile around it runs as it is (a graph break there) instead of tracing
+    it. A plain HF Trainer(torch_compile=True) calls torch.compile(model) on a model hs.compile made:
+    traced, the wrappers' conversions crashed Dynamo; run as they are, each runs the program
+    hs.compile made for it."""
+    return torch._dynamo.disable(fn)
 
 
 def _without_training_cache(forward: Callable, module: torch.nn.Module) -> Callable:

@@ -355,9 +355,12 @@ def _blocks_fully_sharded(model, mesh):
     return hs.fully_shard(model, mesh)
 
 
-def qwen3_traced(backend, collectives=None, build=_qwen3, fullgraph=True, shard=None, **parallelize_kwargs):
+def qwen3_traced(
+    backend, collectives=None, build=_qwen3, fullgraph=True, shard=None, compiled_again=False, **parallelize_kwargs
+):
     """dist_fn: the model `build` makes, parallelized on the mesh (then `shard(model, mesh)`, if
-    given), trained once eagerly and once through hs.compile (fullgraph=True unless said); the two
+    given), trained once eagerly and once through hs.compile (fullgraph=True unless said; with
+    `compiled_again`, then torch.compile'd as accelerate does for HF's torch_compile=True); the two
     losses and all gradients compared (module docstring). With aot_eager, `collectives` are the
     forward and backward graphs' counts, and the only graphs."""
 
@@ -375,7 +378,7 @@ def qwen3_traced(backend, collectives=None, build=_qwen3, fullgraph=True, shard=
         counter = GraphCounter()
         model = parallelized()
         hs.compile(model, backend=counter.backend() if backend == "aot_eager" else backend, fullgraph=fullgraph)
-        got = _train_once(model, ids)
+        got = _train_once(torch.compile(model) if compiled_again else model, ids)
         names = ["loss"] + [name for name, _ in model.named_parameters()]
         for index, (name, g, w) in enumerate(zip(names, got, want)):
             if w is None:  # a parameter this batch does not reach (a VLM's vision tower on text)
@@ -460,6 +463,17 @@ def model_cases():
             mesh=((2,), ("dp",)),
             check_grad=False,
             dist_fn=qwen3_traced("aot_eager", (0, 0), shard=_blocks_fully_sharded),
+        ),
+        # torch.compile of a model hs.compile made (a plain HF Trainer(torch_compile=True) does it):
+        # the outer Dynamo runs hs.compile's forward as it is, so its program runs (its graphs,
+        # counted), not the floor's, and no crash
+        Case(
+            "qwen3_tp2_compiled_again",
+            fn=qwen3_step,
+            inputs=ids,
+            mesh=TP2,
+            check_grad=False,
+            dist_fn=qwen3_traced("aot_eager", (5, 4), compiled_again=True),
         ),
         Case(
             "qwen3_tp2_aot_eager",
