@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 
 from . import _C
 from .dtensor import distribute_tensor
+from .traced import TracedDTensor
 
 __all__ = ["FullyShardedModule", "MixedPrecisionPolicy", "fully_shard"]
 
@@ -160,6 +161,15 @@ class _Group:
                 owner._parameters[name] = tensor
 
     def pre_forward(self, module, args, kwargs):
+        owner, name = self.entries[0][0]
+        if isinstance(owner._parameters[name], TracedDTensor):
+            # hypershard.compile swapped this group's parameters for traced ones: it compiled a
+            # module around this group before the group was made, and would trace these hooks
+            raise _error(
+                f"{type(module).__name__}'s gather runs inside a program hypershard.compile made before "
+                "fully_shard was applied; allowed: fully_shard first, then hypershard.compile (it then "
+                "compiles each block and keeps the groups' hooks eager)"
+            )
         context = self.context
         if not context.recorded and self not in context.order:
             context.order.append(self)

@@ -404,6 +404,13 @@ def qwen3_traced(
     return run
 
 
+def _fully_shard_after_compile(ids):
+    mesh = ids.device_mesh
+    model = hs.compile(hs.parallelize(_qwen3(), mesh), backend="aot_eager")
+    _blocks_fully_sharded(model, mesh)
+    return _train_once(model, ids.full_tensor())
+
+
 def _compile_head_tail(ids):
     return hs.compile(hs.parallelize(_qwen3(), ids.device_mesh), backend="aot_eager")
 
@@ -467,6 +474,14 @@ def model_cases():
         # torch.compile of a model hs.compile made (a plain HF Trainer(torch_compile=True) does it):
         # the outer Dynamo runs hs.compile's forward as it is, so its program runs (its graphs,
         # counted), not the floor's, and no crash
+        Case(
+            "qwen3_fully_shard_after_compile_refused",
+            fn=qwen3_step,
+            inputs=ids,
+            mesh=((2,), ("dp",)),
+            dist_fn=_fully_shard_after_compile,
+            expect_error="allowed: fully_shard first, then hypershard.compile",
+        ),
         Case(
             "qwen3_tp2_compiled_again",
             fn=qwen3_step,
