@@ -666,15 +666,16 @@ def _compile_forward(module: torch.nn.Module, compile_kwargs: dict) -> None:
     qwen3_fully_shard_dp2_aot_eager counts one forward and one backward graph for two blocks.)"""
     forward = type(module).forward.__get__(module)
     compiled = torch.compile(forward, **compile_kwargs)
-    warned = []
+    warned = False
 
     @functools.wraps(forward)
     def traced_forward(*args: Any, **kwargs: Any) -> Any:
+        nonlocal warned
         tables = [table for m in module.modules() for table in (m._parameters, m._buffers)]
         states = [v for table in tables for v in table.values() if isinstance(v, torch.Tensor) and _C.is_dtensor(v)]
         if _runs_eagerly(states):
             if not warned:
-                warned.append(True)
+                warned = True
                 warnings.warn(
                     f"hypershard: compile: a parameter or buffer of {type(module).__name__} has an empty shard on "
                     "some rank (a dim smaller than its shard count), so its forward runs eagerly, uncompiled",

@@ -411,6 +411,25 @@ def _fully_shard_after_compile(ids):
     return _train_once(model, ids.full_tensor())
 
 
+def _linear_with_empty_weight_shard(x, w):
+    """A module whose weight (one row over 2 ranks) has an empty shard on rank 1: its compiled
+    forward runs eagerly on every rank, with one warning, and makes no graph."""
+    import warnings
+
+    torch._dynamo.reset()
+    module = torch.nn.Linear(8, 1, bias=False)
+    module.weight = torch.nn.Parameter(w.detach())
+    counter = GraphCounter()
+    hs.compile(module, backend=counter.backend(), fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = module(x)
+    assert [str(w.message) for w in caught if "empty shard" in str(w.message)], [str(w.message) for w in caught]
+    assert counter.collectives == [], counter.collectives
+    _assert_close(got, F.linear(x, w), EXACT, "output")
+    return got
+
+
 def _compile_head_tail(ids):
     return hs.compile(hs.parallelize(_qwen3(), ids.device_mesh), backend="aot_eager")
 
@@ -474,6 +493,14 @@ def model_cases():
         # torch.compile of a model hs.compile made (a plain HF Trainer(torch_compile=True) does it):
         # the outer Dynamo runs hs.compile's forward as it is, so its program runs (its graphs,
         # counted), not the floor's, and no crash
+        Case(
+            "parameter_empty_shard_runs_eagerly",
+            fn=F.linear,
+            inputs=[Input((3, 8), placements=["R"]), Input((1, 8), placements=["S(0)"])],
+            mesh=TP2,
+            check_grad=False,
+            dist_fn=_linear_with_empty_weight_shard,
+        ),
         Case(
             "qwen3_fully_shard_after_compile_refused",
             fn=qwen3_step,
