@@ -397,7 +397,14 @@ class _ToTraced(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _hypershard_of(grad) if isinstance(grad, TracedDTensor) else grad
+        if isinstance(grad, TracedDTensor):
+            return _hypershard_of(grad)
+        if grad is not None and not grad.any():
+            # AOTAutograd's plain zeros for a DTensor input its graph gives no gradient (DeepSeek-V3.2's
+            # indexer only feeds a top-k's indices): no gradient, as eagerly. A zero .grad would differ
+            # (AdamW decays a parameter that has one) and a fully_shard group cannot reduce a plain one.
+            return None
+        return grad
 
 
 class _FromTraced(torch.autograd.Function):
