@@ -130,40 +130,28 @@ def test_qwen3_dp2_tp2_equals_llamafactory_and_exports_hf(work, qwen3_reference,
             assert float((p - p_ref).norm()) <= 1e-2 * moved + STEPS * 2 ** -24 * float(p_ref.norm()), name
 
 
-def test_qwen3_dp2_tp2_torch_compile_equals_llamafactory(work, qwen3_reference):
+@pytest.mark.parametrize("fully_shard", [False, True], ids=["tp", "fully_shard"])
+def test_qwen3_dp2_tp2_torch_compile_equals_llamafactory(work, qwen3_reference, fully_shard):
     """HF Trainer's torch_compile=True (its default backend, inductor) on dp2 x tp2: the trainer's
     accelerator compiles the model through hypershard.compile (the local program with its
     collectives, docs/compile.md), not torch.compile's graph-break floor, and the training and eval
-    losses equal LlamaFactory's single uncompiled process within LOSS_RTOL. Default mode, as
-    qwen3_dp2_tp2: strict mode stops this YAML, compiled or not, at `view` of a dp-sharded [1, 64]
-    batch as [64] (a view that cuts a shard), which default mode redistributes first."""
-    result, out = run(work, "qwen3_compiled", "qwen3", nproc=4, hp={"tp_size": 2},
+    losses equal LlamaFactory's single uncompiled process within LOSS_RTOL. With fully_shard (every
+    decoder layer and the root) each layer's forward is compiled and the groups' gathers and
+    reduce-scatters stay eager hooks around it, LlamaFactory's gradient checkpointing on. Default
+    mode, as qwen3_dp2_tp2: strict mode stops this YAML, compiled or not, at `view` of a dp-sharded
+    [1, 64] batch as [64] (a view that cuts a shard), which default mode redistributes first."""
+    what = "fully_shard dp2 x tp2" if fully_shard else "dp2 x tp2"
+    hp = {"tp_size": 2, "fully_shard": True} if fully_shard else {"tp_size": 2}
+    result, out = run(work, f"qwen3_compiled_{fully_shard}", "qwen3", nproc=4, hp=hp,
                       per_device_eval_batch_size=2, torch_compile=True, **dict(QWEN3, save_strategy="no"))
-    ok(result, "dp2 x tp2 run with torch_compile")
+    ok(result, f"{what} run with torch_compile")
     logs = result.stdout + result.stderr
     assert "compiles through hypershard.compile({'backend': 'inductor'})" in logs, logs[-3000:]
     assert "Dynamo cannot fake" not in logs, "a hypershard DTensor reached Dynamo untraced (the floor)"
     losses = read_losses(out)
     assert sorted(losses) == list(range(1, STEPS + 1))
-    assert_close(losses, read_losses(qwen3_reference), range(1, STEPS + 1), "compiled dp2 x tp2 vs LlamaFactory")
-    assert_close(read_eval_losses(out), read_eval_losses(qwen3_reference), [2, 4], "compiled dp2 x tp2 eval_loss")
-
-
-def test_qwen3_fully_shard_dp2_tp2_torch_compile_equals_llamafactory(work, qwen3_reference):
-    """torch_compile=True with fully_shard (every decoder layer and the root) on dp2 x tp2 and
-    LlamaFactory's gradient checkpointing: hypershard.compile compiles each layer's forward, the
-    groups' gathers and reduce-scatters stay eager hooks around it (docs/compile.md); the losses
-    equal LlamaFactory's single uncompiled process within LOSS_RTOL."""
-    result, out = run(work, "qwen3_fs_compiled", "qwen3", nproc=4, hp={"tp_size": 2, "fully_shard": True},
-                      per_device_eval_batch_size=2, torch_compile=True, **dict(QWEN3, save_strategy="no"))
-    ok(result, "fully_shard dp2 x tp2 run with torch_compile")
-    logs = result.stdout + result.stderr
-    assert "compiles through hypershard.compile({'backend': 'inductor'})" in logs, logs[-3000:]
-    assert "Dynamo cannot fake" not in logs, "a hypershard DTensor reached Dynamo untraced (the floor)"
-    losses = read_losses(out)
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    assert_close(losses, read_losses(qwen3_reference), range(1, STEPS + 1), "compiled fully_shard vs LlamaFactory")
-    assert_close(read_eval_losses(out), read_eval_losses(qwen3_reference), [2, 4], "compiled fully_shard eval_loss")
+    assert_close(losses, read_losses(qwen3_reference), range(1, STEPS + 1), f"compiled {what} vs LlamaFactory")
+    assert_close(read_eval_losses(out), read_eval_losses(qwen3_reference), [2, 4], f"compiled {what} eval_loss")
 
 
 def test_qwen3_killed_fully_shard_dp4_resumes_on_same_and_other_mesh(work, qwen3_reference, qwen3_dp2_tp2):
