@@ -449,6 +449,17 @@ def model_cases():
             check_grad=False,
             dist_fn=qwen3_traced("aot_eager", cp_load_balance=False),
         ),
+        # two sequences per rank: each projection's 3-D linear keeps the sequence shard (the
+        # batched product eager takes) instead of flattening (batch, sequence), which gathered the
+        # sequence (16 collectives forward, 23 backward before)
+        Case(
+            "qwen3_cp2_two_sequences_aot_eager",
+            fn=qwen3_step,
+            inputs=ids,
+            mesh=CP2,
+            check_grad=False,
+            dist_fn=qwen3_traced("aot_eager", (5, 8), cp_load_balance=False),
+        ),
         Case(
             "qwen3_cp2_head_tail_refused",
             fn=qwen3_step,
