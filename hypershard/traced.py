@@ -668,10 +668,6 @@ def compile(target: Any, **compile_kwargs: Any) -> Any:
     return model
 
 
-def _fully_shard_groups(model: torch.nn.Module) -> list:
-    return [m for m in model.modules() if hasattr(m, "_hs_fully_shard")]
-
-
 def _compiled_modules(model: torch.nn.Module) -> list:
     """The modules whose forward is compiled: the model itself; with fully_shard, every group that
     holds no other group (the blocks). A group's gather and reduce-scatter are its hooks around its
@@ -680,10 +676,12 @@ def _compiled_modules(model: torch.nn.Module) -> list:
     stay eager's. Code outside the blocks (the root's embedding, final norm, head, loss) runs
     eagerly: compiling the root would trace the blocks' hooks, whose collectives are not graph
     ops."""
-    groups = _fully_shard_groups(model)
+    from .fully_shard import _groups  # (fully_shard imports this module)
+
+    groups = _groups(model, recurse=True)
     if not groups:
         return [model]
-    return [g for g in groups if not any(s is not g and hasattr(s, "_hs_fully_shard") for s in g.modules())]
+    return [g.module for g in groups if len(_groups(g.module, recurse=True)) == 1]
 
 
 def _compile_forward(module: torch.nn.Module, compile_kwargs: dict) -> None:
@@ -698,9 +696,14 @@ def _compile_forward(module: torch.nn.Module, compile_kwargs: dict) -> None:
     @functools.wraps(forward)
     def traced_forward(*args: Any, **kwargs: Any) -> Any:
         nonlocal warned
-        tables = [table for m in module.modules() for table in (m._parameters, m._buffers)]
-        states = [v for table in tables for v in table.values() if isinstance(v, torch.Tensor) and _C.is_dtensor(v)]
-        if _runs_eagerly(states):
+        states = [  # the DTensor parameters and buffers, as the call finds them
+            (table, name, value)
+            for m in module.modules()
+            for table in (m._parameters, m._buffers)
+            for name, value in table.items()
+            if isinstance(value, torch.Tensor) and _C.is_dtensor(value)
+        ]
+        if _runs_eagerly([value for _, _, value in states]):
             if not warned:
                 warned = True
                 warnings.warn(
@@ -714,19 +717,16 @@ def _compile_forward(module: torch.nn.Module, compile_kwargs: dict) -> None:
             # keep the traced tensors it is given)
             return forward(*args, **kwargs)
         _prepare_tracing()
-        swapped, traced = [], {}  # a tied parameter gets one TracedDTensor
-        for table in tables:
-            for name, value in table.items():
-                if isinstance(value, torch.Tensor) and _C.is_dtensor(value):
-                    swapped.append((table, name, value))
-                    if id(value) not in traced:
-                        traced[id(value)] = to_traced(value)
-                    table[name] = traced[id(value)]
+        traced = {}  # a tied parameter gets one TracedDTensor
+        for table, name, value in states:
+            if id(value) not in traced:
+                traced[id(value)] = to_traced(value)
+            table[name] = traced[id(value)]
         try:
             args, kwargs = pytree.tree_map(to_traced, (args, kwargs))
             out = compiled(*args, **kwargs)
         finally:
-            for table, name, value in swapped:
+            for table, name, value in states:
                 table[name] = value
         return pytree.tree_map(from_traced, out)
 
