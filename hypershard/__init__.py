@@ -46,6 +46,7 @@ from ._C import (  # noqa: E402
     to_placements,
     to_tensor_map,
 )
+from .axes import MESH_AXES, declare_replica_axis  # noqa: E402
 from .dtensor import (  # noqa: E402
     DeviceMesh,
     DTensor,
@@ -89,10 +90,12 @@ __all__ = [
     "FullyShardedModule",
     "MixedPrecisionPolicy",
     "DeviceMesh",
+    "MESH_AXES",
     "Partial",
     "Replicate",
     "Shard",
     "debug_checks",
+    "declare_replica_axis",
     "distribute_tensor",
     "set_debug_checks",
     "init_device_mesh",

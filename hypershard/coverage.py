@@ -15,7 +15,7 @@ import json
 import sys
 import warnings
 
-from .launch import mesh_size, parse_mesh, spawn_local_ranks
+from .launch import mesh_argument, mesh_size, parse_mesh, spawn_local_ranks
 
 
 def parse_overrides(items: list) -> dict:
@@ -162,8 +162,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="qwen3", help="transformers model_type with a tiny config (default qwen3)")
     parser.add_argument(
         "--mesh",
-        type=parse_mesh,
-        default=parse_mesh("dp=2,tp=2"),
+        type=mesh_argument("coverage"),
+        default=mesh_argument("coverage")("dp=2,tp=2"),
         help="mesh axes and sizes, e.g. dp=2,tp=2 (tp uses the model's own TP plan)",
     )
     parser.add_argument("--config", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. intermediate_size=66")

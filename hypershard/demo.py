@@ -17,7 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from .launch import mesh_size, parse_mesh, spawn_local_ranks
+from .launch import mesh_argument, mesh_size, spawn_local_ranks
+
+# The demo's model is dense (no experts): it gives a meaning to data, tensor and context parallelism.
+DEMO_AXES = ("dp", "tp", "cp")
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
@@ -108,8 +111,8 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--mesh",
-        type=parse_mesh,
-        default=parse_mesh("dp=2,tp=2"),
+        type=mesh_argument("demo", DEMO_AXES),
+        default=mesh_argument("demo", DEMO_AXES)("dp=2,tp=2"),
         help="mesh axes and sizes (default dp=2,tp=2); tp uses the model's TP plan",
     )
     parser.add_argument("--steps", type=int, default=8, help="training steps (default 8)")

@@ -36,6 +36,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from . import _C
+from .axes import note_axes_used, warn_unused_axes_at_first_forward
 from .dtensor import distribute_tensor
 from .traced import TracedDTensor
 
@@ -334,4 +335,6 @@ def fully_shard(
     module.register_forward_pre_hook(group.pre_forward, with_kwargs=True, prepend=True)
     module.register_forward_hook(group.post_forward, with_kwargs=True, always_call=False)
     module.__class__ = _sharded_class(type(module))
+    note_axes_used(mesh, [dp_axis])
+    warn_unused_axes_at_first_forward(module, mesh, "fully_shard")
     return module

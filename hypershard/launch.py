@@ -16,10 +16,11 @@ import json
 import os
 import signal
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 STACK_DUMP_WAIT_S = 1.0  # how long the ranks get to write their stacks before the kill
 STACK_LINES = 12  # innermost frames of each thread shown per stuck rank
@@ -30,15 +31,38 @@ class RankTimeout(TimeoutError):
 
 
 def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """ "dp=2,tp=2" -> ((2, 2), ("dp", "tp"))."""
+    """ "dp=2,tp=2" -> ((2, 2), ("dp", "tp")). Checks the form only; `mesh_argument` also the names."""
     names, shape = [], []
     for item in text.split(","):
         name, _, size = item.partition("=")
-        if not size.isdigit() or not name:
-            raise argparse.ArgumentTypeError(f"mesh {text!r}: expected NAME=SIZE[,NAME=SIZE...], e.g. dp=2,tp=2")
+        if not size.strip().isdigit() or int(size) < 1 or not name.strip():
+            raise argparse.ArgumentTypeError(
+                f"mesh {text!r}: expected NAME=SIZE[,NAME=SIZE...] with sizes >= 1, e.g. dp=2,tp=2"
+            )
         names.append(name.strip())
         shape.append(int(size))
     return tuple(shape), tuple(names)
+
+
+def mesh_argument(tool: str, allowed: Optional[Iterable[str]] = None) -> Callable[[str], tuple]:
+    """An argparse `type` for --mesh that parses "dp=2,tp=2" and refuses, before any rank starts, an
+    axis name `tool` gives no meaning to (default: any outside hypershard.axes.MESH_AXES): one line
+    on stderr, exit status 2 -- not argparse's usage block, which buries the reason."""
+    from .axes import MeshAxisError, check_axis_names
+
+    def parse(text: str) -> tuple:
+        try:
+            shape, names = parse_mesh(text)
+            check_axis_names(tool, names, allowed)
+        except argparse.ArgumentTypeError as exc:
+            sys.stderr.write(f"hypershard: {tool}: {exc}\n")
+            raise SystemExit(2) from None
+        except MeshAxisError as exc:
+            sys.stderr.write(f"{exc}\n")
+            raise SystemExit(2) from None
+        return shape, names
+
+    return parse
 
 
 def mesh_size(shape) -> int:

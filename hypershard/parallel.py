@@ -82,12 +82,13 @@ import fnmatch
 import warnings
 from collections.abc import Mapping
 from types import MethodType
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from . import _C
+from .axes import note_axes_used, warn_unused_axes_at_first_forward
 from .context_parallel import (
     is_moe_block,
     natural_order_reason,
@@ -567,14 +568,17 @@ def _right_padding_dropped(mask: torch.Tensor, kwargs: dict, module) -> None:
         )
 
 
-def _shard_inputs(mesh, dp_axis: Optional[int], cp_axis: Optional[int] = None, head_tail: bool = True):
+def _shard_inputs(mesh, dp_axis, cp_axis: Optional[int] = None, head_tail: bool = True):
+    # dp_axis: None, a mesh axis index, or a list of them (HSDP: the batch split over both data-parallel axes)
+    dp_axes = [] if dp_axis is None else [dp_axis] if isinstance(dp_axis, int) else list(dp_axis)
+
     def distribute(t, batch: bool = True, sequence_dim: Optional[int] = None):
         if not isinstance(t, torch.Tensor) or _C.is_dtensor(t) or t.dim() == 0:
             return t
         placements: list = [Replicate()] * mesh.ndim
-        if dp_axis is not None and batch:
+        for axis in dp_axes if batch else ():
             # M-RoPE position ids are (3, batch, seq): their batch is dim 1
-            placements[dp_axis] = Shard(1 if sequence_dim == 2 and t.dim() == 3 and t.shape[0] == 3 else 0)
+            placements[axis] = Shard(1 if sequence_dim == 2 and t.dim() == 3 and t.shape[0] == 3 else 0)
         if cp_axis is not None and sequence_dim is not None:
             placements[cp_axis] = Shard(sequence_dim)
         return distribute_tensor(t, mesh, placements)
@@ -709,7 +713,7 @@ def parallelize(
     plan: Optional[Mapping[str, str]] = None,
     *,
     tp_axis: str = "tp",
-    dp_axis: str = "dp",
+    dp_axis: Union[str, Sequence[str]] = "dp",
     ep_axis: str = "ep",
     cp_axis: str = "cp",
     cp_algorithm: str = "all_gather_kv",
@@ -723,7 +727,9 @@ def parallelize(
     uses the model's own plan. `ep_plan` (None: the model's ``base_model_ep_plan``) is applied on
     `ep_axis` the same way. Axes named `tp_axis` / `dp_axis` / `ep_axis` that the mesh lacks are
     simply not used. With `shard_inputs`, tensor arguments of forward are sharded on dim 0 over
-    `dp_axis` (Replicate elsewhere); pass DTensors yourself for other layouts.
+    `dp_axis` (Replicate elsewhere); pass DTensors yourself for other layouts. `dp_axis` may be
+    several axis names (HSDP's replicate and shard axes): the batch is split over each of them,
+    the first one major.
 
     A mesh axis named `cp_axis` shards the sequence (context parallelism, docs/context_parallel.md):
     the mesh is declared load-balanced on it (sequences stored in head-tail order of 2 x its size
@@ -750,7 +756,9 @@ def parallelize(
     the module cannot take (see the module docstring), raises a ValueError naming the module."""
     names = list(mesh.mesh_dim_names)
     tp = names.index(tp_axis) if tp_axis in names else None
-    dp = names.index(dp_axis) if dp_axis in names else None
+    # a tuple of axis names (HSDP's replicate and shard axes): the batch is split over each of them
+    dp_axes = [a for a in ([dp_axis] if isinstance(dp_axis, str) else dp_axis) if a in names]
+    dp = names.index(dp_axes[-1]) if dp_axes else None
     ep = names.index(ep_axis) if ep_axis in names else None
     cp = names.index(cp_axis) if cp_axis in names else None
     if cp is not None and cp_algorithm not in CP_ALGORITHMS:
@@ -827,7 +835,14 @@ def parallelize(
             if is_moe_block(module):
                 tokens_in_rank_order(module)
     if shard_inputs:
-        model.register_forward_pre_hook(_shard_inputs(mesh, dp, cp, balanced), with_kwargs=True)
+        model.register_forward_pre_hook(
+            _shard_inputs(mesh, [names.index(a) for a in dp_axes], cp, balanced), with_kwargs=True
+        )
     if cp is not None:  # a loss that flattens (batch, sequence) needs one sequence per dp rank
         use_causal_lm_loss(model)
+    laid_out = {i for *_, placements in decided for i, p in enumerate(placements or ()) if isinstance(p, Shard)}
+    laid_out |= {axis for _, _, axis in hooks}
+    laid_out |= {cp}
+    note_axes_used(mesh, [names[axis] for axis in laid_out if axis is not None] + (dp_axes if shard_inputs else []))
+    warn_unused_axes_at_first_forward(model, mesh, "parallelize")
     return model

@@ -128,6 +128,24 @@ class TracedDTensor(torch.Tensor):
     def __tensor_flatten__(self):
         return ["_local"], self._spec
 
+    def _stable_hash_for_caching(self) -> str:
+        """AOTAutograd's cache key for this input, which torch asks traceable subclasses for (without
+        it torch warns on every compile and hashes the flattened parts itself): the spec's
+        cross-process key (layout, the mesh's process groups, this rank, this build) and the outer
+        and local tensors' metadata. Values are not part of it, as for a plain tensor input."""
+        local = self._local
+        payload = (
+            self._spec.key,
+            tuple(self.shape),
+            tuple(self.stride()),
+            str(self.dtype),
+            self.requires_grad,
+            tuple(local.shape),
+            tuple(local.stride()),
+            str(local.device),
+        )
+        return hashlib.blake2b(repr(payload).encode(), digest_size=16).hexdigest()
+
     @staticmethod
     def __tensor_unflatten__(inner: dict, spec: _Spec, outer_size, outer_stride):
         return TracedDTensor(inner["_local"], spec, outer_size, outer_stride)

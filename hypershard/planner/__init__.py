@@ -10,3 +10,6 @@
 - `run`: the planned step (`plan_step`) and the measured one (`measure_rank`);
 - `validate`: the two compared (``python -m hypershard.planner.validate``).
 """
+
+# The mesh axes the planner models (a subset of hypershard.axes.MESH_AXES); the CLIs refuse others.
+PLANNED_AXES = ("dp", "tp", "ep", "cp")

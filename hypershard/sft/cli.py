@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..launch import RankTimeout, mesh_size, parse_mesh, spawn_local_ranks
+from ..launch import RankTimeout, mesh_argument, mesh_size, spawn_local_ranks
 from .data import FORMATS, SFTError, check_batch_sizes, fail
 from .train import checkpoint_dir, dp_size, prepare_data, run_rank, schedule
 
@@ -34,13 +34,19 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mesh",
-        type=parse_mesh,
-        default=parse_mesh("dp=2,tp=2"),
+        type=mesh_argument("sft"),
+        default=mesh_argument("sft")("dp=2,tp=2"),
         help="mesh axes and sizes (default dp=2,tp=2): dp splits each micro-batch, tp uses the TP plan",
     )
     p.add_argument("--data", required=True, help="a JSON list or JSONL file of alpaca or sharegpt records")
     p.add_argument("--output", required=True, help="output folder: losses.json, loss_curve.png, checkpoints/, hf/")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --output")
+    p.add_argument(
+        "--auto-resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in --output when there is one, else start "
+        "(for torchrun --max-restarts: the restarted job resumes by itself; docs/faults.md)",
+    )
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the --model directory)")
     p.add_argument("--format", default="auto", choices=FORMATS, help="data format (default auto: detected)")
     p.add_argument("--cutoff-len", type=int, default=1024, help="tokens kept per example (default 1024)")
