@@ -75,6 +75,7 @@ from .loading import from_pretrained  # noqa: E402
 from .mixed_precision import mixed_precision  # noqa: E402
 from .parallel import parallelize  # noqa: E402
 from .placement_types import Partial, Replicate, Shard  # noqa: E402
+from .recompute import recompute  # noqa: E402
 from .traced import (
     TracedDTensor,  # noqa: E402
     compile,  # noqa: E402,A004  (hypershard.compile: the traced local program)
@@ -136,6 +137,7 @@ __all__ = [
     "placement",
     "placements",
     "plan_redistribute",
+    "recompute",
     "reduce_op_name",
     "step_kind_name",
     "to_alias",
