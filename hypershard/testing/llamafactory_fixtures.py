@@ -21,6 +21,7 @@ __all__ = [
     "write_run",
     "read_losses",
     "read_eval_losses",
+    "launch",
 ]
 
 # Qwen's: <|im_end|> ends a turn (LlamaFactory's qwen3 template makes it the eos), <|endoftext|> pads.
@@ -225,3 +226,19 @@ def read_losses(output_dir) -> dict:
         state = checkpoints[-1] / "trainer_state.json"
     history = json.loads(state.read_text())["log_history"]
     return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
+
+
+def launch(yaml_path, nproc: int, env: Optional[dict] = None, timeout: int = 300):
+    """LlamaFactory through hypershard's launcher: under torchrun (each line tagged with its rank by
+    --tee) for nproc > 1, one process otherwise. Each rank's watchdog (HYPERSHARD_LLAMAFACTORY_TIMEOUT)
+    fires after `timeout` s and names itself; the launch is killed 60 s later (subprocess.TimeoutExpired)."""
+    import os
+    import subprocess
+    import sys
+
+    head = [sys.executable]
+    if nproc > 1:
+        head += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "--tee=3"]
+    command = [*head, "-m", "hypershard.integrations.llamafactory", "train", str(yaml_path)]
+    full_env = {**os.environ, "HYPERSHARD_LLAMAFACTORY_TIMEOUT": str(timeout), "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout + 60, env=full_env)

@@ -29,31 +29,50 @@ _DTYPES = {
 }
 
 
+def _mesh_axes() -> tuple:
+    """The mesh axes hypershard gives a meaning to (hypershard.launch.MESH_AXES)."""
+    try:
+        from hypershard.launch import MESH_AXES
+    except ImportError:
+        try:  # where the list is defined
+            from hypershard.axes import MESH_AXES
+        except ImportError:  # a hypershard before the list existed
+            MESH_AXES = ("dp", "tp", "ep", "cp")
+    return tuple(MESH_AXES)
+
+
 class HyperParallelConfigError(ValueError):
     """A hyper_parallel_args file that cannot be honoured; the message names the key and what is allowed."""
 
 
 @dataclasses.dataclass
 class HyperParallelArguments:
-    """The strategy of one run. The mesh is (dp, ep, tp), row-major over the torchrun ranks, with
-    dp = world / (tp_size x ep_size) unless dp_size says it (then it must match).
+    """The strategy of one run. The mesh is (dp, cp, ep, tp), row-major over the torchrun ranks,
+    with dp = world / (cp_size x tp_size x ep_size) unless dp_size says it (then it must match).
 
     - ``tp_size``: tensor parallelism with the model's HF ``base_model_tp_plan`` (or ``tp_plan``);
     - ``ep_size``: expert parallelism with the model's ``base_model_ep_plan`` (or ``ep_plan``);
+    - ``cp_size``: context parallelism, the sequence split over cp ranks (LlamaFactory's
+      ``hyper_parallel_cp_size`` where its version has it), attention by ``cp_algorithm``
+      ("all_gather_kv", "ulysses" or "ring", as hypershard.parallelize);
     - ``fully_shard``: hs.fully_shard on every decoder layer and the root (parameters, gradients and
       optimizer states 1/dp per rank), with ``reshard_after_forward``;
     - ``param_dtype`` / ``reduce_dtype``: hs.mixed_precision's policy on any mesh (names of torch
       dtypes, e.g. "bfloat16"): compute in param_dtype from the model's own (master) weights,
-      gradients summed in reduce_dtype;
+      gradients summed in reduce_dtype; ``param_dtype: "auto"`` (the default): bfloat16 (gradients
+      summed in float32) for a bfloat16 checkpoint when the YAML asks for neither bf16 nor fp16,
+      else none (`precision`);
     - ``strict``: run every op through a distributed rule (hs.strict), no gather fallback.
     """
 
     tp_size: int = 1
     ep_size: int = 1
+    cp_size: int = 1
     dp_size: Optional[int] = None
+    cp_algorithm: str = "all_gather_kv"
     fully_shard: bool = False
     reshard_after_forward: bool = True
-    param_dtype: Optional[str] = None
+    param_dtype: Optional[str] = "auto"
     reduce_dtype: Optional[str] = None
     tp_plan: Union[str, dict] = "auto"
     ep_plan: Union[str, dict] = "auto"
@@ -75,6 +94,14 @@ class HyperParallelArguments:
                 f"{type(values).__name__}; allowed keys: {cls.keys()}"
             )
         unknown = sorted(set(values) - set(cls.keys()))
+        sizes = sorted(k for k in unknown if k.endswith("_size"))
+        if sizes:  # a mesh axis: hypershard's list of axes says which exist
+            axes = _mesh_axes()
+            raise HyperParallelConfigError(
+                f"hypershard: llamafactory: {where}: unknown key(s) {unknown}: {sizes} name(s) no mesh axis; "
+                f"allowed sizes: {[a + '_size' for a in axes if a + '_size' in cls.keys()]} (mesh axes "
+                f"{list(axes)}), other keys: {[k for k in cls.keys() if not k.endswith('_size')]}"
+            )
         if unknown:
             raise HyperParallelConfigError(
                 f"hypershard: llamafactory: {where}: unknown key(s) {unknown}; allowed: {cls.keys()}"
@@ -104,7 +131,17 @@ class HyperParallelArguments:
         """What LlamaFactory's workflow calls: its ``hyper_parallel_args`` is the JSON file's path
         (no file: every default, i.e. plain data parallelism over all ranks)."""
         path = getattr(finetuning_args, "hyper_parallel_args", None)
-        return cls.from_file(path) if path else cls()
+        args = cls.from_file(path) if path else cls()
+        cp = getattr(finetuning_args, "hyper_parallel_cp_size", None)  # newer LlamaFactory's YAML key
+        if cp is not None and cp != 1:
+            if args.cp_size not in (1, cp):
+                args._fail(
+                    f"cp_size={args.cp_size} but the YAML's hyper_parallel_cp_size={cp}; allowed: one of them, "
+                    f"or both equal"
+                )
+            args.cp_size = cp
+            args._check_types("hyper_parallel_cp_size")
+        return args
 
     # --------------------------------------------------------------------------------- checking
 
@@ -113,7 +150,7 @@ class HyperParallelArguments:
         raise HyperParallelConfigError(f"hypershard: llamafactory: {where}: {why}")
 
     def _check_types(self, where: str) -> None:
-        for key in ("tp_size", "ep_size"):
+        for key in ("tp_size", "ep_size", "cp_size"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 self._fail(f"{key}={value!r}; allowed: an integer >= 1")
@@ -126,8 +163,13 @@ class HyperParallelArguments:
                 self._fail(f"{key}={getattr(self, key)!r}; allowed: true or false")
         for key in ("param_dtype", "reduce_dtype"):
             value = getattr(self, key)
-            if value is not None and value not in _DTYPES:
-                self._fail(f"{key}={value!r}; allowed: null or one of {sorted(_DTYPES)}")
+            if value is not None and value not in _DTYPES and not (key == "param_dtype" and value == "auto"):
+                extra = '"auto", ' if key == "param_dtype" else ""
+                self._fail(f"{key}={value!r}; allowed: null, {extra}or one of {sorted(_DTYPES)}")
+        from hypershard.parallel import CP_ALGORITHMS
+
+        if self.cp_algorithm not in CP_ALGORITHMS:
+            self._fail(f"cp_algorithm={self.cp_algorithm!r}; allowed: one of {list(CP_ALGORITHMS)}")
         for key in ("tp_plan", "ep_plan"):
             value = getattr(self, key)
             if not (
@@ -144,9 +186,9 @@ class HyperParallelArguments:
     def mesh_spec(self, world: int) -> tuple:
         """(shape, names) of the mesh on `world` ranks: dp always (size 1 allowed), ep and tp when > 1."""
         self.check_world(world)
-        dp = world // (self.tp_size * self.ep_size)
+        dp = world // (self.tp_size * self.ep_size * self.cp_size)
         shape, names = [dp], ["dp"]
-        for size, name in ((self.ep_size, "ep"), (self.tp_size, "tp")):
+        for size, name in ((self.cp_size, "cp"), (self.ep_size, "ep"), (self.tp_size, "tp")):
             if size > 1:
                 shape.append(size)
                 names.append(name)
@@ -163,11 +205,16 @@ class HyperParallelArguments:
                 f"tp_size x ep_size = {self.tp_size} x {self.ep_size} does not divide the {world} ranks of "
                 f"this run; allowed: sizes whose product divides the world size"
             )
-        dp = world // (self.tp_size * self.ep_size)
+        if world % (self.tp_size * self.ep_size * self.cp_size):
+            self._fail(
+                f"cp_size x tp_size x ep_size = {self.cp_size} x {self.tp_size} x {self.ep_size} does not divide "
+                f"the {world} ranks of this run; allowed: sizes whose product divides the world size"
+            )
+        dp = world // (self.tp_size * self.ep_size * self.cp_size)
         if self.dp_size is not None and self.dp_size != dp:
             self._fail(
-                f"dp_size={self.dp_size} but {world} ranks / (tp_size {self.tp_size} x ep_size "
-                f"{self.ep_size}) = {dp}; allowed: {dp} or null"
+                f"dp_size={self.dp_size} but {world} ranks / (cp_size {self.cp_size} x tp_size {self.tp_size} x "
+                f"ep_size {self.ep_size}) = {dp}; allowed: {dp} or null"
             )
 
     def check_model(self, model: torch.nn.Module) -> None:
@@ -216,7 +263,24 @@ class HyperParallelArguments:
 
     def dtype(self, key: str) -> Optional[torch.dtype]:
         value = getattr(self, key)
-        return None if value is None else _DTYPES[value]
+        return None if value is None or value == "auto" else _DTYPES[value]
+
+    def precision(self, model: torch.nn.Module, training_args=None) -> tuple:
+        """(param_dtype, reduce_dtype) of hs.mixed_precision for this run, None where not asked.
+        ``param_dtype: "auto"``: a checkpoint stored in bfloat16 (its config's dtype) trains with
+        bfloat16 compute from float32 masters and float32 gradient sums -- what LlamaFactory picks on
+        a GPU -- unless the YAML's bf16 / fp16 already asks for accelerate's autocast."""
+        param, reduce = self.dtype("param_dtype"), self.dtype("reduce_dtype")
+        if self.param_dtype == "auto":
+            config = getattr(model, "config", None)
+            text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+            stored = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None)
+            autocast = training_args is not None and (
+                getattr(training_args, "bf16", False) or getattr(training_args, "fp16", False)
+            )
+            if stored in (torch.bfloat16, "bfloat16") and not autocast:
+                param, reduce = torch.bfloat16, reduce or torch.float32
+        return param, reduce
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.keys()}

@@ -174,19 +174,23 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
     ) -> None:
         import hypershard as hs
 
+        from .adapters import check_finetuning, unwrap_peft
+
         hp_args = hp_args if hp_args is not None else HyperParallelArguments()
         rank, world = _rank_world()
-        if finetuning_args is not None and getattr(finetuning_args, "finetuning_type", "full") != "full":
-            hp_args._fail(
-                f"finetuning_type={finetuning_args.finetuning_type!r}: hypershard trains full "
-                f"fine-tuning only; allowed: finetuning_type: full"
-            )
+        quantized = getattr(model, "quantization_method", None) or getattr(model, "is_quantized", False)
+        self.finetuning_type = check_finetuning(finetuning_args, quantized or None, fail=hp_args._fail)
         shape, names = hp_args.mesh_spec(world)
         hp_args.check_model(model)
         self.hp_args = hp_args
         self.mesh = hs.init_device_mesh("cpu", shape, names)
         self.dp_size = shape[0]
-        self._distribute(model)
+        self.cp_size = hp_args.cp_size
+        # peft: the HF model inside is what the plans name and what the hooks go on
+        self._base_model, self._peft_model = unwrap_peft(model)
+        self._distribute(self._base_model, args)
+        if self.cp_size > 1:
+            _pad_for_context_parallelism(kwargs.get("data_collator"), self.cp_size)
         # Every rank counts the whole global batch's tokens: summing them over the processes (and
         # multiplying the loss back by the process count) would count them world times.
         args.average_tokens_across_devices = False
@@ -200,14 +204,16 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
 
     # --------------------------------------------------------------------------- distribution
 
-    def _distribute(self, model) -> None:
+    def _distribute(self, model, training_args=None) -> None:
         from hypershard.parallel import parallelize
 
         hp = self.hp_args
         plan = None if hp.tp_plan == "auto" else dict(hp.tp_plan)
         ep_plan = None if hp.ep_plan == "auto" else dict(hp.ep_plan)
         try:
-            parallelize(model, self.mesh, plan, ep_plan=ep_plan)
+            if self._peft_model is not None:
+                plan, ep_plan = self._adapter_plans(model, plan, ep_plan)
+            parallelize(model, self.mesh, plan, ep_plan=ep_plan, cp_algorithm=hp.cp_algorithm)
         except ValueError as error:
             hp._fail(str(error))
         if hp.fully_shard:
@@ -219,14 +225,35 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
             for block in blocks:  # one group per decoder layer, then the root (as fully_shard_layers)
                 fully_shard(block, self.mesh, reshard_after_forward=hp.reshard_after_forward)
             fully_shard(model, self.mesh, reshard_after_forward=hp.reshard_after_forward)
-        if hp.param_dtype or hp.reduce_dtype:
+        param_dtype, reduce_dtype = hp.precision(model, training_args)
+        if param_dtype or reduce_dtype:
             from hypershard.fully_shard import MixedPrecisionPolicy
             from hypershard.mixed_precision import mixed_precision
 
+            if hp.param_dtype == "auto" and _rank_world()[0] == 0:
+                print(
+                    f"hypershard: llamafactory: the checkpoint is stored in bfloat16: param_dtype 'auto' trains with "
+                    f"bfloat16 compute from float32 masters, gradients summed in {reduce_dtype} (hs.mixed_precision)",
+                    flush=True,
+                )
             # fully_shard's groups (no policy of their own) take this one too
-            mixed_precision(
-                model, MixedPrecisionPolicy(param_dtype=hp.dtype("param_dtype"), reduce_dtype=hp.dtype("reduce_dtype"))
+            mixed_precision(model, MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+
+    def _adapter_plans(self, model, plan, ep_plan) -> tuple:
+        """The tp and ep plans with the LoRA adapters laid out after their base layers (adapters.py)."""
+        from hypershard.parallel import _lay_out_attention, ep_plan_of, tp_plan_of
+
+        from .adapters import adapter_plan
+
+        names = self.mesh.mesh_dim_names
+        if "tp" in names:
+            plan = tp_plan_of(model) if plan is None else plan
+            plan = adapter_plan(
+                model, _lay_out_attention(plan, model, self.mesh.shape[names.index("tp")]), self.hp_args._fail
             )
+        if "ep" in names:
+            ep_plan = adapter_plan(model, ep_plan_of(model) if ep_plan is None else ep_plan, self.hp_args._fail)
+        return plan, ep_plan
 
     def _get_dataloader(
         self, dataset, description, batch_size, sampler_fn=None, is_training=False, dataloader_key=None
@@ -281,11 +308,22 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
         opt = self.optimizer
         return getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer wraps torch's
 
+    def _state_module(self, model=None):
+        """What the DCP shards hold: the whole model, or for LoRA its trainable parameters only (the
+        frozen base is the pretrained folder's; adapters.TrainableView)."""
+        from .adapters import TrainableView
+
+        model = model if model is not None else self.model
+        return TrainableView(model) if self._peft_model is not None else model
+
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """Inside a checkpoint (``_internal_call``): the model's shards only with save_only_model
         (otherwise they are written with the optimizer's, below). Called by the user / the workflow:
-        a HuggingFace folder from the shards (collective), plus the tokenizer and training args."""
+        a HuggingFace folder from the shards (collective), plus the tokenizer and training args.
+        LoRA: peft's adapter folder (adapter_config.json + adapter_model.safetensors) in both."""
         from hypershard import checkpoint
+
+        from .adapters import save_adapter
 
         output_dir = output_dir or self.args.output_dir
         if _internal_call:
@@ -294,10 +332,19 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
                 self.model.config.save_pretrained(output_dir)
                 if self.processing_class is not None:
                     self.processing_class.save_pretrained(output_dir)
+            if self._peft_model is not None:
+                save_adapter(self._peft_model, output_dir, self.args.should_save)
             if self.args.save_only_model:
-                checkpoint.save(os.path.join(output_dir, SHARDS_DIR), self.model, None, step=self.state.global_step)
+                checkpoint.save(
+                    os.path.join(output_dir, SHARDS_DIR), self._state_module(), None, step=self.state.global_step
+                )
             return
-        checkpoint.export_hf(self.model, output_dir)
+        if self._peft_model is not None:
+            if self.args.should_save:
+                os.makedirs(output_dir, exist_ok=True)
+            save_adapter(self._peft_model, output_dir, self.args.should_save)
+        else:
+            checkpoint.export_hf(self.model, output_dir)
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
@@ -308,7 +355,10 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
         from hypershard import checkpoint
 
         checkpoint.save(
-            os.path.join(output_dir, SHARDS_DIR), self.model, self._inner_optimizer(), step=self.state.global_step
+            os.path.join(output_dir, SHARDS_DIR),
+            self._state_module(),
+            self._inner_optimizer(),
+            step=self.state.global_step,
         )
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
@@ -325,7 +375,7 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         from hypershard import checkpoint
 
-        checkpoint.load(self._shards(resume_from_checkpoint), model if model is not None else self.model)
+        checkpoint.load(self._shards(resume_from_checkpoint), self._state_module(model))
 
     def _load_optimizer_and_scheduler(self, checkpoint_dir: Optional[str]) -> None:
         from hypershard import checkpoint
@@ -334,7 +384,7 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
             return
         shards = self._shards(checkpoint_dir)
         if not self.args.save_only_model:
-            checkpoint.load(shards, self.model, self._inner_optimizer())
+            checkpoint.load(shards, self._state_module(), self._inner_optimizer())
         scheduler = os.path.join(checkpoint_dir, SCHEDULER_NAME)
         if os.path.isfile(scheduler) and self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
@@ -344,7 +394,18 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
 
         best = self.state.best_model_checkpoint
         if best:
-            checkpoint.load(self._shards(best), self.model)
+            checkpoint.load(self._shards(best), self._state_module())
+
+
+def _pad_for_context_parallelism(collator, cp_size: int) -> None:
+    """A sequence sharded over cp is stored as 2 x cp equal chunks (docs/context_parallel.md): the
+    collator pads every batch (on the right, labels IGNORE_INDEX) to a multiple of that too."""
+    import math
+
+    if collator is None or not hasattr(collator, "pad_to_multiple_of"):
+        return
+    multiple = collator.pad_to_multiple_of or 1
+    collator.pad_to_multiple_of = multiple * (2 * cp_size) // math.gcd(multiple, 2 * cp_size)
 
 
 def _strict():

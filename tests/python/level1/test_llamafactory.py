@@ -272,7 +272,7 @@ def test_bad_json_messages(tmp_path):
         HyperParallelArguments(tp_size=8).check_model(model)
     with pytest.raises(HyperParallelConfigError, match=r"ep_size=2 but the model has no experts"):
         HyperParallelArguments(ep_size=2).check_model(model)
-    with pytest.raises(HyperParallelConfigError, match=r"param_dtype='bf8'; allowed: null or one of"):
+    with pytest.raises(HyperParallelConfigError, match=r"param_dtype='bf8'; allowed: null, \"auto\", or one of"):
         HyperParallelArguments.from_dict({"param_dtype": "bf8"})
     with pytest.raises(HyperParallelConfigError, match=r"tp_size='2'; allowed: an integer"):
         HyperParallelArguments.from_dict({"tp_size": "2"})

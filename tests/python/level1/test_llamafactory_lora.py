@@ -1,0 +1,163 @@
+"""LlamaFactory's LoRA, freeze and context parallelism through hypershard (docs/llamafactory.md,
+"LoRA and freeze", "Context parallelism"), each against LlamaFactory's own single-process run of
+the same YAML (per_device_train_batch_size x dp sequences per micro-batch: the same global batches).
+
+Tolerances. Losses: LOSS_RTOL (1e-5, the level1 bound; only the order of float32 sums differs: tp
+partial products, the dp all-reduce, clip_grad_norm_'s per-shard norms). lora_dropout 0.1 is on in
+the LoRA runs: every rank draws the whole global mask from the same generator state and keeps its
+slice (docs/operators.md, "random"), so the masks are one device's and the losses stay within
+LOSS_RTOL; a different stream would move them by ~1e-2 (a tenth of the adapters' inputs zeroed
+elsewhere). Adapter weights: within 1e-2 of how far they moved from their initialisation (as
+test_llamafactory's exported weights); the outputs of the two peft folders loaded by
+PeftModel.from_pretrained on one device: within 1e-4 of the adapters' own effect on the logits.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import llamafactory  # noqa: F401  (make setup installs it: a missing install fails, never skips)
+import pytest
+import torch
+
+from hypershard.testing.llamafactory_fixtures import (
+    launch,
+    read_losses,
+    write_dataset_dir,
+    write_model,
+    write_run,
+)
+from hypershard.testing.training import LOSS_RTOL
+
+TIMEOUT = 300
+STEPS = 4
+LORA = dict(finetuning_type="lora", lora_target="all", lora_rank=4, lora_alpha=8, lora_dropout=0.1)
+
+
+def ok(result: subprocess.CompletedProcess, what: str) -> None:
+    assert result.returncode == 0, (
+        f"{what} failed (exit {result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    )
+
+
+def run(work, name, model, nproc=1, hp=None, env=None, output=None, **overrides):
+    root = work["root"]
+    output = output or root / f"out_{name}"
+    yaml_path = write_run(root / name, work[model], work["data"], output, hp=hp, **overrides)
+    try:
+        return launch(yaml_path, nproc, env, TIMEOUT), Path(output)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"{name}: launch of {nproc} ranks did not end in time; its output ends:\n{error.stdout}")
+
+
+def assert_close(got: dict, expected: dict, steps, what: str) -> None:
+    assert sorted(got) == sorted(set(got) | set(steps)), f"{what}: logged steps {sorted(got)}"
+    for step in steps:
+        rel = abs(got[step] - expected[step]) / abs(expected[step])
+        assert rel <= LOSS_RTOL, f"{what}: loss of step {step} {got[step]!r} vs {expected[step]!r} (relative {rel:.2e})"
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llamafactory_lora")
+    return {"root": root, "data": write_dataset_dir(root / "data"), "qwen3": write_model(root / "qwen3", "qwen3")}
+
+
+def _adapters(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def _peft_logits(model_dir: Path, adapter_dir: Path, ids: torch.Tensor) -> torch.Tensor:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    if adapter_dir is None:
+        model = base
+    else:
+        model = PeftModel.from_pretrained(base, str(adapter_dir))
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_qwen3_lora_dp2_tp2_equals_llamafactory_peft_folder_and_resumes_on_fully_shard(work):
+    """LoRA (all linear layers, rank 4, dropout 0.1, lm_head trained whole as additional_target) on
+    dp2 x tp2 in strict mode: losses equal LlamaFactory's single process; checkpoint-2 and the output
+    folder are peft adapter folders; PeftModel.from_pretrained of hypershard's folder on one device
+    gives the single process's outputs; checkpoint-2 resumed on fully_shard dp4 continues with the
+    uninterrupted run's losses."""
+    lora = dict(LORA, additional_target="lm_head", save_strategy="steps", save_steps=2)
+    result, ref = run(work, "lora_ref", "qwen3", per_device_train_batch_size=4, **lora)
+    ok(result, "LlamaFactory's single-process LoRA run")
+    reference = read_losses(ref)
+    result, out = run(work, "lora_dp2_tp2", "qwen3", nproc=4, hp={"tp_size": 2, "strict": True}, **lora)
+    ok(result, "LoRA dp2 x tp2 run")
+    assert_close(read_losses(out), reference, range(1, STEPS + 1), "LoRA dp2 x tp2 vs LlamaFactory")
+
+    # the folders: peft's own layout, the same keys as LlamaFactory's, no base weights
+    for folder in (out, out / "checkpoint-2"):
+        assert (folder / "adapter_config.json").is_file() and not (folder / "model.safetensors").exists(), folder
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and config["lora_dropout"] == 0.1
+    assert config["modules_to_save"] == ["lm_head"] or "lm_head" in config["modules_to_save"]
+    got, expected = _adapters(out), _adapters(ref)
+    assert got.keys() == expected.keys() and any("lm_head" in k for k in got), sorted(got)[:6]
+    for key, value in expected.items():
+        assert got[key].shape == value.shape, key
+    # the checkpoint's shards hold the trainable parameters only
+    assert (out / "checkpoint-2" / "hypershard" / "step_00000002" / "COMPLETE").is_file()
+
+    # one device, peft's own loader: hypershard's adapters give LlamaFactory's outputs
+    ids = torch.arange(3, 3 + 24).reshape(2, 12)
+    base = _peft_logits(work["qwen3"], None, ids)
+    ours = _peft_logits(work["qwen3"], out, ids)
+    theirs = _peft_logits(work["qwen3"], ref, ids)
+    effect = float((theirs - base).abs().max())
+    assert effect > 1e-2, f"the adapters barely changed the outputs ({effect:.2e}): the check would be vacuous"
+    gap = float((ours - theirs).abs().max())
+    assert gap <= 1e-4 * max(1.0, float(theirs.abs().max())) + 1e-3 * effect, f"peft outputs differ by {gap:.2e}"
+
+    # resume checkpoint-2 onto another mesh: fully_shard dp4, one sequence per rank
+    resumed = work["root"] / "out_lora_resumed"
+    resumed.mkdir()
+    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
+    result, _ = run(
+        work,
+        "lora_resume_fs_dp4",
+        "qwen3",
+        nproc=4,
+        hp={"fully_shard": True},
+        per_device_train_batch_size=1,
+        output=resumed,
+        **lora,
+    )
+    ok(result, "LoRA resumed on fully_shard dp4")
+    assert "Resuming training from" in result.stdout + result.stderr
+    assert_close(read_losses(resumed), read_losses(out), [3, 4], "LoRA resumed on fully_shard dp4")
+
+
+def test_qwen3_freeze_on_cp2_dp2_equals_llamafactory(work):
+    """finetuning_type freeze (the last decoder layer and the final norm trainable) on cp2 x dp2:
+    the sequence split over cp (the collator pads to a multiple of 2 x cp, labels shifted over the
+    whole sequence, head-tail order), losses equal LlamaFactory's single process, and the exported
+    model's frozen weights are the pretrained ones bit for bit (no gradient, no update reached them)."""
+    freeze = dict(finetuning_type="freeze", freeze_trainable_layers=1, freeze_extra_modules="norm")
+    result, ref = run(work, "freeze_ref", "qwen3", per_device_train_batch_size=4, **freeze)
+    ok(result, "LlamaFactory's single-process freeze run")
+    result, out = run(work, "freeze_cp2_dp2", "qwen3", nproc=4, hp={"cp_size": 2}, **freeze)
+    ok(result, "freeze cp2 x dp2 run")
+    assert_close(read_losses(out), read_losses(ref), range(1, STEPS + 1), "freeze cp2 x dp2 vs LlamaFactory")
+    from safetensors.torch import load_file
+
+    got = load_file(str(out / "model.safetensors"))
+    init = load_file(str(work["qwen3"] / "model.safetensors"))
+    trainable = [k for k in got if k.startswith("model.layers.1.") or k == "model.norm.weight"]
+    assert trainable and all(not torch.equal(got[k], init[k]) for k in trainable), "a trainable weight did not move"
+    frozen = [k for k in got if k not in trainable]
+    assert frozen and all(torch.equal(got[k], init[k]) for k in frozen), "a frozen weight changed"
