@@ -73,6 +73,7 @@ from .layout import (  # noqa: E402
 )
 from .loading import from_pretrained  # noqa: E402
 from .mixed_precision import mixed_precision  # noqa: E402
+from .offload import offload_optimizer  # noqa: E402
 from .parallel import parallelize  # noqa: E402
 from .placement_types import Partial, Replicate, Shard  # noqa: E402
 from .recompute import recompute  # noqa: E402
@@ -130,6 +131,7 @@ __all__ = [
     "mesh",
     "mixed_precision",
     "numel",
+    "offload_optimizer",
     "ops",
     "parse_alias",
     "parallelize",

@@ -273,6 +273,7 @@ def fully_shard(
     mesh,
     *,
     dp_axis: str = "dp",
+    replicate_axis: Optional[str] = None,
     reshard_after_forward: bool = True,
     mp_policy: Optional[MixedPrecisionPolicy] = None,
 ) -> nn.Module:
@@ -281,13 +282,25 @@ def fully_shard(
     FullyShardedModule's methods). Apply it to the blocks first, then to the root. Parameters
     that are plain tensors are first made Replicate DTensors on `mesh`; DTensor parameters must be
     on `mesh` and Replicate on `dp_axis`. 0-dim parameters stay Replicate (their gradients are
-    summed by the usual data-parallel buckets)."""
+    summed by the usual data-parallel buckets).
+
+    HSDP (hybrid sharding, FSDP2's fully_shard on a 2-D mesh): `replicate_axis` names a second
+    data-parallel axis the parameters stay Replicate on (nodes), while `dp_axis` shards them
+    (ranks within a node). The batch is split over both (parallelize(..., dp_axis=(replicate_axis,
+    dp_axis))); the gradients are reduce-scattered over `dp_axis` and all-reduced over
+    `replicate_axis` (still Partial there after the reduce-scatter: the data-parallel buckets)."""
     if hasattr(module, "_hs_fully_shard"):
         raise _error(f"{type(module).__name__} is already fully sharded")
     names = list(mesh.mesh_dim_names)
     if dp_axis not in names:
         raise _error(f"the mesh {mesh} has no axis {dp_axis!r}; allowed: one of {names}")
     axis = names.index(dp_axis)
+    if replicate_axis is not None and (replicate_axis not in names or replicate_axis == dp_axis):
+        raise _error(
+            f"replicate_axis {replicate_axis!r} is not an axis of {mesh} other than dp_axis {dp_axis!r}; "
+            f"allowed: one of {[n for n in names if n != dp_axis]}"
+        )
+    replicate = names.index(replicate_axis) if replicate_axis is not None else None
     entries, params, layouts = [], [], []
     for param, owners in _owned_parameters(module).values():
         where = f"{type(owners[0][0]).__name__}.{owners[0][1]}"
@@ -302,6 +315,11 @@ def fully_shard(
                     "allowed: the mesh passed to fully_shard"
                 )
         unsharded = _C.layout_of(param_dt)
+        if replicate is not None and not unsharded.is_replicate(replicate):
+            raise _error(
+                f"parameter {where} has layout {unsharded}, which is not Replicate on the replicate axis "
+                f"{replicate_axis!r}; allowed: parameters Replicate on {replicate_axis!r}"
+            )
         if unsharded.has_partial() or not unsharded.is_replicate(axis):
             raise _error(
                 f"parameter {where} has layout {unsharded}, which is not Replicate on {dp_axis!r}; "
@@ -327,6 +345,9 @@ def fully_shard(
     if not params:
         raise _error(f"{type(module).__name__} has no parameters of its own to shard (its descendants own them all)")
     group = _Group(module, entries, params, layouts, axis, reshard_after_forward, mp_policy)
+    group.replicate_axis = replicate_axis
+    if replicate_axis is not None:  # the parameters' replicas: HSDP's replicate axis does not warn
+        note_axes_used(mesh, [replicate_axis], replica=True)
     # Descendant groups join this root's context (the last fully_shard call is the root).
     for sub in module.modules():
         if sub is not module and hasattr(sub, "_hs_fully_shard"):

@@ -331,6 +331,96 @@ def uneven_and_empty_chunks(_dummy):
     return torch.zeros(1, dtype=torch.float64)
 
 
+HSDP2x2 = ((2, 2), ("dp_replicate", "dp"))
+
+
+def hsdp(fault=None):
+    """HSDP: fully_shard over dp (within a "node"), Replicate over dp_replicate (across nodes), the
+    batch split over both: each parameter holds a half of its rows, the same half on the two
+    replicas; gradients reduce-scattered over dp, then summed over dp_replicate."""
+    def run(_dummy):
+        import hypershard as hs
+        from hypershard.fully_shard import fully_shard
+        from hypershard.models import tiny_model
+        from hypershard.parallel import parallelize
+        from hypershard.testing.training import check_training, record_training
+
+        config, batches = setup("qwen3_5_moe_text")
+        expected = record_training(tiny_model(config), batches)
+        mesh = current_mesh()
+        model = parallelize(tiny_model(config), mesh, dp_axis=("dp_replicate", "dp"))
+        for layer in _layers(model):
+            fully_shard(layer, mesh, replicate_axis="dp_replicate")
+        fully_shard(model, mesh, replicate_axis="dp_replicate")
+        for name, p in model.named_parameters():
+            dims = hs.layout_of(p).dim_axes
+            assert p.dim() == 0 or p.shape[0] <= 1 or (1 in dims[0] and 0 not in dims[0]), (name, hs.layout_of(p))
+        if fault:
+            fault(model)
+        got = record_training(model, batches)
+        check_released(model)
+        problems, _ = check_training(got, expected)
+        if fault:
+            assert problems, "the planted fault was not caught"
+            return torch.tensor(expected.losses, dtype=torch.float64)
+        assert not problems, "\n".join(problems)
+        return torch.tensor(got.losses, dtype=torch.float64)
+    return run
+
+
+def optimizer_offload(fault=None):
+    """hs.offload_optimizer: AdamW's state and step on the host, fully_shard dp4: equal to one
+    device (check_training) and bit for bit to the same run with the plain optimizer (same single-
+    tensor AdamW on the same local shards)."""
+    def run(_dummy):
+        import contextlib
+        from unittest import mock
+
+        import hypershard as hs
+        from hypershard import offload
+        from hypershard.models import tiny_model, train
+        from hypershard.testing.training import check_training, record_training
+
+        config, batches = setup("qwen3")
+        expected = record_training(tiny_model(config), batches)
+        mesh = current_mesh()
+        base = record_training(shard(tiny_model(config), mesh, tp=False), batches)
+        model = shard(tiny_model(config), mesh, tp=False)
+        made = []
+
+        adamw = torch.optim.AdamW
+
+        def offloaded(model, batches, **kwargs):
+            def optimizer(params, lr, weight_decay):
+                opt = hs.offload_optimizer(params, adamw, lr=lr, weight_decay=weight_decay)
+                made.append(opt)
+                return opt
+            with mock.patch.object(torch.optim, "AdamW", optimizer):
+                return train(model, batches, **kwargs)
+
+        patch = contextlib.nullcontext()
+        if fault == "not_streamed_back":
+            original = offload._local
+            patch = mock.patch.object(offload, "_local", lambda t: original(t).clone() if t.requires_grad else original(t))
+        with patch:
+            got = record_training(model, batches, train=offloaded)
+        check_released(model)
+        (opt,) = made
+        local = sum(hs._C.local_of(p).numel() * p.element_size() for p in model.parameters())
+        assert opt.bytes_to_host == opt.bytes_to_device == STEPS * local, (opt.bytes_to_host, local)
+        assert all(t.device.type == "cpu" and not hs._C.is_dtensor(t)
+                   for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+        problems, _ = check_training(got, expected)
+        bitwise = got.losses == base.losses and all(torch.equal(got.final[n], base.final[n]) for n in base.final)
+        if fault:
+            assert problems and not bitwise, "the planted fault was not caught"
+            return torch.tensor(expected.losses, dtype=torch.float64)
+        assert not problems, "\n".join(problems)
+        assert bitwise, "the offloaded step differs from the plain optimizer's"
+        return torch.tensor(got.losses, dtype=torch.float64)
+    return run
+
+
 def _case(name, mesh, reference, distributed):
     # The case's losses are compared again by the harness (rtol 1e-5; the mixed-precision and
     # checkpoint cases return zeros); the real checks ran inside `distributed`.
@@ -358,6 +448,12 @@ def cases():
         _case("qwen3_dp2_tp2_checkpoint_reshard", DP2_TP2, _zeros, checkpoint_round_trip),
         _case("qwen3_dp4_planted_halved_gradient_is_caught", DP4, reference_losses("qwen3"),
               trains_like_one_device("qwen3", fault=_halve_on_rank0)),
+        _case("qwen3_5_moe_hsdp_2x2", HSDP2x2, reference_losses("qwen3_5_moe_text"), hsdp()),
+        _case("qwen3_5_moe_hsdp_2x2_planted_halved_gradient_is_caught", HSDP2x2,
+              reference_losses("qwen3_5_moe_text"), hsdp(fault=_halve_on_rank0)),
+        _case("qwen3_dp4_optimizer_offload", DP4, reference_losses("qwen3"), optimizer_offload()),
+        _case("qwen3_dp4_optimizer_offload_planted_not_streamed_back_is_caught", DP4, reference_losses("qwen3"),
+              optimizer_offload(fault="not_streamed_back")),
     ]
 
 
