@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import mmap
 import warnings
 from pathlib import Path
@@ -64,24 +65,110 @@ class Entry:
     nbytes: int
 
 
-def _files_of(directory: Path) -> list:
+def _read_json(path: Path, what: str):
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise _error(f"{path}: the {what} is not valid JSON ({error}); the file is damaged or incomplete") from None
+
+
+def _files_of(directory: Path) -> tuple:
+    """(the safetensors files of the folder, {tensor name: file name} of its index or None)."""
     index = directory / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        parsed = _read_json(index, "index")
+        weight_map = parsed.get("weight_map") if isinstance(parsed, dict) else None
+        if not isinstance(weight_map, dict):
+            raise _error(f"{index}: no 'weight_map' object; the file is damaged or incomplete")
         names = sorted(set(weight_map.values()))
         missing = [n for n in names if not (directory / n).is_file()]
         if missing:
-            raise _error(f"{index} names files that are not in {directory}: {missing[:3]}")
-        return [directory / n for n in names]
-    return sorted(directory.glob("*.safetensors"))
+            tensors = sorted(k for k, v in weight_map.items() if v == missing[0])
+            raise _error(
+                f"{index} lists {len(missing)} file(s) that are not in {directory}: {missing[:3]} "
+                f"(holding e.g. tensor {tensors[0]!r}); expected every listed shard file, found "
+                f"{sorted(p.name for p in directory.glob('*.safetensors'))[:6]}; the download or copy is incomplete"
+            )
+        return [directory / n for n in names], weight_map
+    return sorted(directory.glob("*.safetensors")), None
+
+
+def _header(path: Path) -> tuple:
+    """(the parsed JSON header, the offset of the first data byte, the file's size), checked."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise _error(
+                f"{path} is not a safetensors file: expected an 8-byte header length, found a file of {size} bytes"
+            )
+        length = int.from_bytes(head, "little")
+        if length <= 0 or length > size - 8:
+            raise _error(
+                f"{path} is not a safetensors file or is truncated: its header length is {length} bytes, "
+                f"expected at most the {size - 8} bytes that follow it"
+            )
+        raw = fh.read(length)
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise _error(f"{path}: the header ({length} bytes) is not valid JSON ({error}); the file is damaged") from None
+    if not isinstance(header, dict):
+        raise _error(f"{path}: the header is a JSON {type(header).__name__}, expected an object; the file is damaged")
+    return header, 8 + length, size
+
+
+def _entry(path: Path, key: str, info, base: int, size: int) -> Entry:
+    """One header entry checked against the file: a known dtype, a shape of non-negative ints,
+    data_offsets [begin, end] with end - begin = bytes of dtype x shape, inside the file."""
+
+    def bad(problem: str) -> ValueError:
+        return _error(f"{path}: tensor {key!r}: {problem}; the file is damaged or truncated")
+
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+        raise bad(f"header entry {info!r}, expected an object with dtype, shape and data_offsets")
+    if info["dtype"] not in _DTYPES:
+        raise _error(
+            f"{path}: tensor {key!r} has dtype {info['dtype']}, which this loader does not read; "
+            f"allowed: {sorted(_DTYPES)}"
+        )
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise bad(f"shape {shape!r}, expected a list of non-negative integers")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise bad(f"data_offsets {offsets!r}, expected [begin, end] with 0 <= begin <= end")
+    dtype = _DTYPES[info["dtype"]]
+    begin, end = offsets
+    expected = math.prod(shape) * dtype.itemsize
+    if end - begin != expected:
+        raise bad(
+            f"data_offsets [{begin}, {end}] hold {end - begin} bytes, expected {expected} "
+            f"({info['dtype']} x shape {shape})"
+        )
+    if base + end > size:
+        raise bad(
+            f"its bytes end at byte {base + end} of the file, which has {size} bytes "
+            f"(expected at least {base + end}, found {size})"
+        )
+    return Entry(key, path, dtype, tuple(shape), base + begin, end - begin)
 
 
 def read_index(directory) -> dict:
-    """{tensor name: Entry} of every tensor in the folder's safetensors files (headers only)."""
+    """{tensor name: Entry} of every tensor in the folder's safetensors files (headers only).
+
+    Every header entry is checked against its file before anything is read (a damaged or
+    truncated file, a lying shape, overlapping tensors, an index that names a missing file or a
+    tensor its file lacks): the ValueError names the file, the tensor, and what was expected and
+    found. The checks read only the files, so every rank raises the same error."""
     directory = Path(directory)
     if not directory.is_dir():
         raise _error(f"{str(directory)!r} is not a directory; allowed: a save_pretrained folder")
-    files = _files_of(directory)
+    files, weight_map = _files_of(directory)
     if not files:
         raise _error(
             f"{directory} holds no *.safetensors file; allowed: a folder written by save_pretrained "
@@ -89,25 +176,32 @@ def read_index(directory) -> dict:
         )
     entries: dict = {}
     for path in files:
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            size = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if size <= 0 or size > path.stat().st_size - 8:
-                raise _error(f"{path} is not a safetensors file (header length {size})")
-            header = json.loads(fh.read(size))
-        base = 8 + size
+        header, base, size = _header(path)
+        mine = []
         for key, info in header.items():
             if key == "__metadata__":
                 continue
-            if info["dtype"] not in _DTYPES:
-                raise _error(
-                    f"{path}: tensor {key!r} has dtype {info['dtype']}, which this loader does not read; "
-                    f"allowed: {sorted(_DTYPES)}"
-                )
             if key in entries:
                 raise _error(f"tensor {key!r} is in both {entries[key].file.name} and {path.name}")
-            begin, end = info["data_offsets"]
-            entries[key] = Entry(key, path, _DTYPES[info["dtype"]], tuple(info["shape"]), base + begin, end - begin)
+            entries[key] = _entry(path, key, info, base, size)
+            mine.append(entries[key])
+        mine.sort(key=lambda e: (e.offset, e.offset + e.nbytes))
+        for before, after in zip(mine, mine[1:]):
+            if after.offset < before.offset + before.nbytes and after.nbytes and before.nbytes:
+                raise _error(
+                    f"{path}: tensor {after.key!r}: its bytes [{after.offset - base}, "
+                    f"{after.offset - base + after.nbytes}) overlap tensor {before.key!r}'s "
+                    f"[{before.offset - base}, {before.offset - base + before.nbytes}); expected disjoint "
+                    "data_offsets; the file is damaged"
+                )
+    if weight_map is not None:
+        for key, name in sorted(weight_map.items()):
+            if key not in entries or entries[key].file.name != name:
+                found = f"in {entries[key].file.name}" if key in entries else "in no file"
+                raise _error(
+                    f"{directory / INDEX_FILE} maps tensor {key!r} to {name}, found {found}; "
+                    "the index and the files disagree (a damaged or mixed download)"
+                )
     return entries
 
 
