@@ -72,6 +72,7 @@ from .layout import (  # noqa: E402
     placements,
 )
 from .loading import from_pretrained  # noqa: E402
+from .local_map import DFunction, local_map  # noqa: E402
 from .mixed_precision import mixed_precision  # noqa: E402
 from .offload import offload_optimizer  # noqa: E402
 from .parallel import parallelize  # noqa: E402
@@ -92,6 +93,7 @@ __all__ = [
     "FullyShardedModule",
     "MixedPrecisionPolicy",
     "DeviceMesh",
+    "DFunction",
     "MESH_AXES",
     "Partial",
     "Replicate",
@@ -127,6 +129,7 @@ __all__ = [
     "fully_shard",
     "layout",
     "layout_of",
+    "local_map",
     "make_layout",
     "mesh",
     "mixed_precision",
