@@ -87,6 +87,13 @@ def parser() -> argparse.ArgumentParser:
         help="bf16: compute in bf16 with fp32 master weights, optimizer state and gradient sums; "
         "auto (default): bf16 when --model is a checkpoint saved in bf16",
     )
+    p.add_argument(
+        "--recompute",
+        default="none",
+        choices=("none", "selective", "full"),
+        help="activation recomputation of every decoder layer (docs/recompute.md): selective keeps the "
+        "matmul and attention outputs and recomputes the rest; full keeps only each layer's input (default none)",
+    )
     p.add_argument("--export-hf", action="store_true", help="at the end, export the model to OUTPUT/hf (safetensors)")
     p.add_argument(
         "--stop-after",

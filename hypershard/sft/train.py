@@ -260,6 +260,8 @@ def precision_of(args) -> str:
 def _with_precision(model, args):
     import hypershard as hs
 
+    if getattr(args, "recompute", "none") != "none":  # before mixed precision: the casts are recomputed too
+        hs.recompute(model, mode=args.recompute)
     return hs.mixed_precision(model) if precision_of(args) == "bf16" else model
 
 

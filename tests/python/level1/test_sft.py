@@ -200,3 +200,11 @@ def test_model_directory_is_loaded_shard_by_shard(fixtures, reference, tmp_path)
     ok(sft(fixtures, tmp_path / "tp", "--save-steps", "0", model=str(hf), mesh="tp=2"))
     torch.testing.assert_close(losses(tmp_path / "fsdp"), losses(tmp_path / "tp"), rtol=1e-5, atol=0)
     assert losses(tmp_path / "fsdp")[0] < losses(reference)[0]
+
+
+def test_recompute_gives_the_reference_losses_bit_for_bit(fixtures, reference, tmp_path):
+    """--recompute selective (hs.recompute on every decoder layer, docs/recompute.md) on the reference's
+    mesh: the same ops on the same values in the same order, so the same losses bit for bit."""
+    out = tmp_path / "recompute"
+    ok(sft(fixtures, out, "--recompute", "selective"))
+    assert losses(out) == losses(reference)

@@ -216,3 +216,16 @@ def test_decoder_layers_default_and_hf_model_bit_for_bit():
         model = hs.recompute(_tiny_hf(), mode=mode)
         assert [type(m).__name__ for m in rc.decoder_layers(model)] == ["RecomputedQwen3DecoderLayer"] * 2
         assert train(model, batches) == plain
+
+
+def test_sft_recompute_flag_recomputes_every_decoder_layer():
+    from hypershard.sft.cli import parser
+    from hypershard.sft.train import _with_precision
+
+    base = ["--model", "qwen3", "--mesh", "dp=2", "--data", "d.json", "--output", "o", "--mixed-precision", "none"]
+    assert parser().parse_args(base).recompute == "none"
+    for mode in rc.MODES:
+        model = _with_precision(_tiny_hf(), parser().parse_args([*base, "--recompute", mode]))
+        assert [rc.recompute_mode(m) for m in rc.decoder_layers(model)] == [mode, mode]
+    with pytest.raises(SystemExit):
+        parser().parse_args([*base, "--recompute", "some"])
