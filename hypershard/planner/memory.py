@@ -23,6 +23,12 @@ parameters and temporaries -- the "activation" class of the report.
 Model code that branches on data (``mask.all()``) reads a meta tensor's value: `_scalar` gives the
 answer an ordinary training batch gives (see there).
 
+It also counts floating-point operations (`flops`, `op_flops`): the matrix products (mm, addmm, bmm,
+baddbmm, _grouped_mm) from this rank's output block and contraction, and the attention kernels (CPU
+flash, CUDA flash / efficient / cuDNN, the PrivateUse1 hook, and their backwards) from this rank's
+query rows against every key. Other ops (elementwise, norms, softmax of the math path's scores,
+convolutions) are not counted: they are a few percent of a transformer's FLOPs.
+
 Not seen: buffers an op allocates and frees inside one C++ call (a redistribution's gathered input
 consumed by the same op, a kernel's workspace). They are transient within one op; the 4-rank
 validation (tests/python/level1/test_planner.py) measures how much they matter.
@@ -44,6 +50,69 @@ __all__ = ["LiveBytes", "storage_key", "local_tensor"]
 _META = torch.device("meta")
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _BENIGN = {torch.ops.aten.all: True, torch.ops.aten.any: False}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _product_flops(args, out) -> int:
+    """mm / addmm / bmm / baddbmm / _grouped_mm: 2 x the rank's output elements x the contraction.
+    The contraction is the smaller local one of the two operands (a dim sharded on one operand only
+    is sharded on both when the op runs, or gathered: the rule's choice, not seen here); a 2-d x 2-d
+    _grouped_mm (a weight gradient: (K, tokens) x (tokens, N) -> (G, K, N)) sums over all tokens."""
+    mats = [local_tensor(t) for t in args if isinstance(t, torch.Tensor) and t.dim() >= 2]
+    a, b = mats[-2], mats[-1]
+    result = local_tensor(out[0] if isinstance(out, (tuple, list)) else out)
+    if a.dim() == 2 and b.dim() == 2 and result.dim() == 3:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    k = min(a.shape[-1], b.shape[-2])
+    return 2 * _numel(result.shape) * k
+
+
+def _attention_flops(args, backward: bool) -> int:
+    """A fused attention kernel: 2 x (this rank's query rows x heads x batch) x ALL key positions x
+    (the q/k and v head dims); its backward 2.5 times that (five products against two). Causal
+    masking's skipped half is not taken off (as torch's flop counter)."""
+    tensors = [t for t in args if isinstance(t, torch.Tensor)]
+    q, k, v = tensors[1:4] if backward else tensors[:3]
+    lq, kv = local_tensor(q), k  # k's GLOBAL length: under cp every rank's rows meet every key
+    b, h, rows = lq.shape[0], lq.shape[1], lq.shape[2]
+    fwd = 2 * b * h * rows * kv.shape[-2] * (lq.shape[-1] + local_tensor(v).shape[-1])
+    return fwd * 5 // 2 if backward else fwd
+
+
+def _flop_rules() -> dict:
+    aten = torch.ops.aten
+    out = {op: "product" for op in (aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._grouped_mm)}
+    for name in (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+    ):
+        out[getattr(aten, name)] = "attention"
+        out[getattr(aten, name + "_backward")] = "attention_backward"
+    return out
+
+
+def op_flops(func, args, out) -> int:
+    """Floating-point operations of one op on this rank (0 for ops not counted: elementwise, norms)."""
+    if not _FLOPS:
+        _FLOPS.update(_flop_rules())
+    rule = _FLOPS.get(func.overloadpacket)
+    if rule == "product":
+        return _product_flops(args, out)
+    if rule is not None:
+        return _attention_flops(args, rule == "attention_backward")
+    return 0
+
+
+_FLOPS: dict = {}
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -94,10 +163,17 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.known: set = set()  # storages alive before recording (never counted)
         self.live: dict = {}  # key -> bytes, storages born while recording and still alive
-        self.events: list = []  # (key, +bytes) at birth, (key, -bytes) at death
+        self.events: list = []  # (birth, +bytes) at birth, (birth, -bytes) at death (and resizes)
+        # A storage's key is its address, which a later storage may reuse once it is freed: events name
+        # the BIRTH (a number per storage seen), so excluding the storages that end up as gradients or
+        # optimizer state (`births`) never excludes an earlier temporary that lived at the same address.
+        self.birth: dict = {}  # key -> birth number of the storage alive at that address
+        self.births_seen = 0
         self.marks: dict = {}  # name -> index into events
         self.hints: dict = {}  # storage key -> the value `.item()` of it reads (see _scalar)
         self.refs: dict = {}  # storage key -> weakref to the storage (to see it resized)
+        self.flops = 0  # floating-point operations of this rank's local computation (module docstring)
+        self.flops_at: dict = {}  # mark name -> flops counted before it
 
     def know(self, tensors: Iterable[torch.Tensor]) -> None:
         for t in tensors:
@@ -108,16 +184,24 @@ class LiveBytes(TorchDispatchMode):
 
     def mark(self, name: str) -> None:
         self.marks[name] = len(self.events)
+        self.flops_at[name] = self.flops
 
-    def _died(self, key) -> None:
+    def _died(self, key, birth) -> None:
+        if self.birth.get(key) != birth:
+            return
         nbytes = self.live.pop(key, None)
         self.refs.pop(key, None)
+        self.birth.pop(key, None)
         if nbytes:
-            self.events.append((key, -nbytes))
+            self.events.append((birth, -nbytes))
+
+    def births(self, keys) -> set:
+        """The birth numbers of the live storages at these keys (storage_key): what `peak` excludes."""
+        return {self.birth[k] for k in keys if k in self.birth}
 
     def _resized(self, key, nbytes: int) -> None:
         if nbytes != self.live[key]:
-            self.events.append((key, nbytes - self.live[key]))
+            self.events.append((self.birth[key], nbytes - self.live[key]))
             self.live[key] = nbytes
 
     def see(self, t: torch.Tensor) -> None:
@@ -130,8 +214,11 @@ class LiveBytes(TorchDispatchMode):
             return
         self.live[key] = 0
         self.refs[key] = weakref.ref(storage)
+        self.births_seen += 1
+        birth = self.births_seen
+        self.birth[key] = birth
         self._resized(key, nbytes)
-        weakref.finalize(storage, self._died, key)
+        weakref.finalize(storage, self._died, key, birth)
 
     def resync(self) -> None:
         """Re-reads every live storage's size: fully_shard frees and reallocates its gathered
@@ -153,6 +240,7 @@ class LiveBytes(TorchDispatchMode):
         for leaf in pytree.tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self.see(leaf)
+        self.flops += op_flops(func, args, out)
         return out
 
     def _scalar(self, t: torch.Tensor):
@@ -166,7 +254,8 @@ class LiveBytes(TorchDispatchMode):
         return float(value) if t.dtype.is_floating_point else int(value)
 
     def peak(self, exclude: set = frozenset(), start: str = None, end: str = None) -> int:
-        """Largest live bytes of non-excluded storages reached between marks `start` and `end`
+        """Largest live bytes of the storages whose births are not in `exclude` (see `births`) reached
+        between marks `start` and `end`
         (the live bytes at `start` included)."""
         lo = self.marks.get(start, 0) if start else 0
         hi = self.marks.get(end, len(self.events)) if end else len(self.events)

@@ -8,6 +8,7 @@ tests/python/level1/test_planner.py.
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, Optional
@@ -19,7 +20,7 @@ from .memory import LiveBytes
 from .step import build_model, make_batch, shard_model, state_bytes, train_step
 from .world import recording, simulated_mesh
 
-__all__ = ["PlanReport", "measure_rank", "plan_step"]
+__all__ = ["PlanReport", "apply_options", "measure_rank", "plan_step"]
 
 
 @dataclass
@@ -46,6 +47,16 @@ class PlanReport:
     total_parameters: int = 0  # of the whole model (elements)
     seconds: dict = field(default_factory=dict)
     issuers: list = field(default_factory=list)  # with trace: [axis, kind, line, bytes], largest first
+    device: str = "cpu"  # whose kernels were planned (world.recording)
+    recompute: str = "none"
+    cp_algorithm: str = ""
+    flops: int = 0  # this rank's floating-point operations over the step (memory.LiveBytes)
+    phase_flops: dict = field(default_factory=dict)  # "forward" / "backward" / "optimizer" -> flops
+    kernels: dict = field(default_factory=dict)  # "sdpa <backend>" -> calls
+    cp_calls: dict = field(default_factory=dict)  # cp attention calls per algorithm that ran them
+    peak_optimizer_offloaded: int = 0  # the peak with the optimizer state on the host (never on the device)
+    offload: int = 0  # with the optimizer offloaded (plan.py --offload-optimizer): host-device bytes per step
+    hsdp: int = 0  # replicas of an HSDP plan (analytic, see plan.hsdp_report); 0: none
 
     def over(self, memory_per_rank: float) -> list:
         """The classes that do not fit `memory_per_rank` bytes, largest first: each class's share
@@ -56,12 +67,39 @@ class PlanReport:
             "optimizer": self.optimizer,
             "activations": self.activations,
         }
+        if self.offload:
+            del classes["optimizer"]  # on the host
         if self.peak <= memory_per_rank:
             return []
         return sorted(classes, key=lambda k: -classes[k])
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def apply_options(report: PlanReport, hsdp: int = 0, offload: bool = False) -> PlanReport:
+    """The two settings modelled from a plan rather than planned (docs/planner.md, "HSDP and
+    optimizer offload"):
+    - `hsdp` = R replicas: `report` is the plan of the dp/R-sized shard group (fully sharded over it,
+      one sequence per rank as before); an HSDP rank holds the same, and adds one all-reduce of its
+      fp32 gradient shard over the R replicas (ring: 2 (R-1)/R of its bytes sent), on a
+      "dp_replicate" axis placed outside the mesh (across nodes);
+    - `offload`: the AdamW state lives on the host and the step runs there: the device peak is the
+      plan's peak without the optimizer state's storages (planned exactly), and every step moves the
+      gradients down and the parameters back up (their bytes, at the host link)."""
+    if hsdp > 1:
+        sent = 2 * (hsdp - 1) * report.gradients // hsdp
+        report.mesh = {"dp_replicate": hsdp, **report.mesh}
+        report.axis_bytes["dp_replicate"] = sent
+        report.phase_bytes["backward dp_replicate"] = sent
+        report.collectives["dp_replicate all_reduce"] = 1
+        report.collective_bytes["dp_replicate all_reduce"] = sent
+        report.traffic_bytes += sent
+        report.hsdp = hsdp
+    if offload:
+        report.peak = report.peak_optimizer_offloaded
+        report.offload = report.gradients + report.parameters
+    return report
 
 
 class _Resyncing:
@@ -98,13 +136,20 @@ def _watch_fully_shard(model, live: LiveBytes) -> None:
 def _step_figures(report: PlanReport, model, optimizer, live: LiveBytes) -> None:
     counted = state_bytes(model, optimizer)
     report.parameters, report.gradients, report.optimizer = counted.parameters, counted.gradients, counted.optimizer
-    state = counted.keys["gradients"] | counted.keys["optimizer"]
+    state = live.births(counted.keys["gradients"] | counted.keys["optimizer"])
     report.activations = live.peak(exclude=state, start="forward", end="end")
     report.forward_backward_peak = live.peak(start="forward", end="optimizer")
     at_optimizer = live.peak(start="optimizer", end="optimizer")
     at_end = live.peak(start="end", end="end")
     report.optimizer_growth = at_end - at_optimizer
     report.peak = report.parameters + live.peak(start="forward", end="end")
+    report.peak_optimizer_offloaded = report.parameters + live.peak(
+        exclude=live.births(counted.keys["optimizer"]), start="forward", end="end"
+    )
+    marks = live.flops_at
+    order = ["forward", "backward", "optimizer", "end"]
+    report.phase_flops = {a: marks.get(b, live.flops) - marks.get(a, 0) for a, b in zip(order, order[1:])}
+    report.flops = live.flops
 
 
 def plan_step(
@@ -119,9 +164,14 @@ def plan_step(
     dtype: torch.dtype = torch.float32,
     compute_dtype: Optional[torch.dtype] = None,
     trace: bool = False,
+    device: str = "cpu",
+    recompute: str = "none",
+    cp_algorithm: str = "all_gather_kv",
 ) -> PlanReport:
     """One training step of `config`'s model on a simulated mesh of `shape`, as rank `rank` sees it.
-    `batch`: sequences per step in all (split over dp); `seq`: tokens per sequence."""
+    `batch`: sequences per step in all (split over dp); `seq`: tokens per sequence; `device`: whose
+    kernels the step takes (world.recording); `recompute`: step.apply_recompute's mode;
+    `cp_algorithm`: attention's algorithm on a "cp" axis."""
     from .world import coordinates
 
     times = {}
@@ -131,7 +181,7 @@ def plan_step(
     total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     times["build"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    shard_model(model, mesh, fully_shard, compute_dtype)
+    shard_model(model, mesh, fully_shard, compute_dtype, cp_algorithm, recompute)
     times["shard"] = time.perf_counter() - t0
     report = PlanReport(
         model=name,
@@ -139,14 +189,22 @@ def plan_step(
         rank=rank,
         total_parameters=total,
         coordinates=dict(zip(shape, coordinates(shape, rank))),
+        device=device,
+        recompute=recompute,
+        cp_algorithm=cp_algorithm if "cp" in shape else "",
     )
     ids = make_batch(config, batch, seq, "meta")
     live = LiveBytes()
     live.know(list(model.parameters()) + list(model.buffers()) + list(ids))
     _watch_fully_shard(model, live)
     t0 = time.perf_counter()
+    # The garbage collector frees storages held in reference cycles when its allocation counters
+    # say so: collected here, a plan's step starts from the same counters whatever ran before it
+    # in the process (without it, a plan's peak depended on the plans run earlier).
+    gc.collect()
     before = _C.traffic()["bytes_sent"]
-    with recording(trace) as log, live:
+    cp_before = dict(_C.cp_attention_calls())
+    with recording(trace, device) as log, live:
 
         def phase(name):
             live.mark(name)
@@ -155,6 +213,10 @@ def plan_step(
         optimizer = train_step(model, ids, phase)
     times["step"] = time.perf_counter() - t0
     report.traffic_bytes = _C.traffic()["bytes_sent"] - before
+    report.cp_calls = {
+        k: n - cp_before.get(k, 0) for k, n in dict(_C.cp_attention_calls()).items() if n - cp_before.get(k, 0)
+    }
+    report.kernels = dict(log.kernels)
     _step_figures(report, model, optimizer, live)
     report.axis_bytes = log.axis_bytes()
     report.collectives = {f"{a} {k}": n for (a, k), n in sorted(log.counts.items())}
@@ -195,7 +257,15 @@ def _reset_high_water() -> None:
 
 
 def measure_rank(
-    rank: int, world: int, config_values: dict, shape: dict, fully_shard: bool, batch: int, seq: int
+    rank: int,
+    world: int,
+    config_values: dict,
+    shape: dict,
+    fully_shard: bool,
+    batch: int,
+    seq: int,
+    recompute: str = "none",
+    cp_algorithm: str = "all_gather_kv",
 ) -> dict:
     """A real step on a gloo mesh (run by hypershard.launch.spawn_local_ranks, with
     MALLOC_MMAP_THRESHOLD_ fixed so every large tensor is its own mapping and freeing it shrinks the
@@ -213,11 +283,11 @@ def measure_rank(
     # (thread pools, BLAS and gloo buffers, hypershard's plan caches). The measured step is the
     # first of a fresh model, as the planner's (a later step starts from the previous one's
     # gradients and optimizer state).
-    warm = shard_model(build_model(config, "cpu"), mesh, fully_shard)
+    warm = shard_model(build_model(config, "cpu"), mesh, fully_shard, None, cp_algorithm, recompute)
     train_step(warm, ids)
     del warm
     gc.collect()
-    model = shard_model(build_model(config, "cpu"), mesh, fully_shard)
+    model = shard_model(build_model(config, "cpu"), mesh, fully_shard, None, cp_algorithm, recompute)
     gc.collect()
     marks = {}
 

@@ -18,6 +18,8 @@ from .memory import storage_key
 
 __all__ = [
     "PUBLISHED",
+    "RECOMPUTE",
+    "apply_recompute",
     "StepBytes",
     "build_model",
     "load_config",
@@ -142,12 +144,35 @@ def build_model(config, device: str = "meta", dtype: torch.dtype = torch.float32
     return model.train()
 
 
+RECOMPUTE = ("none", "selective", "full")
+
+
+def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
+    """hs.recompute on every decoder layer: "full" keeps each layer's inputs and reruns its forward in
+    backward, "selective" also keeps the outputs of hypershard.recompute.SELECTIVE_SAVE_OPS (matrix
+    products, attention kernels); "none" leaves the model as it is."""
+    if mode not in RECOMPUTE:
+        raise ValueError(f"hypershard: plan: recompute {mode!r}; allowed: {list(RECOMPUTE)}")
+    if mode == "none":
+        return model
+    from ..recompute import recompute
+
+    return recompute(model, mode=mode)
+
+
 def shard_model(
-    model: nn.Module, mesh, fully_shard: bool = False, compute_dtype: Optional[torch.dtype] = None
+    model: nn.Module,
+    mesh,
+    fully_shard: bool = False,
+    compute_dtype: Optional[torch.dtype] = None,
+    cp_algorithm: str = "all_gather_kv",
+    recompute: str = "none",
 ) -> nn.Module:
-    """parallelize with the model's own TP / EP plans (axes "tp", "ep"; inputs split over "dp"),
-    then, with `fully_shard`, hs.fully_shard on every decoder layer and the root over "dp"
-    (`compute_dtype`: the gathered parameters' dtype, the shards staying the master weights)."""
+    """parallelize with the model's own TP / EP plans (axes "tp", "ep"; inputs split over "dp"; the
+    sequence over "cp" with `cp_algorithm`), then, with `fully_shard`, hs.fully_shard on every
+    decoder layer and the root over "dp" (`compute_dtype`: the gathered parameters' dtype, the shards
+    staying the master weights; without fully_shard, hs.mixed_precision computes in it from the
+    parameters); `recompute`: see apply_recompute."""
     from ..fully_shard import MixedPrecisionPolicy
     from ..loading import fully_shard_layers
     from ..parallel import parallelize
@@ -155,12 +180,17 @@ def shard_model(
     checks = _C.check_replicas()
     _C.set_check_replicas(False)  # meta tensors have no values to compare
     try:
-        parallelize(model, mesh)
+        parallelize(model, mesh, cp_algorithm=cp_algorithm)
         if fully_shard:
             policy = None
             if compute_dtype is not None:
                 policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
             fully_shard_layers(model, mesh, mp_policy=policy)
+        apply_recompute(model, recompute)  # after fully_shard, before mixed precision (hs.recompute's order)
+        if compute_dtype is not None and not fully_shard:  # bf16 compute from fp32 master weights without fully_shard
+            from ..mixed_precision import mixed_precision
+
+            mixed_precision(model, MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32))
     finally:
         _C.set_check_replicas(checks)
     return model

@@ -1,7 +1,8 @@
 """The planner against reality: the same step planned (meta, simulated mesh) and run (4 real gloo
 ranks on this machine), figure by figure.
 
-    python -m hypershard.planner.validate --mesh dp=2,tp=2 [--fully-shard]
+    python -m hypershard.planner.validate --mesh dp=2,tp=2 [--fully-shard] [--recompute full]
+    python -m hypershard.planner.validate --mesh dp=2,cp=2 --cp-algorithm ring
 
 Compared for rank 0 (planned | measured):
 - parameters, gradients, optimizer state: storage bytes counted on the real tensors;
@@ -48,8 +49,17 @@ FIGURES = (
 )
 
 
-def validate(shape: dict, fully_shard: bool = False, model: dict = MODEL, batch: int = BATCH, seq: int = SEQ) -> dict:
-    """{figure: (planned, measured, relative difference)} for rank 0 (see the module docstring)."""
+def validate(
+    shape: dict,
+    fully_shard: bool = False,
+    model: dict = MODEL,
+    batch: int = BATCH,
+    seq: int = SEQ,
+    recompute: str = "none",
+    cp_algorithm: str = "all_gather_kv",
+) -> dict:
+    """{figure: (planned, measured, relative difference)} for rank 0 (see the module docstring). The
+    plan takes the CPU's kernels (device "cpu"): the real ranks run on this machine's CPU."""
     from ..launch import spawn_local_ranks
     from .run import measure_rank, plan_step
     from .step import load_config
@@ -66,13 +76,24 @@ def validate(shape: dict, fully_shard: bool = False, model: dict = MODEL, batch:
         fully_shard,
         batch,
         seq,
+        recompute,
+        cp_algorithm,
         env={"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"},
     )[0]
     measured_s = time.perf_counter() - started
     values = dict(model)
     config = load_config(values.pop("name"), **values)
     started = time.perf_counter()
-    planned = plan_step(config, shape, batch=batch, seq=seq, fully_shard=fully_shard).to_dict()
+    planned = plan_step(
+        config,
+        shape,
+        batch=batch,
+        seq=seq,
+        fully_shard=fully_shard,
+        device="cpu",
+        recompute=recompute,
+        cp_algorithm=cp_algorithm,
+    ).to_dict()
     planned_s = time.perf_counter() - started
     planned["gradients_rss"] = planned["gradients"]
     out = {}
@@ -84,14 +105,19 @@ def validate(shape: dict, fully_shard: bool = False, model: dict = MODEL, batch:
 
 
 def main(argv=None) -> int:
-    from ..launch import parse_mesh
+    from ..launch import mesh_argument
+    from . import PLANNED_AXES
 
     parser = argparse.ArgumentParser(prog="python -m hypershard.planner.validate")
     parser.add_argument("--mesh", default="dp=2,tp=2")
     parser.add_argument("--fully-shard", action="store_true")
+    parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    parser.add_argument("--cp-algorithm", choices=("all_gather_kv", "ulysses", "ring"), default="all_gather_kv")
     args = parser.parse_args(argv)
-    shape, names = parse_mesh(args.mesh)
-    result = validate(dict(zip(names, shape)), args.fully_shard)
+    shape, names = mesh_argument("plan.validate", PLANNED_AXES)(args.mesh)
+    result = validate(
+        dict(zip(names, shape)), args.fully_shard, recompute=args.recompute, cp_algorithm=args.cp_algorithm
+    )
     print(json.dumps(result, indent=1))
     return 0
 

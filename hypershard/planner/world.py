@@ -14,7 +14,7 @@ issues the collective, so the counter's growth since the previous collective is 
 bytes. The one exception, span exchanges (an all_to_all counted right after it is issued), is
 costed from its splits. A collective hypershard never counts (none known) would be costed by ring
 formulas and marked uncounted. While recording, F.scaled_dot_product_attention on meta takes the
-kernel a CPU run takes (see _cpu_attention).
+kernel the planned device's dispatch takes (`recording(device=...)`: _cuda_attention, _cpu_attention).
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ class CollectiveLog:
     by_phase: collections.Counter = field(default_factory=collections.Counter)  # (phase, axis) -> bytes
     trace: bool = False  # also attribute each collective to the model / hypershard line that issued it
     where: collections.Counter = field(default_factory=collections.Counter)  # (axis, kind, line) -> bytes
+    kernels: collections.Counter = field(default_factory=collections.Counter)  # "sdpa <backend>" -> calls
 
     def axis_bytes(self) -> dict:
         out: collections.Counter = collections.Counter()
@@ -239,6 +240,80 @@ def _meta_item(t: torch.Tensor):
 
 
 _sdpa = torch.nn.functional.scaled_dot_product_attention
+DEVICES = ("cuda", "npu", "cpu")
+# The SDPA backends torch's CUDA chooser tries, in order (aten/src/ATen/native/transformers/cuda/
+# sdp_utils.cpp, priority_order): cuDNN first on sm90 / sm100 with a runtime cuDNN newer than 9.15
+# (H100, H200, B200 with torch's CUDA 12.9+ / 13 wheels), else flash, efficient, math, cuDNN.
+CUDA_SDPA_ORDER = ("cudnn", "flash", "efficient", "math")
+
+
+def _low_precision(t) -> bool:
+    return t.dtype in (torch.float16, torch.bfloat16)
+
+
+def cuda_sdpa_backend(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False, order=CUDA_SDPA_ORDER
+) -> str:
+    """The backend torch's CUDA chooser (sdp_utils.cpp, select_sdp_backend) takes for these inputs on
+    an sm90 GPU (H100 / H200) with cuDNN >= 9.10, checking what depends on shapes and dtypes only:
+    - cudnn: fp16 / bf16; head dims of q/k and v at most 256 and multiples of 8; q and k one head
+      dim; grouped key/value heads allowed; a mask allowed;
+    - flash: fp16 / bf16; q, k, v one head dim, at most 256; no mask; causal only when the query and
+      key lengths are equal; grouped heads allowed;
+    - efficient: any float dtype; q and k one head dim; q and v head dims multiples of 8 (fp16 / bf16)
+      or 4 (fp32); a mask allowed; no grouped heads;
+    - math: anything (the S x S scores materialised)."""
+    dq, dk, dv = query.shape[-1], key.shape[-1], value.shape[-1]
+    grouped = key.dim() >= 3 and key.shape[-3] != query.shape[-3]
+    low = _low_precision(query)
+    for backend in order:
+        if backend == "cudnn":
+            ok = low and dq == dk and max(dq, dv) <= 256 and dq % 8 == 0 and dv % 8 == 0
+        elif backend == "flash":
+            square = query.shape[-2] == key.shape[-2]
+            ok = low and dq == dk == dv <= 256 and attn_mask is None and (square or not is_causal)
+        elif backend == "efficient":
+            align = 8 if low else 4
+            ok = dq == dk and dq % align == 0 and dv % align == 0 and not grouped
+        else:
+            ok = True
+        if ok:
+            return backend
+    return "math"
+
+
+def _cuda_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention on meta as CUDA dispatch lowers it: the backend torch's chooser
+    takes (cuda_sdpa_backend) and the lowering of hypershard.testing.cuda_lowering (the one its CUDA
+    trace uses): aten::_scaled_dot_product_{cudnn,flash,efficient}_attention and their backwards, whose
+    Meta kernels give the outputs a GPU keeps: out and the fp32 logsumexp (no S x S matrix)."""
+    from ..testing.cuda_lowering import lowered_sdpa
+
+    if not query.is_meta:
+        return _sdpa(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+    backend = cuda_sdpa_backend(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+    if _active is not None:
+        _active.kernels[f"sdpa {backend}"] += 1
+    return lowered_sdpa(
+        backend,
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
 
 
 def _cpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -253,6 +328,8 @@ def _cpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
         and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and query.shape[-1] == key.shape[-1] == value.shape[-1]
     ):
+        if _active is not None and query.is_meta:
+            _active.kernels["sdpa math"] += 1
         return _sdpa(
             query,
             key,
@@ -263,6 +340,8 @@ def _cpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
             scale=scale,
             enable_gqa=enable_gqa,
         )
+    if _active is not None:
+        _active.kernels["sdpa flash_for_cpu"] += 1
     if enable_gqa and key.shape[1] != query.shape[1]:
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -271,17 +350,26 @@ def _cpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     )[0]
 
 
+_ATTENTION = {"cpu": _cpu_attention, "cuda": _cuda_attention}
+
+
 class recording:
     """``with recording() as log:`` records every collective on a simulated mesh into `log`."""
 
-    def __init__(self, trace: bool = False):
+    def __init__(self, trace: bool = False, device: str = "cpu"):
+        if device not in _ATTENTION:
+            raise ValueError(
+                f"hypershard: plan: device {device!r} is not modelled; allowed: {sorted(_ATTENTION)}"
+                + (" (npu: torch_npu's kernels are not modelled yet, docs/planner.md)" if device == "npu" else "")
+            )
         self.log = CollectiveLog(trace=trace)
+        self.device = device
 
     def __enter__(self) -> CollectiveLog:
         global _active, _last_counted
         _install()
         _active, _last_counted = self.log, _C.traffic()["bytes_sent"]
-        torch.nn.functional.scaled_dot_product_attention = _cpu_attention
+        torch.nn.functional.scaled_dot_product_attention = _ATTENTION[self.device]
         return self.log
 
     def __exit__(self, *exc) -> None:
