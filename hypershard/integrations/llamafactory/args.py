@@ -29,6 +29,9 @@ _DTYPES = {
 }
 
 
+RECOMPUTE = ("auto", "full", "selective", "none")
+
+
 def _mesh_axes() -> tuple:
     """The mesh axes hypershard gives a meaning to (hypershard.launch.MESH_AXES)."""
     try:
@@ -62,6 +65,9 @@ class HyperParallelArguments:
       gradients summed in reduce_dtype; ``param_dtype: "auto"`` (the default): bfloat16 (gradients
       summed in float32) for a bfloat16 checkpoint when the YAML asks for neither bf16 nor fp16,
       else none (`precision`);
+    - ``recompute``: activation recomputation of every decoder layer by hs.recompute: "full",
+      "selective" or "none"; "auto" (the default): "full" where LlamaFactory turned transformers'
+      gradient checkpointing on (its default), which it replaces, "none" where it did not;
     - ``strict``: run every op through a distributed rule (hs.strict), no gather fallback.
     """
 
@@ -70,6 +76,7 @@ class HyperParallelArguments:
     cp_size: int = 1
     dp_size: Optional[int] = None
     cp_algorithm: str = "all_gather_kv"
+    recompute: str = "auto"
     fully_shard: bool = False
     reshard_after_forward: bool = True
     param_dtype: Optional[str] = "auto"
@@ -168,6 +175,8 @@ class HyperParallelArguments:
                 self._fail(f"{key}={value!r}; allowed: null, {extra}or one of {sorted(_DTYPES)}")
         from hypershard.parallel import CP_ALGORITHMS
 
+        if self.recompute not in RECOMPUTE:
+            self._fail(f"recompute={self.recompute!r}; allowed: one of {list(RECOMPUTE)}")
         if self.cp_algorithm not in CP_ALGORITHMS:
             self._fail(f"cp_algorithm={self.cp_algorithm!r}; allowed: one of {list(CP_ALGORITHMS)}")
         for key in ("tp_plan", "ep_plan"):
@@ -264,6 +273,13 @@ class HyperParallelArguments:
     def dtype(self, key: str) -> Optional[torch.dtype]:
         value = getattr(self, key)
         return None if value is None or value == "auto" else _DTYPES[value]
+
+    def recompute_mode(self, hf_checkpointing: bool) -> Optional[str]:
+        """hs.recompute's mode for this run, or None: "auto" is "full" when transformers' gradient
+        checkpointing was on (LlamaFactory's default: the same layers, recomputed whole)."""
+        if self.recompute == "auto":
+            return "full" if hf_checkpointing else None
+        return None if self.recompute == "none" else self.recompute
 
     def precision(self, model: torch.nn.Module, training_args=None) -> tuple:
         """(param_dtype, reduce_dtype) of hs.mixed_precision for this run, None where not asked.

@@ -159,6 +159,15 @@ class _CrashAtStep(TrainerCallback):
             os._exit(1)
 
 
+class _NoteStep(TrainerCallback):
+    """What a failed collective's report says this rank was doing (hypershard.faults.note)."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        from hypershard import faults
+
+        faults.note(f"in step {state.global_step + 1} of {state.max_steps}")
+
+
 class HyperParallelTrainer(CustomSeq2SeqTrainer):
     """The trainer LlamaFactory's hyper_parallel workflow builds (the ``use_hyper_parallel``
     contract): keyword arguments as CustomSeq2SeqTrainer's plus ``hp_args``."""
@@ -184,6 +193,9 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
         hp_args.check_model(model)
         self.hp_args = hp_args
         self.mesh = hs.init_device_mesh("cpu", shape, names)
+        if rank == 0:
+            mesh_text = " x ".join(f"{n}{s}" for n, s in zip(names, shape))
+            print(f"hypershard: llamafactory: {self.finetuning_type} fine-tuning on the mesh {mesh_text}", flush=True)
         self.dp_size = shape[0]
         self.cp_size = hp_args.cp_size
         # peft: the HF model inside is what the plans name and what the hooks go on
@@ -225,6 +237,7 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
             for block in blocks:  # one group per decoder layer, then the root (as fully_shard_layers)
                 fully_shard(block, self.mesh, reshard_after_forward=hp.reshard_after_forward)
             fully_shard(model, self.mesh, reshard_after_forward=hp.reshard_after_forward)
+        self._recompute(model, training_args)
         param_dtype, reduce_dtype = hp.precision(model, training_args)
         if param_dtype or reduce_dtype:
             from hypershard.fully_shard import MixedPrecisionPolicy
@@ -238,6 +251,25 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
                 )
             # fully_shard's groups (no policy of their own) take this one too
             mixed_precision(model, MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+
+    def _recompute(self, model, training_args) -> None:
+        """LlamaFactory turns transformers' gradient checkpointing on by default (its own checkpoint
+        function, reentrant, around each decoder layer with trainable parameters). It is replaced by
+        hs.recompute on every decoder layer (JSON ``recompute``; "auto": full): non-reentrant, one
+        gather per fully_shard group for backward instead of two, RNG replayed, and "selective"."""
+        from hypershard.recompute import recompute
+
+        hf_on = bool(getattr(model, "is_gradient_checkpointing", False))
+        mode = self.hp_args.recompute_mode(hf_on)
+        if hf_on:
+            model.gradient_checkpointing_disable()
+        if training_args is not None and getattr(training_args, "gradient_checkpointing", False):
+            training_args.gradient_checkpointing = False  # HF's train() would turn its own on again
+        if mode is not None:
+            recompute(model, mode=mode)
+        if _rank_world()[0] == 0:
+            was = "transformers' gradient checkpointing (LlamaFactory's) replaced by " if hf_on else ""
+            print(f"hypershard: llamafactory: recomputation: {was}hs.recompute(mode={mode or 'none'!r})", flush=True)
 
     def _adapter_plans(self, model, plan, ep_plan) -> tuple:
         """The tp and ep plans with the LoRA adapters laid out after their base layers (adapters.py)."""
@@ -296,6 +328,12 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
         return inputs
 
     # ------------------------------------------------------------------------------- training
+
+    def get_total_train_batch_size(self, args) -> int:
+        """Sequences per optimizer step: HF multiplies its batch size by its process count, but
+        _train_batch_size already holds dp's share and the other ranks (tp, ep, cp) read the same
+        batch. HF's "Total train batch size" log line and its samples-per-second use this."""
+        return self._train_batch_size * args.gradient_accumulation_steps
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         with _strict() if self.hp_args.strict else contextlib.nullcontext():

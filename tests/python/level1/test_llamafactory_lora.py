@@ -98,6 +98,8 @@ def test_qwen3_lora_dp2_tp2_equals_llamafactory_peft_folder_and_resumes_on_fully
     reference = read_losses(ref)
     result, out = run(work, "lora_dp2_tp2", "qwen3", nproc=4, hp={"tp_size": 2, "strict": True}, **lora)
     ok(result, "LoRA dp2 x tp2 run")
+    # LlamaFactory's default gradient checkpointing, replaced by hs.recompute (docs/llamafactory.md)
+    assert "gradient checkpointing (LlamaFactory's) replaced by hs.recompute(mode='full')" in result.stdout
     assert_close(read_losses(out), reference, range(1, STEPS + 1), "LoRA dp2 x tp2 vs LlamaFactory")
 
     # the folders: peft's own layout, the same keys as LlamaFactory's, no base weights
@@ -110,8 +112,26 @@ def test_qwen3_lora_dp2_tp2_equals_llamafactory_peft_folder_and_resumes_on_fully
     assert got.keys() == expected.keys() and any("lm_head" in k for k in got), sorted(got)[:6]
     for key, value in expected.items():
         assert got[key].shape == value.shape, key
-    # the checkpoint's shards hold the trainable parameters only
-    assert (out / "checkpoint-2" / "hypershard" / "step_00000002" / "COMPLETE").is_file()
+    # the checkpoint's shards hold the trainable parameters only, each laid out as its base layer's
+    # style says (DCP's metadata lists the chunks the ranks wrote: a Replicate tensor one, a tp-sharded one two)
+    import torch.distributed.checkpoint as dcp
+
+    shards = out / "checkpoint-2" / "hypershard" / "step_00000002"
+    assert (shards / "COMPLETE").is_file()
+    saved = dcp.FileSystemReader(str(shards)).read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("model.")]
+    assert model_keys and not [k for k in model_keys if "base_layer" in k or "original_module" in k], model_keys
+    prefix = "model.base_model.model.model.layers.0."
+
+    def chunks(name):
+        return sorted((tuple(c.offsets), tuple(c.sizes)) for c in saved[prefix + name].chunks)
+
+    for proj, out_features in (("self_attn.q_proj", 32), ("mlp.up_proj", 64)):  # colwise: B on out, A whole
+        assert chunks(f"{proj}.lora_B.default.weight") == [((0, 0), (out_features // 2, 4)), ((out_features // 2, 0), (out_features // 2, 4))]
+        assert chunks(f"{proj}.lora_A.default.weight") == [((0, 0), (4, 32))]
+    for proj, in_features in (("self_attn.o_proj", 32), ("mlp.down_proj", 64)):  # rowwise: A on in, B whole
+        assert chunks(f"{proj}.lora_A.default.weight") == [((0, 0), (4, in_features // 2)), ((0, in_features // 2), (4, in_features // 2))]
+        assert chunks(f"{proj}.lora_B.default.weight") == [((0, 0), (32, 4))]
 
     # one device, peft's own loader: hypershard's adapters give LlamaFactory's outputs
     ids = torch.arange(3, 3 + 24).reshape(2, 12)
@@ -143,7 +163,7 @@ def test_qwen3_lora_dp2_tp2_equals_llamafactory_peft_folder_and_resumes_on_fully
 
 
 def test_qwen3_freeze_on_cp2_dp2_equals_llamafactory(work):
-    """finetuning_type freeze (the last decoder layer and the final norm trainable) on cp2 x dp2:
+    """finetuning_type freeze (the last decoder layer and the norms trainable) on cp2 x dp2:
     the sequence split over cp (the collator pads to a multiple of 2 x cp, labels shifted over the
     whole sequence, head-tail order), losses equal LlamaFactory's single process, and the exported
     model's frozen weights are the pretrained ones bit for bit (no gradient, no update reached them)."""
@@ -152,12 +172,38 @@ def test_qwen3_freeze_on_cp2_dp2_equals_llamafactory(work):
     ok(result, "LlamaFactory's single-process freeze run")
     result, out = run(work, "freeze_cp2_dp2", "qwen3", nproc=4, hp={"cp_size": 2}, **freeze)
     ok(result, "freeze cp2 x dp2 run")
+    assert "freeze fine-tuning on the mesh dp2 x cp2" in result.stdout, result.stdout[-2000:]
     assert_close(read_losses(out), read_losses(ref), range(1, STEPS + 1), "freeze cp2 x dp2 vs LlamaFactory")
     from safetensors.torch import load_file
 
     got = load_file(str(out / "model.safetensors"))
     init = load_file(str(work["qwen3"] / "model.safetensors"))
-    trainable = [k for k in got if k.startswith("model.layers.1.") or k == "model.norm.weight"]
-    assert trainable and all(not torch.equal(got[k], init[k]) for k in trainable), "a trainable weight did not move"
-    frozen = [k for k in got if k not in trainable]
-    assert frozen and all(torch.equal(got[k], init[k]) for k in frozen), "a frozen weight changed"
+    expected = load_file(str(ref / "model.safetensors"))
+    # LlamaFactory's own partition: its single process moved exactly the trainable weights (layer 1
+    # and every "*norm*" weight: freeze_extra_modules matches names by substring)
+    trainable = {k for k in expected if not torch.equal(expected[k], init[k])}
+    assert {k for k in expected if k.startswith("model.layers.1.")} <= trainable and len(trainable) < len(expected)
+    assert all(not torch.equal(got[k], init[k]) for k in trainable), "a trainable weight did not move"
+    assert all(torch.equal(got[k], init[k]) for k in expected if k not in trainable), "a frozen weight changed"
+
+
+@pytest.mark.parametrize(
+    "model_type, hp, what",
+    [
+        ("qwen3_5_text", {"cp_size": 2}, "cp2 x dp2"),
+        ("qwen3_5_moe_text", {"ep_size": 2, "strict": True}, "ep2 x dp2"),
+    ],
+    ids=["qwen3_5_cp2_dp2", "qwen3_5_moe_ep2_dp2"],
+)
+def test_qwen3_5_lora_equals_llamafactory(work, model_type, hp, what):
+    """LoRA on Qwen3.5 (gated delta-net linear attention: its recurrence passed rank to rank over cp,
+    natural order) on cp2 x dp2, and on Qwen3.5-MoE (the router and the shared expert's linear
+    layers get adapters; the packed experts are not nn.Linear and stay frozen) on ep2 x dp2 in strict
+    mode: losses equal LlamaFactory's single-process LoRA run."""
+    work.setdefault(model_type, write_model(work["root"] / model_type, model_type))
+    result, ref = run(work, f"{model_type}_ref", model_type, per_device_train_batch_size=4, **LORA)
+    ok(result, f"LlamaFactory's single-process LoRA run of {model_type}")
+    result, out = run(work, f"{model_type}_lora", model_type, nproc=4, hp=hp, **LORA)
+    ok(result, f"{model_type} LoRA {what}")
+    assert f"lora fine-tuning on the mesh dp2 x {what.split(' x ')[0]}" in result.stdout, result.stdout[-2000:]
+    assert_close(read_losses(out), read_losses(ref), range(1, STEPS + 1), f"{model_type} LoRA {what} vs LlamaFactory")
