@@ -58,7 +58,6 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
-    noop_context_fn,
 )
 
 __all__ = ["MODES", "SELECTIVE_SAVE_OPS", "decoder_layers", "is_saved_op", "recompute", "recompute_mode"]
@@ -144,14 +143,18 @@ class RecomputedModule:
                 "them (model.gradient_checkpointing_disable(), or no hs.recompute)"
             )
         kwargs = _without_cache(self, kwargs)
-        return checkpoint(
-            super().__call__,
-            *args,
-            use_reentrant=False,
-            preserve_rng_state=True,
-            context_fn=_selective_contexts if mode == "selective" else noop_context_fn,
-            **kwargs,
-        )
+        if mode == "selective":
+            return checkpoint(
+                super().__call__,
+                *args,
+                use_reentrant=False,
+                preserve_rng_state=True,
+                context_fn=_selective_contexts,
+                **kwargs,
+            )
+        # (no context_fn argument at all: torch.compile, tracing a compiled model through this call,
+        # accepts only its default, and compares the traced value with it)
+        return checkpoint(super().__call__, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
 
 _CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")

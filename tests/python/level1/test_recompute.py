@@ -6,7 +6,10 @@ one mesh each, in strict mode, in ONE 2-rank launch:
 - Qwen3-VL-MoE on cp2, selective (K/V all-gathered again in the recomputation);
 - DeepSeek-V3.2 with fully_shard on dp2, full: the recomputation gathers no parameter a third time
   (FullyShardGroup.stats(): as many gathers per step as without recomputation);
-- Qwen3.5 dense on tp2 with hs.mixed_precision (bf16 compute, fp32 masters), selective.
+- Qwen3.5 dense on tp2 with hs.mixed_precision (bf16 compute, fp32 masters), selective;
+- Qwen3 with fully_shard on dp2 and hs.compile (aot_eager: each block compiled, the groups' hooks
+  and the checkpoint eager around it), selective, compared with the compiled run without
+  recomputation (bitwise, and the gather count).
 
 Each run is compared twice: with the SAME mesh and model without recomputation, BIT FOR BIT
 (losses, first-step gradients, final parameters: the same ops on the same values in the same
@@ -49,11 +52,12 @@ def _gathers(model) -> int:
     return sum(g.cgroup.stats()["gathers"] for g in _groups(model, True))
 
 
-def trainer(model_type, mode, *, fully_shard=False, mixed=False, fault=None):
+def trainer(model_type, mode, *, fully_shard=False, mixed=False, compiled=False, fault=None):
     def setup():
         from hypershard.models import make_batches, tiny_config
 
-        config = tiny_config(model_type)
+        # (no KV cache: a compiled block handed one runs eagerly, and a recomputed one drops it)
+        config = tiny_config(model_type, **({"use_cache": False} if model_type == "qwen3" else {}))
         return config, make_batches(config.get_text_config().vocab_size, STEPS, batch=4, seq=16)
 
     def reference(_dummy):
@@ -90,6 +94,8 @@ def trainer(model_type, mode, *, fully_shard=False, mixed=False, fault=None):
                 assert layers and all(rc.recompute_mode(m) == mode for m in layers)
             if mixed:
                 hs.mixed_precision(model)
+            if compiled:
+                hs.compile(model, backend="aot_eager")
             return model
 
         def record(model):
@@ -138,7 +144,7 @@ def trainer(model_type, mode, *, fully_shard=False, mixed=False, fault=None):
             patch = mock.patch.object(rc, "checkpoint", counting)
         with patch:
             got = record(model)
-        if fault is None:  # every decoder layer checkpointed in every step
+        if fault is None and not compiled:  # every decoder layer checkpointed in every step
             assert len(calls) == STEPS * len(rc.decoder_layers(model)), len(calls)
         bad = _bitwise(got, base)
         if fully_shard:
@@ -182,6 +188,11 @@ def cases():
         _case("qwen3_5_moe_ep2_full", EP2, *trainer("qwen3_5_moe_text", "full")),
         _case("qwen3_vl_moe_cp2_selective", CP2, *trainer("qwen3_vl_moe", "selective")),
         _case("deepseek_v32_fully_shard_dp2_full", DP2, *trainer("deepseek_v32", "full", fully_shard=True)),
+        _case(
+            "qwen3_fully_shard_dp2_compiled_selective",
+            DP2,
+            *trainer("qwen3", "selective", fully_shard=True, compiled=True),
+        ),
         _case("qwen3_5_text_tp2_mixed_precision_selective", TP2, *trainer("qwen3_5_text", "selective", mixed=True)),
         _case(
             "qwen3_5_text_tp2_planted_perturbed_recompute_is_caught",
