@@ -11,10 +11,13 @@ On top of DCP this module adds only what DCP lacks:
 
 - ``save(directory, model, optimizer, step=..., extra=...)``: model and optimizer state (the
   optimizer's keyed by parameter NAME, so it loads into a differently built optimizer), every
-  rank's RNG states, the caller's ``extra`` (data position, scheduler, ...) and, written last,
-  an atomic COMPLETE marker: a crash mid-save leaves a folder that ``latest`` ignores.
+  rank's RNG states and the caller's ``extra`` (data position, scheduler, ...), written into a
+  temporary folder that becomes ``step_N`` -- with its COMPLETE marker -- only once every rank
+  finished: a failure on one rank (a full disk) raises on every rank naming it, and a crash
+  mid-save leaves only the temporary folder, which ``latest`` ignores.
 - ``latest(directory)``: the newest complete checkpoint. ``load(path, model, optimizer)`` loads in
-  place (on any mesh; the optimizer's state is allocated first when it has none).
+  place (on any mesh; the optimizer's state is allocated first when it has none); on a folder of
+  checkpoints it takes the newest complete one and logs the partial ones it skipped.
 - ``export_hf(model, directory)``: a HuggingFace ``save_pretrained`` folder (safetensors files,
   index, config) written from the shards: one parameter is gathered at a time and each file is
   written by one rank, so no rank ever holds more than one file's tensors.
@@ -26,6 +29,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -41,13 +45,16 @@ __all__ = [
     "load",
     "model_state_dict",
     "optimizer_state_dict",
+    "partial_checkpoints",
     "read_extra",
+    "resume_point",
     "save",
     "set_optimizer_state_dict",
 ]
 
 COMPLETE = "COMPLETE"  # the marker file of a finished checkpoint (JSON: step, world, time)
 _STEP_PREFIX = "step_"
+_PARTIAL_SUFFIX = ".partial"  # save's temporary folder: .step_N.partial
 _EXTRA = "extra.pt"
 _RNG = "rng_rank{rank}.pt"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3  # export_hf: bytes per safetensors file (HF's default is 5 GB)
@@ -234,6 +241,85 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
+def partial_dir(path) -> Path:
+    """Where ``save`` writes the checkpoint `path` until every rank finished: ``.step_N.partial``
+    next to it (hidden, and never named like a checkpoint), renamed to `path` once complete."""
+    path = Path(path)
+    return path.parent / f".{path.name}{_PARTIAL_SUFFIX}"
+
+
+def _first_line(error: BaseException, limit: int = 400) -> str:
+    text = f"{type(error).__name__}: {error}".strip()
+    line = text.splitlines()[0] if text else type(error).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _failures(error: BaseException) -> list:
+    """[(rank, first line of its error)]: DCP's CheckpointException and SaveError carry the
+    failures of the ranks where they happened (every rank raises them); any other error is this
+    rank's own."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return [
+            (int(r), f if isinstance(f, str) else _first_line(f[0] if isinstance(f, tuple) else f))
+            for r, f in sorted(failures.items())
+        ]
+    return [(_rank(), _first_line(error))]
+
+
+class SaveError(RuntimeError):
+    """A save failed on some ranks; raised on every rank. ``failures``: {rank: its error, one line}."""
+
+    def __init__(self, message: str, failures: dict):
+        super().__init__(message)
+        self.failures = failures
+
+
+def _agree(what: str, error: Optional[BaseException]) -> None:
+    """Collective: every rank tells the others whether its part of `what` failed; if any did,
+    every rank raises the same SaveError naming the ranks where it happened and the first one's
+    error (a failure on one rank never leaves the others waiting in a later collective)."""
+    if not dist.is_initialized() or _world() == 1:
+        if error is not None:
+            failed = dict(_failures(error))
+            raise SaveError(f"hypershard: checkpoint: {what} failed: {failed[min(failed)]}", failed) from error
+        return
+    reports: list = [None] * _world()
+    dist.all_gather_object(reports, None if error is None else _failures(error))
+    failed = dict(pair for report in reports if report for pair in report)
+    if failed:
+        ranks = sorted(failed)
+        raise SaveError(
+            f"hypershard: checkpoint: {what} failed on rank {', '.join(map(str, ranks))} of {_world()}: "
+            f"{failed[ranks[0]]}",
+            failed,
+        ) from error
+
+
+def _write_marker(path: Path, marker: dict) -> None:
+    """COMPLETE, atomically (the file exists whole or not at all) and durably (fsync'd)."""
+    tmp = path / f".{COMPLETE}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(json.dumps(marker))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path / COMPLETE)
+    _fsync_dir(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems cannot sync a directory
+        pass
+    finally:
+        os.close(fd)
+
+
 def save(
     directory,
     model: torch.nn.Module,
@@ -245,49 +331,82 @@ def save(
 ) -> Path:
     """Saves a sharded checkpoint to ``directory/step_{step:08d}`` and returns that path.
 
-    Collective: every rank calls it. Each rank writes its own shards through DCP (a Replicate
-    shard is written by one rank), its RNG states, and rank 0 the picklable `extra` (the same on
-    every rank: data position, scheduler state, ...). The COMPLETE marker is written last,
-    atomically, after every rank finished: a folder without it (a crash mid-save) is never
-    returned by ``latest``. An earlier folder of the same step is replaced. `keep`: delete all
-    but the newest `keep` complete checkpoints afterwards."""
+    Collective: every rank calls it. Atomic per checkpoint: every rank writes its shards (through
+    DCP; a Replicate shard by one rank), its RNG states, and rank 0 the picklable `extra` (the same
+    on every rank: data position, scheduler state, ...) into a temporary folder
+    (``.step_N.partial``); once EVERY rank reported success, rank 0 writes the COMPLETE marker
+    into it and renames it to ``step_N``. A failure on any rank (a full disk, a write error) makes
+    every rank raise the same error naming the rank, and leaves no marker and no ``step_N``
+    folder; a crash mid-save leaves only the temporary folder. ``latest`` and ``load`` see
+    complete checkpoints only. An earlier folder of the same step is replaced once the new one is
+    complete (a stale ``.step_N.partial`` of an earlier failed save is removed first). `keep`:
+    delete all but the newest `keep` complete checkpoints afterwards."""
     import torch.distributed.checkpoint as dcp
 
     path = step_dir(directory, step)
+    tmp = partial_dir(path)
     rank = _rank()
+    error: Optional[BaseException] = None
     if rank == 0:
-        if path.exists():
-            (path / COMPLETE).unlink(missing_ok=True)  # first: never a complete-looking half
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
-    _barrier()
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)  # the part of an earlier save of this step that never finished
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            error = e
+    _agree(f"saving step {step}: creating {tmp}", error)
     started = time.perf_counter()
-    state = {"model": model_state_dict(model)}
-    if optimizer is not None:
-        state["optimizer"] = optimizer_state_dict(model, optimizer)
-    dcp.save(state, checkpoint_id=str(path))
-    torch.save(_rng_state(), path / _RNG.format(rank=rank))
+    try:
+        state = {"model": model_state_dict(model)}
+        if optimizer is not None:
+            state["optimizer"] = optimizer_state_dict(model, optimizer)
+        dcp.save(state, checkpoint_id=str(tmp))
+        torch.save(_rng_state(), tmp / _RNG.format(rank=rank))
+        if rank == 0:
+            torch.save(dict(extra or {}), tmp / _EXTRA)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 -- DCP's CheckpointException is a BaseException; every rank raises it below
+        error = e
+    _agree(f"saving step {step} into {tmp} (no {COMPLETE} marker was written)", error)
     if rank == 0:
-        torch.save(dict(extra or {}), path / _EXTRA)
-    _barrier()
-    if rank == 0:
-        marker = {
-            "step": step,
-            "world_size": _world(),
-            "optimizer": optimizer is not None,
-            "seconds": round(time.perf_counter() - started, 3),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        tmp = path / f".{COMPLETE}.tmp"
-        tmp.write_text(json.dumps(marker))
-        os.replace(tmp, path / COMPLETE)  # atomic: the marker exists whole or not at all
-        if keep is not None:
-            for old in complete_checkpoints(directory)[:-keep] if keep > 0 else []:
-                if old != path:
-                    (old / COMPLETE).unlink(missing_ok=True)
-                    shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+        try:
+            marker = {
+                "step": step,
+                "world_size": _world(),
+                "optimizer": optimizer is not None,
+                "seconds": round(time.perf_counter() - started, 3),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+            _write_marker(tmp, marker)
+            replaced = None
+            if path.exists():  # an earlier save of this step: set aside, removed once the new one is in place
+                replaced = path.parent / f".{path.name}.replaced"
+                if replaced.exists():
+                    shutil.rmtree(replaced)
+                (path / COMPLETE).unlink(missing_ok=True)
+                os.replace(path, replaced)
+            os.replace(tmp, path)  # atomic: step_N appears complete, or not at all
+            _fsync_dir(path.parent)
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
+            if keep is not None:
+                for old in complete_checkpoints(directory)[:-keep] if keep > 0 else []:
+                    if old != path:
+                        (old / COMPLETE).unlink(missing_ok=True)
+                        shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:
+            error = e
+    _agree(f"saving step {step}: completing {path}", error)
     return path
+
+
+def _step_of(name: str) -> Optional[int]:
+    if name.startswith(".") and name.endswith(_PARTIAL_SUFFIX):
+        name = name[1 : -len(_PARTIAL_SUFFIX)]
+    if name.startswith(_STEP_PREFIX) and name[len(_STEP_PREFIX) :].isdigit():
+        return int(name[len(_STEP_PREFIX) :])
+    return None
 
 
 def complete_checkpoints(directory) -> list:
@@ -297,9 +416,55 @@ def complete_checkpoints(directory) -> list:
         return []
     found = []
     for child in root.iterdir():
-        if child.name.startswith(_STEP_PREFIX) and child.name[len(_STEP_PREFIX) :].isdigit() and is_complete(child):
-            found.append((int(child.name[len(_STEP_PREFIX) :]), child))
+        if not child.name.startswith(".") and _step_of(child.name) is not None and is_complete(child):
+            found.append((_step_of(child.name), child))
     return [path for _, path in sorted(found)]
+
+
+def incomplete_reason(path) -> Optional[str]:
+    """Why `path` is not a complete checkpoint (None when it is one)."""
+    path = Path(path)
+    if is_complete(path):
+        return None
+    if path.name.endswith(_PARTIAL_SUFFIX):
+        return f"a save that did not finish (its temporary folder; no {COMPLETE} marker)"
+    if not path.is_dir():
+        return "no such folder"
+    return f"no {COMPLETE} marker: its save did not finish on every rank"
+
+
+def partial_checkpoints(directory) -> list:
+    """[(path, reason)] of the checkpoint folders under `directory` that are not complete (a save
+    that failed or was killed), oldest step first."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        step = _step_of(child.name)
+        if step is not None and child.is_dir() and not is_complete(child):
+            found.append((step, child.name, child))
+    return [(path, incomplete_reason(path)) for _, _, path in sorted(found)]
+
+
+def resume_point(directory) -> tuple:
+    """(the newest complete checkpoint under `directory` or None, [(path, reason)] of the partial
+    ones newer than it: what a resume skips)."""
+    newest = latest(directory)
+    floor = -1 if newest is None else _step_of(newest.name)
+    skipped = [(p, why) for p, why in partial_checkpoints(directory) if _step_of(p.name) > floor]
+    return newest, skipped
+
+
+def skipped_message(newest, skipped: list, what: str = "resuming") -> str:
+    """One line per skipped partial checkpoint, for the log of a resume."""
+    target = f"from {newest}" if newest is not None else "from the start (no complete checkpoint)"
+    return "\n".join(f"hypershard: checkpoint: {what} {target}; skipped {p}: {why}" for p, why in skipped)
+
+
+def _log_skipped(newest, skipped: list) -> None:
+    if skipped and _rank() == 0:
+        print(skipped_message(newest, skipped), file=sys.stderr, flush=True)
 
 
 def latest(directory) -> Optional[Path]:
@@ -308,28 +473,46 @@ def latest(directory) -> Optional[Path]:
     return found[-1] if found else None
 
 
-def _resolve(path) -> Path:
+def _looks_like_one_checkpoint(path: Path) -> bool:
+    return _step_of(path.name) is not None or (path / ".metadata").is_file() or any(path.glob("rng_rank*.pt"))
+
+
+def _resolve(path, log: bool = False) -> Path:
+    """A complete checkpoint: `path` itself, or the newest complete one it holds. An explicit
+    partial checkpoint is refused with the reason (never replaced by an older one silently)."""
     path = Path(path)
-    if not is_complete(path):
-        newest = latest(path)
-        if newest is None:
-            raise _error(
-                f"{path} is not a complete checkpoint (no {COMPLETE} marker) and holds none; "
-                "allowed: a folder written by hypershard.checkpoint.save, or one that holds such folders"
-            )
-        path = newest
-    return path
+    if is_complete(path):
+        return path
+    if path.is_dir() and _looks_like_one_checkpoint(path):
+        newest = latest(path.parent)
+        raise _error(
+            f"{path} is not a complete checkpoint: {incomplete_reason(path)}; the newest complete one "
+            f"next to it is {newest}; allowed: a complete checkpoint, or the folder that holds them "
+            "(the newest complete one is then used)"
+        )
+    newest, skipped = resume_point(path)
+    if newest is None:
+        reasons = "; ".join(f"{p.name}: {why}" for p, why in skipped)
+        raise _error(
+            f"{path} is not a complete checkpoint (no {COMPLETE} marker) and holds none"
+            + (f" (partial ones: {reasons})" if reasons else "")
+            + "; allowed: a folder written by hypershard.checkpoint.save, or one that holds such folders"
+        )
+    if log:
+        _log_skipped(newest, skipped)
+    return newest
 
 
 def load(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
     """Loads a checkpoint written by ``save`` into `model` (and `optimizer`) in place and returns
-    its `extra`. `path`: a checkpoint folder, or a folder holding several (the latest complete one
-    is used). Collective. The model may be on another mesh than the one saved (DCP reads the
-    pieces of the saved shards each rank needs); this rank's RNG states are restored when the
-    world size is the saved one."""
+    its `extra`. `path`: a checkpoint folder, or a folder holding several (the newest COMPLETE
+    one is used; rank 0 logs the partial ones it skipped, and why). A partial checkpoint named
+    explicitly is refused with the reason. Collective. The model may be on another mesh than the
+    one saved (DCP reads the pieces of the saved shards each rank needs); this rank's RNG states
+    are restored when the world size is the saved one."""
     import torch.distributed.checkpoint as dcp
 
-    path = _resolve(path)
+    path = _resolve(path, log=True)
     marker = json.loads((path / COMPLETE).read_text())
     if optimizer is not None and not marker.get("optimizer", False):
         raise _error(f"{path} holds no optimizer state; load it with optimizer=None")

@@ -10,8 +10,9 @@
   uneven, empty shards, one dim sharded over both axes, Replicate, a plain tensor and an int.
 - Each rank writes only its shards: every saved tensor is stored as chunks that tile it exactly
   once (Replicate copies once), adding up to the model + optimizer bytes, not world x model.
-- A save killed between the shards and the COMPLETE marker leaves the previous checkpoint the
-  latest; loading the killed folder by name is refused.
+- A save killed between the shards and the COMPLETE marker leaves only its temporary folder
+  (.step_N.partial) and the previous checkpoint the latest; loading the killed folder by name is
+  refused.
 """
 
 import math
@@ -242,10 +243,11 @@ def test_killed_save_leaves_no_complete_checkpoint(tmp_path):
 
     with pytest.raises(Exception, match="exit"):
         spawn_local_ranks(_killed_save, 2, str(tmp_path), timeout=TIMEOUT, pg_timeout=30)
-    assert (tmp_path / "step_00000002").is_dir(), "the killed save never started"
+    assert (tmp_path / ".step_00000002.partial").is_dir(), "the killed save never started"
+    assert not (tmp_path / "step_00000002").exists()  # written under a temporary name until complete
     assert latest(tmp_path) == tmp_path / "step_00000001"
     with pytest.raises(RuntimeError, match="not a complete checkpoint"):
-        load(tmp_path / "step_00000002", _model(None))
+        load(tmp_path / ".step_00000002.partial", _model(None))
 
 
 def _export(rank, world, root, model_type, mesh_spec):

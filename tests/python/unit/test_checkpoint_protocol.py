@@ -106,3 +106,44 @@ def test_export_names_drop_tied_duplicates():
     model.head.weight = model.embed.weight
     model._tied_weights_keys = {"head.weight": "embed.weight"}
     assert checkpoint._export_names(model, model.state_dict()) == ["embed.weight"]
+
+
+def test_resume_point_skips_partial_checkpoints_and_names_them(tmp_path):
+    _fake_checkpoint(tmp_path, 2, True)
+    _fake_checkpoint(tmp_path, 3, False)  # a folder without the marker (a save of an older hypershard)
+    partial = checkpoint.partial_dir(checkpoint.step_dir(tmp_path, 4))
+    partial.mkdir()  # a save that failed or was killed
+    newest, skipped = checkpoint.resume_point(tmp_path)
+    assert newest == checkpoint.step_dir(tmp_path, 2)
+    assert skipped == [
+        (checkpoint.step_dir(tmp_path, 3), "no COMPLETE marker: its save did not finish on every rank"),
+        (partial, "a save that did not finish (its temporary folder; no COMPLETE marker)"),
+    ]
+    assert checkpoint._resolve(tmp_path) == newest  # a folder of checkpoints: the newest complete one
+    for explicit in (checkpoint.step_dir(tmp_path, 3), partial):  # named explicitly: refused, with the reason
+        with pytest.raises(RuntimeError, match="is not a complete checkpoint: .*the newest complete one next to it is"):
+            checkpoint._resolve(explicit)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".step_00000004.partial", "step_00000002",
+                                                          "step_00000003"]  # nothing deleted
+
+
+def test_llamafactory_newest_complete_checkpoint(tmp_path):
+    pytest.importorskip("llamafactory")  # the integration's module imports nothing of it at module level
+    from hypershard.integrations.llamafactory import resume
+
+    for step, marker in ((2, True), (4, False), (6, False)):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        if marker:
+            resume.write_marker(folder, step, 2)
+    (tmp_path / "checkpoint-6" / "trainer_state.json").write_text("{}")
+    newest, skipped = resume.newest_complete(tmp_path)
+    assert newest == tmp_path / "checkpoint-2"
+    assert [(p.name, why) for p, why in skipped] == [
+        ("checkpoint-4", "no COMPLETE marker: its save did not finish on every rank; it lacks complete "
+                         "model/optimizer shards (hypershard/step_N/COMPLETE) and trainer_state.json"),
+        ("checkpoint-6", "no COMPLETE marker: its save did not finish on every rank; it lacks complete "
+                         "model/optimizer shards (hypershard/step_N/COMPLETE)"),
+    ]
+    assert resume.get_last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")  # LlamaFactory's auto resume
+    assert resume.newest_complete(tmp_path / "missing") == (None, [])
