@@ -32,7 +32,7 @@ from hypershard.testing.llamafactory_fixtures import (
 )
 from hypershard.testing.training import LOSS_RTOL
 
-TIMEOUT = 300
+TIMEOUT = 480  # seconds per launch (the machine is shared: a 4-rank launch took 60-400 s here)
 STEPS = 4
 LORA = dict(finetuning_type="lora", lora_target="all", lora_rank=4, lora_alpha=8, lora_dropout=0.1)
 
@@ -207,3 +207,67 @@ def test_qwen3_5_lora_equals_llamafactory(work, model_type, hp, what):
     ok(result, f"{model_type} LoRA {what}")
     assert f"lora fine-tuning on the mesh dp2 x {what.split(' x ')[0]}" in result.stdout, result.stdout[-2000:]
     assert_close(read_losses(out), read_losses(ref), range(1, STEPS + 1), f"{model_type} LoRA {what} vs LlamaFactory")
+
+
+def test_adapter_plan_and_refusals_in_process():
+    """The checks every rank runs before distributing anything, and the plan the LoRA model gets."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+
+    from hypershard.integrations.llamafactory import HyperParallelArguments, HyperParallelConfigError
+    from hypershard.integrations.llamafactory.adapters import adapter_plan, check_finetuning, unwrap_peft
+    from hypershard.models import tiny_config, tiny_model
+    from hypershard.parallel import tp_plan_of
+
+    args = HyperParallelArguments(cp_size=2, tp_size=2)
+    assert args.mesh_spec(8) == ((2, 2, 2), ("dp", "cp", "tp"))
+    with pytest.raises(HyperParallelConfigError, match=r"cp_size x tp_size x ep_size = 2 x 2 x 1 does not divide"):
+        HyperParallelArguments(cp_size=2, tp_size=2).mesh_spec(6)
+    with pytest.raises(HyperParallelConfigError, match=r"\['pp_size'\] name\(s\) no mesh axis; allowed sizes: .*cp_size"):
+        HyperParallelArguments.from_dict({"pp_size": 2})
+    with pytest.raises(HyperParallelConfigError, match=r"recompute='partial'; allowed: one of"):
+        HyperParallelArguments.from_dict({"recompute": "partial"})
+    with pytest.raises(HyperParallelConfigError, match=r"cp_algorithm='ring2'"):
+        HyperParallelArguments.from_dict({"cp_algorithm": "ring2"})
+    # LlamaFactory's hyper_parallel_cp_size (newer versions) fills cp_size
+    assert HyperParallelArguments.from_finetuning_args(SimpleNamespace(hyper_parallel_cp_size=4)).cp_size == 4
+    # recompute: auto follows LlamaFactory's gradient checkpointing
+    auto = HyperParallelArguments()
+    assert auto.recompute_mode(True) == "full" and auto.recompute_mode(False) is None
+    assert HyperParallelArguments(recompute="none").recompute_mode(True) is None
+    # precision: "auto" is bf16 from fp32 masters for a bf16 checkpoint without YAML bf16/fp16
+    model = tiny_model(tiny_config("qwen3"))
+    model.config.dtype = torch.bfloat16
+    assert auto.precision(model, SimpleNamespace(bf16=False, fp16=False)) == (torch.bfloat16, torch.float32)
+    assert auto.precision(model, SimpleNamespace(bf16=True, fp16=False)) == (None, None)
+    model.config.dtype = torch.float32
+    assert auto.precision(model, SimpleNamespace(bf16=False, fp16=False)) == (None, None)
+    assert HyperParallelArguments(param_dtype=None).precision(model) == (None, None)
+
+    def fail(why):
+        raise HyperParallelConfigError(why)
+
+    lora = SimpleNamespace(finetuning_type="lora", use_dora=False, pissa_init=False, use_llama_pro=False)
+    assert check_finetuning(lora, None, fail) == "lora"
+    with pytest.raises(HyperParallelConfigError, match="QLoRA"):
+        check_finetuning(lora, "bitsandbytes 4-bit", fail)
+    with pytest.raises(HyperParallelConfigError, match="use_dora=true"):
+        check_finetuning(SimpleNamespace(**{**vars(lora), "use_dora": True}), None, fail)
+    with pytest.raises(HyperParallelConfigError, match="finetuning_type='oft' is not supported"):
+        check_finetuning(SimpleNamespace(finetuning_type="oft"), None, fail)
+
+    # the plan: adapters after their base layer's style, hooks left on the wrapper
+    config = LoraConfig(r=4, target_modules=["q_proj", "o_proj", "up_proj", "down_proj"], modules_to_save=["lm_head"])
+    inner, peft_model = unwrap_peft(get_peft_model(model, config))
+    assert inner is model and peft_model is not None
+    plan = adapter_plan(inner, tp_plan_of(inner), fail)
+    q, o = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"
+    # the module patterns stay (their hooks go on the LoRA wrapper); the parameters get exact keys
+    assert plan["model.layers.*.self_attn.q_proj"] == "colwise" and plan["model.layers.*.self_attn.o_proj"] == "rowwise"
+    assert plan[f"{q}.base_layer.weight"] == "colwise" and plan[f"{q}.lora_B.default.weight"] == "colwise"
+    assert f"{q}.lora_A.default.weight" not in plan
+    assert plan[f"{o}.base_layer.weight"] == "rowwise" and plan[f"{o}.lora_A.default.weight"] == "rowwise"
+    assert f"{o}.lora_B.default.weight" not in plan
+    head = tp_plan_of(model)["lm_head"]
+    assert plan["lm_head.original_module.weight"] == plan["lm_head.modules_to_save.default.weight"] == head
