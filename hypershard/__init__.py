@@ -78,6 +78,7 @@ from .offload import offload_optimizer  # noqa: E402
 from .parallel import parallelize  # noqa: E402
 from .placement_types import Partial, Replicate, Shard  # noqa: E402
 from .recompute import recompute  # noqa: E402
+from .rules import register_rule  # noqa: E402
 from .traced import (
     TracedDTensor,  # noqa: E402
     compile,  # noqa: E402,A004  (hypershard.compile: the traced local program)
@@ -143,6 +144,7 @@ __all__ = [
     "placements",
     "plan_redistribute",
     "recompute",
+    "register_rule",
     "reduce_op_name",
     "step_kind_name",
     "to_alias",

@@ -6,6 +6,7 @@
 
 #include "kernels/kernels.h"
 #include "ops/families.h"
+#include "ops/user_rules.h"
 #include "ops/partial.h"
 
 namespace hypershard::ops {
@@ -220,6 +221,13 @@ const Registry& registry() {
     return r;
   }();
   return *instance;
+}
+
+void add_late_rule(const char* family, const std::string& op_name, Rule rule) {
+  // The instance registry() made is not const itself: only its users see it so.
+  auto& r = const_cast<Registry&>(registry());
+  r.set_family(family);
+  r.add(op_name, rule);
 }
 
 void register_all(Registry& r) {

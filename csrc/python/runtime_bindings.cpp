@@ -15,6 +15,7 @@
 #include "ops/attention_sequence.h"
 #include "ops/families.h"
 #include "ops/op_call.h"
+#include "ops/user_rules.h"
 #include "ops/view_plan.h"
 #include "runtime/dispatch.h"
 #include "runtime/dispatch_internal.h"
@@ -276,6 +277,15 @@ void bind_runtime(py::module_& m) {
   m.def("set_rule_enabled", &runtime::set_rule_enabled, py::arg("op"), py::arg("enabled"),
         "Benchmarks and tests only: while disabled, calls of op (\"aten::add.Tensor\") ignore its rule, as if it had "
         "none (the fallback serves them; strict mode raises Missing operator).");
+  m.def(
+      "register_factor_rule",
+      [](const std::string& op, const std::string& text, std::vector<std::string> inputs,
+         std::vector<std::string> outputs, std::string whole, std::vector<bool> linear) {
+        runtime::register_user_rule(
+            op, ops::UserRule{text, std::move(inputs), std::move(outputs), std::move(whole), std::move(linear)});
+      },
+      py::arg("op"), py::arg("text"), py::arg("inputs"), py::arg("outputs"), py::arg("whole"), py::arg("linear"),
+      "hypershard.register_rule's C++ side: op (\"mylib::op\") gets the factor rule `inputs` -> `outputs`.");
   m.def("fast_path_ops", &runtime::fast_path_ops,
         "The ops with a typed fast-path kernel on this torch (\"aten::add.Tensor\" style).");
   m.def("set_fast_path", &runtime::set_fast_path, py::arg("on"),

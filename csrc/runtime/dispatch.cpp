@@ -17,6 +17,7 @@
 
 #include "layout/error.h"
 #include "ops/families.h"
+#include "ops/user_rules.h"
 #include "runtime/dispatch_internal.h"
 #include "runtime/dtensor_impl.h"
 #include "runtime/fast_path.h"
@@ -268,18 +269,39 @@ void reset_dispatch_stats() {
 std::vector<std::string> rule_names() { return ops::registry().names(); }
 std::vector<std::pair<std::string, std::string>> rule_families() { return ops::registry().families(); }
 
-void set_rule_enabled(const std::string& op, bool enabled) {
+namespace {
+
+// "aten::add.Tensor" -> its handle, or nullopt when no such operator is registered (yet).
+std::optional<c10::OperatorHandle> find_operator(const std::string& op) {
   const auto dot = op.find('.', op.find("::") == std::string::npos ? 0 : op.find("::") + 2);
   const c10::OperatorName name(op.substr(0, dot), dot == std::string::npos ? "" : op.substr(dot + 1));
-  const auto handle = c10::Dispatcher::singleton().findSchema(name);
+  return c10::Dispatcher::singleton().findSchema(name);
+}
+
+// Serves the op's later calls with `rule` (nullptr: none); drops the plans cached under the old one.
+void replace_rule(OpInfo& info, const ops::RuleEntry* rule) {
+  std::unique_lock<std::shared_mutex> write(info.mutex);
+  info.rule = rule;
+  info.plans.clear();
+  info.generation.fetch_add(1, std::memory_order_release);
+}
+
+}  // namespace
+
+void set_rule_enabled(const std::string& op, bool enabled) {
+  const auto handle = find_operator(op);
   TORCH_CHECK(handle.has_value(), "hypershard: set_rule_enabled: no operator ", op);
   OpInfo& info = op_info(*handle);
   const auto* rule = ops::registry().find(info.name);
   TORCH_CHECK(rule != nullptr, "hypershard: set_rule_enabled: ", op, " has no rule");
-  std::unique_lock<std::shared_mutex> write(info.mutex);
-  info.rule = enabled ? rule : nullptr;
-  info.plans.clear();
-  info.generation.fetch_add(1, std::memory_order_release);
+  replace_rule(info, enabled ? rule : nullptr);
+}
+
+void register_user_rule(const std::string& op, ops::UserRule rule) {
+  sync_registrations();  // a custom op defined just before gets its fallback kernel first
+  ops::register_user_rule(op, std::move(rule));
+  // An op called before (through the fallback, or refused in strict mode) has its info already.
+  if (const auto handle = find_operator(op)) replace_rule(op_info(*handle), ops::registry().find(op));
 }
 
 void set_strict(bool on) { g_strict.store(on); }
