@@ -306,6 +306,42 @@ def _watchdog() -> None:
     timer.start()
 
 
+def check_hyper_parallel_args(train_argv: list, world: int) -> str:
+    """The JSON the training YAML names (``use_hyper_parallel`` / ``hyper_parallel_args``, after the
+    command line's ``key=value`` overrides) checked against the world size and the model folder's
+    config.json, before LlamaFactory loads anything; returns the one-line error, "" when fine.
+    The trainer checks again on the loaded model."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from .args import HyperParallelArguments, HyperParallelConfigError
+
+    if not train_argv or not train_argv[0].endswith((".yaml", ".yml", ".json")):
+        return ""
+    try:
+        config = yaml.safe_load(Path(train_argv[0]).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return ""  # LlamaFactory reports its own YAML's faults
+    for item in train_argv[1:]:
+        key, _, value = item.partition("=")
+        config[key.lstrip("-")] = yaml.safe_load(value) if value else value
+    if not config.get("use_hyper_parallel") or not config.get("hyper_parallel_args"):
+        return ""
+    try:
+        args = HyperParallelArguments.from_file(config["hyper_parallel_args"])
+        args.check_world(world)
+        model_config = Path(str(config.get("model_name_or_path", ""))) / "config.json"
+        if model_config.is_file():
+            values = json.loads(model_config.read_text())
+            text = values.get("text_config", values)  # a vision-language model's text decoder
+            args.check_model(types.SimpleNamespace(config=types.SimpleNamespace(**text)))
+    except HyperParallelConfigError as error:
+        return str(error)
+    return ""
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -322,9 +358,16 @@ def main(argv=None) -> int:
     prepare()
     sys.argv = ["llamafactory-cli", *argv]
     if argv[0] == "train":
+        error = check_hyper_parallel_args(argv[1:], int(os.environ.get("WORLD_SIZE", "1")))
+        if error:  # one line on every rank, before LlamaFactory loads the model
+            print(error, file=sys.stderr, flush=True)
+            return 2
         sys.argv.pop(1)
         from llamafactory.train.tuner import run_exp
 
+        from .resume import install_auto_resume
+
+        install_auto_resume()  # automatic resume: the newest COMPLETE checkpoint (docs/faults.md)
         run_exp()
         return 0
     from llamafactory.cli import main as llamafactory_main
