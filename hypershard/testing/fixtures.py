@@ -23,6 +23,17 @@ from pathlib import Path
 FAMILIES = ("qwen3", "qwen3_5_text", "qwen3_5_moe_text", "deepseek_v32", "qwen3_vl_moe")
 
 
+def _add_chat_template(model_dir: Path) -> None:
+    """Qwen's ChatML template in the folder's tokenizer_config.json: hypershard.sft applies the
+    tokenizer's own template (LlamaFactory applies its `template:` and ignores it)."""
+    from .sft_fixtures import CHATML_TEMPLATE
+
+    path = model_dir / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] = CHATML_TEMPLATE
+    path.write_text(json.dumps(config, indent=2))
+
+
 def write_all(out, families=FAMILIES) -> dict:
     """Writes the fixtures (module docstring) under `out`; returns {name: path}."""
     from .llamafactory_fixtures import write_dataset_dir, write_model, write_vl_dataset_dir, write_vl_model
@@ -33,6 +44,7 @@ def write_all(out, families=FAMILIES) -> dict:
     for family in families:
         target = out / "models" / family
         paths[f"model {family}"] = write_vl_model(target) if family == "qwen3_vl_moe" else write_model(target, family)
+        _add_chat_template(target)
     for name, path in write_datasets(out / "sft").items():
         paths[f"sft {name}"] = path
     data = write_dataset_dir(out / "llamafactory_data")
