@@ -105,7 +105,8 @@ def parser() -> argparse.ArgumentParser:
         "--timeout",
         type=float,
         default=3600,
-        help="seconds before stuck local ranks are reported and killed (default 3600)",
+        help="seconds before stuck local ranks are reported and killed, and the collective timeout "
+        "(default 3600; $HYPERSHARD_COLLECTIVE_TIMEOUT overrides the collective one)",
     )
     return p
 
@@ -134,8 +135,8 @@ def preflight(args) -> None:
     check_batch_sizes(args.batch_size, args.micro_batch_size, dp_size(args.mesh), len(examples))
     schedule(args, len(examples))
     ckpts = checkpoint_dir(args)
-    if not args.resume and ckpts.is_dir() and any(ckpts.iterdir()):
-        fail(f"--output {args.output!r} already holds checkpoints", "--resume, or a new output folder")
+    if not args.resume and not args.auto_resume and ckpts.is_dir() and any(ckpts.iterdir()):
+        fail(f"--output {args.output!r} already holds checkpoints", "--resume, --auto-resume, or a new output folder")
 
 
 def _under_torchrun() -> bool:
@@ -152,7 +153,9 @@ def _torchrun(args, world: int) -> dict:
             f"--nproc-per-node x nodes = {world}",
         )
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    from ..faults import collective_timeout
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=collective_timeout(args.timeout)))
     try:
         result = run_rank(dist.get_rank(), world, args)
         dist.barrier()
@@ -195,7 +198,10 @@ def main(argv=None) -> int:
     try:
         # The collective timeout as long as the launch's: a slow step or save of a real model must not
         # trip it; a dead rank is caught by the launcher at once anyway.
-        result = spawn_local_ranks(run_rank, world, args, timeout=args.timeout, pg_timeout=args.timeout)[0]
+        from ..faults import collective_timeout
+
+        pg_timeout = collective_timeout(args.timeout)  # $HYPERSHARD_COLLECTIVE_TIMEOUT overrides it
+        result = spawn_local_ranks(run_rank, world, args, timeout=args.timeout, pg_timeout=pg_timeout)[0]
     except mp.ProcessExitedException as e:
         print(
             f"hypershard: sft: rank {e.error_index} of {world} died (exit code {e.exit_code}) and the run "

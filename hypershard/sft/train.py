@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -31,6 +32,11 @@ from .data import (
 
 CRASH_ENV = "HYPERSHARD_SFT_CRASH_AT_STEP"  # fault injection: a rank exits in the middle of this step
 CRASH_RANK_ENV = "HYPERSHARD_SFT_CRASH_RANK"  # which rank (default 1, or 0 on one rank)
+CRASH_IN_ENV = "HYPERSHARD_SFT_CRASH_IN"  # "step" (default: between a forward and its backward) or "save"
+# (mid-write of that step's checkpoint: after the rank's first item is written)
+CRASH_SIGNAL_ENV = "HYPERSHARD_SFT_CRASH_SIGNAL"  # "exit" (default: os._exit(1)) or "kill" (SIGKILL)
+# Under torchrun the fault is injected in the first attempt only (TORCHELASTIC_RESTART_COUNT 0): the
+# restarted job runs clean (docs/faults.md).
 # Arguments a resumed run must share with the checkpoint: they fix the data order, the schedule and
 # the model. The mesh and --micro-batch-size may change (the same gradient up to rounding).
 RESUME_MUST_MATCH = (
@@ -141,12 +147,15 @@ def _resume(args, model, optimizer, scheduler) -> tuple:
     """Loads the newest complete checkpoint; returns (step, records so far, checkpoint path)."""
     from hypershard import checkpoint
 
-    path = checkpoint.latest(checkpoint_dir(args))
+    path, skipped = checkpoint.resume_point(checkpoint_dir(args))
     if path is None:
+        partial = "".join(f"; skipped {p.name}: {why}" for p, why in skipped)
         fail(
-            f"--resume: no complete checkpoint in {str(checkpoint_dir(args))!r}",
+            f"--resume: no complete checkpoint in {str(checkpoint_dir(args))!r}{partial}",
             "an --output folder of an earlier run with checkpoints",
         )
+    if skipped and torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
+        print(checkpoint.skipped_message(path, skipped), file=sys.stderr, flush=True)  # never deleted
     saved = checkpoint.read_extra(path)["args"]  # checked before loading: a clear error, not a shape clash
     for key, value in _must_match(args).items():
         if saved.get(key) != value:
@@ -159,6 +168,17 @@ def _resume(args, model, optimizer, scheduler) -> tuple:
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr  # the schedule's lr, whatever the optimizer's saved param groups held
     return extra["step"], list(extra["losses"]), path
+
+
+def _has_checkpoint(args) -> bool:
+    """--auto-resume: whether there is a complete checkpoint to continue from (every rank reads the
+    same folder before any rank saves, so all decide alike)."""
+    from hypershard import checkpoint
+
+    path, skipped = checkpoint.resume_point(checkpoint_dir(args))
+    if path is None and skipped and torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
+        print(checkpoint.skipped_message(None, skipped, "starting"), file=sys.stderr, flush=True)
+    return path is not None
 
 
 def _save(args, model, optimizer, scheduler, step: int, per_epoch: int, micro_per_step: int, records: list):
@@ -179,10 +199,35 @@ def _save(args, model, optimizer, scheduler, step: int, per_epoch: int, micro_pe
     return checkpoint.save(checkpoint_dir(args), model, optimizer, step=step, extra=extra)
 
 
-def _crash_step(world: int, rank: int) -> Optional[int]:
+def _crash_step(world: int, rank: int, where: str = "step") -> Optional[int]:
     step = os.environ.get(CRASH_ENV)
     target = int(os.environ.get(CRASH_RANK_ENV, min(1, world - 1)))
+    if os.environ.get(CRASH_IN_ENV, "step") != where or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
     return int(step) if step and rank == target else None
+
+
+def _die() -> None:
+    """Fault injection: this rank ends at once, as a crash or the OOM killer would end it."""
+    if os.environ.get(CRASH_SIGNAL_ENV, "exit") == "kill":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(1)
+
+
+def _die_mid_save() -> None:
+    """Fault injection: the rank dies in its checkpoint write, after its first item is written."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    write_item = fs._write_item
+
+    def write_then_die(*args, **kwargs):
+        result = write_item(*args, **kwargs)
+        _die()
+        return result
+
+    fs._write_item = write_then_die
 
 
 def accumulate(model, batches: list, n_items: int, crash: bool = False) -> float:
@@ -194,7 +239,7 @@ def accumulate(model, batches: list, n_items: int, crash: bool = False) -> float
     for batch in batches:
         loss = model(**batch, num_items_in_batch=max(n_items, 1)).loss
         if crash:
-            os._exit(1)  # fault injection: die between a forward and its backward
+            _die()  # fault injection: die between a forward and its backward
         loss.backward()
         loss_sum += float(loss.detach().item())
     return loss_sum
@@ -266,8 +311,19 @@ def _with_precision(model, args):
 
 
 def run_rank(rank: int, world: int, args) -> dict:
+    """One rank's training (_run_rank); a failed collective is re-raised naming this rank, the step,
+    the operation and the dead peers (hypershard.faults)."""
+    from hypershard import faults
+
+    faults.register()
+    with faults.reporting():
+        return _run_rank(rank, world, args)
+
+
+def _run_rank(rank: int, world: int, args) -> dict:
     """One rank's training; rank 0 writes the outputs. Returns the step records and the time."""
     import hypershard as hs
+    from hypershard import faults
 
     torch.manual_seed(args.seed)
     mesh = hs.init_device_mesh("cpu", *args.mesh)
@@ -278,11 +334,12 @@ def run_rank(rank: int, world: int, args) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup, args.min_lr_ratio))
     start, records, resumed_from = 0, [], None
-    if args.resume:
+    if args.resume or (getattr(args, "auto_resume", False) and _has_checkpoint(args)):
         start, records, resumed_from = _resume(args, model, optimizer, scheduler)
     stop = min(total, args.stop_after) if args.stop_after else total
     micro_per_step = args.batch_size // args.micro_batch_size
     crash_at = _crash_step(world, rank)
+    crash_in_save = _crash_step(world, rank, "save")
     pad = pad_id(tokenizer)
     # A sharded sequence is stored head-tail in 2 x cp chunks (docs/context_parallel.md), where
     # parallelize replaces a right-padding attention_mask by all ones. The batches are padded on
@@ -301,6 +358,7 @@ def run_rank(rank: int, world: int, args) -> dict:
     began = time.perf_counter()
     with hs.strict() if args.strict else contextlib.nullcontext():
         for step in range(start, stop):
+            faults.note(f"in step {step + 1} of {total}")
             tic = time.perf_counter()
             epoch, _, indices = global_batch(len(examples), args.batch_size, args.seed, step)
             batches = [
@@ -338,6 +396,9 @@ def run_rank(rank: int, world: int, args) -> dict:
             if (args.save_steps and done % args.save_steps == 0) or (
                 done == stop and (args.save_steps or args.stop_after)
             ):
+                faults.note(f"saving the checkpoint of step {done}")
+                if crash_in_save == done:
+                    _die_mid_save()
                 _save(args, model, optimizer, scheduler, done, per_epoch, micro_per_step, records)
             if bar is not None:
                 bar.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / seconds:.0f}")

@@ -57,6 +57,7 @@ SCHEDULER_NAME = "scheduler.pt"
 # CRASH_ENV begins, i.e. after the checkpoints of the steps before it were written.
 CRASH_ENV = "HYPERSHARD_LLAMAFACTORY_CRASH_AT_STEP"
 CRASH_RANK_ENV = "HYPERSHARD_LLAMAFACTORY_CRASH_RANK"
+FAIL_SAVE_ENV = "HYPERSHARD_LLAMAFACTORY_FAIL_SAVE_AT_STEP"  # rank CRASH_RANK_ENV's save of that step: ENOSPC
 SHARDS_DIR = "hypershard"  # checkpoint-N/hypershard/step_NNNNNNNN: the DCP shards of model + optimizer
 
 
@@ -211,7 +212,8 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
         # every rank reads whole and the model's input hook splits over dp.
         self._train_batch_size = args.per_device_train_batch_size * self.dp_size
         crash = os.environ.get(CRASH_ENV)
-        if crash and rank == int(os.environ.get(CRASH_RANK_ENV, min(1, world - 1))):
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # torchrun restarts run clean
+        if crash and first_attempt and rank == int(os.environ.get(CRASH_RANK_ENV, min(1, world - 1))):
             self.add_callback(_CrashAtStep(int(crash)))
 
     # --------------------------------------------------------------------------- distribution
@@ -342,6 +344,66 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
 
     # ---------------------------------------------------------------------------- checkpoints
 
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """HF's train, resuming from COMPLETE checkpoints only (resume.py): True takes the newest
+        complete checkpoint-N of output_dir (the partial ones skipped are logged); a path to a
+        partial checkpoint is refused with the reason, on every rank before any collective."""
+        from . import resume
+
+        if resume_from_checkpoint is True:
+            newest, skipped = resume.newest_complete(self.args.output_dir)
+            resume.log_skipped(newest, skipped)
+            if newest is None:
+                why = "".join(f"; skipped {p.name}: {reason}" for p, reason in skipped)
+                self.hp_args._fail(
+                    f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir!r}{why}"
+                )
+            resume_from_checkpoint = str(newest)
+        elif isinstance(resume_from_checkpoint, str) and os.path.isdir(resume_from_checkpoint):
+            reason = resume.incomplete_reason(resume_from_checkpoint)
+            if reason is not None:
+                newest, _ = resume.newest_complete(os.path.dirname(os.path.abspath(resume_from_checkpoint)))
+                self.hp_args._fail(
+                    f"resume_from_checkpoint {resume_from_checkpoint!r} is a partial checkpoint ({reason}); "
+                    f"allowed: a complete checkpoint (the newest next to it: {newest}), or resume_from_checkpoint "
+                    "unset in the output_dir (LlamaFactory then resumes from the newest complete one)"
+                )
+        from hypershard import faults
+
+        faults.register()  # a failed collective then names the dead rank (hypershard.faults)
+        self.add_callback(_NoteStep())
+        with faults.reporting():
+            return super().train(
+                resume_from_checkpoint=resume_from_checkpoint,
+                trial=trial,
+                ignore_keys_for_eval=ignore_keys_for_eval,
+                **kwargs,
+            )
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """HF's checkpoint-N, then -- once every rank reported its part written -- the COMPLETE
+        marker (resume.py). A failure on any rank raises on every rank, naming it, with no marker."""
+        from hypershard import checkpoint
+
+        from . import resume
+
+        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        error = None
+        try:
+            with _disk_full_if_injected(self.state.global_step):
+                super()._save_checkpoint(model, trial)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 -- (DCP's CheckpointException too) every rank raises it below, named
+            error = e
+        checkpoint._agree(f"saving {folder} (no {resume.MARKER} marker was written)", error)
+        if self.args.should_save:
+            try:
+                resume.write_marker(folder, self.state.global_step, _rank_world()[1])
+            except OSError as e:
+                error = e
+        checkpoint._agree(f"saving {folder}: its {resume.MARKER} marker", error)
+
     def _inner_optimizer(self):
         opt = self.optimizer
         return getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer wraps torch's
@@ -444,6 +506,30 @@ def _pad_for_context_parallelism(collator, cp_size: int) -> None:
         return
     multiple = collator.pad_to_multiple_of or 1
     collator.pad_to_multiple_of = multiple * (2 * cp_size) // math.gcd(multiple, 2 * cp_size)
+
+
+@contextlib.contextmanager
+def _disk_full_if_injected(step: int):
+    """Fault injection (FAIL_SAVE_ENV): on rank CRASH_RANK_ENV, the checkpoint's shard writes of that
+    step raise ENOSPC, as a full disk would; the other ranks' writes succeed."""
+    rank, world = _rank_world()
+    at = os.environ.get(FAIL_SAVE_ENV)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if not at or int(at) != step or not first_attempt or rank != int(os.environ.get(CRASH_RANK_ENV, min(1, world - 1))):
+        yield
+        return
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as fs
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    real, fs._write_item = fs._write_item, disk_full
+    try:
+        yield
+    finally:
+        fs._write_item = real
 
 
 def _strict():
