@@ -37,6 +37,7 @@ from . import _C
 __all__ = [
     "context_parallel_chunk_gated_delta_rule",
     "install_context_parallel_linear_attention",
+    "route_gated_delta_rule",
     "reset_traffic",
     "traffic",
 ]
@@ -342,28 +343,92 @@ def _forward_with(module: nn.Module, name: str, function: Callable):
     return types.MethodType(rebound, module)
 
 
-def install_context_parallel_linear_attention(model: nn.Module, mesh, axis: int) -> int:
-    """Makes every gated delta net of `model` run its chunked recurrence on a sequence sharded over
-    mesh axis `axis` (context_parallel_chunk_gated_delta_rule); returns how many it changed. Each
-    module's own chunk function is replaced: the instance attribute where transformers keeps one,
-    else the module-level function its forward calls, rebound for that instance only. Raises for a
-    gated delta net whose forward calls neither (another transformers version)."""
+def _replace_rule(model: nn.Module, make: Callable[[Callable], Callable], caller: str) -> int:
+    """Replaces every gated delta net's chunk function by make(its function): the instance attribute
+    where transformers keeps one, else the module-level function its forward calls, rebound for that
+    instance only. Returns how many it changed; raises for a gated delta net whose forward calls
+    neither (another transformers version)."""
     count = 0
     for name, module in model.named_modules():
         if not is_gated_delta_net(module):
             continue
         own = getattr(module, _INSTANCE_ATTRIBUTE, None)
         if callable(own) and not isinstance(own, nn.Module):
-            setattr(module, _INSTANCE_ATTRIBUTE, context_parallel_chunk_gated_delta_rule(own, mesh, axis))
+            setattr(module, _INSTANCE_ATTRIBUTE, make(own))
         else:
             forward = inspect.unwrap(type(module).forward)
             if _FUNCTION_NAME not in forward.__code__.co_names or _FUNCTION_NAME not in forward.__globals__:
                 raise ValueError(
-                    f"hypershard: parallelize: module {name!r} ({type(module).__name__}) is a gated delta net "
+                    f"hypershard: {caller}: module {name!r} ({type(module).__name__}) is a gated delta net "
                     f"whose forward calls neither self.{_INSTANCE_ATTRIBUTE} nor {_FUNCTION_NAME}; its "
-                    f"recurrence cannot be run on a context-parallel sequence (unsupported transformers version)"
+                    f"recurrence cannot be replaced (unsupported transformers version)"
                 )
-            rule = context_parallel_chunk_gated_delta_rule(forward.__globals__[_FUNCTION_NAME], mesh, axis)
-            module.forward = _forward_with(module, _FUNCTION_NAME, rule)
+            module.forward = _forward_with(module, _FUNCTION_NAME, make(forward.__globals__[_FUNCTION_NAME]))
         count += 1
     return count
+
+
+def install_context_parallel_linear_attention(model: nn.Module, mesh, axis: int) -> int:
+    """Makes every gated delta net of `model` run its chunked recurrence on a sequence sharded over
+    mesh axis `axis` (context_parallel_chunk_gated_delta_rule); returns how many it changed."""
+    return _replace_rule(
+        model, lambda original: context_parallel_chunk_gated_delta_rule(original, mesh, axis), "parallelize"
+    )
+
+
+# What each tensor of the gated delta rule is laid out on inside a routed region, per mesh axis:
+# (dim over dp, dim over tp). q, k, v and the output are [batch, seq, heads, dim], g and beta
+# [batch, seq, heads], the state [batch, heads, k_dim, v_dim]; every other axis (cp: the
+# recurrence runs over the whole sequence) whole.
+_REGION_DIMS = {"qkv": (0, 2), "gate": (0, 2), "state": (0, 1)}
+
+
+def _region_spec(mesh, kind: str) -> list:
+    from .placement_types import Replicate, Shard
+
+    dp, tp = _REGION_DIMS[kind]
+    return [Shard(dp) if n == "dp" else Shard(tp) if n == "tp" else Replicate() for n in mesh.mesh_dim_names]
+
+
+def route_gated_delta_rule(model: nn.Module, mesh, kernel: Optional[Callable] = None) -> int:
+    """Runs every gated delta net's chunked rule of `model` (parallelized on `mesh`) as a
+    hypershard.local_map region around `kernel` -- flash-linear-attention's chunk_gated_delta_rule on a
+    GPU, or any function with transformers' signature; default transformers' own -- on this rank's
+    shards: the batch over dp, the heads over tp, the sequence whole (on cp it is gathered for the
+    region: the kernel runs the recurrence over the whole sequence, trading the state chain's
+    point-to-point messages for an all-gather). The output returns to the layout the query came in.
+    Returns how many modules it routed. docs/extending.md."""
+    from .local_map import local_map
+
+    qkv, gate, state = (_region_spec(mesh, k) for k in ("qkv", "gate", "state"))
+
+    def make(original: Callable) -> Callable:
+        region = local_map(
+            kernel or original,
+            out_placements=(qkv, state),
+            in_placements={
+                0: qkv,
+                1: qkv,
+                2: qkv,
+                "query": qkv,
+                "key": qkv,
+                "value": qkv,
+                "g": gate,
+                "beta": gate,
+                "initial_state": state,
+            },
+            device_mesh=mesh,
+            name="gated_delta_rule",
+        )
+
+        def routed(query, key, value, *args, **kwargs):
+            out, final_state = region(query, key, value, *args, **kwargs)
+            if _C.is_dtensor(query):
+                placements = [p for p in query.placements]
+                out = out.redistribute(mesh, placements)
+            return out, final_state
+
+        routed.__wrapped__ = original
+        return routed
+
+    return _replace_rule(model, make, "route_gated_delta_rule")

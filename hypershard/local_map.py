@@ -38,7 +38,7 @@ naming the region and the axis.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional
 
 import torch
@@ -108,6 +108,16 @@ def _laid_out_axes(layout) -> set:
     return {a for a in range(len(layout.partial)) if not layout.is_replicate(a) or layout.is_partial(a)}
 
 
+def _entry(table: Any, key: Any) -> Any:
+    """`table`'s entry for an argument (position or keyword name): a Mapping by key, a sequence by
+    position; None where it has none."""
+    if table is None:
+        return None
+    if isinstance(table, Mapping):
+        return table.get(key)
+    return table[key] if isinstance(key, int) and key < len(table) else None
+
+
 def _decide_grad_layouts(region: str, grad_layouts: dict, out_layouts: list, in_grad: Optional[Sequence[Any]], mesh):
     """Each differentiable input's gradient layout (see _RegionInput): `in_grad_placements` where given;
     else the input's layout without Partial, made Partial(sum) on the axes it is Replicate on and
@@ -117,8 +127,9 @@ def _decide_grad_layouts(region: str, grad_layouts: dict, out_layouts: list, in_
     names = mesh.mesh_dim_names
     for index, layout in list(grad_layouts.items()):
         shape = list(layout.global_shape)
-        if in_grad is not None and index < len(in_grad) and in_grad[index] is not None:
-            grad_layouts[index] = make_layout(mesh.mesh, shape, in_grad[index])
+        given = _entry(in_grad, index)
+        if given is not None:
+            grad_layouts[index] = make_layout(mesh.mesh, shape, given)
             continue
         partial = [None] * len(layout.partial)
         for axis in range(len(partial)):
@@ -186,7 +197,8 @@ def local_map(
 ):
     """Wraps `fn` (code on local tensors) to run on DTensors: each DTensor argument is redistributed
     to its entry of `in_placements` (None, or `in_placements` None: its own layout) and passed as its
-    local shard; each returned tensor becomes a DTensor with its entry of `out_placements` (one
+    local shard (`in_placements` may be a Mapping keyed by position and by keyword name, for tensors
+    passed by keyword; `in_grad_placements` likewise); each returned tensor becomes a DTensor with its entry of `out_placements` (one
     placements for a single returned tensor, a sequence for a tuple). Differentiable both ways (module
     docstring). `device_mesh`: default the first DTensor argument's mesh. `redistribute_inputs`: False
     refuses a DTensor argument in another layout instead of redistributing it. `in_grad_placements`
@@ -210,19 +222,26 @@ def local_map(
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        mesh = _mesh_of(args, device_mesh)
+        mesh = _mesh_of(list(args) + list(kwargs.values()), device_mesh)
         if mesh is None:
             return fn(*args, **kwargs)  # no DTensor and no mesh: one device, the plain function
-        specs = list(in_placements) if in_placements is not None else [None] * len(args)
-        if len(specs) != len(args):
-            raise _error(
-                region, f"{len(args)} arguments but {len(specs)} in_placements; allowed: one entry per argument"
-            )
+        if isinstance(in_placements, Mapping):  # by position and by keyword name
+            specs, kw_specs = [in_placements.get(i) for i in range(len(args))], in_placements
+        else:
+            specs, kw_specs = list(in_placements) if in_placements is not None else [None] * len(args), {}
+            if len(specs) != len(args):
+                raise _error(
+                    region, f"{len(args)} arguments but {len(specs)} in_placements; allowed: one entry per argument"
+                )
         grad_layouts: dict = {}
         locals_ = [
             _to_local(region, i, a, s, mesh, redistribute_inputs, grad_layouts)
             for i, (a, s) in enumerate(zip(args, specs))
         ]
+        kwargs = {
+            k: _to_local(region, k, v, kw_specs.get(k), mesh, redistribute_inputs, grad_layouts)
+            for k, v in kwargs.items()
+        }
         out = fn(*locals_, **kwargs)
         single = not isinstance(out, (tuple, list))
         outs = [out] if single else list(out)
