@@ -30,7 +30,9 @@ query rows against every key. Other ops (elementwise, norms, softmax of the math
 convolutions) are not counted: they are a few percent of a transformer's FLOPs.
 
 Not seen: buffers an op allocates and frees inside one C++ call (a redistribution's gathered input
-consumed by the same op, a kernel's workspace). They are transient within one op; the 4-rank
+consumed by the same op, a kernel's workspace), but for one kind that is: the contiguous copies
+softmax and log_softmax kernels (and backwards) make of a non-contiguous input
+(`_CONTIGUOUS_INPUTS`), counted while the op runs. They are transient within one op; the 4-rank
 validation (tests/python/level1/test_planner.py) measures how much they matter.
 """
 
@@ -113,6 +115,12 @@ def op_flops(func, args, out) -> int:
 
 
 _FLOPS: dict = {}
+# Kernels that copy a non-contiguous input before computing (ATen's softmax / log_softmax and their
+# backwards, CPU and CUDA alike: host_softmax takes input.contiguous()): op -> argument positions.
+# The copies live inside the one C++ call, so no op output shows them; counted as a workspace.
+# causal_lm_loss's cross entropy (a cp mesh) takes log_softmax of the logits moved to [B, V, L], a
+# non-contiguous view: one logits-sized copy.
+_CONTIGUOUS_INPUTS: dict = {}
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -229,10 +237,36 @@ class LiveBytes(TorchDispatchMode):
             if storage is not None and key in self.live:
                 self._resized(key, storage.nbytes())
 
+    def _workspace(self, func, args) -> int:
+        """Bytes the op's kernel copies its non-contiguous inputs into (see _CONTIGUOUS_INPUTS)."""
+        if not _CONTIGUOUS_INPUTS:
+            aten = torch.ops.aten
+            _CONTIGUOUS_INPUTS.update(
+                {
+                    aten._softmax: (0,),
+                    aten._log_softmax: (0,),
+                    aten._softmax_backward_data: (0, 1),
+                    aten._log_softmax_backward_data: (0, 1),
+                }
+            )
+        total = 0
+        for i in _CONTIGUOUS_INPUTS.get(func.overloadpacket, ()):
+            t = args[i] if i < len(args) else None
+            if isinstance(t, torch.Tensor):
+                local = local_tensor(t)
+                if local.is_meta and not local.is_contiguous():
+                    total += local.numel() * local.element_size()
+        return total
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _SCALAR and local_tensor(args[0]).is_meta:
             return self._scalar(args[0])
         args, kwargs = _replicate_plain(args, kwargs or {})
+        workspace = self._workspace(func, args)
+        if workspace:  # alive while the kernel runs, with its outputs
+            self.births_seen += 1
+            transient = ("workspace", self.births_seen)
+            self.events.append((transient, workspace))
         out = func(*args, **(kwargs or {}))
         if func.overloadpacket in _BENIGN and isinstance(out, torch.Tensor):
             key, _ = storage_key(out)
@@ -240,6 +274,8 @@ class LiveBytes(TorchDispatchMode):
         for leaf in pytree.tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self.see(leaf)
+        if workspace:
+            self.events.append((transient, -workspace))
         self.flops += op_flops(func, args, out)
         return out
 

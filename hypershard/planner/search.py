@@ -12,6 +12,8 @@ estimated step time (docs/planner.md, "Search").
 3. Planned in order of cost: fully_shard and recomputation only add communication and compute, so
    a mesh is planned with the cheapest setting first (no fully_shard, no recomputation) and the next
    (fully_shard; then selective, then full recomputation) only when the cheaper one does not fit.
+   A cut-depth plan's peak bounds the full depth's from below: a mesh over the budget at the first
+   cut depth with full recomputation is reported over without planning more of it.
 4. Each plan is of a cut-depth model (`depths`: a few layers), scaled to the full depth per layer:
    figure(L) = figure(d1) + (L - d1) x (figure(d2) - figure(d1)) / (d2 - d1). `check_linear` plans a
    third depth and reports how far it is from the line (docs: measured).
@@ -280,6 +282,49 @@ def estimate(report, hardware: Hardware, efficiency: float, tokens: int, offload
     }
 
 
+def _plan_mesh(c, plan, d1, d2, layers, budget, modes, hardware, efficiency, seq, planned, log, peak_of) -> bool:
+    """Plans one candidate (module docstring, 3 and 4); True when a setting of it fits. A figure at d1
+    layers bounds the full depth's from below (every layer adds state and saved activations), so
+    the most frugal setting (the last of `modes`) is planned at d1 first: when even that is over
+    the budget the candidate is reported over without planning the others."""
+    t0 = time.perf_counter()
+    first = {}
+    frugal = modes[-1]
+    first[frugal] = plan(c.mesh, c.fully_shard, frugal, d1)
+    if budget and peak_of(first[frugal]) > budget:
+        trial = dataclasses.replace(c, recompute=frugal)
+        trial.report = first[frugal]
+        trial.estimate = estimate(trial.report, hardware, efficiency, c.mesh.get("dp", 1) * seq)
+        trial.pruned = f"over at {d1} layers with recompute {frugal}: {peak_of(first[frugal]) / 1e9:.1f} GB"
+        trial.report = None
+        planned.append(trial)
+        log(f"  {trial.name:<34} {trial.pruned}  ({time.perf_counter() - t0:.0f} s)")
+        return False
+    for mode in modes:
+        t1 = time.perf_counter()
+        trial = dataclasses.replace(c, recompute=mode)
+        r1 = first.get(mode) or plan(trial.mesh, trial.fully_shard, mode, d1)
+        if budget and peak_of(r1) > budget:
+            log(
+                f"  {trial.name:<34} over at {d1} layers: {peak_of(r1) / 1e9:.1f} GB  ({time.perf_counter() - t1:.0f} s)"
+            )
+            continue
+        r2 = plan(trial.mesh, trial.fully_shard, mode, d2) if d2 != d1 else r1
+        trial.report = scale_report(r1, r2, d1, d2, layers)
+        trial.report.seconds = {"planned": time.perf_counter() - t1}
+        trial.report._cut = (r1, r2, d1, d2)
+        trial.estimate = estimate(trial.report, hardware, efficiency, trial.mesh.get("dp", 1) * seq)
+        planned.append(trial)
+        fits = not budget or peak_of(trial.report) <= budget
+        log(
+            f"  {trial.name:<34} peak {peak_of(trial.report) / 1e9:8.1f} GB  {'fits' if fits else 'over'}  "
+            f"({time.perf_counter() - t1:.0f} s)"
+        )
+        if fits:
+            return True
+    return False
+
+
 def search(
     config,
     world: int,
@@ -310,28 +355,12 @@ def search(
         by_mesh.setdefault(tuple(c.mesh.items()), []).append(c)
     for key, group in by_mesh.items():
         for c in sorted(group, key=lambda c: c.fully_shard):
-            fitted = False
-            for mode in recompute_modes:
-                t0 = time.perf_counter()
-                trial = dataclasses.replace(c, recompute=mode)
-                r1 = plan(trial.mesh, trial.fully_shard, mode, d1)
-                r2 = plan(trial.mesh, trial.fully_shard, mode, d2) if d2 != d1 else r1
-                trial.report = scale_report(r1, r2, d1, d2, layers)
-                trial.report.seconds = {"planned": time.perf_counter() - t0}
-                trial.report._cut = (r1, r2, d1, d2)
-                batch = trial.mesh.get("dp", 1)
-                trial.estimate = estimate(trial.report, hardware, efficiency, batch * seq)
-                planned.append(trial)
-                fits = not budget or peak_of(trial.report) <= budget
-                log(
-                    f"  {trial.name:<34} peak {peak_of(trial.report) / 1e9:8.1f} GB  "
-                    f"{'fits' if fits else 'over'}  ({time.perf_counter() - t0:.0f} s)"
-                )
-                if fits:
-                    fitted = True
-                    break
-            if fitted:
+            if _plan_mesh(
+                c, plan, d1, d2, layers, budget, recompute_modes, hardware, efficiency, seq, planned, log, peak_of
+            ):
                 break  # fully_shard is planned only when the mesh without it does not fit
+    over_early = [c for c in planned if c.report is None]
+    planned = [c for c in planned if c.report is not None]
     fit = sorted(
         (c for c in planned if not budget or peak_of(c.report) <= budget), key=lambda c: -c.estimate["tokens_per_s"]
     )
@@ -343,7 +372,7 @@ def search(
             continue
         r3 = plan(c.mesh, c.fully_shard, c.recompute, d3)
         c.linear = max(linear_deviation(r1, r2, r3, d1_, d2_, d3, ("peak", "flops", "traffic_bytes")).values())
-    return fit + over + [c for c in out if c.pruned]
+    return fit + over + over_early + [c for c in out if c.pruned]
 
 
 def _gb(n: float) -> str:
@@ -376,7 +405,9 @@ def format_table(
         )
     pruned = [c for c in ranked if c.pruned]
     if pruned:
-        lines.append(f"pruned without planning: {len(pruned)} (first {min(show_pruned, len(pruned))}):")
+        lines.append(
+            f"not ranked (pruned, or over at the first cut depth): {len(pruned)} (first {min(show_pruned, len(pruned))}):"
+        )
         for c in pruned[:show_pruned]:
             lines.append(f"    {c.name:<34}{c.pruned}")
     return "\n".join(lines)
