@@ -46,10 +46,12 @@ Sections (see benchmarks/README.md for what each measures and how; the code is i
   compile     (~1 min) the demo's model on dp2 x tp2: hs.compile (inductor, the local program
               and its functional collectives in one graph; also with its waits moved) vs eager
               hypershard, forward + backward time per step and the first call's compile time
+  user_rules  a custom op with a rule registered from Python (hs.register_rule) vs aten::mm with
+              its native rule, 1 and 2 ranks: hypershard's per-call overhead on each
 
 Writes bench/results.json, bench/RESULTS.md and bench/results.png and prints the tables.
 
-    .venv/bin/python benchmarks/run.py [--quick] [--sections dispatch,fallback,rotary,checkpoint,fully_shard,step,memory,grad_overlap,context_parallel,compile,true_size] [--out bench]
+    .venv/bin/python benchmarks/run.py [--quick] [--sections dispatch,fallback,rotary,checkpoint,fully_shard,step,memory,grad_overlap,context_parallel,compile,user_rules,true_size] [--out bench]
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ from hsbench.report import markdown, targets  # noqa: E402
 from hsbench.rotary import run_rotary  # noqa: E402
 from hsbench.training import run_steps  # noqa: E402
 from hsbench.true_size import run_true_size  # noqa: E402
+from hsbench.user_rules import run_user_rules  # noqa: E402
 
 SECTIONS = (
     "dispatch",
@@ -94,6 +97,7 @@ SECTIONS = (
     "grad_overlap",
     "context_parallel",
     "compile",
+    "user_rules",
     "true_size",
 )
 # true_size holds ~13 GB and runs ~15 min on 2 cores: a default run (make bench) leaves it out
@@ -206,6 +210,8 @@ def main(argv=None) -> int:
         results["context_parallel"] = run_context_parallel(args, log)
     if "compile" in sections:
         results["compile"] = run_compiled(args, log)
+    if "user_rules" in sections:
+        results["user_rules"] = run_user_rules(args, log)
     if "true_size" in sections:
         results["true_size"] = run_true_size(args, log)
     results["meta"] = {

@@ -13,6 +13,7 @@ from .grad_overlap import grad_overlap_lines
 from .rotary import rotary_lines
 from .training import STEP_MESHES
 from .true_size import true_size_lines
+from .user_rules import user_rules_lines
 
 # The project's target for the per-op overhead of ops with rules: hypershard / plain eager
 OVERHEAD_TARGET = 1.2
@@ -128,6 +129,7 @@ def markdown(results: dict) -> str:
     lines += grad_overlap_lines(results.get("grad_overlap"))
     lines += context_parallel_lines(results.get("context_parallel"))
     lines += compiled_lines(results.get("compile"))
+    lines += user_rules_lines(results.get("user_rules"))
     lines += true_size_lines(results.get("true_size"))
     s = results.get("step")
     if s:
