@@ -114,3 +114,30 @@ def write_marker(folder, step: int, world: int) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, folder / MARKER)
+
+
+def resolve(resume_from_checkpoint, output_dir):
+    """What HF's train should resume from: True -> the newest complete checkpoint-N of `output_dir`
+    (the partial ones skipped are logged); a path to a partial checkpoint -> refused with the reason
+    (HyperParallelConfigError, the same on every rank, before any collective); anything else as is."""
+    from .args import HyperParallelConfigError
+
+    if resume_from_checkpoint is True:
+        newest, skipped = newest_complete(output_dir)
+        log_skipped(newest, skipped)
+        if newest is None:
+            why = "".join(f"; skipped {p.name}: {reason}" for p, reason in skipped)
+            raise HyperParallelConfigError(
+                f"hypershard: llamafactory: resume_from_checkpoint=True: no complete checkpoint in {str(output_dir)!r}{why}"
+            )
+        return str(newest)
+    if isinstance(resume_from_checkpoint, (str, Path)) and Path(resume_from_checkpoint).is_dir():
+        reason = incomplete_reason(resume_from_checkpoint)
+        if reason is not None:
+            newest, _ = newest_complete(Path(resume_from_checkpoint).resolve().parent)
+            raise HyperParallelConfigError(
+                f"hypershard: llamafactory: resume_from_checkpoint {str(resume_from_checkpoint)!r} is a partial "
+                f"checkpoint ({reason}); allowed: a complete checkpoint (the newest next to it: {newest}), or "
+                "resume_from_checkpoint unset in the output_dir (LlamaFactory then resumes from the newest complete one)"
+            )
+    return resume_from_checkpoint

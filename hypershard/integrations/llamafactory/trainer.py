@@ -350,24 +350,7 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
         partial checkpoint is refused with the reason, on every rank before any collective."""
         from . import resume
 
-        if resume_from_checkpoint is True:
-            newest, skipped = resume.newest_complete(self.args.output_dir)
-            resume.log_skipped(newest, skipped)
-            if newest is None:
-                why = "".join(f"; skipped {p.name}: {reason}" for p, reason in skipped)
-                self.hp_args._fail(
-                    f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir!r}{why}"
-                )
-            resume_from_checkpoint = str(newest)
-        elif isinstance(resume_from_checkpoint, str) and os.path.isdir(resume_from_checkpoint):
-            reason = resume.incomplete_reason(resume_from_checkpoint)
-            if reason is not None:
-                newest, _ = resume.newest_complete(os.path.dirname(os.path.abspath(resume_from_checkpoint)))
-                self.hp_args._fail(
-                    f"resume_from_checkpoint {resume_from_checkpoint!r} is a partial checkpoint ({reason}); "
-                    f"allowed: a complete checkpoint (the newest next to it: {newest}), or resume_from_checkpoint "
-                    "unset in the output_dir (LlamaFactory then resumes from the newest complete one)"
-                )
+        resume_from_checkpoint = resume.resolve(resume_from_checkpoint, self.args.output_dir)
         from hypershard import faults
 
         faults.register()  # a failed collective then names the dead rank (hypershard.faults)

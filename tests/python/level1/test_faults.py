@@ -339,6 +339,23 @@ def _printed_losses(stdout: str) -> dict:
     return {step: loss for step, loss in enumerate(found, 1)}
 
 
+def _explicit_partial_is_refused(out):
+    """resume_from_checkpoint naming the partial checkpoint-4 (what HyperParallelTrainer.train checks
+    first): refused with the reason, before anything runs; True takes checkpoint-2."""
+    from hypershard.integrations.llamafactory import HyperParallelConfigError, resume
+
+    with pytest.raises(HyperParallelConfigError) as info:
+        resume.resolve(str(out / "checkpoint-4"), str(out))
+    expected = (
+        f"hypershard: llamafactory: resume_from_checkpoint '{out / 'checkpoint-4'}' is a partial checkpoint (no "
+        f"COMPLETE marker: its save did not finish on every rank; it lacks complete model/optimizer shards "
+        f"(hypershard/step_N/COMPLETE) and trainer_state.json); allowed: a complete checkpoint (the newest next "
+        f"to it: {out / 'checkpoint-2'})"
+    )
+    assert str(info.value).startswith(expected), str(info.value)
+    assert resume.resolve(True, str(out)) == str(out / "checkpoint-2")
+
+
 def test_llamafactory_disk_full_then_automatic_resume(tmp_path):
     import llamafactory  # noqa: F401  (make setup installs it: a missing install fails, never skips)
 
@@ -357,6 +374,7 @@ def test_llamafactory_disk_full_then_automatic_resume(tmp_path):
     assert expected in full.stderr, full.stderr[-4000:]
     assert resume.incomplete_reason(out / "checkpoint-2") is None
     assert resume.incomplete_reason(out / "checkpoint-4").startswith("no COMPLETE marker")
+    _explicit_partial_is_refused(out)
     uninterrupted = _printed_losses(full.stdout)  # steps 1-4 were trained; only the last save failed
     assert sorted(uninterrupted) == [1, 2, 3, 4], full.stdout[-3000:]
     # the same command again: LlamaFactory's automatic resume takes checkpoint-2, not the partial checkpoint-4

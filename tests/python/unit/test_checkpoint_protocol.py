@@ -146,4 +146,7 @@ def test_llamafactory_newest_complete_checkpoint(tmp_path):
                          "model/optimizer shards (hypershard/step_N/COMPLETE)"),
     ]
     assert resume.get_last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")  # LlamaFactory's auto resume
+    assert resume.resolve(True, tmp_path) == str(tmp_path / "checkpoint-2")  # resume_from_checkpoint: true
+    with pytest.raises(Exception, match="checkpoint-6' is a partial checkpoint .*the newest next to it: .*checkpoint-2"):
+        resume.resolve(str(tmp_path / "checkpoint-6"), tmp_path)  # named explicitly: refused
     assert resume.newest_complete(tmp_path / "missing") == (None, [])
