@@ -43,6 +43,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 
 from . import _C
 from .layout import make_layout
@@ -221,7 +222,15 @@ def local_map(
         raise _error(region, "out_placements is required; allowed: the placements of each returned tensor")
 
     @functools.wraps(fn)
+    @torch._dynamo.disable
     def run(*args, **kwargs):
+        # Under hs.compile the region is a graph break: Dynamo hands it the traced program's
+        # DTensors (TracedDTensor); it runs eagerly on the real ones, its results traced again.
+        from .traced import TracedDTensor, from_traced, to_traced
+
+        if any(isinstance(a, TracedDTensor) for a in list(args) + list(kwargs.values())):
+            args, kwargs = pytree.tree_map(from_traced, (args, kwargs))
+            return pytree.tree_map(to_traced, run(*args, **kwargs))
         mesh = _mesh_of(list(args) + list(kwargs.values()), device_mesh)
         if mesh is None:
             return fn(*args, **kwargs)  # no DTensor and no mesh: one device, the plain function

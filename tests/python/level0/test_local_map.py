@@ -7,7 +7,8 @@ forward AND gradients against one device (where the same function runs on whole 
 - a DFunction with a hand-written backward, and one with two outputs;
 - the debug check: a region that returns per-rank partial sums but declares them Replicate is
   refused on every rank in debug mode (without the check the wrong values would pass silently);
-- a refused layout with redistribute_inputs=False.
+- a refused layout with redistribute_inputs=False;
+- a region inside hs.compile (a graph break: it runs eagerly on the real DTensors).
 """
 
 import torch
@@ -108,6 +109,19 @@ def strict_region(x, w):
     return per_token(x, w)
 
 
+def compiled(fn):
+    """dist_fn: fn under hs.compile (aot_eager): the region is a graph break that runs eagerly on the
+    real DTensors; forward and gradients must still equal one device."""
+
+    def run(*inputs):
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        return hs.compile(fn, backend="aot_eager")(*inputs)
+
+    return run
+
+
 def cases():
     seq = Input((2, 8, 6), placements=["S(1)"])
     seq_elsewhere = Input((2, 8, 6), placements=["S(0)"])  # redistributed on entry
@@ -116,6 +130,7 @@ def cases():
     return [
         Case("region_sequence_sharded", region, [seq, w6], CP2),
         Case("region_input_redistributed", region, [seq_elsewhere, w6], CP2),
+        Case("region_under_hs_compile", region, [seq, w6], CP2, dist_fn=compiled(region)),
         Case(
             "region_2d_mesh",
             region_2d,
