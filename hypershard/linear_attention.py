@@ -343,7 +343,7 @@ def _forward_with(module: nn.Module, name: str, function: Callable):
     return types.MethodType(rebound, module)
 
 
-def _replace_rule(model: nn.Module, make: Callable[[Callable], Callable], caller: str) -> int:
+def _replace_rule(model: nn.Module, make: Callable[[Callable], Callable], caller: str, purpose: str) -> int:
     """Replaces every gated delta net's chunk function by make(its function): the instance attribute
     where transformers keeps one, else the module-level function its forward calls, rebound for that
     instance only. Returns how many it changed; raises for a gated delta net whose forward calls
@@ -361,7 +361,7 @@ def _replace_rule(model: nn.Module, make: Callable[[Callable], Callable], caller
                 raise ValueError(
                     f"hypershard: {caller}: module {name!r} ({type(module).__name__}) is a gated delta net "
                     f"whose forward calls neither self.{_INSTANCE_ATTRIBUTE} nor {_FUNCTION_NAME}; its "
-                    f"recurrence cannot be replaced (unsupported transformers version)"
+                    f"recurrence cannot be {purpose} (unsupported transformers version)"
                 )
             module.forward = _forward_with(module, _FUNCTION_NAME, make(forward.__globals__[_FUNCTION_NAME]))
         count += 1
@@ -372,7 +372,10 @@ def install_context_parallel_linear_attention(model: nn.Module, mesh, axis: int)
     """Makes every gated delta net of `model` run its chunked recurrence on a sequence sharded over
     mesh axis `axis` (context_parallel_chunk_gated_delta_rule); returns how many it changed."""
     return _replace_rule(
-        model, lambda original: context_parallel_chunk_gated_delta_rule(original, mesh, axis), "parallelize"
+        model,
+        lambda original: context_parallel_chunk_gated_delta_rule(original, mesh, axis),
+        "parallelize",
+        "run on a context-parallel sequence",
     )
 
 
@@ -431,4 +434,4 @@ def route_gated_delta_rule(model: nn.Module, mesh, kernel: Optional[Callable] = 
         routed.__wrapped__ = original
         return routed
 
-    return _replace_rule(model, make, "route_gated_delta_rule")
+    return _replace_rule(model, make, "route_gated_delta_rule", "routed through a region")
