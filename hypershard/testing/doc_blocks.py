@@ -6,8 +6,8 @@ rendered):
 | marker | the block | what `make test` does with it (tests/python/level1/test_docs.py) |
 |---|---|---|
 | `<!-- doc-test: setup -->` | the fixtures command: makes the inputs the other blocks read | run once with bash to prepare the work dir (every setup block must be the same text) |
-| `<!-- doc-test: python -->` | a complete Python program | `python BLOCK.py` in a copy of the work dir |
-| `<!-- doc-test: torchrun N -->` | a complete program for N processes | `torchrun --nproc-per-node N BLOCK.py` |
+| `<!-- doc-test: python -->` | a complete Python program, no processes | as `python BLOCK.py`, in its own folder beside the inputs (all such blocks in one interpreter, each in a fresh namespace) |
+| `<!-- doc-test: torchrun N -->` | a complete program for N processes | `torchrun --nproc-per-node N BLOCK.py`, in its own folder |
 | `<!-- doc-test: shell -->` | shell commands | `bash -e BLOCK.sh` |
 | `<!-- doc-test: file PATH -->` | the whole text of the repository file PATH | compared with PATH (PATH is an example that is run) |
 | `<!-- doc-test: fragment PATH -->` | a piece of a program, not complete | PATH must exist and be run by `make test`: one of the examples test_docs.py runs, or a test file under tests/python/ |
