@@ -62,17 +62,27 @@ def _numel(shape) -> int:
 
 
 def _product_flops(args, out) -> int:
-    """mm / addmm / bmm / baddbmm / _grouped_mm: 2 x the rank's output elements x the contraction.
+    """mm / addmm / bmm / baddbmm / _grouped_mm: 2 x the rank's output elements x the contraction
+    (a _grouped_mm over sharded groups: the share of rows balanced routing gives its local groups).
     The contraction is the smaller local one of the two operands (a dim sharded on one operand only
     is sharded on both when the op runs, or gathered: the rule's choice, not seen here); a 2-d x 2-d
     _grouped_mm (a weight gradient: (K, tokens) x (tokens, N) -> (G, K, N)) sums over all tokens."""
-    mats = [local_tensor(t) for t in args if isinstance(t, torch.Tensor) and t.dim() >= 2]
+    tensors = [t for t in args if isinstance(t, torch.Tensor) and t.dim() >= 2]
+    mats = [local_tensor(t) for t in tensors]
     a, b = mats[-2], mats[-1]
     result = local_tensor(out[0] if isinstance(out, (tuple, list)) else out)
     if a.dim() == 2 and b.dim() == 2 and result.dim() == 3:
-        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
-    k = min(a.shape[-1], b.shape[-2])
-    return 2 * _numel(result.shape) * k
+        flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    else:
+        flops = 2 * _numel(result.shape) * min(a.shape[-1], b.shape[-2])
+    if result.dim() != a.dim() or (a.dim() == 2 and b.dim() == 3):
+        # _grouped_mm with the groups (experts) sharded: a meta tensor cannot say which rows go to
+        # this rank's experts, so every row is in its output; with balanced routing a fraction
+        # (local groups / all groups) of them is computed here.
+        groups = tensors[-1] if b.dim() == 3 else out
+        local_groups, all_groups = local_tensor(groups).shape[0], groups.shape[0]
+        flops = flops * local_groups // max(all_groups, 1)
+    return flops
 
 
 def _attention_flops(args, backward: bool) -> int:
