@@ -65,9 +65,9 @@ class HyperParallelArguments:
       gradients summed in reduce_dtype; ``param_dtype: "auto"`` (the default): bfloat16 (gradients
       summed in float32) for a bfloat16 checkpoint when the YAML asks for neither bf16 nor fp16,
       else none (`precision`);
-    - ``recompute``: activation recomputation of every decoder layer by hs.recompute: "full",
-      "selective" or "none"; "auto" (the default): "full" where LlamaFactory turned transformers'
-      gradient checkpointing on (its default), which it replaces, "none" where it did not;
+    - ``recompute``: "auto" (the default): LlamaFactory's own recomputation (transformers' gradient
+      checkpointing, on unless disable_gradient_checkpointing) as it is; "full" / "selective":
+      hs.recompute on every decoder layer instead; "none": nothing recomputed;
     - ``strict``: run every op through a distributed rule (hs.strict), no gather fallback.
     """
 
@@ -275,11 +275,9 @@ class HyperParallelArguments:
         return None if value is None or value == "auto" else _DTYPES[value]
 
     def recompute_mode(self, hf_checkpointing: bool) -> Optional[str]:
-        """hs.recompute's mode for this run, or None: "auto" is "full" when transformers' gradient
-        checkpointing was on (LlamaFactory's default: the same layers, recomputed whole)."""
-        if self.recompute == "auto":
-            return "full" if hf_checkpointing else None
-        return None if self.recompute == "none" else self.recompute
+        """hs.recompute's mode for this run, or None ("auto": LlamaFactory's own checkpointing, if
+        any, is left as it is; "none": nothing recomputed)."""
+        return None if self.recompute in ("auto", "none") else self.recompute
 
     def precision(self, model: torch.nn.Module, training_args=None) -> tuple:
         """(param_dtype, reduce_dtype) of hs.mixed_precision for this run, None where not asked.

@@ -256,12 +256,19 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
 
     def _recompute(self, model, training_args) -> None:
         """LlamaFactory turns transformers' gradient checkpointing on by default (its own checkpoint
-        function, reentrant, around each decoder layer with trainable parameters). It is replaced by
-        hs.recompute on every decoder layer (JSON ``recompute``; "auto": full): non-reentrant, one
-        gather per fully_shard group for backward instead of two, RNG replayed, and "selective"."""
+        function, reentrant, around each decoder layer with trainable parameters). JSON ``recompute``
+        "auto" keeps it; "full" / "selective" replace it by hs.recompute on every decoder layer
+        (non-reentrant, fully_shard gathering twice per step as without it, RNG replayed); "none" turns
+        it off."""
         from hypershard.recompute import recompute
 
         hf_on = bool(getattr(model, "is_gradient_checkpointing", False))
+        rank0 = _rank_world()[0] == 0
+        if self.hp_args.recompute == "auto":
+            if rank0:
+                what = "LlamaFactory's (transformers' gradient checkpointing)" if hf_on else "none"
+                print(f"hypershard: llamafactory: recomputation: {what}", flush=True)
+            return
         mode = self.hp_args.recompute_mode(hf_on)
         if hf_on:
             model.gradient_checkpointing_disable()
@@ -269,7 +276,7 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
             training_args.gradient_checkpointing = False  # HF's train() would turn its own on again
         if mode is not None:
             recompute(model, mode=mode)
-        if _rank_world()[0] == 0:
+        if rank0:
             was = "transformers' gradient checkpointing (LlamaFactory's) replaced by " if hf_on else ""
             print(f"hypershard: llamafactory: recomputation: {was}hs.recompute(mode={mode or 'none'!r})", flush=True)
 
