@@ -8,6 +8,10 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
+# Rules users register at run time (hypershard.register_rule) are theirs, not hypershard's: the
+# document leaves them out, so it does not depend on what a process registered before.
+USER_FAMILY = "user"
+
 
 class Registration(NamedTuple):
     op: str  # "aten::add.Tensor"
@@ -22,7 +26,9 @@ def registrations() -> tuple:
 
     return tuple(
         sorted(
-            Registration(str(op), str(family), str(key), bool(tag)) for op, family, key, tag in _C.rule_registrations()
+            Registration(str(op), str(family), str(key), bool(tag))
+            for op, family, key, tag in _C.rule_registrations()
+            if family != USER_FAMILY
         )
     )
 
