@@ -6,10 +6,13 @@ Tolerances. Losses: LOSS_RTOL (1e-5, the level1 bound; only the order of float32
 partial products, the dp all-reduce, clip_grad_norm_'s per-shard norms). lora_dropout 0.1 is on in
 the LoRA runs: every rank draws the whole global mask from the same generator state and keeps its
 slice (docs/operators.md, "random"), so the masks are one device's and the losses stay within
-LOSS_RTOL; a different stream would move them by ~1e-2 (a tenth of the adapters' inputs zeroed
-elsewhere). Adapter weights: within 1e-2 of how far they moved from their initialisation (as
-test_llamafactory's exported weights); the outputs of the two peft folders loaded by
-PeftModel.from_pretrained on one device: within 1e-4 of the adapters' own effect on the logits.
+LOSS_RTOL. The masks matter little to the losses of 4 tiny steps (measured: the same run without
+dropout moves step 3 by 1.2e-5 relative) but much to the adapters: B starts at zero and is what
+training made it, and without dropout every B differs by up to 28% of its norm. So each B is
+required within 1e-2 of its norm (level1's parameter rule, the update being B itself; measured
+6.6e-7), which a different mask stream fails. The outputs of the two peft folders loaded by
+PeftModel.from_pretrained on one device: within 1e-4 relative to the logits plus 1e-3 of the
+adapters' own effect on them (two trainings that differ in summation order only, as the losses).
 """
 
 from __future__ import annotations
@@ -112,6 +115,9 @@ def test_qwen3_lora_dp2_tp2_equals_llamafactory_peft_folder_and_resumes_on_fully
     assert got.keys() == expected.keys() and any("lm_head" in k for k in got), sorted(got)[:6]
     for key, value in expected.items():
         assert got[key].shape == value.shape, key
+        if "lora_B" in key:  # moved from zero: the update is B itself (module docstring)
+            gap = float((got[key] - value).norm())
+            assert gap <= 1e-2 * float(value.norm()), f"{key}: {gap:.3e} from LlamaFactory's ({float(value.norm()):.3e})"
     # the checkpoint's shards hold the trainable parameters only, each laid out as its base layer's
     # style says (DCP's metadata lists the chunks the ranks wrote: a Replicate tensor one, a tp-sharded one two)
     import torch.distributed.checkpoint as dcp
