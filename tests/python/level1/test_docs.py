@@ -125,16 +125,23 @@ def python_outputs(work) -> dict:
         paths.append(str(folder / "block.py"))
     runner = work / "run_python_blocks.py"
     runner.write_text(_RUNNER)
-    result = subprocess.run(
+    process = subprocess.Popen(
         [sys.executable, str(runner), *paths],
         cwd=work,
         env=_env(),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=TIMEOUT["python"],
+        start_new_session=True,
     )
+    try:
+        text, _ = process.communicate(timeout=TIMEOUT["python"])
+    except subprocess.TimeoutExpired:  # the block running then, and those after it, did not finish
+        os.killpg(process.pid, signal.SIGKILL)
+        text, _ = process.communicate()
+        text += f"\n(the interpreter was stopped after {TIMEOUT['python']} s)"
     outputs, current = {}, None
-    for line in (result.stdout + result.stderr).splitlines():
+    for line in text.splitlines():
         if line.startswith("@@@ start "):
             current = line[len("@@@ start ") :]
             outputs[current] = [None, []]
