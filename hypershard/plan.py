@@ -2,6 +2,7 @@
 
     python -m hypershard.plan --model deepseek_v32 --mesh dp=32,ep=8 --fully-shard --seq 4096 --batch 32
     python -m hypershard.plan --model qwen3_5_moe_text --mesh dp=8,tp=2,ep=4 --memory-per-rank 80
+    python -m hypershard.plan --model deepseek_v32 --search --world 256 --memory-per-rank 80 --compute-dtype bfloat16
 
 `--model`: a transformers model_type (its default config: deepseek_v32 is DeepSeek-V3.2 671B,
 qwen3_5_moe_text Qwen3.5-35B-A3B), a published config by name (qwen3_5_0_8b, qwen3_vl_30b_a3b), or
@@ -13,7 +14,10 @@ sent. Printed for the simulated rank (--rank, default 0): bytes of parameters, g
 optimizer state; the peak of activations (everything else the step holds, hypershard/planner/
 memory.py); bytes sent per mesh axis (per phase) and the collectives issued. Ranks with the same
 coordinates on the axes that shard a tensor hold the same bytes; rank 0 holds the first
-(largest) chunk of every uneven shard, so its figures are the largest. See docs/planner.md.
+(largest) chunk of every uneven shard, so its figures are the largest. `--device` (default cuda)
+picks whose kernels the step takes; `--recompute`, a cp axis with `--cp-algorithm`, `--hsdp` and
+`--offload-optimizer` are the library's settings; `--search` ranks the meshes of `--world` ranks.
+See docs/planner.md.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@
 - `step`: building a model (meta or real), sharding it, and running forward + backward + AdamW,
   shared by the planner and by the 4-rank measurement that validates it;
 - `run`: the planned step (`plan_step`) and the measured one (`measure_rank`);
-- `validate`: the two compared (``python -m hypershard.planner.validate``).
+- `validate`: the two compared (``python -m hypershard.planner.validate``);
+- `search`: ``--search``, the meshes of N ranks pruned, planned at cut depths, scaled per layer and
+  ranked by a stated time model.
 """
 
 # The mesh axes the planner models (a subset of hypershard.axes.MESH_AXES); the CLIs refuse others.
