@@ -32,6 +32,8 @@ from hypershard.testing.llamafactory_fixtures import (
     write_dataset_dir,
     write_model,
     write_run,
+    write_vl_dataset_dir,
+    write_vl_model,
 )
 from hypershard.testing.training import LOSS_RTOL
 
@@ -213,6 +215,24 @@ def test_qwen3_5_lora_equals_llamafactory(work, model_type, hp, what):
     ok(result, f"{model_type} LoRA {what}")
     assert f"lora fine-tuning on the mesh dp2 x {what.split(' x ')[0]}" in result.stdout, result.stdout[-2000:]
     assert_close(read_losses(out), read_losses(ref), range(1, STEPS + 1), f"{model_type} LoRA {what} vs LlamaFactory")
+
+
+def test_qwen3_vl_moe_image_lora_dp2_tp2_equals_llamafactory(work):
+    """LoRA on Qwen3-VL-MoE with an image in every sample (template qwen3_vl; LlamaFactory keeps the
+    vision tower frozen and out of lora_target) on dp2 x tp2 in strict mode: losses equal
+    LlamaFactory's single-process LoRA run."""
+    root = work["root"]
+    model, data = write_vl_model(root / "vl"), write_vl_dataset_dir(root / "vl_data")
+    common = dict(dataset="mllm_demo", template="qwen3_vl", cutoff_len=128, **LORA)
+    ref_yaml = write_run(root / "vl_ref", model, data, root / "out_vl_ref", per_device_train_batch_size=4, **common)
+    result = launch(ref_yaml, 1, None, TIMEOUT)
+    ok(result, "LlamaFactory's single-process Qwen3-VL-MoE LoRA run")
+    yaml_path = write_run(root / "vl_tp", model, data, root / "out_vl_tp", hp={"tp_size": 2, "strict": True}, **common)
+    result = launch(yaml_path, 4, None, TIMEOUT)
+    ok(result, "Qwen3-VL-MoE LoRA dp2 x tp2 run")
+    assert "lora fine-tuning on the mesh dp2 x tp2" in result.stdout
+    losses = read_losses(root / "out_vl_tp")
+    assert_close(losses, read_losses(root / "out_vl_ref"), range(1, STEPS + 1), "Qwen3-VL-MoE LoRA dp2 x tp2")
 
 
 def test_adapter_plan_and_refusals_in_process():
