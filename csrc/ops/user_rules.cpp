@@ -125,19 +125,28 @@ OpPlan user_rule(const OpCall& call) {
   }
   spec.whole = rule.whole;
   OpPlan plan = plan_from_factors(call, spec);
-  plan.expand = [rule, inputs = plan.inputs, outputs = plan.outputs](const OpCall& c, torch::jit::Stack& stack) {
-    const auto n = static_cast<size_t>(c.num_args());
-    std::vector<c10::IValue> args;
-    if (runtime::check_replicas()) args.assign(stack.end() - n, stack.end());
-    c.op->callBoxed(stack);
-    if (!args.empty()) check_against_whole(c, rule, inputs, outputs, args, stack);
-  };
+  // Only in debug mode (the typed fast path takes no plan with an expand); switching the mode
+  // drops the op's plans (runtime::set_check_replicas), so each mode gets its own.
+  if (runtime::check_replicas())
+    plan.expand = [rule, inputs = plan.inputs, outputs = plan.outputs](const OpCall& c, torch::jit::Stack& stack) {
+      const auto n = static_cast<size_t>(c.num_args());
+      const std::vector<c10::IValue> args(stack.end() - n, stack.end());
+      c.op->callBoxed(stack);
+      check_against_whole(c, rule, inputs, outputs, args, stack);
+    };
   return plan;
 }
 
 bool is_label(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
 
 }  // namespace
+
+std::vector<std::string> user_rule_names() {
+  std::lock_guard<std::mutex> guard(g_mutex);
+  std::vector<std::string> out;
+  for (const auto& [name, rule] : *g_rules) out.push_back(name);
+  return out;
+}
 
 void register_user_rule(const std::string& op_name, UserRule rule) {
   const std::string context = layout::str_cat(kContext, ": ", op_name);

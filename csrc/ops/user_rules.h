@@ -22,6 +22,9 @@ struct UserRule {
 // rule. runtime::register_user_rule (dispatch.cpp) also refreshes an op already called.
 void register_user_rule(const std::string& op_name, UserRule rule);
 
+// The ops with a user rule, "mylib::op" style.
+std::vector<std::string> user_rule_names();
+
 // A rule added after start-up (registry.cpp), under `family`. Not thread-safe against calls of
 // that op: register before it runs.
 void add_late_rule(const char* family, const std::string& op_name, Rule rule);

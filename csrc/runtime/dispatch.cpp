@@ -112,6 +112,11 @@ namespace {
 
 // ------------------------------------------------------------------ registration
 
+// The fallback kernels maybe_register gave ops, by op: kept for the process, except where a typed
+// kernel replaces one (register_user_rule).
+std::mutex g_fallback_kernels_mutex;
+auto* g_fallback_kernels = new std::unordered_map<c10::OperatorName, c10::RegistrationHandleRAII>();
+
 // Ops whose CompositeExplicitAutograd kernel would otherwise win over the backend fallback on
 // PrivateUse2 (and would run on the storage-less wrapper): register the fallback for them.
 // CompositeImplicitAutograd ops are left alone: they must decompose.
@@ -122,11 +127,12 @@ void maybe_register(const c10::OperatorHandle& op) {
       !op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional))
     return;
   if (op.hasKernelForDispatchKey(c10::DispatchKey::PrivateUse2)) return;
-  static auto* handles = new std::vector<c10::RegistrationHandleRAII>();  // kept for the process
-  handles->push_back(c10::Dispatcher::singleton().registerImpl(
+  auto handle = c10::Dispatcher::singleton().registerImpl(
       op.operator_name(), c10::DispatchKey::PrivateUse2,
       c10::KernelFunction::makeFromBoxedFunction<&dtensor_fallback>(), std::nullopt, nullptr,
-      "hypershard: DTensor fallback (composite-explicit op)"));
+      "hypershard: DTensor fallback (composite-explicit op)");
+  std::lock_guard<std::mutex> guard(g_fallback_kernels_mutex);
+  g_fallback_kernels->emplace(op.operator_name(), std::move(handle));
 }
 
 // The dispatcher calls listeners with its lock held, so a listener only notes the op; the
@@ -297,16 +303,34 @@ void set_rule_enabled(const std::string& op, bool enabled) {
   replace_rule(info, enabled ? rule : nullptr);
 }
 
+bool install_fast_path(const c10::OperatorHandle& op, const std::string& name);  // fast_path.cpp
+
 void register_user_rule(const std::string& op, ops::UserRule rule) {
-  sync_registrations();  // a custom op defined just before gets its fallback kernel first
   ops::register_user_rule(op, std::move(rule));
-  // An op called before (through the fallback, or refused in strict mode) has its info already.
-  if (const auto handle = find_operator(op)) replace_rule(op_info(*handle), ops::registry().find(op));
+  sync_registrations();
+  if (const auto handle = find_operator(op)) {
+    {
+      // The boxed fallback kernel maybe_register gave the op (a custom op is composite-explicit)
+      // makes way for its typed kernel, which boxes into the same flow where it cannot go fast.
+      std::lock_guard<std::mutex> guard(g_fallback_kernels_mutex);
+      g_fallback_kernels->erase(handle->operator_name());
+    }
+    // No signature the fast path reads: the fallback kernel again.
+    if (!install_fast_path(*handle, op)) maybe_register(*handle);
+    // An op called before (through the fallback, or refused in strict mode) has its info already.
+    replace_rule(op_info(*handle), ops::registry().find(op));
+  }
 }
 
 void set_strict(bool on) { g_strict.store(on); }
 bool strict() { return g_strict.load(); }
-void set_check_replicas(bool on) { g_check_replicas.store(on); }
+void set_check_replicas(bool on) {
+  if (g_check_replicas.exchange(on) == on) return;
+  // A user rule's plan carries its debug check only when made in debug mode (user_rules.cpp):
+  // switching the mode makes them anew.
+  for (const auto& name : ops::user_rule_names())
+    if (const auto handle = find_operator(name)) replace_rule(op_info(*handle), ops::registry().find(name));
+}
 bool check_replicas() { return g_check_replicas.load(); }
 
 std::vector<OpCount> op_counts() {

@@ -60,10 +60,12 @@
 #include <array>
 #include <atomic>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -577,6 +579,29 @@ void register_fast_paths() {
     } catch (const c10::Error&) {
     }
   }
+}
+
+// A user op given a rule after start-up (runtime::register_user_rule): its typed kernel where its
+// signature is one the fast path reads and nothing serves it on PrivateUse2 yet; false otherwise.
+// Declared where it is used (dispatch.cpp), so that fast_path.h and its includers stay as they are.
+bool install_fast_path(const c10::OperatorHandle& op, const std::string& name) {
+  if (op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) return false;  // must decompose
+  // The fallback took the op already (it ran on a DTensor before its rule came): it stays boxed.
+  if (op.hasKernelForDispatchKey(c10::DispatchKey::PrivateUse2)) return false;
+  static std::mutex mutex;
+  static auto* libraries = new std::unordered_map<std::string, torch::Library*>();  // never destroyed
+  std::lock_guard<std::mutex> guard(mutex);
+  const std::string ns = name.substr(0, name.find("::"));
+  auto& library = (*libraries)[ns];
+  if (!library)
+    library = new torch::Library(torch::Library::IMPL, ns, c10::DispatchKey::PrivateUse2, __FILE__, __LINE__);
+  try {
+    if (!install_typed(Signatures{}, *library, op, name)) return false;
+  } catch (const c10::Error&) {
+    return false;  // as register_fast_paths: the dispatcher refused the kernel, the op stays boxed
+  }
+  g_fast_ops->push_back(name);
+  return true;
 }
 
 std::vector<std::string> fast_path_ops() { return *g_fast_ops; }

@@ -1,7 +1,7 @@
 """Level0: custom ops with rules registered from Python (hs.register_rule), strict, on real 1-D and
 2-D meshes: forward AND gradients against one device (the custom op's autograd formula runs on
 DTensors through native rules), the plan cached after the first call (repeat calls never reach
-Python: the rule lives in C++), and the debug check: a planted wrong rule (row_norm's normalised
+Python: the rule lives in C++), a repeat call on the typed fast path, and the debug check: a planted wrong rule (row_norm's normalised
 dim left shardable) runs silently without it and is refused with it."""
 
 import torch
@@ -65,7 +65,19 @@ def _(x):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("hs_l0::sum_of_four", mutates_args=())
+def sum_of_four(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    return a + b + c + d
+
+
+@sum_of_four.register_fake
+def _(a, b, c, d):
+    return torch.empty_like(a)
+
+
 hs.register_rule(scaled_matmul, "mk,kn,.->mn", linear=(0, 1))
+# a signature the typed fast path does not read: the op keeps the boxed fallback kernel
+hs.register_rule(sum_of_four, "ab,ab,ab,ab->ab", linear=True)
 hs.register_rule(row_norm, "bd->bd", whole="d")
 hs.register_rule(row_norm_wrong, "bd->bd")  # planted: d must be whole, the op normalises over it
 
@@ -87,6 +99,27 @@ def cached(fn):
         return out
 
     return run
+
+
+def fast(fn, op):
+    """dist_fn: fn once (its plan made), then again: the repeat must run on the typed fast path (a
+    registered op of a signature the fast path reads gets a typed kernel, like an ATen op)."""
+
+    def run(*inputs):
+        assert op in hs._C.fast_path_ops(), op
+        out = fn(*inputs)
+        before = hs._C.dispatch_stats()["fast_calls"]
+        again = fn(*inputs)
+        assert hs._C.dispatch_stats()["fast_calls"] > before, "the repeat call did not take the fast path"
+        assert torch.equal(again.full_tensor(), out.full_tensor())
+        return out
+
+    return run
+
+
+def boxed_only(*inputs):
+    assert "hs_l0::sum_of_four" not in hs._C.fast_path_ops()
+    return sum_of_four(*inputs)
 
 
 def matmul_then_norm(a, b, s):
@@ -117,6 +150,10 @@ def cases():
         Case("contraction_partial_tp", matmul_then_norm, [Input((4, 6), placements=["S(1)"]), Input((6, 8), placements=["S(0)"]), s], TP2),
         Case("dp_tp_mesh", matmul_then_norm, [Input((4, 6), placements=["S(0)", "S(1)"]), Input((6, 8), placements=["R", "S(0)"]), s2], DP_TP),
         Case("whole_label_gathered", row_norm, [Input((4, 6), placements=["S(0)", "S(1)"])], DP_TP),
+        Case("no_typed_signature_boxed", sum_of_four, [Input((4, 6), placements=["S(0)"])] * 4, TP2,
+             dist_fn=boxed_only, check_grad=False),
+        Case("typed_fast_path", row_norm, [Input((4, 6), placements=["S(0)"])], TP2,
+             dist_fn=fast(row_norm, "hs_l0::row_norm")),
         Case("debug_check_refuses_wrong_rule", row_norm, [Input((4, 6), placements=["S(1)"])], TP2,
              dist_fn=debug_checked(row_norm_wrong), check_grad=False,
              expect_error='the registered rule "bd->bd" gives output 0 differing from the op on whole inputs'),
