@@ -364,6 +364,7 @@ def _replace_rule(model: nn.Module, make: Callable[[Callable], Callable], caller
                     f"recurrence cannot be {purpose} (unsupported transformers version)"
                 )
             module.forward = _forward_with(module, _FUNCTION_NAME, make(forward.__globals__[_FUNCTION_NAME]))
+        module._hs_gated_delta_rule = caller  # who replaced it (hs.recompute reads it)
         count += 1
     return count
 

@@ -227,6 +227,19 @@ def recompute(model: nn.Module, mode: str = "full", modules: Optional[Iterable[n
                 f"{type(module).__name__} has transformers' gradient checkpointing on; it would be "
                 "recomputed twice over; allowed: model.gradient_checkpointing_disable() first, or no hs.recompute"
             )
+    for module in targets:
+        for sub in module.modules():
+            # Known limit: Qwen3.5's gated delta net on a cp axis (its state chain and causal-conv
+            # halo exchanges) hangs under recomputation (both ranks stuck in the first forward's
+            # conv halo exchange, level1 sft run); refused on every rank before anything runs
+            # instead of hanging. docs/recompute.md.
+            if getattr(sub, "_hs_gated_delta_rule", None) == "parallelize":
+                raise _error(
+                    f"{type(module).__name__} holds a gated delta net ({type(sub).__name__}) on a context-parallel "
+                    "axis, which recomputation does not support yet (it would hang in the conv's halo exchange); "
+                    "allowed: no hs.recompute on such a model, a mesh without cp, or hs.recompute(model, modules=...) "
+                    "with the full-attention layers only"
+                )
     nested = [m for m in targets for sub in m.modules() if sub is not m and id(sub) in {id(t) for t in targets}]
     if nested:
         raise _error(

@@ -229,3 +229,21 @@ def test_sft_recompute_flag_recomputes_every_decoder_layer():
         assert [rc.recompute_mode(m) for m in rc.decoder_layers(model)] == [mode, mode]
     with pytest.raises(SystemExit):
         parser().parse_args([*base, "--recompute", "some"])
+
+
+def test_gated_delta_net_on_cp_is_refused_not_hung():
+    """Qwen3.5's gated delta net on a cp axis hangs under recomputation (its halo exchange; see
+    hypershard/recompute.py): refused before anything runs. The real install marks the module
+    (linear_attention._replace_rule); this model is marked as it would be. Planted fault: without
+    the check, hs.recompute accepts it (and the sft run hangs until its timeout)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from hypershard.models import tiny_config, tiny_model
+
+    model = tiny_model(tiny_config("qwen3_5_text"))
+    net = next(m for m in model.modules() if isinstance(m, modeling_qwen3_5.Qwen3_5GatedDeltaNet))
+    net._hs_gated_delta_rule = "parallelize"
+    with pytest.raises(ValueError, match="gated delta net .* on a context-parallel axis"):
+        hs.recompute(model)
+    full_attention = [layer for layer in model.model.layers if not any(m is net for m in layer.modules())]
+    hs.recompute(model, modules=full_attention)  # the layers without it are accepted
