@@ -8,7 +8,8 @@ forward AND gradients against one device (where the same function runs on whole 
 - the debug check: a region that returns per-rank partial sums but declares them Replicate is
   refused on every rank in debug mode (without the check the wrong values would pass silently);
 - a refused layout with redistribute_inputs=False;
-- a region inside hs.compile (a graph break: it runs eagerly on the real DTensors).
+- a region inside hs.compile (a graph break: it runs eagerly on the real DTensors);
+- a region as the forward of a fully_shard module (its weight gathered before the region).
 """
 
 import torch
@@ -109,6 +110,35 @@ def strict_region(x, w):
     return per_token(x, w)
 
 
+@hs.local_map(out_placements=["S(0)"], in_placements=(["S(0)"], ["R"]))
+def rows_region(x, w):
+    return per_token(x, w)
+
+
+class RegionNet(torch.nn.Module):
+    """A module whose forward is a region: under fully_shard its weight is gathered before the
+    forward (Replicate on dp), as the region declares."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.w = torch.nn.Parameter(w.detach().clone())
+
+    def forward(self, x):
+        return rows_region(x, self.w).sum(dim=-1)
+
+
+def region_net(x, w):
+    return RegionNet(w)(x)
+
+
+def region_net_fully_shard(x, w):
+    net = RegionNet(w)
+    hs.fully_shard(net, x.device_mesh, dp_axis="dp")
+    out = net(x)
+    assert isinstance(net.w, hs.DTensor) and net.w.placements[0].is_shard()  # resharded after forward
+    return out
+
+
 def compiled(fn):
     """dist_fn: fn under hs.compile (aot_eager): the region is a graph break that runs eagerly on the
     real DTensors; forward and gradients must still equal one device."""
@@ -131,6 +161,13 @@ def cases():
         Case("region_sequence_sharded", region, [seq, w6], CP2),
         Case("region_input_redistributed", region, [seq_elsewhere, w6], CP2),
         Case("region_under_hs_compile", region, [seq, w6], CP2, dist_fn=compiled(region)),
+        Case(
+            "region_in_fully_shard_module",
+            region_net,
+            [Input((4, 6), placements=["S(0)"]), Input((6,), placements=["R"], requires_grad=False)],
+            ((2,), ("dp",)),
+            dist_fn=region_net_fully_shard,
+        ),
         Case(
             "region_2d_mesh",
             region_2d,
