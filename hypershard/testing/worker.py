@@ -64,6 +64,22 @@ def current_mesh() -> Any:
     return _STATE["mesh"] if _STATE["run"] == "distributed" else None
 
 
+def debug_checked(fn: Callable) -> Callable:
+    """A case's dist_fn: `fn` with hypershard's debug checks on (hs.set_debug_checks), restored after."""
+
+    def run(*inputs):
+        import hypershard as hs  # lazily, as replicated() does
+
+        saved = hs.debug_checks()
+        hs.set_debug_checks(True)
+        try:
+            return fn(*inputs)
+        finally:
+            hs.set_debug_checks(saved)
+
+    return run
+
+
 def traffic_checked(fn: Callable, check: Callable) -> Callable:
     """A case's dist_fn that also checks what a call sends: ``fn`` runs once (its plans cached),
     then again with hypershard's traffic counters reset; ``check(inputs, out, sent_bytes)`` returns

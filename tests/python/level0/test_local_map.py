@@ -15,7 +15,7 @@ forward AND gradients against one device (where the same function runs on whole 
 import torch
 
 import hypershard as hs
-from hypershard.testing import Case, Input, assert_all_passed, replicated, run_cases
+from hypershard.testing import Case, Input, assert_all_passed, debug_checked, replicated, run_cases
 
 CP2 = ((2,), ("cp",))
 DP_CP = ((2, 2), ("dp", "cp"))
@@ -91,18 +91,6 @@ def two_outputs(x, scale):
 @hs.local_map(out_placements=["R"], in_placements=(["S(1)"], ["S(0)"]), name="mislabelled_contraction")
 def mislabelled(x, w):  # the partial product of each rank, wrongly declared Replicate
     return x @ w
-
-
-def debug_checked(fn):
-    def run(*inputs):
-        saved = hs.debug_checks()
-        hs.set_debug_checks(True)
-        try:
-            return fn(*inputs)
-        finally:
-            hs.set_debug_checks(saved)
-
-    return run
 
 
 @hs.local_map(out_placements=["S(1)"], in_placements=(["S(1)"], ["R"]), redistribute_inputs=False)

@@ -7,7 +7,7 @@ dim left shardable) runs silently without it and is refused with it."""
 import torch
 
 import hypershard as hs
-from hypershard.testing import Case, Input, assert_all_passed, replicated, run_cases
+from hypershard.testing import Case, Input, assert_all_passed, debug_checked, replicated, run_cases
 
 
 @torch.library.custom_op("hs_l0::scaled_matmul", mutates_args=())
@@ -128,18 +128,6 @@ def matmul_then_norm(a, b, s):
 
 def rows_and_columns(a, b, s):
     return scaled_matmul(a, b, s)
-
-
-def debug_checked(fn):
-    def run(*inputs):
-        saved = hs.debug_checks()
-        hs.set_debug_checks(True)
-        try:
-            return fn(*inputs)
-        finally:
-            hs.set_debug_checks(saved)
-
-    return run
 
 
 def cases():
