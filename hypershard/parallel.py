@@ -758,7 +758,6 @@ def parallelize(
     tp = names.index(tp_axis) if tp_axis in names else None
     # a tuple of axis names (HSDP's replicate and shard axes): the batch is split over each of them
     dp_axes = [a for a in ([dp_axis] if isinstance(dp_axis, str) else dp_axis) if a in names]
-    dp = names.index(dp_axes[-1]) if dp_axes else None
     ep = names.index(ep_axis) if ep_axis in names else None
     cp = names.index(cp_axis) if cp_axis in names else None
     if cp is not None and cp_algorithm not in CP_ALGORITHMS:
