@@ -148,6 +148,8 @@ def cases():
     return [
         Case("region_sequence_sharded", region, [seq, w6], CP2),
         Case("region_input_redistributed", region, [seq_elsewhere, w6], CP2),
+        # the region is written per axis name: on an expert-parallel axis it is the same algebra
+        Case("region_on_ep_axis", region, [seq, w6], ((2,), ("ep",))),
         Case("region_under_hs_compile", region, [seq, w6], CP2, dist_fn=compiled(region)),
         Case(
             "region_in_fully_shard_module",
