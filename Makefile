@@ -44,7 +44,7 @@ export CMAKE_BUILD_PARALLEL_LEVEL := $(JOBS)
 # folder (CI) reuses what an earlier build of the same sources compiled.
 export CCACHE_BASEDIR := $(CURDIR)
 
-.PHONY: help setup system-packages build test test-cpp test-sanitize test-fuzz test-unit \
+.PHONY: help setup system-packages build test test-full test-cpp test-sanitize test-fuzz test-unit \
         test-level0 test-level1 test-gpu format test-format \
         demo bench coverage-docs clean distclean
 
@@ -52,6 +52,7 @@ help:
 	@echo "make demo         set up everything, then run the demo (python -m hypershard.demo)"
 	@echo "make test         set up everything, then test-format, test-cpp, test-sanitize, test-fuzz,"
 	@echo "                  test-unit, test-level0, test-level1"
+	@echo "make test-full    make test, then the slow cases it leaves out (pytest marker full)"
 	@echo "make setup        Debian packages, .venv, pinned requirements, build the extension"
 	@echo "make build        (re)build the extension hypershard._C when its sources changed"
 	@echo "make format       apply clang-format (C++) and ruff (Python); test-format checks them"
@@ -161,7 +162,7 @@ define run_pytest
 	@if [[ -z "$$(find $(1) -name 'test_*.py' -print -quit 2>/dev/null)" ]]; then \
 	  echo "$(1): no tests yet"; \
 	else \
-	  rc=0; $(PY) -m pytest -q $(1) || rc=$$?; \
+	  rc=0; $(PY) -m pytest -q -m "$(or $(2),not full)" $(1) || rc=$$?; \
 	  if (( rc == 5 )); then echo "$(1): no tests collected"; rc=0; fi; \
 	  exit $$rc; \
 	fi
@@ -175,6 +176,11 @@ test-level0: setup
 
 test-level1: setup
 	$(call run_pytest,tests/python/level1)
+
+# The slow cases make test leaves out (marked `full`: more LlamaFactory LoRA models, the
+# LlamaFactory fault run); make test-full runs make test, then them.
+test-full: test
+	$(call run_pytest,tests/python/level1,full)
 
 # The prepared GPU check (docs/gpu.md): on a machine with a GPU and torch + CUDA already installed
 # (not the pinned CPU torch of .venv), with GPU_PYTHON that torch's interpreter. Builds hypershard

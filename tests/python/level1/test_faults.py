@@ -360,6 +360,10 @@ def _explicit_partial_is_refused(out):
     assert resume.resolve(True, str(out)) == str(out / "checkpoint-2")
 
 
+# make test-full only (make test's 40-minute budget): the same atomic save and automatic resume are
+# in make test through hypershard.sft (test_sft_auto_resume_past_a_partial_checkpoint) and the UT of
+# the LlamaFactory resume choice (test_checkpoint_protocol.py).
+@pytest.mark.full
 def test_llamafactory_disk_full_then_automatic_resume(tmp_path):
     import llamafactory  # noqa: F401  (make setup installs it: a missing install fails, never skips)
 

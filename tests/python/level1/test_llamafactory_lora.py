@@ -170,6 +170,7 @@ def test_qwen3_lora_dp2_tp2_equals_llamafactory_peft_folder_and_resumes_on_fully
     assert_close(read_losses(resumed), read_losses(out), [3, 4], "LoRA resumed on fully_shard dp4")
 
 
+@pytest.mark.full
 def test_qwen3_freeze_on_cp2_dp2_equals_llamafactory(work):
     """finetuning_type freeze (the last decoder layer and the norms trainable) on cp2 x dp2:
     the sequence split over cp (the collator pads to a multiple of 2 x cp, labels shifted over the
@@ -195,6 +196,9 @@ def test_qwen3_freeze_on_cp2_dp2_equals_llamafactory(work):
     assert all(torch.equal(got[k], init[k]) for k in expected if k not in trainable), "a frozen weight changed"
 
 
+# make test-full only (make test stays under 40 minutes on CI's 2 cores; README, "Tests"): the
+# Qwen3 LoRA, peft-folder and resume test above is make test's representative of this file.
+@pytest.mark.full
 @pytest.mark.parametrize(
     "model_type, hp, what",
     [
@@ -217,6 +221,7 @@ def test_qwen3_5_lora_equals_llamafactory(work, model_type, hp, what):
     assert_close(read_losses(out), read_losses(ref), range(1, STEPS + 1), f"{model_type} LoRA {what} vs LlamaFactory")
 
 
+@pytest.mark.full
 def test_qwen3_vl_moe_image_lora_dp2_tp2_equals_llamafactory(work):
     """LoRA on Qwen3-VL-MoE with an image in every sample (template qwen3_vl; LlamaFactory keeps the
     vision tower frozen and out of lora_target) on dp2 x tp2 in strict mode: losses equal
