@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from . import _C
+from .dtensor import _infer_global_shape
 from .layout import make_layout
 
 __all__ = ["local_map", "DFunction"]
@@ -149,22 +150,6 @@ def _decide_grad_layouts(region: str, grad_layouts: dict, out_layouts: list, in_
         grad_layouts[index] = _C.Layout.create(layout.mesh, shape, layout.dim_axes, partial)
 
 
-def _global_shape(local: torch.Tensor, mesh, spec: Any, region: str, index: int) -> list:
-    """The global shape of an output: the local one where nothing is sharded; otherwise from every
-    rank's local size along the sharded dims (one small all-reduce per sharding axis), so uneven
-    shards work."""
-    probe = make_layout(mesh.mesh, list(local.shape), spec)
-    shape = list(local.shape)
-    for dim, axes in enumerate(probe.dim_axes):
-        if not axes:
-            continue
-        length = torch.tensor([local.shape[dim]], dtype=torch.int64)
-        for axis in reversed(axes):  # minor -> major: each sum is the parent chunk's length
-            dist.all_reduce(length, group=mesh.group(axis))
-        shape[dim] = int(length.item())
-    return shape
-
-
 def _check_replicated(region: str, index: int, local: torch.Tensor, layout, mesh) -> None:
     """Debug mode: an output declared Replicate on an axis must be equal across that axis's ranks."""
     names = mesh.mesh_dim_names
@@ -264,7 +249,8 @@ def local_map(
                 continue
             if _C.is_dtensor(o):
                 raise _error(region, f"output {i} is a DTensor; allowed: local tensors (the region wraps them)")
-            layout = make_layout(mesh.mesh, _global_shape(o, mesh, spec, region, i), spec)
+            # the global shape from every rank's local size (uneven shards work), as DTensor.from_local
+            layout = make_layout(mesh.mesh, _infer_global_shape(o, mesh, spec, None), spec)
             if _C.check_replicas():
                 _check_replicated(region, i, o, layout, mesh)
             wrapped.append(_C.from_local(o, mesh, layout))
