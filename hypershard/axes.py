@@ -77,14 +77,18 @@ def declare_replica_axis(mesh, name: str) -> None:
     note_axes_used(mesh, [name], replica=True)
 
 
+def laid_out_axes(layout) -> set:
+    """The mesh axes `layout` is sharded or Partial on (the others hold whole replicas)."""
+    return {a for a in range(len(layout.partial)) if not layout.is_replicate(a) or layout.is_partial(a)}
+
+
 def _note_laid_out(tensors) -> None:
     """Notes the axes a DTensor among `tensors` is sharded or Partial on."""
     for t in tensors:
         if isinstance(t, torch.Tensor) and _C.is_dtensor(t):
             layout = _C.layout_of(t)
             mesh = _C.device_mesh_of(t)
-            names = mesh.mesh_dim_names
-            note_axes_used(mesh, [n for i, n in enumerate(names) if not layout.is_replicate(i) or layout.is_partial(i)])
+            note_axes_used(mesh, [mesh.mesh_dim_names[a] for a in laid_out_axes(layout)])
 
 
 def unused_axes(mesh) -> list:

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from . import _C
+from .axes import laid_out_axes
 from .dtensor import _infer_global_shape
 from .layout import make_layout
 
@@ -106,10 +107,6 @@ def _to_local(region: str, index: int, arg: Any, spec: Any, mesh, redistribute_i
     return _RegionInput.apply(arg, grad_layouts, index)
 
 
-def _laid_out_axes(layout) -> set:
-    return {a for a in range(len(layout.partial)) if not layout.is_replicate(a) or layout.is_partial(a)}
-
-
 def _entry(table: Any, key: Any) -> Any:
     """`table`'s entry for an argument (position or keyword name): a Mapping by key, a sequence by
     position; None where it has none."""
@@ -137,7 +134,7 @@ def _decide_grad_layouts(region: str, grad_layouts: dict, out_layouts: list, in_
         for axis in range(len(partial)):
             if not layout.is_replicate(axis) or layout.is_partial(axis):
                 continue
-            laid = [axis in _laid_out_axes(o) for o in out_layouts]
+            laid = [axis in laid_out_axes(o) for o in out_layouts]
             if laid and all(laid):
                 partial[axis] = _C.ReduceOp.Sum
             elif any(laid):
