@@ -7,6 +7,8 @@ parallelizes a model. The layout core is exposed too: meshes, layouts and their 
 the redistribution planner (``hypershard.layout`` has the small Python conveniences).
 """
 
+import sys
+
 import torch  # noqa: F401  (loads libtorch and its dependencies before _C)
 
 from . import _C
@@ -18,11 +20,7 @@ if _C._torch_version != torch.__version__:
         "pip install --no-build-isolation -e .)"
     )
 
-from . import (
-    checkpoint,  # noqa: E402  (also gives DTensors DCP's save/load protocol)
-    layout,  # noqa: E402
-    ops,  # noqa: E402
-)
+from . import checkpoint  # noqa: E402  (also gives DTensors DCP's save/load protocol)
 from ._C import (  # noqa: E402
     AliasLayout,
     Layout,
@@ -46,8 +44,14 @@ from ._C import (  # noqa: E402
     to_placements,
     to_tensor_map,
 )
-from .axes import MESH_AXES, declare_replica_axis  # noqa: E402
-from .dtensor import (  # noqa: E402
+from .checkpoint import from_pretrained  # noqa: E402
+from .compile import compile  # noqa: E402,A004  (hypershard.compile: the traced local program)
+from .fsdp import FullyShardedModule, MixedPrecisionPolicy, fully_shard, mixed_precision, offload_optimizer  # noqa: E402
+from .parallel import parallelize  # noqa: E402
+from .parallel.recompute import recompute  # noqa: E402
+from .tensor import layout, ops  # noqa: E402
+from .tensor.axes import MESH_AXES, declare_replica_axis  # noqa: E402
+from .tensor.dtensor import (  # noqa: E402
     DeviceMesh,
     DTensor,
     debug_checks,
@@ -60,8 +64,7 @@ from .dtensor import (  # noqa: E402
     set_strict,
     strict,
 )
-from .fully_shard import FullyShardedModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
-from .layout import (  # noqa: E402
+from .tensor.layout import (  # noqa: E402
     alias,
     from_alias,
     from_placements,
@@ -71,18 +74,15 @@ from .layout import (  # noqa: E402
     placement,
     placements,
 )
-from .loading import from_pretrained  # noqa: E402
-from .local_map import DFunction, local_map  # noqa: E402
-from .mixed_precision import mixed_precision  # noqa: E402
-from .offload import offload_optimizer  # noqa: E402
-from .parallel import parallelize  # noqa: E402
-from .placement_types import Partial, Replicate, Shard  # noqa: E402
-from .recompute import recompute  # noqa: E402
-from .rules import register_rule  # noqa: E402
-from .traced import (
-    TracedDTensor,  # noqa: E402
-    compile,  # noqa: E402,A004  (hypershard.compile: the traced local program)
-)
+from .tensor.local_map import DFunction, local_map  # noqa: E402
+from .tensor.placement_types import Partial, Replicate, Shard  # noqa: E402
+from .tensor.rules import register_rule  # noqa: E402
+from .tensor.traced import TracedDTensor  # noqa: E402
+
+# `import hypershard.ops` and `import hypershard.layout` keep working: both are public modules (the
+# fused ops, the layout conveniences) that now live in the DTensor core, hypershard/tensor/.
+sys.modules[__name__ + ".ops"] = ops
+sys.modules[__name__ + ".layout"] = layout
 
 LayoutError.__module__ = __name__  # shown as hypershard.LayoutError in tracebacks
 

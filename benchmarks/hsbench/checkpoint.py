@@ -30,8 +30,8 @@ def _model(config_values: dict, mesh_spec):
     import torch
 
     import hypershard as hs
-    from hypershard.models import make_batches, tiny_config, tiny_model
     from hypershard.parallel import parallelize
+    from hypershard.testing.models import make_batches, tiny_config, tiny_model
 
     model = parallelize(tiny_model(tiny_config("qwen3", **config_values)), hs.init_device_mesh("cpu", *mesh_spec))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

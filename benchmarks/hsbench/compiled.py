@@ -47,8 +47,8 @@ def _worker(rank: int, world: int, settings: dict) -> dict:
     import torch
 
     import hypershard as hs
-    from hypershard.models import make_batches, tiny_config, tiny_model
     from hypershard.parallel import parallelize
+    from hypershard.testing.models import make_batches, tiny_config, tiny_model
 
     mesh = hs.init_device_mesh("cpu", *MESH)
     hs.set_strict(True)

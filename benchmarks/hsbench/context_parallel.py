@@ -163,7 +163,7 @@ def _build(config, cp: int, algorithm: Optional[str]):
     """A fresh model (same seed every time), parallelized over a cp mesh when cp > 1."""
     import torch
 
-    from hypershard.models import tiny_model
+    from hypershard.testing.models import tiny_model
 
     model = tiny_model(config)
     if cp > 1:
@@ -180,7 +180,7 @@ def _run_algorithm(rank: int, cp: int, algorithm: Optional[str], settings: dict)
     import torch.distributed as dist
 
     import hypershard as hs
-    from hypershard.models import make_batches, tiny_config
+    from hypershard.testing.models import make_batches, tiny_config
 
     config = tiny_config("qwen3", **settings["config"], max_position_embeddings=settings["seq"])
     warmup, timed = settings["warmup"], settings["timed"]

@@ -32,7 +32,7 @@ BATCH, SEQ = 8, 64
 def _build(impl: str, config):
     import torch
 
-    from hypershard.models import tiny_model
+    from hypershard.testing.models import tiny_model
 
     model = tiny_model(config)
     if impl == "torch_fsdp2":
@@ -86,8 +86,8 @@ def _worker(rank: int, world: int, settings: dict) -> dict:
     import torch.distributed as dist
 
     import hypershard as hs
-    from hypershard.fully_shard import _groups
-    from hypershard.models import make_batches, tiny_config
+    from hypershard.fsdp.fully_shard import _groups
+    from hypershard.testing.models import make_batches, tiny_config
 
     from .collectives import CollectiveBytes
 

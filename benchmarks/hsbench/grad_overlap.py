@@ -65,8 +65,8 @@ def _steps(model, batches, overlap: bool, timed: int) -> dict:
 
 def _worker(rank: int, world: int, settings: dict) -> dict:
     import hypershard as hs
-    from hypershard.models import make_batches, tiny_config, tiny_model
     from hypershard.parallel import parallelize
+    from hypershard.testing.models import make_batches, tiny_config, tiny_model
 
     config = tiny_config("qwen3", **GRAD_OVERLAP_CONFIG)
     steps = settings["warmup"] + settings["timed"]

@@ -63,7 +63,7 @@ def measure_memory(rank: int, mesh_spec, steps: int) -> dict:
     with garbage collected and free heap memory returned to the OS."""
     import torch.distributed as dist
 
-    from hypershard.models import make_batches, tiny_config
+    from hypershard.testing.models import make_batches, tiny_config
 
     set_mmap_threshold(65536)
     config = tiny_config("qwen3", **MEMORY_CONFIG)

@@ -71,7 +71,6 @@ def rotary_inputs(shape, mode: int, dtype, seed: int) -> tuple:
 def _reference(x, cos, sin, g, mode: int) -> tuple:
     """y and dx in float64 from the composed form (on the inputs' rounded values)."""
     import torch
-
     from hypershard.ops import rotary_position_embedding_composed
 
     xd = x.double().requires_grad_()
@@ -110,13 +109,13 @@ def peak_extra_mb(fn: Callable):
 def rotary_worker(rank: int, world: int, args: dict) -> dict:
     import torch
     import torch.distributed as dist
+    from hypershard.ops import rotary_position_embedding, rotary_position_embedding_composed
     from torch.distributed.device_mesh import init_device_mesh as torch_mesh
     from torch.distributed.tensor import Replicate as TReplicate
     from torch.distributed.tensor import Shard as TShard
     from torch.distributed.tensor import distribute_tensor as tdistribute
 
     import hypershard as hs
-    from hypershard.ops import rotary_position_embedding, rotary_position_embedding_composed
 
     from .collectives import CollectiveBytes
 

@@ -42,8 +42,8 @@ class HypershardTrainer:
         import torch
 
         import hypershard as hs
-        from hypershard.models import tiny_model
         from hypershard.parallel import parallelize
+        from hypershard.testing.models import tiny_model
 
         self.mesh = hs.init_device_mesh("cpu", *mesh_spec)
         self.model = parallelize(tiny_model(config), self.mesh)
@@ -82,7 +82,7 @@ class SingleTrainer:
     def __init__(self, config):
         import torch
 
-        from hypershard.models import tiny_model
+        from hypershard.testing.models import tiny_model
 
         self.model = tiny_model(config)
         self.params = list(self.model.parameters())
@@ -109,7 +109,7 @@ class TorchTPTrainer:
         from torch.distributed.tensor import DTensor, Replicate
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        from hypershard.models import tiny_model
+        from hypershard.testing.models import tiny_model
 
         shape, names = mesh_spec
         self.mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)

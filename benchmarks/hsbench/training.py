@@ -43,7 +43,7 @@ def step_worker(rank: int, world: int, args: dict) -> dict:
     import torch.distributed as dist
 
     import hypershard as hs
-    from hypershard.models import make_batches, tiny_config
+    from hypershard.testing.models import make_batches, tiny_config
 
     mesh_spec = (tuple(args["mesh"][0]), tuple(args["mesh"][1]))
     config = tiny_config("qwen3", **args["config"])

@@ -176,7 +176,7 @@ void bind_runtime(py::module_& m) {
       },
       py::arg("local"), py::arg("device_mesh"), py::arg("layout"), py::call_guard<py::gil_scoped_release>());
   m.def("to_local", &runtime::to_local, py::arg("tensor"), py::call_guard<py::gil_scoped_release>());
-  // Tracing (hypershard/traced.py): the traced program's DTensors are Python wrappers around
+  // Tracing (hypershard/tensor/traced.py): the traced program's DTensors are Python wrappers around
   // traced locals; these run hypershard's operator flow on them with collectives emitted as
   // functional collectives (runtime/traced_collectives.h). Under a tracer they hold the GIL: the
   // locals' ops call back into Python (the tracer's modes).
@@ -294,7 +294,7 @@ void bind_runtime(py::module_& m) {
   py::class_<runtime::FullyShardGroup, std::shared_ptr<runtime::FullyShardGroup>>(
       m, "FullyShardGroup",
       "The collectives and buffers of one fully_shard'ed module's parameters (see "
-      "csrc/runtime/fully_shard.h); hypershard.fully_shard drives it.")
+      "csrc/runtime/fully_shard.h); hypershard.fsdp.fully_shard drives it.")
       .def(py::init([](std::vector<at::Tensor> sharded, const std::vector<layout::Layout>& unsharded, int64_t axis,
                        std::optional<at::ScalarType> param_dtype, std::optional<at::ScalarType> reduce_dtype) {
              std::vector<layout::LayoutPtr> layouts;

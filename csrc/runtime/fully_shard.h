@@ -1,5 +1,5 @@
 // Fully sharded data parallelism: the collectives and buffers of one parameter group (the
-// parameters of one fully_shard'ed module), below autograd. hypershard/fully_shard.py owns the
+// parameters of one fully_shard'ed module), below autograd. hypershard/fsdp/fully_shard.py owns the
 // module hooks and the autograd function that call it, once per module and pass -- nothing here
 // runs per op.
 //

@@ -1,4 +1,4 @@
-// Tracing hypershard's local program (torch.compile, hypershard/compile_support.py): while a
+// Tracing hypershard's local program (torch.compile, hypershard/tensor/fake_guard.py): while a
 // TracingScope is open on this thread, the operator flow runs on traced locals (FakeTensors,
 // FunctionalTensors under a tracer) and every collective of a redistribution or of an expand
 // implementation is emitted as a functional collective (the _c10d_functional ops) followed by

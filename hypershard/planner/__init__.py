@@ -1,6 +1,6 @@
 """The planner: one training step of a true-size model, simulated as one rank of a large mesh.
 
-`python -m hypershard.plan` is the command line (hypershard/plan.py); this package holds its parts:
+`python -m hypershard.plan` is the command line (hypershard/planner/cli.py); this package holds its parts:
 
 - `world`: a simulated mesh (c10d process groups without a backend) whose collectives on meta
   tensors are recorded per mesh axis instead of sent;
@@ -13,5 +13,5 @@
   ranked by a stated time model.
 """
 
-# The mesh axes the planner models (a subset of hypershard.axes.MESH_AXES); the CLIs refuse others.
+# The mesh axes the planner models (a subset of hypershard.tensor.axes.MESH_AXES); the CLIs refuse others.
 PLANNED_AXES = ("dp", "tp", "ep", "cp")

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from .. import _C
-from ..models import _MODEL_CLASSES  # the model types that are not an AutoModelForCausalLM
+from ..testing.models import _MODEL_CLASSES  # the model types that are not an AutoModelForCausalLM
 from .memory import storage_key
 
 __all__ = [
@@ -133,7 +133,7 @@ def _model_class(config):
 def build_model(config, device: str = "meta", dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
     """The model of `config` in training mode: on meta (nothing allocated, no initialisation, as
     from_pretrained builds it) or on CPU with weights drawn from `seed`."""
-    from ..loading import _meta_model
+    from ..checkpoint.pretrained import _meta_model
 
     cls = _model_class(config)
     if device == "meta":
@@ -149,13 +149,13 @@ RECOMPUTE = ("none", "selective", "full")
 
 def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     """hs.recompute on every decoder layer: "full" keeps each layer's inputs and reruns its forward in
-    backward, "selective" also keeps the outputs of hypershard.recompute.SELECTIVE_SAVE_OPS (matrix
+    backward, "selective" also keeps the outputs of hypershard.parallel.recompute.SELECTIVE_SAVE_OPS (matrix
     products, attention kernels); "none" leaves the model as it is."""
     if mode not in RECOMPUTE:
         raise ValueError(f"hypershard: plan: recompute {mode!r}; allowed: {list(RECOMPUTE)}")
     if mode == "none":
         return model
-    from ..recompute import recompute
+    from ..parallel.recompute import recompute
 
     return recompute(model, mode=mode)
 
@@ -173,9 +173,9 @@ def shard_model(
     decoder layer and the root over "dp" (`compute_dtype`: the gathered parameters' dtype, the shards
     staying the master weights; without fully_shard, hs.mixed_precision computes in it from the
     parameters); `recompute`: see apply_recompute."""
-    from ..fully_shard import MixedPrecisionPolicy
-    from ..loading import fully_shard_layers
-    from ..parallel import parallelize
+    from ..checkpoint.pretrained import fully_shard_layers
+    from ..fsdp.fully_shard import MixedPrecisionPolicy
+    from ..parallel.api import parallelize
 
     checks = _C.check_replicas()
     _C.set_check_replicas(False)  # meta tensors have no values to compare
@@ -188,7 +188,7 @@ def shard_model(
             fully_shard_layers(model, mesh, mp_policy=policy)
         apply_recompute(model, recompute)  # after fully_shard, before mixed precision (hs.recompute's order)
         if compute_dtype is not None and not fully_shard:  # bf16 compute from fp32 master weights without fully_shard
-            from ..mixed_precision import mixed_precision
+            from ..fsdp.mixed_precision import mixed_precision
 
             mixed_precision(model, MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32))
     finally:

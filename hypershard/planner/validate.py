@@ -60,7 +60,7 @@ def validate(
 ) -> dict:
     """{figure: (planned, measured, relative difference)} for rank 0 (see the module docstring). The
     plan takes the CPU's kernels (device "cpu"): the real ranks run on this machine's CPU."""
-    from ..launch import spawn_local_ranks
+    from ..launch.ranks import spawn_local_ranks
     from .run import measure_rank, plan_step
     from .step import load_config
 
@@ -105,7 +105,7 @@ def validate(
 
 
 def main(argv=None) -> int:
-    from ..launch import mesh_argument
+    from ..launch.ranks import mesh_argument
     from . import PLANNED_AXES
 
     parser = argparse.ArgumentParser(

@@ -158,7 +158,7 @@ def _issuer(phase: str) -> str:
         path = frame.filename
         if "/torch/" in path or path.endswith(("planner/memory.py", "planner/world.py", "planner/run.py")):
             continue  # torch, and the planner's own dispatch mode, kernels and fully_shard wrapper
-        if path.endswith(("planner/step.py", "hypershard/plan.py")):
+        if path.endswith(("planner/step.py", "hypershard/planner/cli.py")):
             break  # reached the step itself: no model line issued it
         short = "/".join(path.split("/")[-2:])
         return f"{short}:{frame.lineno} {frame.name}"

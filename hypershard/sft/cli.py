@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..launch import RankTimeout, mesh_argument, mesh_size, spawn_local_ranks
+from ..launch.ranks import RankTimeout, mesh_argument, mesh_size, spawn_local_ranks
 from .data import FORMATS, SFTError, check_batch_sizes, fail
 from .train import checkpoint_dir, dp_size, prepare_data, run_rank, schedule
 
@@ -30,7 +30,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         required=True,
-        help="a local HF model directory, or a tiny model type of hypershard.models (random init)",
+        help="a local HF model directory, or a tiny model type of hypershard.testing.models (random init)",
     )
     p.add_argument(
         "--mesh",
@@ -153,7 +153,7 @@ def _torchrun(args, world: int) -> dict:
             f"--nproc-per-node x nodes = {world}",
         )
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    from ..faults import collective_timeout
+    from ..launch.faults import collective_timeout
 
     timeout = datetime.timedelta(seconds=collective_timeout(args.timeout))
     # Every attempt of torchrun --max-restarts gets keys of its own in the store: with --standalone
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
     try:
         # The collective timeout as long as the launch's: a slow step or save of a real model must not
         # trip it; a dead rank is caught by the launcher at once anyway.
-        from ..faults import collective_timeout
+        from ..launch.faults import collective_timeout
 
         pg_timeout = collective_timeout(args.timeout)  # $HYPERSHARD_COLLECTIVE_TIMEOUT overrides it
         result = spawn_local_ranks(run_rank, world, args, timeout=args.timeout, pg_timeout=pg_timeout)[0]

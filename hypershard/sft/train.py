@@ -59,7 +59,7 @@ RESUME_MUST_MATCH = (
 
 
 def tiny_types() -> list:
-    from hypershard.models import _MODEL_CLASSES, TINY_CONFIGS
+    from hypershard.testing.models import _MODEL_CLASSES, TINY_CONFIGS
 
     return sorted(t for t in TINY_CONFIGS if t not in _MODEL_CLASSES)
 
@@ -86,7 +86,7 @@ def pad_id(tokenizer) -> int:
 def build_model(model: str, vocab: int, seed: int, cutoff_len: int):
     """--model DIR: from_pretrained (float32, local files only); a tiny type: tiny_config with the
     tokenizer's vocabulary rounded up to a multiple of 8 (tp sizes up to 8 divide it)."""
-    from hypershard.models import TINY_CONFIGS, tiny_config, tiny_model
+    from hypershard.testing.models import TINY_CONFIGS, tiny_config, tiny_model
 
     if Path(model).is_dir():
         from transformers import AutoModelForCausalLM
@@ -248,7 +248,7 @@ def accumulate(model, batches: list, n_items: int, crash: bool = False) -> float
 def _fully_shard(model, mesh) -> None:
     """hs.fully_shard on every decoder layer and the root (docs/fully_shard.md): parameters,
     gradients and AdamW states 1/dp per rank; the checkpoints save and reshard the shards."""
-    from hypershard.loading import fully_shard_layers
+    from hypershard.checkpoint.pretrained import fully_shard_layers
 
     fully_shard_layers(model, mesh)
 
@@ -264,7 +264,7 @@ def distributed_model(args, mesh, vocab: int):
     if fully and "dp" not in mesh.mesh_dim_names:
         fail("--fully-shard needs a dp axis in --mesh", "a mesh such as dp=2,tp=2")
     if Path(args.model).is_dir():
-        from hypershard.loading import from_pretrained
+        from hypershard.checkpoint.pretrained import from_pretrained
 
         model = from_pretrained(args.model, mesh, fully_shard=fully, dtype=torch.float32, seed=args.seed)
         size = model.get_input_embeddings().weight.shape[0]
@@ -312,8 +312,8 @@ def _with_precision(model, args):
 
 def run_rank(rank: int, world: int, args) -> dict:
     """One rank's training (_run_rank); a failed collective is re-raised naming this rank, the step,
-    the operation and the dead peers (hypershard.faults)."""
-    from hypershard import faults
+    the operation and the dead peers (hypershard.launch.faults)."""
+    from hypershard.launch import faults
 
     faults.register()
     with faults.reporting():
@@ -323,7 +323,7 @@ def run_rank(rank: int, world: int, args) -> dict:
 def _run_rank(rank: int, world: int, args) -> dict:
     """One rank's training; rank 0 writes the outputs. Returns the step records and the time."""
     import hypershard as hs
-    from hypershard import faults
+    from hypershard.launch import faults
 
     torch.manual_seed(args.seed)
     mesh = hs.init_device_mesh("cpu", *args.mesh)

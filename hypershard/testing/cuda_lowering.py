@@ -22,7 +22,7 @@ instead, so a CPU trace never reaches the CUDA kernels. This module provides:
   and `CudaLowering(backend)`, a TorchFunctionMode that routes every F.scaled_dot_product_attention
   call there (autocast's cast of SDPA's inputs included). Which backend a GPU picks is torch's
   choice, by dtype, mask and architecture: SCENARIOS names the usual ones.
-- `train(model, batches, scenario)`: hypershard.models.train with a scenario's lowering, AdamW with
+- `train(model, batches, scenario)`: hypershard.testing.models.train with a scenario's lowering, AdamW with
   foreach=True (CUDA's default; CPU's is per tensor), autocast and torch.amp.GradScaler;
   `trace_step(scenario)`: the ATen ops one step of a tiny Qwen3ForCausalLM reaches that way, and
   `cuda_step_ops()`: those the coverage tool's CPU step does not reach, per scenario
@@ -490,9 +490,9 @@ SCENARIOS = (
 
 
 def batches(config, steps: int, padding: bool = False, batch: int = 4, seq: int = 16) -> list:
-    """hypershard.models.make_batches' batches; with `padding`, the last sequence of each is
+    """hypershard.testing.models.make_batches' batches; with `padding`, the last sequence of each is
     left-padded by 3 tokens (attention_mask 0, labels -100), as a padded batch of a real run."""
-    from ..models import make_batches
+    from .models import make_batches
 
     out = []
     for ids, labels in make_batches(config.vocab_size, steps, batch=batch, seq=seq):
@@ -516,7 +516,7 @@ def train(
     on_backward=None,
     device: str = "cpu",
 ) -> list:
-    """hypershard.models.train with `scenario`'s lowering, AdamW foreach setting, autocast and
+    """hypershard.testing.models.train with `scenario`'s lowering, AdamW foreach setting, autocast and
     GradScaler (unscaled before on_backward and clipping, as HF's Trainer does), the batches on
     `device` (the GPU check trains on "cuda" with no lowering: the real kernels)."""
     install_cpu_kernels()
@@ -554,7 +554,7 @@ def trace_step(scenario: Scenario, config_overrides: Optional[dict] = None) -> s
     2 key/value heads) reaches with `scenario`, forward through the optimizer step."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from ..models import tiny_config, tiny_model
+    from .models import tiny_config, tiny_model
 
     install_cpu_kernels()
     config = tiny_config("qwen3", **{"num_key_value_heads": 2, **(config_overrides or {})})

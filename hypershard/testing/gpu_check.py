@@ -705,8 +705,8 @@ def _train_one_precision(args, index: int) -> dict:
     import torch.distributed as dist
 
     import hypershard as hs
-    from hypershard.models import make_batches, tiny_config, tiny_model
     from hypershard.parallel import parallelize
+    from hypershard.testing.models import make_batches, tiny_config, tiny_model
     from hypershard.testing.training import LOSS_RTOL, check_training, record_training
 
     precision, autocast, scaler, rtol = MODEL_PRECISIONS[index]

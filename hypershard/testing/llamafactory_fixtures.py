@@ -40,9 +40,9 @@ def _texts() -> list:
 
 
 def write_model(directory, model_type: str = "qwen3", seed: int = 0, **overrides) -> Path:
-    """A tiny `model_type` (hypershard.models.TINY_CONFIGS) saved with save_pretrained (safetensors),
+    """A tiny `model_type` (hypershard.testing.models.TINY_CONFIGS) saved with save_pretrained (safetensors),
     its vocabulary the tokenizer's rounded up to a multiple of 8, with the tokenizer beside it."""
-    from hypershard.models import tiny_config, tiny_model
+    from hypershard.testing.models import tiny_config, tiny_model
 
     if model_type == "qwen3_vl_moe":
         raise ValueError("write_model: qwen3_vl_moe needs its vision tokens and image processor: write_vl_model")
@@ -72,7 +72,7 @@ def write_vl_model(directory, seed: int = 0) -> Path:
     VL_IMAGE_SIZE image at its size). No video processor config: video is out of scope."""
     from transformers import AutoTokenizer
 
-    from hypershard.models import tiny_config, tiny_model
+    from hypershard.testing.models import tiny_config, tiny_model
 
     directory = Path(directory)
     write_tokenizer(directory, _texts(), extra_special=VISION_TOKENS)

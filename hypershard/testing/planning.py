@@ -22,8 +22,8 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from .. import _C
-from ..layout import make_layout
-from ..layout import mesh as make_mesh
+from ..tensor.layout import make_layout
+from ..tensor.layout import mesh as make_mesh
 
 __all__ = [
     "Arg",

@@ -93,10 +93,10 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def record_training(
     model: torch.nn.Module, batches: list, train: Optional[Callable] = None, **train_kwargs
 ) -> TrainingRecord:
-    """Trains `model` on `batches` with hypershard.models.train (or `train`) and records losses,
+    """Trains `model` on `batches` with hypershard.testing.models.train (or `train`) and records losses,
     initial parameters, first-step gradients and final parameters as full float64 tensors."""
     if train is None:
-        from hypershard.models import train
+        from hypershard.testing.models import train
     record = TrainingRecord()
     record.initial = {name: _full(p) for name, p in model.named_parameters()}
 

@@ -33,11 +33,9 @@ RECOMPUTE = ("auto", "full", "selective", "none")
 
 
 def _mesh_axes() -> tuple:
-    """The mesh axes hypershard gives a meaning to (hypershard.launch.MESH_AXES, defined in hypershard.axes)."""
-    try:
-        from hypershard.launch import MESH_AXES
-    except ImportError:  # where the list is defined
-        from hypershard.axes import MESH_AXES
+    """The mesh axes hypershard gives a meaning to (hypershard.MESH_AXES)."""
+    from hypershard.tensor.axes import MESH_AXES
+
     return tuple(MESH_AXES)
 
 

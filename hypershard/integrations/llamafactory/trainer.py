@@ -98,7 +98,7 @@ class _HypershardAccelerator(Accelerator):
         if backend != DynamoBackend.NO:
             # HF's torch_compile (module docstring): hypershard.compile, with accelerate's settings;
             # accelerate's own torch.compile(model) is skipped
-            from hypershard.traced import compile as hypershard_compile
+            from hypershard.tensor.traced import compile as hypershard_compile
 
             kwargs = plugin.to_kwargs()
             if _rank_world()[0] == 0 and not hasattr(model, "_hypershard_compiled"):
@@ -161,10 +161,10 @@ class _CrashAtStep(TrainerCallback):
 
 
 class _NoteStep(TrainerCallback):
-    """What a failed collective's report says this rank was doing (hypershard.faults.note)."""
+    """What a failed collective's report says this rank was doing (hypershard.launch.faults.note)."""
 
     def on_step_begin(self, args, state, control, **kwargs):
-        from hypershard import faults
+        from hypershard.launch import faults
 
         faults.note(f"in step {state.global_step + 1} of {state.max_steps}")
 
@@ -231,7 +231,7 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
         except ValueError as error:
             hp._fail(str(error))
         if hp.fully_shard:
-            from hypershard.fully_shard import fully_shard
+            from hypershard.fsdp.fully_shard import fully_shard
 
             blocks = next(
                 (m for n, m in model.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList)), []
@@ -242,8 +242,8 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
         self._recompute(model, training_args)
         param_dtype, reduce_dtype = hp.precision(model, training_args)
         if param_dtype or reduce_dtype:
-            from hypershard.fully_shard import MixedPrecisionPolicy
-            from hypershard.mixed_precision import mixed_precision
+            from hypershard.fsdp.fully_shard import MixedPrecisionPolicy
+            from hypershard.fsdp.mixed_precision import mixed_precision
 
             if hp.param_dtype == "auto" and _rank_world()[0] == 0:
                 print(
@@ -260,7 +260,7 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
         "auto" keeps it; "full" / "selective" replace it by hs.recompute on every decoder layer
         (non-reentrant, fully_shard gathering twice per step as without it, RNG replayed); "none" turns
         it off."""
-        from hypershard.recompute import recompute
+        from hypershard.parallel.recompute import recompute
 
         hf_on = bool(getattr(model, "is_gradient_checkpointing", False))
         rank0 = _rank_world()[0] == 0
@@ -282,7 +282,8 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
 
     def _adapter_plans(self, model, plan, ep_plan) -> tuple:
         """The tp and ep plans with the LoRA adapters laid out after their base layers (adapters.py)."""
-        from hypershard.parallel import _lay_out_attention, ep_plan_of, tp_plan_of
+        from hypershard.parallel import ep_plan_of, tp_plan_of
+        from hypershard.parallel.attention import _lay_out_attention
 
         from .adapters import adapter_plan
 
@@ -328,8 +329,8 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
             # divide (dp 3, dp 8) and which do not line up with the dp-split hidden states. The batch
             # dim is per_device_train_batch_size x dp, always divisible, and each rank then holds the
             # positions of its own sequences. The hook leaves DTensors as they are.
-            from hypershard.dtensor import distribute_tensor
-            from hypershard.placement_types import Replicate, Shard
+            from hypershard.tensor.dtensor import distribute_tensor
+            from hypershard.tensor.placement_types import Replicate, Shard
 
             placements = [Replicate()] * self.mesh.ndim
             placements[0] = Shard(1)  # the mesh's first axis is dp (HyperParallelArguments.mesh_spec)
@@ -358,9 +359,9 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
         from . import resume
 
         resume_from_checkpoint = resume.resolve(resume_from_checkpoint, self.args.output_dir)
-        from hypershard import faults
+        from hypershard.launch import faults
 
-        faults.register()  # a failed collective then names the dead rank (hypershard.faults)
+        faults.register()  # a failed collective then names the dead rank (hypershard.launch.faults)
         self.add_callback(_NoteStep())
         with faults.reporting():
             return super().train(
@@ -386,13 +387,13 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
             raise
         except BaseException as e:  # noqa: BLE001 -- (DCP's CheckpointException too) every rank raises it below, named
             error = e
-        checkpoint._agree(f"saving {folder} (no {resume.MARKER} marker was written)", error)
+        checkpoint.api._agree(f"saving {folder} (no {resume.MARKER} marker was written)", error)
         if self.args.should_save:
             try:
                 resume.write_marker(folder, self.state.global_step, _rank_world()[1])
             except OSError as e:
                 error = e
-        checkpoint._agree(f"saving {folder}: its {resume.MARKER} marker", error)
+        checkpoint.api._agree(f"saving {folder}: its {resume.MARKER} marker", error)
 
     def _inner_optimizer(self):
         opt = self.optimizer

@@ -32,7 +32,7 @@ TIMEOUT = 420
 
 def _model(mesh_spec, seed=0):
     """The tiny uneven Qwen3, parallelized on `mesh_spec` (None: plain, one device)."""
-    from hypershard.models import tiny_config, tiny_model
+    from hypershard.testing.models import tiny_config, tiny_model
 
     model = tiny_model(tiny_config("qwen3", **UNEVEN), seed=seed)
     if mesh_spec is None:
@@ -44,7 +44,7 @@ def _model(mesh_spec, seed=0):
 
 
 def _train(model, steps=2):
-    from hypershard.models import make_batches
+    from hypershard.testing.models import make_batches
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     for ids, labels in make_batches(UNEVEN["vocab_size"], steps, batch=4, seq=8):
@@ -253,8 +253,8 @@ def test_killed_save_leaves_no_complete_checkpoint(tmp_path):
 def _export(rank, world, root, model_type, mesh_spec):
     import hypershard as hs
     from hypershard import checkpoint
-    from hypershard.models import tiny_config, tiny_model
     from hypershard.parallel import parallelize
+    from hypershard.testing.models import tiny_config, tiny_model
 
     overrides = UNEVEN if model_type == "qwen3" else {}
     model = parallelize(tiny_model(tiny_config(model_type, **overrides)), hs.init_device_mesh("cpu", *mesh_spec))

@@ -1,7 +1,7 @@
 """Level0: torch.compile of functions and of a tiny model whose inputs or parameters are hypershard
 DTensors, on a 2-rank mesh (Shard and Replicate), strict mode, against one device.
 
-The floor (docs/compile.md): Dynamo graph-breaks at every DTensor (hypershard/compile_support.py
+The floor (docs/compile.md): Dynamo graph-breaks at every DTensor (hypershard/tensor/fake_guard.py
 turns the fake-tensor conversion of a DTensor into UnsupportedFakeTensorException), the code around
 it compiles, the DTensor ops run eagerly through hypershard's dispatcher. So in the distributed
 run each case checks, besides the harness's comparison with one device (forward, and the
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import hypershard as hs
-from hypershard import compile_support
+from hypershard.tensor import fake_guard as compile_support
 from hypershard.testing import Case as _Case
 from hypershard.testing import Input, assert_all_passed, in_distributed_run, run_cases
 from hypershard.testing.compiled_checks import check_against_eager

@@ -311,7 +311,7 @@ def replicated_times_3(x):
 
 
 def _tiny(name):
-    from hypershard.models import tiny_config, tiny_model
+    from hypershard.testing.models import tiny_config, tiny_model
 
     torch.manual_seed(3)
     return tiny_model(tiny_config(name))
@@ -607,7 +607,7 @@ def reloaded_from_compile_cache(x, w):
     import torch._inductor.config
     from torch._dynamo.utils import counters
 
-    from hypershard import traced as traced_module
+    from hypershard.tensor import traced as traced_module
 
     with torch._inductor.config.patch(force_disable_caches=False), torch._functorch.config.patch(
         enable_autograd_cache=True
@@ -676,7 +676,7 @@ def _dropping_hook_collectives(dist_fn):
 
     def run(*inputs):
         from hypershard import _C
-        from hypershard import traced as traced_module
+        from hypershard.tensor import traced as traced_module
 
         op = torch.ops.hypershard.replicate_on.default
         kept = traced_module._SPECIAL[op]

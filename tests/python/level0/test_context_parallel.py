@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 hs = pytest.importorskip("hypershard")
-from hypershard.context_parallel import head_tail_order, shift_labels  # noqa: E402
+from hypershard.parallel.context import head_tail_order, shift_labels  # noqa: E402
 from hypershard.testing import Case, Input, current_mesh, run_cases  # noqa: E402
 
 M2 = ((2,), ("cp",))
@@ -206,7 +206,7 @@ VOCAB = 11
 def loss_cases(mesh, L):
     """The logits [1, L, V] are given in head-tail order; the reference is the one-device causal-LM
     loss written out in natural order (logits of position p against token p + 1, -100 ignored,
-    mean over the trained tokens), independent of hypershard.context_parallel's helpers. The
+    mean over the trained tokens), independent of hypershard.parallel.context's helpers. The
     distributed run gets the labels as parallelize makes them -- shifted over the whole sequence,
     then stored in head-tail order -- and sharded like the logits; it never shifts across shards.
     The planted twin forgets the head-tail permutation of the labels."""

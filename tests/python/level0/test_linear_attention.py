@@ -1,5 +1,5 @@
 """Level 0: the gated delta rule (Qwen3.5's linear attention) with the sequence sharded over a mesh
-axis "cp" (hypershard.linear_attention, docs/context_parallel.md): each rank runs transformers'
+axis "cp" (hypershard.parallel.linear_attention, docs/context_parallel.md): each rank runs transformers'
 torch_chunk_gated_delta_rule on its local block, the recurrent state passed rank to rank (forward)
 and its gradient back (backward). Real gloo meshes (2,), (4,) and (2, 2) = (dp, cp), strict mode,
 against transformers' function on the whole sequence on one device: the output, the final state
@@ -70,7 +70,7 @@ def reference(q, k, v, g, beta, *initial):
 
 def distributed(fault=None):
     def run(q, k, v, g, beta, *initial):
-        from hypershard.linear_attention import context_parallel_chunk_gated_delta_rule
+        from hypershard.parallel.linear_attention import context_parallel_chunk_gated_delta_rule
 
         mesh = current_mesh()
         mesh.load_balanced_sequence_axis = -1  # natural order (one launch's cases share the mesh)
@@ -99,7 +99,7 @@ def with_traffic_check(dist):
     the bytes: no collective at all (hypershard._C.traffic: nothing gathered), and one state
     [B / dp, H, DK, DV] float32 per rank boundary each way: forward, every rank but the last sends
     its final state up; backward, every rank but the first sends the state's gradient down."""
-    from hypershard import linear_attention
+    from hypershard.parallel import linear_attention
 
     def run(*args):
         mesh = current_mesh()

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import hypershard as hs
-from hypershard.axes import forget_noted_axes
+from hypershard.tensor.axes import forget_noted_axes
 from hypershard.testing import Case, assert_all_passed, current_mesh, run_cases
 
 PLAN = {"0": "colwise", "2": "rowwise"}

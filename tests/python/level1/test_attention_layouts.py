@@ -20,14 +20,14 @@ HEADS = {"num_attention_heads": 6, "num_key_value_heads": 3}
 
 
 def _setup():
-    from hypershard.models import make_batches, tiny_config
+    from hypershard.testing.models import make_batches, tiny_config
 
     config = tiny_config("qwen3", **HEADS)
     return config, make_batches(config.vocab_size, STEPS, batch=4, seq=16)
 
 
 def reference(_dummy):
-    from hypershard.models import tiny_model, train
+    from hypershard.testing.models import tiny_model, train
 
     config, batches = _setup()
     return torch.tensor(train(tiny_model(config), batches), dtype=torch.float64)
@@ -37,8 +37,8 @@ def distributed(_dummy):
     import warnings
 
     import hypershard as hs
-    from hypershard.models import tiny_model
     from hypershard.parallel import parallelize
+    from hypershard.testing.models import tiny_model
     from hypershard.testing.training import check_training, record_training
 
     assert hs.is_strict()

@@ -10,7 +10,7 @@ parallelize stores the sequence in head-tail order (docs/context_parallel.md): i
 ids and the labels (shifted over the whole sequence first) are permuted and sharded over cp; the
 attention all-gathers K/V with the causal mask from global positions. parallelize replaces HF's
 loss (which flattens (batch, seq), a whole block per rank only with one sequence per dp rank) by
-hypershard.context_parallel.causal_lm_loss, which keeps both dims: dp2 x cp2 runs with one and
+hypershard.parallel.context.causal_lm_loss, which keeps both dims: dp2 x cp2 runs with one and
 with two sequences per dp rank. Planted faults that must fail the same checks: the mesh not told
 about the head-tail order (the causal mask built from natural positions); on dp2 x cp2 with two
 sequences per dp rank, the loss normalised by each rank's own count of trained tokens (the mean
@@ -28,7 +28,7 @@ ring: parallelize replaces the mask by all ones, against the one-device run with
 DeepSeek-V3.2 (cp2 ring, dp2 x cp2, tp2 x cp2, ep2 x cp2 Ulysses), Qwen3-VL-MoE (an image per sample, its 4 tokens
 across the cp boundary, on cp2 ring, dp2 x cp2 Ulysses and tp2 x cp2 all-gather-KV: the image merge
 keeps the sequence sharded; text on tp2 x cp2 ring, ep2 x cp2 Ulysses) and Qwen3.5-MoE (ep2 x cp2 ring, its
-gated delta nets' state passed rank to rank) keep natural order (hypershard.context_parallel.natural_order_reason).
+gated delta nets' state passed rank to rank) keep natural order (hypershard.parallel.context.natural_order_reason).
 Their MoE blocks flatten (batch, sequence) into tokens, which cuts through a sharded sequence with
 two or more sequences per rank: parallelize hands such a block its tokens as one run per rank
 (context_parallel.tokens_in_rank_order); DeepSeek-V3.2 on dp2 x cp2, Qwen3-VL-MoE with images on
@@ -47,7 +47,7 @@ def local_count_loss(world):
     """The planted fault: each rank's summed token losses over its OWN count of trained tokens,
     averaged over the `world` ranks (the sum is a Partial over them; dividing each part by its
     rank's number keeps it one)."""
-    from hypershard.context_parallel import causal_lm_loss
+    from hypershard.parallel.context import causal_lm_loss
 
     def loss(logits, labels, vocab_size, ignore_index=-100, shift_labels=None, **kwargs):
         summed = causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=1, ignore_index=ignore_index,
@@ -62,9 +62,9 @@ def trainer(batch, fault=None, algorithm="all_gather_kv", use_cache=True, model_
             attention="sdpa", padded=False):
     """Qwen3 ("sdpa" attention) by default; `model_type` another tiny model, `images` a
     Qwen3-VL-MoE batch with one image per sample, `attention` transformers' attn_implementation,
-    `padded` every odd sample's last 5 tokens right padding (hypershard.models.right_padded)."""
+    `padded` every odd sample's last 5 tokens right padding (hypershard.testing.models.right_padded)."""
     def batches(config):
-        from hypershard.models import make_batches, make_image_batches, right_padded
+        from hypershard.testing.models import make_batches, make_image_batches, right_padded
         if images:
             # the image's 4 tokens at 6-9 cross the cp2 boundary at 8
             return make_image_batches(STEPS, seq=SEQ, batch=batch, image_at=6)
@@ -78,25 +78,25 @@ def trainer(batch, fault=None, algorithm="all_gather_kv", use_cache=True, model_
         return plain
 
     def config():
-        from hypershard.models import IMAGE_TOKEN, VISION_START, tiny_config
+        from hypershard.testing.models import IMAGE_TOKEN, VISION_START, tiny_config
         if images:
             return tiny_config(model_type, image_token_id=IMAGE_TOKEN, vision_start_token_id=VISION_START)
         return tiny_config(model_type, attn_implementation=attention)
 
     def reference(_dummy):
-        from hypershard.models import tiny_model, train
+        from hypershard.testing.models import tiny_model, train
         return torch.tensor(train(tiny_model(config()), batches(config())), dtype=torch.float64)
 
     def distributed(_dummy):
         import hypershard as hs
-        from hypershard.context_parallel import causal_lm_loss
-        from hypershard.models import tiny_model
         from hypershard.parallel import parallelize
+        from hypershard.parallel.context import causal_lm_loss
+        from hypershard.testing.models import tiny_model
         from hypershard.testing.training import check_training, record_cp_training, record_training
 
         expected = record_training(tiny_model(config()), batches(config()))
         mesh = current_mesh()
-        from hypershard.context_parallel import natural_order_reason
+        from hypershard.parallel.context import natural_order_reason
 
         model = parallelize(tiny_model(config()), mesh, cp_algorithm=algorithm)
         # without a KV cache transformers would take head-tail position ids for packed sequences
@@ -157,7 +157,7 @@ def test_qwen3_trains_on_cp_like_one_device():
         _case("qwen3_eager_dp2_cp2", ((2, 2), ("dp", "cp")), *trainer(2, attention="eager")),
         # right padding: parallelize replaces the mask by all ones (nothing trains on a pad)
         _case("qwen3_dp2_cp2_ring_right_padded", ((2, 2), ("dp", "cp")), *trainer(4, algorithm="ring", padded=True)),
-        # natural order (hypershard.context_parallel.natural_order_reason): DeepSeek-V3.2 (its
+        # natural order (hypershard.parallel.context.natural_order_reason): DeepSeek-V3.2 (its
         # indexer's mask), Qwen3-VL-MoE with an image per sample (M-RoPE ids from get_rope_index);
         # their MoE blocks flatten (batch, sequence): with two sequences per rank they take the
         # tokens as one run per rank (context_parallel.tokens_in_rank_order)

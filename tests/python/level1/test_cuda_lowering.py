@@ -40,8 +40,8 @@ def _scenario(backend, padding=False, scaler=False):
 
 def trainer(backend, padding=False, scaler=False):
     def setup():
-        from hypershard.models import tiny_config
         from hypershard.testing import cuda_lowering
+        from hypershard.testing.models import tiny_config
 
         config = tiny_config("qwen3", **HEADS)
         return config, cuda_lowering.batches(config, STEPS, padding)
@@ -54,15 +54,15 @@ def trainer(backend, padding=False, scaler=False):
         return functools.partial(cuda_lowering.train, scenario=_scenario(backend, padding, scaler))
 
     def reference(_dummy):
-        from hypershard.models import tiny_model
+        from hypershard.testing.models import tiny_model
 
         config, batches = setup()
         return torch.tensor(train_fn()(tiny_model(config), batches), dtype=torch.float64)
 
     def distributed(_dummy):
         import hypershard as hs
-        from hypershard.models import tiny_model
         from hypershard.parallel import parallelize
+        from hypershard.testing.models import tiny_model
         from hypershard.testing.training import check_training, record_training
 
         assert hs.is_strict()

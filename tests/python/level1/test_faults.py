@@ -45,14 +45,14 @@ UNEVEN = dict(vocab_size=126, intermediate_size=62)
 
 def _model():
     import hypershard as hs
-    from hypershard.models import tiny_config, tiny_model
     from hypershard.parallel import parallelize
+    from hypershard.testing.models import tiny_config, tiny_model
 
     return parallelize(tiny_model(tiny_config("qwen3", **UNEVEN), seed=0), hs.init_device_mesh("cpu", *MESH))
 
 
 def _train(model, steps=1):
-    from hypershard.models import make_batches
+    from hypershard.testing.models import make_batches
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for ids, labels in make_batches(UNEVEN["vocab_size"], steps, batch=4, seq=8):
@@ -164,11 +164,11 @@ def test_save_killed_mid_write(tmp_path):
 
 
 def _hung(rank, world, hang_seconds):
-    from hypershard import faults
+    from hypershard.launch import faults
 
     faults.register()
     model = _model()
-    from hypershard.models import make_batches
+    from hypershard.testing.models import make_batches
 
     ((ids, labels),) = make_batches(UNEVEN["vocab_size"], 1, batch=4, seq=8)
     import torch.distributed as dist
@@ -201,7 +201,7 @@ def test_hung_collective_is_named():
 
 
 def test_collective_timeout_setting(monkeypatch):
-    from hypershard import faults
+    from hypershard.launch import faults
 
     monkeypatch.delenv(faults.TIMEOUT_ENV, raising=False)
     assert faults.collective_timeout(3600) == 3600

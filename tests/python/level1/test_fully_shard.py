@@ -1,6 +1,6 @@
 """Level1: hs.fully_shard (fully sharded data parallelism) trains real models like one device.
 
-Tiny HuggingFace models (hypershard.models.TINY_CONFIGS), fully_shard on every decoder layer and on
+Tiny HuggingFace models (hypershard.testing.models.TINY_CONFIGS), fully_shard on every decoder layer and on
 the root, 3 AdamW steps with clip_grad_norm_, compared with the single-device run by
 hypershard.testing.training (losses rtol 1e-5, first-step gradients and final parameters in norm;
 the tolerances are argued there), all in strict mode unless said otherwise:
@@ -8,7 +8,7 @@ the tolerances are argued there), all in strict mode unless said otherwise:
 - Qwen3 and Qwen3.5-MoE on dp=4; Qwen3 and Qwen3.5-MoE on dp_shard=2 x tp=2 (parallelize's TP plan first, then
   fully_shard over dp: each parameter holds a dp chunk of its tp rows);
 - Qwen3.5-MoE on dp=2 x ep=2 (the experts sharded over ep and then over dp; each rank's experts run
-  on local tensors, hypershard/parallel.py);
+  on local tensors, hypershard/parallel/);
 - gradient accumulation: two micro-batches, the first with set_requires_gradient_sync(False) (no
   reduce-scatter), equal one device on the whole batch;
 - activation checkpointing (transformers' gradient_checkpointing_enable): the recomputation gathers
@@ -44,7 +44,7 @@ def _layers(model):
 def shard(model, mesh, tp: bool, **kwargs):
     """parallelize (the TP/EP plans when the mesh has those axes; inputs over dp), then fully_shard
     on every decoder layer and the root."""
-    from hypershard.fully_shard import fully_shard
+    from hypershard.fsdp.fully_shard import fully_shard
     from hypershard.parallel import parallelize
 
     model = parallelize(model, mesh)
@@ -63,14 +63,14 @@ def check_stored_sharded(model, dp_axis=0):
 
 
 def check_released(model):
-    from hypershard.fully_shard import _groups
+    from hypershard.fsdp.fully_shard import _groups
 
     held = [type(g.module).__name__ for g in _groups(model, True) if g.cgroup.gathered or g.cgroup.gather_in_flight]
     assert not held, f"gathered parameters left after the step: {held}"
 
 
 def setup(model_type, batch=4, steps=STEPS):
-    from hypershard.models import make_batches, tiny_config
+    from hypershard.testing.models import make_batches, tiny_config
 
     config = tiny_config(model_type)
     return config, make_batches(config.vocab_size, steps, batch=batch, seq=16)
@@ -78,7 +78,7 @@ def setup(model_type, batch=4, steps=STEPS):
 
 def reference_losses(model_type, **kwargs):
     def run(_dummy):
-        from hypershard.models import tiny_model, train
+        from hypershard.testing.models import tiny_model, train
 
         config, batches = setup(model_type, **kwargs)
         return torch.tensor(train(tiny_model(config), batches), dtype=torch.float64)
@@ -88,7 +88,7 @@ def reference_losses(model_type, **kwargs):
 def trains_like_one_device(model_type, strict=True, fault=None):
     def run(_dummy):
         import hypershard as hs
-        from hypershard.models import tiny_model
+        from hypershard.testing.models import tiny_model
         from hypershard.testing.training import check_training, record_training
 
         config, batches = setup(model_type)
@@ -127,7 +127,7 @@ class _HalvedOnRank0:
 
 
 def _halve_on_rank0(model):
-    from hypershard.fully_shard import _groups
+    from hypershard.fsdp.fully_shard import _groups
 
     group = _groups(model, True)[0]
     group.cgroup = _HalvedOnRank0(group.cgroup)
@@ -135,7 +135,7 @@ def _halve_on_rank0(model):
 
 def accumulation(_dummy):
     """Two micro-batches of 4 per step, the first without gradient sync: one device on batches of 8."""
-    from hypershard.models import tiny_model
+    from hypershard.testing.models import tiny_model
     from hypershard.testing.training import check_training, record_training
 
     config, batches = setup("qwen3", batch=8, steps=2)
@@ -170,7 +170,7 @@ def accumulation(_dummy):
 
 
 def activation_checkpointing(_dummy):
-    from hypershard.models import tiny_model
+    from hypershard.testing.models import tiny_model
     from hypershard.testing.training import check_training, record_training
 
     config, batches = setup("qwen3")
@@ -203,8 +203,8 @@ MP_UPDATE_RTOL = 0.1
 
 def mixed_precision(_dummy):
     import hypershard as hs
-    from hypershard.fully_shard import MixedPrecisionPolicy
-    from hypershard.models import tiny_model, train
+    from hypershard.fsdp.fully_shard import MixedPrecisionPolicy
+    from hypershard.testing.models import tiny_model, train
 
     config, batches = setup("qwen3")
     master = tiny_model(config)
@@ -250,8 +250,8 @@ def checkpoint_round_trip(_dummy):
 
     import hypershard as hs
     from hypershard import checkpoint
-    from hypershard.models import make_batches, tiny_config, tiny_model
     from hypershard.parallel import parallelize
+    from hypershard.testing.models import make_batches, tiny_config, tiny_model
 
     config = tiny_config("qwen3")
     model = shard(tiny_model(config), current_mesh(), tp=True)
@@ -282,8 +282,8 @@ def uneven_and_empty_chunks(_dummy):
     32/32/31/31 and 16/16/15/15 rows), and a small MLP whose [3, 7] weight leaves one rank an EMPTY
     chunk and whose [7, 5] weight splits 2/2/2/1."""
     import hypershard as hs
-    from hypershard.fully_shard import fully_shard
-    from hypershard.models import make_batches, tiny_config, tiny_model
+    from hypershard.fsdp.fully_shard import fully_shard
+    from hypershard.testing.models import make_batches, tiny_config, tiny_model
     from hypershard.testing.training import check_training, record_training
 
     mesh = current_mesh()
@@ -340,9 +340,9 @@ def hsdp(fault=None):
     replicas; gradients reduce-scattered over dp, then summed over dp_replicate."""
     def run(_dummy):
         import hypershard as hs
-        from hypershard.fully_shard import fully_shard
-        from hypershard.models import tiny_model
+        from hypershard.fsdp.fully_shard import fully_shard
         from hypershard.parallel import parallelize
+        from hypershard.testing.models import tiny_model
         from hypershard.testing.training import check_training, record_training
 
         config, batches = setup("qwen3_5_moe_text")
@@ -377,8 +377,8 @@ def optimizer_offload(fault=None):
         from unittest import mock
 
         import hypershard as hs
-        from hypershard import offload
-        from hypershard.models import tiny_model, train
+        from hypershard.fsdp import offload
+        from hypershard.testing.models import tiny_model, train
         from hypershard.testing.training import check_training, record_training
 
         config, batches = setup("qwen3")

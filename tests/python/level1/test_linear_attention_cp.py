@@ -1,4 +1,4 @@
-"""Level1: a tiny HuggingFace Qwen3.5 text model (hypershard.models' "qwen3_5_text": one
+"""Level1: a tiny HuggingFace Qwen3.5 text model (hypershard.testing.models' "qwen3_5_text": one
 full-attention layer, "sdpa", and one linear-attention layer, the gated delta net with its causal
 depthwise conv1d) trains 3 steps of AdamW with clip_grad_norm_ with its sequence sharded over a
 context-parallel axis (cp2, dp2 x cp2 and tp2 x cp2 with all-gather-KV attention; cp2 with ring
@@ -14,7 +14,7 @@ ones) against the one-device run with the mask, which zeroes the pads' inputs to
 net: the pads come after every real token, so no real token reads them.
 
 parallelize keeps such a model's sequence in NATURAL order (no load-balance declaration): the gated
-delta rule's state goes rank to rank (hypershard.linear_attention) and the conv's halo exchange
+delta rule's state goes rank to rank (hypershard.parallel.linear_attention) and the conv's halo exchange
 reads the previous block (docs/context_parallel.md). SEQ = 128 = 2 x 64: each cp rank's block is one
 whole chunk of transformers' chunked rule, as on one device, so the rule's arithmetic is the
 one device's. Other lengths (16, 100, 127 tried) pass the loss and gradient checks too, but at 16
@@ -42,7 +42,7 @@ def forget_received_state(model, mesh, axis):
     re-bound, as parallelize does, to the cp-aware rule around a function that drops the state)."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-    from hypershard.linear_attention import _forward_with, context_parallel_chunk_gated_delta_rule
+    from hypershard.parallel.linear_attention import _forward_with, context_parallel_chunk_gated_delta_rule
 
     def forgetful(*args, initial_state=None, **kwargs):
         return torch_chunk_gated_delta_rule(*args, initial_state=None, **kwargs)
@@ -66,23 +66,23 @@ def parallelize_keeping_head_tail(model, mesh, algorithm):
 
 def trainer(batch, fault=None, algorithm="all_gather_kv", padded=False):
     def config():
-        from hypershard.models import tiny_config
+        from hypershard.testing.models import tiny_config
         return tiny_config("qwen3_5_text", max_position_embeddings=SEQ)
 
     def batches(config):
-        from hypershard.models import make_batches, right_padded
+        from hypershard.testing.models import make_batches, right_padded
         plain = make_batches(config.vocab_size, STEPS, batch=batch, seq=SEQ)
         # every odd sample's last 40 tokens masked, labels -100: parallelize replaces the mask by
         # all ones; the one-device run zeroes the pads' inputs to the gated delta net
         return right_padded(plain, 40) if padded else plain
 
     def reference(_dummy):
-        from hypershard.models import tiny_model, train
+        from hypershard.testing.models import tiny_model, train
         return torch.tensor(train(tiny_model(config()), batches(config())), dtype=torch.float64)
 
     def distributed(_dummy):
-        from hypershard.models import tiny_model
         from hypershard.parallel import parallelize
+        from hypershard.testing.models import tiny_model
         from hypershard.testing.training import check_training, record_cp_training, record_training
 
         expected = record_training(tiny_model(config()), batches(config()))

@@ -260,7 +260,7 @@ def test_bad_json_fails_on_every_rank(work):
 def test_bad_json_messages(tmp_path):
     """The checks each rank runs before distributing anything (the launch above shows they reach every rank)."""
     from hypershard.integrations.llamafactory import HyperParallelArguments, HyperParallelConfigError
-    from hypershard.models import tiny_config, tiny_model
+    from hypershard.testing.models import tiny_config, tiny_model
 
     path = tmp_path / "hp.json"
     path.write_text(json.dumps({"tp_size": 3}))

@@ -248,8 +248,8 @@ def test_adapter_plan_and_refusals_in_process():
 
     from hypershard.integrations.llamafactory import HyperParallelArguments, HyperParallelConfigError
     from hypershard.integrations.llamafactory.adapters import adapter_plan, check_finetuning, unwrap_peft
-    from hypershard.models import tiny_config, tiny_model
     from hypershard.parallel import tp_plan_of
+    from hypershard.testing.models import tiny_config, tiny_model
 
     args = HyperParallelArguments(cp_size=2, tp_size=2)
     assert args.mesh_spec(8) == ((2, 2, 2), ("dp", "cp", "tp"))

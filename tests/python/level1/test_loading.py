@@ -42,7 +42,7 @@ def _save(model_type, directory, seed=0, drop=(), **overrides):
     """transformers' save_pretrained of a tiny model (optionally without the keys in `drop`)."""
     from safetensors.torch import load_file, save_file
 
-    from hypershard.models import tiny_config, tiny_model
+    from hypershard.testing.models import tiny_config, tiny_model
 
     model = tiny_model(tiny_config(model_type, **overrides), seed=seed)
     model.save_pretrained(directory)
@@ -214,7 +214,7 @@ def export_round_trip(folder):
         assert not again.hs_load_report.initialized and not again.hs_load_report.unused_keys
         _check_equal(again, _reference(folder))
         # checkpoint.load_hf: the same reads into an existing model's shards, in place
-        from hypershard.models import tiny_config, tiny_model
+        from hypershard.testing.models import tiny_config, tiny_model
         other = hs.parallelize(tiny_model(tiny_config("qwen3_5_moe_text"), seed=5), mesh)
         checkpoint.load_hf(root[0], other)
         _check_equal(other, _reference(folder))
@@ -294,7 +294,7 @@ FIXED_OVERHEAD = 8 << 20
 _WRITER = textwrap.dedent("""
     import sys, torch
     from safetensors.torch import load_file, save_file
-    from hypershard.models import tiny_config, tiny_model
+    from hypershard.testing.models import tiny_config, tiny_model
     model = tiny_model(tiny_config("qwen3", **{config}), seed=1)
     model.save_pretrained(sys.argv[1])
     model.save_pretrained(sys.argv[2])  # then without one MLP weight (3.1 MB), initialised at load

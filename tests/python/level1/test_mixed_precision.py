@@ -1,7 +1,7 @@
 """Level1: hs.mixed_precision (bf16 compute, fp32 master weights and optimizer state, fp32 gradient
 sums) trains like ONE DEVICE RUNNING THE SAME RECIPE, on every mesh kind, in strict mode.
 
-Tiny HuggingFace models (hypershard.models.TINY_CONFIGS), 3 AdamW steps with clip_grad_norm_:
+Tiny HuggingFace models (hypershard.testing.models.TINY_CONFIGS), 3 AdamW steps with clip_grad_norm_:
 
 - tp: Qwen3 on dp=2 x tp=2 (parallelize's TP plan; inputs over dp);
 - ep: Qwen3.5-MoE on dp=2 x ep=2 (the experts on local tensors, their bf16 copies' gradients
@@ -117,14 +117,14 @@ def check_mixed(got, expected):
 # ---------------------------------------------------------------------------------- the runs
 
 def setup(model_type):
-    from hypershard.models import make_batches, tiny_config
+    from hypershard.testing.models import make_batches, tiny_config
 
     config = tiny_config(model_type)
     return config, make_batches(config.vocab_size, STEPS, batch=4, seq=16)
 
 
 def train(model, batches, on_backward=None, seen=None):
-    """hypershard.models.train's loop (AdamW lr 1e-3, weight decay 0.01, clip 1.0), checking the
+    """hypershard.testing.models.train's loop (AdamW lr 1e-3, weight decay 0.01, clip 1.0), checking the
     dtypes: fp32 gradients and optimizer state."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     losses = []
@@ -173,7 +173,7 @@ def on_mesh(kind):
 def _stale_copy():
     """Fault: each bf16 copy's VALUE made at the first forward and kept (never refreshed after an
     optimizer step), its gradient still reaching the master. Returns the undo."""
-    from hypershard.mixed_precision import _OwnedCasts
+    from hypershard.fsdp.mixed_precision import _OwnedCasts
 
     cache, original = {}, _OwnedCasts._cast
 
@@ -188,7 +188,7 @@ def _stale_copy():
 def trains_like_one_device(model_type, kind, fault=None):
     def run(_dummy):
         import hypershard as hs
-        from hypershard.models import tiny_model
+        from hypershard.testing.models import tiny_model
         from hypershard.testing.training import record_training
 
         config, batches = setup(model_type)
@@ -308,7 +308,7 @@ def test_sft_trains_a_bf16_checkpoint_in_mixed_precision_by_default(tmp_path):
 
     from transformers import AutoTokenizer
 
-    from hypershard.models import tiny_config, tiny_model
+    from hypershard.testing.models import tiny_config, tiny_model
     from hypershard.testing.sft_fixtures import write_fixtures
 
     fixtures = write_fixtures(tmp_path / "data")

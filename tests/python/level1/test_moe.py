@@ -1,7 +1,7 @@
 """Level1: the target models train on dp=2 x tp=2 like one device, in strict mode (every op served by a
 rule).
 
-Real HuggingFace models, tiny configs from hypershard.models.TINY_CONFIGS, random init, no hub, train 3
+Real HuggingFace models, tiny configs from hypershard.testing.models.TINY_CONFIGS, random init, no hub, train 3
 steps of AdamW with clip_grad_norm_; parallelize() uses the models' own tensor-parallel plans:
 
 - Qwen3.5 dense (qwen3_5_text: full attention and Gated DeltaNet linear attention);
@@ -60,21 +60,21 @@ def attention_sharded(layers):
 
 def trainer(model_type, check_layouts, batch=4, seq=16):
     def setup():
-        from hypershard.models import make_batches, tiny_config
+        from hypershard.testing.models import make_batches, tiny_config
 
         config = tiny_config(model_type)
         return config, make_batches(config.vocab_size, STEPS, batch=batch, seq=seq)
 
     def reference(_dummy):
-        from hypershard.models import tiny_model, train
+        from hypershard.testing.models import tiny_model, train
 
         config, batches = setup()
         return torch.tensor(train(tiny_model(config), batches), dtype=torch.float64)
 
     def distributed(_dummy):
         import hypershard as hs
-        from hypershard.models import tiny_model
         from hypershard.parallel import parallelize
+        from hypershard.testing.models import tiny_model
         from hypershard.testing.training import check_training, record_training
 
         assert hs.is_strict()
@@ -97,7 +97,7 @@ def trainer(model_type, check_layouts, batch=4, seq=16):
 
 def image_batches(steps=STEPS):
     """Two samples, each with one 16-patch image (grid 1 x 4 x 4, merged 2 x 2 into 4 image tokens)."""
-    from hypershard.models import make_image_batches
+    from hypershard.testing.models import make_image_batches
 
     return make_image_batches(steps)
 
@@ -109,19 +109,19 @@ def vl_image_trainer():
     and the deepstack merge's boolean-mask index / index_put keep the hidden states sharded
     (csrc/ops/masked.cpp). Matches one device with no fallback and no implicit redistribution."""
     def config():
-        from hypershard.models import IMAGE_TOKEN, VISION_START, tiny_config
+        from hypershard.testing.models import IMAGE_TOKEN, VISION_START, tiny_config
 
         return tiny_config("qwen3_vl_moe", image_token_id=IMAGE_TOKEN, vision_start_token_id=VISION_START)
 
     def reference(_dummy):
-        from hypershard.models import tiny_model, train
+        from hypershard.testing.models import tiny_model, train
 
         return torch.tensor(train(tiny_model(config()), image_batches()), dtype=torch.float64)
 
     def distributed(_dummy):
         import hypershard as hs
-        from hypershard.models import tiny_model
         from hypershard.parallel import parallelize
+        from hypershard.testing.models import tiny_model
         from hypershard.testing.training import check_training, record_training
 
         batches = image_batches()
@@ -208,7 +208,7 @@ def matrix_trainer(model_type, experts=None, sequence_sharded=False, batch=4, **
     custom op, forced by making its `_can_use_grouped_mm` say no. `sequence_sharded`: the batches
     enter as DTensors sharded on the sequence dim over the (tp) mesh instead of split over dp."""
     def setup():
-        from hypershard.models import make_batches, tiny_config
+        from hypershard.testing.models import make_batches, tiny_config
 
         values = dict(overrides)
         if experts is not None:
@@ -226,15 +226,15 @@ def matrix_trainer(model_type, experts=None, sequence_sharded=False, batch=4, **
             return model_factory()
 
     def reference(_dummy):
-        from hypershard.models import tiny_model, train
+        from hypershard.testing.models import tiny_model, train
 
         config, batches = setup()
         return run(lambda: torch.tensor(train(tiny_model(config), batches), dtype=torch.float64))
 
     def distributed(_dummy):
         import hypershard as hs
-        from hypershard.models import tiny_model
         from hypershard.parallel import parallelize
+        from hypershard.testing.models import tiny_model
         from hypershard.testing.training import check_training, record_training
 
         config, batches = setup()

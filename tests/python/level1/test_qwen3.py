@@ -14,7 +14,7 @@ STEPS = 5
 
 
 def _setup(config_overrides, batch, seq):
-    from hypershard.models import make_batches, tiny_config
+    from hypershard.testing.models import make_batches, tiny_config
 
     config = tiny_config("qwen3", **config_overrides)
     return config, make_batches(config.vocab_size, STEPS, batch=batch, seq=seq)
@@ -24,15 +24,15 @@ def trainer(config_overrides, batch, seq, fault=None):
     """(reference, distributed) case functions. With `fault`, the distributed run has that fault
     planted and must FAIL the comparison (the case passes when the checks catch it)."""
     def reference(_dummy):
-        from hypershard.models import tiny_model, train
+        from hypershard.testing.models import tiny_model, train
 
         config, batches = _setup(config_overrides, batch, seq)
         return torch.tensor(train(tiny_model(config), batches), dtype=torch.float64)
 
     def distributed(_dummy):
         import hypershard as hs
-        from hypershard.models import tiny_model
         from hypershard.parallel import parallelize
+        from hypershard.testing.models import tiny_model
         from hypershard.testing.training import check_training, record_training
 
         config, batches = _setup(config_overrides, batch, seq)
@@ -104,8 +104,8 @@ def deterministic_trainer(batch, seq):
     plan caches) and requires bit-identical losses and parameter shards: the same program on the
     same machine must round the same way."""
     def run(_dummy, distributed):
-        from hypershard.models import make_batches, tiny_config, tiny_model, train
         from hypershard.parallel import parallelize
+        from hypershard.testing.models import make_batches, tiny_config, tiny_model, train
 
         config = tiny_config("qwen3")
         batches = make_batches(config.vocab_size, STEPS, batch=batch, seq=seq)

@@ -47,21 +47,21 @@ def _bitwise(got, base) -> list:
 
 
 def _gathers(model) -> int:
-    from hypershard.fully_shard import _groups
+    from hypershard.fsdp.fully_shard import _groups
 
     return sum(g.cgroup.stats()["gathers"] for g in _groups(model, True))
 
 
 def trainer(model_type, mode, *, fully_shard=False, mixed=False, compiled=False, fault=None):
     def setup():
-        from hypershard.models import make_batches, tiny_config
+        from hypershard.testing.models import make_batches, tiny_config
 
         # (no KV cache: a compiled block handed one runs eagerly, and a recomputed one drops it)
         config = tiny_config(model_type, **({"use_cache": False} if model_type == "qwen3" else {}))
         return config, make_batches(config.get_text_config().vocab_size, STEPS, batch=4, seq=16)
 
     def reference(_dummy):
-        from hypershard.models import tiny_model, train
+        from hypershard.testing.models import tiny_model, train
 
         config, batches = setup()
         return torch.tensor(train(tiny_model(config), batches), dtype=torch.float64)
@@ -72,12 +72,12 @@ def trainer(model_type, mode, *, fully_shard=False, mixed=False, compiled=False,
         from unittest import mock
 
         import hypershard as hs
-        import hypershard.recompute  # noqa: F401
+        import hypershard.parallel.recompute  # noqa: F401
 
-        rc = sys.modules["hypershard.recompute"]
-        from hypershard.loading import fully_shard_layers
-        from hypershard.models import tiny_model
+        rc = sys.modules["hypershard.parallel.recompute"]
+        from hypershard.checkpoint.pretrained import fully_shard_layers
         from hypershard.parallel import parallelize
+        from hypershard.testing.models import tiny_model
         from hypershard.testing.training import check_training, record_cp_training, record_training
 
         assert hs.is_strict()
@@ -124,7 +124,7 @@ def trainer(model_type, mode, *, fully_shard=False, mixed=False, compiled=False,
 
             patch = mock.patch.object(rc, "checkpoint", perturbed)
         if fault == "third_gather":
-            fs = sys.modules["hypershard.fully_shard"]
+            fs = sys.modules["hypershard.fsdp.fully_shard"]
 
             def wasteful(ctx, *grads):  # the pre-backward gather dropped before the recomputation
                 out = original(ctx, *grads)

@@ -40,7 +40,7 @@ def test_demo_matches_one_device(tmp_path):
 
 
 def test_coverage_deepseek_has_no_missing_op():
-    """DeepSeek-V3.2 (its tiny config in hypershard.models.TINY_CONFIGS: MLA, the sparse-attention indexer, MoE
+    """DeepSeek-V3.2 (its tiny config in hypershard.testing.models.TINY_CONFIGS: MLA, the sparse-attention indexer, MoE
     experts through aten::_grouped_mm) on dp=2: every op has a rule, none refused its layouts, and the loss
     matches one device."""
     result = run("hypershard.coverage", "--model", "deepseek_v32", "--mesh", "dp=2")

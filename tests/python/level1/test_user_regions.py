@@ -1,5 +1,5 @@
 """Level1: Qwen3.5's gated delta rule routed through a user region (hs.local_map, via
-hypershard.linear_attention.route_gated_delta_rule), standing in for a fused kernel -- here a
+hypershard.parallel.linear_attention.route_gated_delta_rule), standing in for a fused kernel -- here a
 pure-torch custom op (`hs_l1::gated_delta_rule`, transformers' chunked rule inside
 torch.library.custom_op, so hypershard sees an op it has no rule for) -- trains 3 AdamW steps on
 tp2 (heads over tp in the region) and cp2 (the sequence gathered for the region), strict, against
@@ -39,7 +39,7 @@ def _sequence_sharded_region(model, mesh):
     """The planted fault: route_gated_delta_rule with cp laid out on the sequence (dim 1)."""
     from unittest import mock
 
-    from hypershard import linear_attention
+    from hypershard.parallel import linear_attention
 
     dims = dict(linear_attention._REGION_DIMS)
     original = linear_attention._region_spec
@@ -47,7 +47,7 @@ def _sequence_sharded_region(model, mesh):
     def spec(mesh, kind):
         out = original(mesh, kind)
         if kind in ("qkv", "gate"):
-            from hypershard.placement_types import Shard
+            from hypershard.tensor.placement_types import Shard
             out = [Shard(1) if n == "cp" else p for n, p in zip(mesh.mesh_dim_names, out)]
         return out
 
@@ -58,21 +58,21 @@ def _sequence_sharded_region(model, mesh):
 
 def trainer(fault=False):
     def config():
-        from hypershard.models import tiny_config
+        from hypershard.testing.models import tiny_config
         return tiny_config("qwen3_5_text", max_position_embeddings=SEQ)
 
     def batches(config):
-        from hypershard.models import make_batches
+        from hypershard.testing.models import make_batches
         return make_batches(config.vocab_size, STEPS, batch=1, seq=SEQ)
 
     def reference(_dummy):
-        from hypershard.models import tiny_model, train
+        from hypershard.testing.models import tiny_model, train
         return torch.tensor(train(tiny_model(config()), batches(config())), dtype=torch.float64)
 
     def distributed(_dummy):
-        from hypershard.linear_attention import route_gated_delta_rule
-        from hypershard.models import tiny_model
         from hypershard.parallel import parallelize
+        from hypershard.parallel.linear_attention import route_gated_delta_rule
+        from hypershard.testing.models import tiny_model
         from hypershard.testing.training import check_training, record_cp_training, record_training
 
         expected = record_training(tiny_model(config()), batches(config()))

@@ -105,7 +105,7 @@ def test_export_names_drop_tied_duplicates():
     model.head = torch.nn.Linear(3, 4, bias=False)
     model.head.weight = model.embed.weight
     model._tied_weights_keys = {"head.weight": "embed.weight"}
-    assert checkpoint._export_names(model, model.state_dict()) == ["embed.weight"]
+    assert checkpoint.api._export_names(model, model.state_dict()) == ["embed.weight"]
 
 
 def test_resume_point_skips_partial_checkpoints_and_names_them(tmp_path):
@@ -119,10 +119,10 @@ def test_resume_point_skips_partial_checkpoints_and_names_them(tmp_path):
         (checkpoint.step_dir(tmp_path, 3), "no COMPLETE marker: its save did not finish on every rank"),
         (partial, "a save that did not finish (its temporary folder; no COMPLETE marker)"),
     ]
-    assert checkpoint._resolve(tmp_path) == newest  # a folder of checkpoints: the newest complete one
+    assert checkpoint.api._resolve(tmp_path) == newest  # a folder of checkpoints: the newest complete one
     for explicit in (checkpoint.step_dir(tmp_path, 3), partial):  # named explicitly: refused, with the reason
         with pytest.raises(RuntimeError, match="is not a complete checkpoint: .*the newest complete one next to it is"):
-            checkpoint._resolve(explicit)
+            checkpoint.api._resolve(explicit)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".step_00000004.partial", "step_00000002",
                                                           "step_00000003"]  # nothing deleted
 

@@ -1,4 +1,4 @@
-"""hypershard.compile's process-free decisions (hypershard/traced.py): which calls run eagerly
+"""hypershard.compile's process-free decisions (hypershard/compile/): which calls run eagerly
 (an empty shard on some rank: Layout.has_empty_shard), the compile settings it accepts, and the
 backward it routes for transformers' grouped_mm_fallback (traced DTensors only; plain tensors keep
 transformers' own)."""
@@ -8,7 +8,8 @@ import itertools
 import pytest
 
 import hypershard as hs
-from hypershard.traced import _route_grouped_mm_fallback_backward, _static_shapes
+from hypershard.compile.api import _static_shapes
+from hypershard.compile.dynamo_setup import _route_grouped_mm_fallback_backward
 
 
 def _layouts():

@@ -9,8 +9,9 @@ transformers' ForCausalLMLoss. No processes."""
 import pytest
 import torch
 
-from hypershard.context_parallel import from_head_tail, head_tail_order, to_head_tail
-from hypershard.parallel import CP_ALGORITHMS, _head_tail_inputs, parallelize
+from hypershard.parallel import CP_ALGORITHMS, parallelize
+from hypershard.parallel.context import from_head_tail, head_tail_order, to_head_tail
+from hypershard.parallel.inputs import _head_tail_inputs
 
 
 def test_inputs_in_head_tail_order_with_global_shift():
@@ -94,8 +95,8 @@ def test_refusals():
 def test_natural_order_reasons():
     """Which models keep natural order on a cp mesh, and parallelize refusing head-tail order for
     them: sdpa Qwen3 alone may be load-balanced."""
-    from hypershard.context_parallel import natural_order_reason
-    from hypershard.models import tiny_config, tiny_model
+    from hypershard.parallel.context import natural_order_reason
+    from hypershard.testing.models import tiny_config, tiny_model
 
     reasons = {
         name: natural_order_reason(tiny_model(tiny_config(model_type, **overrides)))
@@ -143,7 +144,7 @@ def test_causal_lm_loss_is_transformers_loss_without_the_flatten(given):
     gradient (each gradient element is one softmax row scaled by the same count)."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    from hypershard.context_parallel import causal_lm_loss, shift_labels
+    from hypershard.parallel.context import causal_lm_loss, shift_labels
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 8, 11, generator=g).to(torch.bfloat16)
@@ -169,8 +170,8 @@ def test_causal_lm_loss_is_transformers_loss_without_the_flatten(given):
 
 
 def test_causal_lm_loss_refusal_and_installation():
-    from hypershard.context_parallel import causal_lm_loss, use_causal_lm_loss
-    from hypershard.models import tiny_config, tiny_model
+    from hypershard.parallel.context import causal_lm_loss, use_causal_lm_loss
+    from hypershard.testing.models import tiny_config, tiny_model
 
     with pytest.raises(ValueError, match="do not end in vocab_size 12"):
         causal_lm_loss(torch.zeros(1, 4, 11), torch.zeros(1, 4, dtype=torch.long), 12)
@@ -196,8 +197,8 @@ def test_moe_block_tokens_as_one_run_per_rank():
     rank's tokens one contiguous block), and back; one sequence per rank, a sharded hidden dim
     or a Partial input stay as they are."""
     import hypershard as hs
-    from hypershard.context_parallel import _tokens_as_one_run, is_moe_block
-    from hypershard.models import tiny_config, tiny_model
+    from hypershard.parallel.context import _tokens_as_one_run, is_moe_block
+    from hypershard.testing.models import tiny_config, tiny_model
     from hypershard.testing.planning import PlanningMesh
 
     m = PlanningMesh({"dp": 2, "cp": 2}, rank=3)

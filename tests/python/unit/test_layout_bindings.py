@@ -177,7 +177,7 @@ def test_plan_between_meshes_is_an_error(mesh):
 
 
 def test_demo_runs():
-    result = subprocess.run([sys.executable, "-m", "hypershard.layout_demo"], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "hypershard.tools.layout_demo"], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "all_gather" in result.stdout
@@ -185,7 +185,7 @@ def test_demo_runs():
 
 
 def test_demo_help():
-    result = subprocess.run([sys.executable, "-m", "hypershard.layout_demo", "--help"],
+    result = subprocess.run([sys.executable, "-m", "hypershard.tools.layout_demo", "--help"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0
     assert "--shape" in result.stdout

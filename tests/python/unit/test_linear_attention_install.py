@@ -1,5 +1,5 @@
 """UT: how parallelize prepares a model with linear-attention layers for a context-parallel mesh
-(hypershard.linear_attention, docs/context_parallel.md), no processes: the inputs stay in natural
+(hypershard.parallel.linear_attention, docs/context_parallel.md), no processes: the inputs stay in natural
 order (labels still shifted over the whole sequence, position ids made, any length), every gated
 delta net of a tiny Qwen3.5 gets the cp-aware chunk function for that instance only, and plain
 tensors still run transformers' function unchanged (the model's output bitwise the same)."""
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from hypershard import linear_attention  # noqa: E402
-from hypershard.parallel import _head_tail_inputs  # noqa: E402
+from hypershard.parallel import linear_attention  # noqa: E402
+from hypershard.parallel.inputs import _head_tail_inputs  # noqa: E402
 
 
 def test_natural_order_inputs():
@@ -21,7 +21,7 @@ def test_natural_order_inputs():
 
 
 def test_install_on_qwen3_5_instances_only():
-    from hypershard.models import tiny_config, tiny_model
+    from hypershard.testing.models import tiny_config, tiny_model
 
     config = tiny_config("qwen3_5_text")
     model, untouched = tiny_model(config), tiny_model(config)

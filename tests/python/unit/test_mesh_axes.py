@@ -10,13 +10,13 @@ import json
 
 import pytest
 
-import hypershard.coverage
-import hypershard.demo
-import hypershard.plan
+import hypershard.planner.cli
 import hypershard.planner.validate
 import hypershard.sft.cli
-from hypershard.axes import MESH_AXES, MeshAxisError, check_axis_names
+import hypershard.tools.coverage
+import hypershard.tools.demo
 from hypershard.integrations.llamafactory.args import HyperParallelArguments, HyperParallelConfigError
+from hypershard.tensor.axes import MESH_AXES, MeshAxisError, check_axis_names
 
 
 @pytest.fixture(autouse=True)
@@ -24,10 +24,10 @@ def no_ranks(monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("a rank was started for a mesh with an unknown axis")
 
-    for module in (hypershard.sft.cli, hypershard.demo, hypershard.coverage, hypershard.launch):
+    for module in (hypershard.sft.cli, hypershard.tools.demo, hypershard.tools.coverage, hypershard.launch):
         monkeypatch.setattr(module, "spawn_local_ranks", started)
     monkeypatch.setattr(hypershard.planner.validate, "validate", started)
-    monkeypatch.setattr(hypershard.plan, "plan_step", started)
+    monkeypatch.setattr(hypershard.planner.cli, "plan_step", started)
 
 
 def _refused(capsys, main, argv, tool, axis, allowed):
@@ -51,18 +51,18 @@ def test_sft_refuses(tmp_path, capsys, axis):
 
 
 def test_demo_refuses(capsys):
-    _refused(capsys, hypershard.demo.main, ["--mesh", "dp=2,zz=2"], "demo", "zz", hypershard.demo.DEMO_AXES)
+    _refused(capsys, hypershard.tools.demo.main, ["--mesh", "dp=2,zz=2"], "demo", "zz", hypershard.tools.demo.DEMO_AXES)
     # the demo's model has no experts: ep means nothing to it
-    _refused(capsys, hypershard.demo.main, ["--mesh", "dp=2,ep=2"], "demo", "ep", hypershard.demo.DEMO_AXES)
+    _refused(capsys, hypershard.tools.demo.main, ["--mesh", "dp=2,ep=2"], "demo", "ep", hypershard.tools.demo.DEMO_AXES)
 
 
 def test_coverage_refuses(capsys):
-    _refused(capsys, hypershard.coverage.main, ["--mesh", "zz=2,dp=2"], "coverage", "zz", list(MESH_AXES))
+    _refused(capsys, hypershard.tools.coverage.main, ["--mesh", "zz=2,dp=2"], "coverage", "zz", list(MESH_AXES))
 
 
 def test_plan_refuses(capsys):
     allowed = hypershard.planner.PLANNED_AXES
-    _refused(capsys, hypershard.plan.main, ["--model", "qwen3", "--mesh", "dp=2,zz=2"], "plan", "zz", allowed)
+    _refused(capsys, hypershard.planner.cli.main, ["--model", "qwen3", "--mesh", "dp=2,zz=2"], "plan", "zz", allowed)
 
 
 def test_plan_validate_refuses(capsys):
@@ -73,7 +73,7 @@ def test_plan_validate_refuses(capsys):
 def test_malformed_and_repeated(capsys):
     for text, expected in (("dp=0", "sizes >= 1"), ("dp=2,=2", "NAME=SIZE"), ("dp", "NAME=SIZE")):
         with pytest.raises(SystemExit):
-            hypershard.demo.main(["--mesh", text])
+            hypershard.tools.demo.main(["--mesh", text])
         assert expected in capsys.readouterr().err
     with pytest.raises(MeshAxisError, match="'dp' is given twice"):
         check_axis_names("sft", ["dp", "dp"])
@@ -81,7 +81,7 @@ def test_malformed_and_repeated(capsys):
 
 def test_known_axes_pass():
     check_axis_names("sft", ["dp", "tp", "ep", "cp"])
-    check_axis_names("demo", ["cp", "dp"], hypershard.demo.DEMO_AXES)
+    check_axis_names("demo", ["cp", "dp"], hypershard.tools.demo.DEMO_AXES)
 
 
 def test_llamafactory_json_refuses_unknown_axis_key():

@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import hypershard as hs
-from hypershard.mixed_precision import BF16, mixed_precision_policy
+from hypershard.fsdp.mixed_precision import BF16, mixed_precision_policy
 
 
 def _mlp():

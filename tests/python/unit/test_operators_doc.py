@@ -1,8 +1,8 @@
-"""UT: docs/operators.md is what `python -m hypershard.operators_doc` writes from the registry.
+"""UT: docs/operators.md is what `python -m hypershard.tools.operators_doc` writes from the registry.
 
 The generator traces PyTorch's OpInfo samples once (the module fixture, ~15 s on 2 cores), then
 probes every rule without processes. The comparison fails with "docs/operators.md is stale: run
-python -m hypershard.operators_doc" when a rule, a family comment or the registry changed
+python -m hypershard.tools.operators_doc" when a rule, a family comment or the registry changed
 without the document; the planted checks show that such a change does change the document, and
 that the comparison then fails.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from hypershard import operators_doc as od
-from hypershard.operators_doc.registrations import USER_FAMILY
+from hypershard.tools import operators_doc as od
+from hypershard.tools.operators_doc.registrations import USER_FAMILY
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""UT: parallelize()'s plan-style table (hypershard/parallel.py), without processes.
+"""UT: parallelize()'s plan-style table (hypershard/parallel/), without processes.
 
 Models are parallelized on a mesh without process groups (hypershard.testing.planning.PlanningMesh,
 seen from one rank: distributing a parameter is a local slice, no collective), and the parameter
@@ -110,8 +110,8 @@ def test_moe_and_mla_styles_lay_out_parameters_like_transformers(rank):
 
 
 def test_hf_moe_plans_shard_the_experts_on_the_intermediate_dim():
-    """The tiny Qwen3.5-MoE and DeepSeek-V3.2 of hypershard.models with their own plans."""
-    from hypershard.models import tiny_config, tiny_model
+    """The tiny Qwen3.5-MoE and DeepSeek-V3.2 of hypershard.testing.models with their own plans."""
+    from hypershard.testing.models import tiny_config, tiny_model
 
     mesh = PlanningMesh({"dp": 2, "tp": 2})
     for model_type in ("qwen3_5_moe_text", "deepseek_v32"):
@@ -198,7 +198,7 @@ def test_every_style_of_transformers_moe_and_mla_plans_is_known():
 def test_tp_wider_than_kv_heads_keeps_kv_projections_whole():
     """2 KV heads on tp=4: k_proj / v_proj stay Replicate (every rank holds every KV head), q_proj and
     o_proj keep their colwise / rowwise sharding; with 4 KV heads k_proj is colwise as the plan says."""
-    from hypershard.models import tiny_config, tiny_model
+    from hypershard.testing.models import tiny_config, tiny_model
 
     mesh = PlanningMesh({"tp": 4})
     for kv, k_spec in ((2, ["R"]), (4, ["S(0)"])):
@@ -210,7 +210,7 @@ def test_tp_wider_than_kv_heads_keeps_kv_projections_whole():
 
 
 def test_query_heads_not_divisible_by_tp_refused_up_front():
-    from hypershard.models import tiny_config, tiny_model
+    from hypershard.testing.models import tiny_config, tiny_model
 
     model = tiny_model(tiny_config("qwen3", num_attention_heads=6, num_key_value_heads=2, head_dim=8))
     with pytest.raises(ValueError, match=r"config.num_attention_heads=6 is not divisible by the tensor-parallel "

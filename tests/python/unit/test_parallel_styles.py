@@ -1,5 +1,5 @@
 """UT: parallelize()'s plan styles as objects, its attention layouts, and local experts that leave
-the experts module untouched (hypershard/parallel.py), without processes.
+the experts module untouched (hypershard/parallel/), without processes.
 
 - Each plan style is one `Style` object: the dim it shards of a Linear / Embedding / 3-d experts
   parameter, whether its module's inputs / output are made Replicate, and its own checks (with the
@@ -21,15 +21,8 @@ import torch
 from torch import nn
 
 import hypershard as hs
-from hypershard.parallel import (
-    ATTENTION_REPLICATED,
-    HEADS_SHARDED,
-    KV_REPLICATED,
-    STYLES,
-    _attention_layout,
-    parallelize,
-    style,
-)
+from hypershard.parallel import STYLES, parallelize, style
+from hypershard.parallel.attention import ATTENTION_REPLICATED, HEADS_SHARDED, KV_REPLICATED, _attention_layout
 from hypershard.testing.planning import PlanningMesh
 
 # ---------------------------------------------------------------------------------- style objects
@@ -127,7 +120,7 @@ def test_qwen3_with_3_kv_heads_on_tp2_replicates_its_attention_and_shards_the_re
     """6 query / 3 KV heads on dp2 x tp2: no layout with sharded query heads runs (rank 0's query
     heads read KV heads 0-1, rank 1's 1-2), so every attention entry becomes replicate -- decided in
     parallelize, with a warning -- while the MLP keeps its plan."""
-    from hypershard.models import tiny_config, tiny_model
+    from hypershard.testing.models import tiny_config, tiny_model
 
     model = tiny_model(tiny_config("qwen3", num_attention_heads=6, num_key_value_heads=3))
     with pytest.warns(UserWarning, match=r"3 key/value heads \(grouped under 6 query heads\) cannot be laid out "
@@ -143,7 +136,7 @@ def test_qwen3_with_3_kv_heads_on_tp2_replicates_its_attention_and_shards_the_re
 
 
 def test_refused_attention_distributes_nothing():
-    from hypershard.models import tiny_config, tiny_model
+    from hypershard.testing.models import tiny_config, tiny_model
 
     model = tiny_model(tiny_config("qwen3", num_attention_heads=6, num_key_value_heads=3))
     with pytest.raises(ValueError, match=r"num_attention_heads=6 is not divisible by the tensor-parallel size 4"):

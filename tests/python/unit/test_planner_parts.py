@@ -5,12 +5,12 @@ and a plan over budget names its classes."""
 import torch
 
 from hypershard import _C
-from hypershard.models import TINY_CONFIGS
-from hypershard.plan import format_report, main
+from hypershard.planner.cli import format_report, main
 from hypershard.planner.memory import LiveBytes
 from hypershard.planner.run import _watch_fully_shard, plan_step
 from hypershard.planner.step import load_config
 from hypershard.planner.world import coordinates, recording, simulated_mesh
+from hypershard.testing.models import TINY_CONFIGS
 
 
 def test_coordinates_row_major():
@@ -55,7 +55,7 @@ def test_trace_attributes_every_byte():
     config = load_config("qwen3", **TINY_CONFIGS["qwen3"])
     report = plan_step(config, {"dp": 2, "tp": 2}, batch=4, seq=16, trace=True)
     assert sum(n for *_, n in report.issuers) == report.traffic_bytes
-    assert any("parallel.py" in where for _, _, where, _ in report.issuers)  # the rowwise outputs' all-reduce
+    assert any("parallel/styles.py" in where for _, _, where, _ in report.issuers)  # the rowwise outputs' all-reduce
 
 
 def test_span_exchange_bytes_go_to_their_own_collective():

@@ -1,4 +1,4 @@
-"""UT for hs.recompute (hypershard/recompute.py) on one process, plain tensors: the selective
+"""UT for hs.recompute (hypershard/parallel/recompute.py) on one process, plain tensors: the selective
 policy's op list, bit-for-bit equality with the run without recomputation (with dropout: the RNG
 replayed; with hs.mixed_precision: the masters back in place after an early-stopped recomputation), the refusals, and
 planted faults that the same checks must catch. The distributed runs are level1
@@ -14,9 +14,9 @@ import torch.nn as nn
 import torch.utils.checkpoint as torch_checkpoint
 
 import hypershard as hs
-import hypershard.recompute  # noqa: F401  (hs.recompute, the function, shadows the module's name)
+import hypershard.parallel.recompute  # noqa: F401  (hs.recompute, the function, shadows the module's name)
 
-rc = sys.modules["hypershard.recompute"]
+rc = sys.modules["hypershard.parallel.recompute"]
 
 
 def test_selective_save_ops_are_the_matmuls_and_attention():
@@ -186,7 +186,7 @@ def test_refusals():
 
 
 def _tiny_hf():
-    from hypershard.models import tiny_config, tiny_model
+    from hypershard.testing.models import tiny_config, tiny_model
 
     return tiny_model(tiny_config("qwen3"))
 
@@ -208,7 +208,7 @@ def test_transformers_gradient_checkpointing_is_refused_in_both_orders():
 
 
 def test_decoder_layers_default_and_hf_model_bit_for_bit():
-    from hypershard.models import make_batches, train
+    from hypershard.testing.models import make_batches, train
 
     batches = make_batches(128, 2)
     plain = train(_tiny_hf(), batches)
@@ -233,12 +233,12 @@ def test_sft_recompute_flag_recomputes_every_decoder_layer():
 
 def test_gated_delta_net_on_cp_is_refused_not_hung():
     """Qwen3.5's gated delta net on a cp axis hangs under recomputation (its halo exchange; see
-    hypershard/recompute.py): refused before anything runs. The real install marks the module
+    hypershard/parallel/recompute.py): refused before anything runs. The real install marks the module
     (linear_attention._replace_rule); this model is marked as it would be. Planted fault: without
     the check, hs.recompute accepts it (and the sft run hangs until its timeout)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    from hypershard.models import tiny_config, tiny_model
+    from hypershard.testing.models import tiny_config, tiny_model
 
     model = tiny_model(tiny_config("qwen3_5_text"))
     net = next(m for m in model.modules() if isinstance(m, modeling_qwen3_5.Qwen3_5GatedDeltaNet))

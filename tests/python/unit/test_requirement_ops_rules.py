@@ -226,7 +226,7 @@ def test_autograd_key_kernels():
 def test_tolist_is_global():
     """tolist: hypershard's override (the GLOBAL value via full_tensor); item: _local_scalar_dense,
     whose rule gathers (a Partial reduced) so every rank reads the same value."""
-    assert torch.Tensor.tolist.__module__ == "hypershard.dtensor"
+    assert torch.Tensor.tolist.__module__ == "hypershard.tensor.dtensor"
     mesh = PlanningMesh(MESH)
     for spec in (["P", "R"], ["S(0)", "S(0)"]):
         result = plan(aten._local_scalar_dense.default, mesh.dtensor([1] if spec[0] != "P" else [], spec))

@@ -22,10 +22,10 @@ from __future__ import annotations
 import math
 import zlib
 
+import hypershard.ops as hops
 import pytest
 import torch
 
-import hypershard.ops as hops
 from hypershard.testing.fused import assert_within
 
 FWD = torch.ops.hypershard.rms_norm.default

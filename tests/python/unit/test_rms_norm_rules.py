@@ -25,13 +25,13 @@ Where x is sharded on the normalized dim H the two forms differ by design (see
 
 from __future__ import annotations
 
+import hypershard.ops as hops
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 import hypershard as hs
-import hypershard.ops as hops
 from hypershard.testing.fused import define_npu_standins
 from hypershard.testing.planning import Arg as T
 from hypershard.testing.planning import PlanningMesh, check_error_pieces, check_row_plan, plan, plan_row, short_spec

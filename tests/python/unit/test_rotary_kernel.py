@@ -16,10 +16,10 @@ from __future__ import annotations
 import math
 import zlib
 
+import hypershard.ops as hops
 import pytest
 import torch
 
-import hypershard.ops as hops
 from hypershard.testing.fused import assert_within
 
 OP = torch.ops.hypershard.rotary_position_embedding.default
@@ -74,7 +74,7 @@ def sum_bound(ref: torch.Tensor, terms: torch.Tensor, dtype: torch.dtype, n: int
 # --- the modes, independently of the kernel: y[i] = x[a(i)] cos[i] + s(i) x[b(i)] sin[i] ----------
 
 def rotary_maps(d: int, mode: int):
-    """Index maps a, b and signs s of each mode (the definitions in hypershard/ops.py)."""
+    """Index maps a, b and signs s of each mode (the definitions in hypershard/tensor/ops.py)."""
     half, quarter = d // 2, d // 4
     a, b, s = list(range(d)), [0] * d, [0] * d
     for i in range(d):

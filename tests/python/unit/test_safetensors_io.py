@@ -1,4 +1,4 @@
-"""hypershard.safetensors_io without processes: boxes of tensors read through mmap slices equal
+"""hypershard.checkpoint.safetensors_io without processes: boxes of tensors read through mmap slices equal
 the same slices of the saved tensors, for every dtype conversion, strided and permuted outputs,
 0-dim and empty boxes, and slice sizes smaller than one row; bad folders raise named errors."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hypershard.safetensors_io import Reader, read_index
+from hypershard.checkpoint.safetensors_io import Reader, read_index
 
 
 @pytest.fixture

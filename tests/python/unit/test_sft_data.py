@@ -327,12 +327,16 @@ def test_resume_restores_the_schedule_and_refuses_changed_arguments(monkeypatch,
     extra = {"step": 3, "losses": [{"step": s} for s in (1, 2, 3)], "scheduler": scheduler.state_dict(),
              "args": {k: 1 for k in T.RESUME_MUST_MATCH}}
 
-    monkeypatch.setattr(checkpoint, "latest", lambda directory: None)
+    def stand_in(name, fn):  # the package's name and the one its own functions call (checkpoint/api.py)
+        monkeypatch.setattr(checkpoint, name, fn)
+        monkeypatch.setattr(checkpoint.api, name, fn)
+
+    stand_in("latest", lambda directory: None)
     with pytest.raises(SFTError, match="--resume: no complete checkpoint in"):
         T._resume(args, model, optimizer, scheduler)
-    monkeypatch.setattr(checkpoint, "latest", lambda directory: tmp_path / "step_00000003")
-    monkeypatch.setattr(checkpoint, "load", lambda path, m, o: extra)
-    monkeypatch.setattr(checkpoint, "read_extra", lambda path: extra)
+    stand_in("latest", lambda directory: tmp_path / "step_00000003")
+    stand_in("load", lambda path, m, o: extra)
+    stand_in("read_extra", lambda path: extra)
     fresh = torch.optim.AdamW(model.parameters(), lr=1.0)
     fresh_scheduler = torch.optim.lr_scheduler.LambdaLR(fresh, lambda s: 0.5 ** s)
     step, records, path = T._resume(args, model, fresh, fresh_scheduler)

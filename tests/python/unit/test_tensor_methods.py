@@ -75,10 +75,10 @@ def test_torch_overrides_can_index_the_methods():
 
 def test_fakeifying_a_dtensor_is_a_graph_break_not_an_error():
     """Dynamo fakes every tensor it traces; a hypershard DTensor has no storage to fake, and must
-    give the exception Dynamo turns into a graph break (hypershard/compile_support.py)."""
+    give the exception Dynamo turns into a graph break (hypershard/tensor/fake_guard.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedFakeTensorException
 
-    from hypershard.compile_support import GRAPH_BREAK_REASON
+    from hypershard.tensor.fake_guard import GRAPH_BREAK_REASON
     x = PlanningMesh({"tp": 2}).dtensor([4, 3], ["S(0)"])
     try:
         FakeTensorMode().from_tensor(x)

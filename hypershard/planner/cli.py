@@ -1,0 +1,290 @@
+"""The planner: one real training step of a true-size model, as one rank of a simulated mesh.
+
+    python -m hypershard.plan --model deepseek_v32 --mesh dp=32,ep=8 --fully-shard --seq 4096 --batch 32
+    python -m hypershard.plan --model qwen3_5_moe_text --mesh dp=8,tp=2,ep=4 --memory-per-rank 80
+    python -m hypershard.plan --model deepseek_v32 --search --world 256 --memory-per-rank 80 --compute-dtype bfloat16
+
+`--model`: a transformers model_type (its default config: deepseek_v32 is DeepSeek-V3.2 671B,
+qwen3_5_moe_text Qwen3.5-35B-A3B), a published config by name (qwen3_5_0_8b, qwen3_vl_30b_a3b), or
+a save_pretrained folder. The model is built on the meta device, parallelized with its own HF plans
+(tp / ep axes; the batch split over dp) and optionally fully sharded over dp, and one forward,
+backward, clip_grad_norm_ and AdamW step runs through hypershard's dispatcher, rules and
+redistribution on a simulated mesh (hypershard/planner/world.py): nothing is computed, allocated or
+sent. Printed for the simulated rank (--rank, default 0): bytes of parameters, gradients and
+optimizer state; the peak of activations (everything else the step holds, hypershard/planner/
+memory.py); bytes sent per mesh axis (per phase) and the collectives issued. Ranks with the same
+coordinates on the axes that shard a tensor hold the same bytes; rank 0 holds the first
+(largest) chunk of every uneven shard, so its figures are the largest. `--device` (default cuda)
+picks whose kernels the step takes; `--recompute`, a cp axis with `--cp-algorithm`, `--hsdp` and
+`--offload-optimizer` are the library's settings; `--search` ranks the meshes of `--world` ranks.
+See docs/planner.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from ..launch.ranks import mesh_argument
+from . import PLANNED_AXES
+from .run import PlanReport, apply_options, plan_step
+from .search import HARDWARE
+from .step import PUBLISHED, RECOMPUTE, load_config
+from .world import DEVICES
+
+CP_ALGORITHMS = ("all_gather_kv", "ulysses", "ring")
+
+__all__ = ["format_report", "main"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return str(n)
+
+
+def format_report(r: PlanReport, memory_per_rank: float = 0.0) -> str:
+    coords = ", ".join(f"{a}={c}" for a, c in r.coordinates.items())
+    mesh = ",".join(f"{a}={n}" for a, n in r.mesh.items())
+    setting = f"device {r.device}, recompute {r.recompute}" + (f", cp {r.cp_algorithm}" if r.cp_algorithm else "")
+    lines = [
+        f"{r.model}: {r.total_parameters / 1e9:.2f} B parameters on mesh {mesh}; rank {r.rank} ({coords}); {setting}",
+        f"  {'parameters':<22}{_size(r.parameters):>12}",
+        f"  {'gradients':<22}{_size(r.gradients):>12}",
+        f"  {'optimizer state':<22}{_size(r.optimizer):>12}",
+        f"  {'activations (peak)':<22}{_size(r.activations):>12}",
+        f"  {'peak of the step':<22}{_size(r.peak):>12}",
+    ]
+    if r.kernels:
+        lines.append("  kernels: " + ", ".join(f"{k} x{n}" for k, n in sorted(r.kernels.items())))
+    if r.cp_calls:
+        lines.append("  cp attention calls run by: " + ", ".join(f"{k} x{n}" for k, n in sorted(r.cp_calls.items())))
+    if r.flops:
+        lines.append(
+            f"  {'TFLOP (this rank)':<22}{r.flops / 1e12:>12.1f}   ("
+            + ", ".join(f"{p} {n / 1e12:.1f}" for p, n in r.phase_flops.items() if n)
+            + ")"
+        )
+    lines.append("  bytes sent per step, by mesh axis:")
+    for axis, b in sorted(r.axis_bytes.items()):
+        phases = ", ".join(
+            f"{p} {_size(n)}" for key, n in r.phase_bytes.items() for p, a in [key.split(" ", 1)] if a == axis and n
+        )
+        lines.append(f"    {axis:<8}{_size(b):>12}   ({phases})")
+    lines.append("  collectives issued (count, bytes sent):")
+    for key, n in r.collectives.items():
+        lines.append(f"    {key:<26}{n:>6}  {_size(r.collective_bytes.get(key, 0)):>12}")
+    if r.issuers:
+        lines.append("  where the bytes come from (the line whose op issued them):")
+        for axis, kind, where, n in r.issuers[:12]:
+            lines.append(f"    {axis:<5}{kind:<15}{_size(n):>12}  {where}")
+    if r.uncounted:
+        lines.append(f"  ({r.uncounted} collectives hypershard did not count: costed by ring formulas)")
+    if r.offload:
+        lines.append(
+            f"  optimizer state on the host: device peak {_size(r.peak)}, host-device traffic "
+            f"{_size(r.offload)} per step (gradients down, parameters up)"
+        )
+    if memory_per_rank:
+        over = r.over(memory_per_rank)
+        if over:
+            shares = ", ".join(f"{c} {_size(getattr(r, c))}" for c in over)
+            lines.append(
+                f"  DOES NOT FIT {_size(memory_per_rank)} per rank: peak {_size(r.peak)} is "
+                f"{_size(r.peak - memory_per_rank)} over; largest first: {shares}; over on its own: "
+                + (", ".join(c for c in over if getattr(r, c) > memory_per_rank) or "none")
+            )
+        else:
+            lines.append(f"  fits {_size(memory_per_rank)} per rank ({_size(memory_per_rank - r.peak)} to spare)")
+    lines.append("  seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in r.seconds.items()))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hypershard.plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model", required=True, help=f"a model_type, a save_pretrained folder, or one of {sorted(PUBLISHED)}"
+    )
+    parser.add_argument(
+        "--mesh", default=None, help=f"axis=size,... with axes among {', '.join(PLANNED_AXES)} (e.g. dp=32,ep=8)"
+    )
+    parser.add_argument("--fully-shard", action="store_true", help="hs.fully_shard every decoder layer over dp")
+    parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
+    parser.add_argument("--batch", type=int, default=0, help="sequences per step in all (default: the dp size)")
+    parser.add_argument("--rank", type=int, default=0, help="the rank simulated (default 0)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="of the parameters")
+    parser.add_argument(
+        "--compute-dtype",
+        choices=sorted(_DTYPES),
+        default=None,
+        help="compute dtype from the --dtype master weights (fully_shard's gathers, else hs.mixed_precision)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cuda",
+        help="whose kernels the step takes (default cuda: torch's SDPA backend choice on an H100/H200; cpu: a CPU "
+        "run's; npu: not modelled yet, refused)",
+    )
+    parser.add_argument("--recompute", choices=RECOMPUTE, default="none", help="activation recomputation per layer")
+    parser.add_argument("--cp-algorithm", choices=CP_ALGORITHMS, default="all_gather_kv", help="attention on a cp axis")
+    parser.add_argument(
+        "--hsdp", type=int, default=0, help="with --fully-shard: R replicas of dp/R-sharded state (analytic, docs)"
+    )
+    parser.add_argument(
+        "--offload-optimizer", action="store_true", help="AdamW state on the host (the step on CPU), docs"
+    )
+    parser.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the config's)")
+    parser.add_argument(
+        "--scale-depth",
+        action="store_true",
+        help="plan two cut depths and scale per layer to the full depth (quicker; docs/planner.md, Search)",
+    )
+    parser.add_argument("--memory-per-rank", type=float, default=0.0, help="GB per rank: say whether the step fits")
+    parser.add_argument(
+        "--trace", action="store_true", help="attribute each collective's bytes to the source line that issued it"
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    search = parser.add_argument_group("--search: rank the meshes of --world ranks (docs/planner.md, Search)")
+    search.add_argument("--search", action="store_true", help="sweep dp x cp x ep x tp, fully_shard, recompute")
+    search.add_argument("--world", type=int, default=0, help="ranks to search over")
+    search.add_argument("--hardware", choices=sorted(HARDWARE), default="h100", help="published figures (default h100)")
+    search.add_argument("--tflops", type=float, default=0.0, help="peak TFLOP/s per rank (default: --hardware's)")
+    search.add_argument("--efficiency", type=float, default=0.4, help="fraction of --tflops achieved (default 0.4)")
+    search.add_argument("--intra-gbs", type=float, default=0.0, help="GB/s per rank inside a node (default: hardware)")
+    search.add_argument("--inter-gbs", type=float, default=0.0, help="GB/s per rank across nodes (default: hardware)")
+    search.add_argument("--node-size", type=int, default=0, help="ranks per node (default: --hardware's)")
+    search.add_argument("--verify", type=int, default=3, help="top configurations checked at a third depth")
+    args = parser.parse_args(argv)
+    compute_dtype = _DTYPES[args.compute_dtype] if args.compute_dtype else None
+    if args.search:
+        return _search(args, compute_dtype)
+    if not args.mesh:
+        parser.error("--mesh is required (or --search with --world)")
+    shape, names = mesh_argument("plan", PLANNED_AXES)(args.mesh)
+    mesh = dict(zip(names, shape))
+    replicas = args.hsdp or 1
+    if args.hsdp and (not args.fully_shard or mesh.get("dp", 1) % args.hsdp):
+        parser.error(f"--hsdp {args.hsdp}: needs --fully-shard and a dp size it divides")
+    planned_mesh = dict(mesh, dp=mesh["dp"] // replicas) if replicas > 1 else mesh
+    overrides = {"num_hidden_layers": args.layers} if args.layers else {}
+    config = load_config(args.model, **overrides)
+    batch = (args.batch or mesh.get("dp", 1)) // replicas
+    started = time.perf_counter()
+
+    def plan(cut):
+        return plan_step(
+            cut,
+            planned_mesh,
+            name=args.model,
+            rank=args.rank,
+            fully_shard=args.fully_shard,
+            batch=batch,
+            seq=args.seq,
+            dtype=_DTYPES[args.dtype],
+            compute_dtype=compute_dtype,
+            trace=args.trace,
+            device=args.device,
+            recompute=args.recompute,
+            cp_algorithm=args.cp_algorithm,
+        )
+
+    if args.scale_depth:
+        from .search import cut_depths, scale_report
+
+        if args.offload_optimizer:
+            raise SystemExit(
+                "hypershard: plan: --offload-optimizer with --scale-depth: the peak without the optimizer "
+                "state is not linear in depth (planner/search.py, CHECKED_FIGURES); allowed: a full-depth plan"
+            )
+
+        d1, d2 = cut_depths(config)
+        r1, r2 = (plan(load_config(args.model, **{**overrides, "num_hidden_layers": d})) for d in (d1, d2))
+        layers = (
+            config.get_text_config().num_hidden_layers
+            if hasattr(config, "get_text_config")
+            else config.num_hidden_layers
+        )
+        report = scale_report(r1, r2, d1, d2, layers)
+        report.seconds = {f"depth {d1}": r1.seconds.get("step", 0), f"depth {d2}": r2.seconds.get("step", 0)}
+        report.model += f" (planned at {d1} and {d2} layers, scaled to {layers})"
+    else:
+        report = plan(config)
+    apply_options(report, hsdp=replicas if args.hsdp else 0, offload=args.offload_optimizer)
+    report.seconds["total"] = time.perf_counter() - started
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        print(format_report(report, args.memory_per_rank * 1e9))
+    return 1 if args.memory_per_rank and report.over(args.memory_per_rank * 1e9) else 0
+
+
+def _search(args, compute_dtype) -> int:
+    import dataclasses
+
+    from .search import format_table, search
+
+    if not args.world:
+        raise SystemExit("hypershard: plan: --search needs --world N")
+    hardware = HARDWARE[args.hardware]
+    hardware = dataclasses.replace(
+        hardware,
+        tflops=args.tflops or hardware.tflops,
+        intra_gbs=args.intra_gbs or hardware.intra_gbs,
+        inter_gbs=args.inter_gbs or hardware.inter_gbs,
+        node_size=args.node_size or hardware.node_size,
+    )
+    config = load_config(args.model)
+    budget = args.memory_per_rank * 1e9
+
+    def plan(mesh, fully_shard, recompute, layers):
+        cut = load_config(args.model, num_hidden_layers=layers)
+        t0 = time.perf_counter()
+        r = plan_step(
+            cut,
+            mesh,
+            name=args.model,
+            fully_shard=fully_shard,
+            batch=mesh.get("dp", 1),
+            seq=args.seq,
+            dtype=_DTYPES[args.dtype],
+            compute_dtype=compute_dtype,
+            device=args.device,
+            recompute=recompute,
+            cp_algorithm=args.cp_algorithm,
+        )
+        r.seconds["total"] = time.perf_counter() - t0
+        return r
+
+    started = time.perf_counter()
+    ranked = search(
+        config,
+        args.world,
+        budget,
+        args.seq,
+        plan,
+        hardware,
+        args.efficiency,
+        verify=args.verify,
+        log=lambda line: print(line, flush=True),
+    )
+    print(
+        f"{args.model} on {args.world} ranks, seq {args.seq}, one sequence per dp rank, device {args.device}, "
+        f"compute {args.compute_dtype or args.dtype}, cp {args.cp_algorithm}"
+        + (f", budget {args.memory_per_rank:g} GB per rank" if budget else "")
+        + f"; searched in {time.perf_counter() - started:.0f} s"
+    )
+    print(format_table(ranked, budget, hardware, args.efficiency))
+    return 0 if any(c.report is not None and (not budget or c.report.peak <= budget) for c in ranked) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
