@@ -49,6 +49,7 @@ from .compile import compile  # noqa: E402,A004  (hypershard.compile: the traced
 from .fsdp import FullyShardedModule, MixedPrecisionPolicy, fully_shard, mixed_precision, offload_optimizer  # noqa: E402
 from .parallel import parallelize  # noqa: E402
 from .parallel.recompute import recompute  # noqa: E402
+from .pipelining import pipeline  # noqa: E402
 from .tensor import layout, ops  # noqa: E402
 from .tensor.axes import MESH_AXES, declare_replica_axis  # noqa: E402
 from .tensor.dtensor import (  # noqa: E402
@@ -139,6 +140,7 @@ __all__ = [
     "ops",
     "parse_alias",
     "parallelize",
+    "pipeline",
     "parse_reduce_op",
     "placement",
     "placements",

@@ -348,6 +348,10 @@ void bind_runtime(py::module_& m) {
         "Whether a full gradient bucket starts its all-reduce (over its first Partial axis) during the "
         "backward pass (default True) or every bucket waits for the end (False: no overlap).");
   m.def("grad_overlap", &runtime::grad_overlap);
+  m.def("hold_grad_sync", &runtime::hold_grad_sync, py::arg("hold"), py::call_guard<py::gil_scoped_release>(),
+        "True: the data-parallel gradient sums of the backward passes that follow are held (.grad stays "
+        "Partial, later passes accumulate locally); False: they are all reduced now, in buckets.");
+  m.def("grad_sync_held", &runtime::grad_sync_held);
   m.def("grad_sync_stats", [] {
     const auto s = runtime::grad_sync_stats();
     return py::dict(py::arg("reduced_on_arrival") = s.reduced_on_arrival, py::arg("bucketed") = s.bucketed,

@@ -41,6 +41,7 @@
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "layout/error.h"
@@ -139,8 +140,24 @@ bool accumulates_into(const at::Tensor& leaf) {
 void reduce_batch(Batch& batch);
 void fill_buckets(Batch& batch);
 
+// Held gradients (hold_grad_sync): the deferred gradients of every backward pass run while held,
+// each leaf once, reduced together when the hold ends (pipelining: once per step, not once per
+// microbatch). A leaf's .grad stays Partial in between, so the next pass accumulates locally.
+std::atomic<bool> g_hold{false};
+std::shared_ptr<Batch> g_held;                  // guarded by g_batches_mutex
+std::unordered_set<const void*> g_held_leaves;  // guarded by g_batches_mutex
+
 // Queues `item` for the current backward pass; false when there is no graph task to attach to.
 bool defer(Deferred item) {
+  if (g_hold.load(std::memory_order_relaxed)) {
+    std::lock_guard<std::mutex> lock(g_batches_mutex);
+    if (!g_held) g_held = std::make_shared<Batch>();
+    if (g_held_leaves.insert(item.leaf._unsafe_get_target()).second) {
+      std::lock_guard<std::mutex> batch_lock(g_held->mutex);
+      g_held->items.push_back(std::move(item));
+    }
+    return true;
+  }
   const int task = torch::autograd::get_current_graph_task_id();
   if (task < 0) return false;
   std::shared_ptr<Batch> batch;
@@ -410,6 +427,24 @@ void detail::install_grad_hook(const at::Tensor& leaf) {
   // per leaf); the engine runs every hook in the list, in order.
   hooks.push_back(std::make_unique<GradLayoutHook>(WeakTensor(leaf.getIntrusivePtr())));
 }
+
+void hold_grad_sync(bool hold) {
+  if (hold) {
+    g_hold.store(true, std::memory_order_relaxed);
+    return;
+  }
+  std::shared_ptr<Batch> held;
+  {
+    std::lock_guard<std::mutex> lock(g_batches_mutex);
+    g_hold.store(false, std::memory_order_relaxed);
+    held = std::move(g_held);
+    g_held.reset();
+    g_held_leaves.clear();
+  }
+  if (held) reduce_batch(*held);
+}
+
+bool grad_sync_held() { return g_hold.load(std::memory_order_relaxed); }
 
 void set_grad_bucket_bytes(int64_t bytes) {
   HS_CHECK(bytes >= 0, "set_grad_bucket_bytes", "bytes must be >= 0 (0 reduces each gradient on arrival), got ", bytes);

@@ -18,6 +18,13 @@ int64_t grad_bucket_bytes();
 void set_grad_overlap(bool overlap);
 bool grad_overlap();
 
+// While held (true), the Partial(sum) gradients of every backward pass stay Partial in .grad
+// (later passes accumulate into them locally) instead of being reduced when each pass ends;
+// hold_grad_sync(false) reduces them all in buckets at once. Pipelining holds them over the
+// microbatches of a step, so dp reduces once per step.
+void hold_grad_sync(bool hold);
+bool grad_sync_held();
+
 struct GradSyncStats {
   int64_t reduced_on_arrival = 0;  // gradients the hook redistributed at once
   int64_t bucketed = 0;            // gradients reduced in a bucket

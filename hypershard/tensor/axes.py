@@ -26,6 +26,7 @@ MESH_AXES = {
     "tp": "tensor parallel: the model's TP plan",
     "ep": "expert parallel: the model's EP plan",
     "cp": "context parallel: splits the sequence",
+    "pp": "pipeline parallel: splits the decoder layers into stages (hs.pipeline)",
 }
 
 

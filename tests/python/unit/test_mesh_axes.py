@@ -45,7 +45,7 @@ def _sft_argv(tmp_path, mesh):
     return ["--model", "qwen3", "--data", str(data), "--output", str(tmp_path / "out"), "--mesh", mesh]
 
 
-@pytest.mark.parametrize("axis", ["zz", "pp", "DP"])
+@pytest.mark.parametrize("axis", ["zz", "xp", "DP"])
 def test_sft_refuses(tmp_path, capsys, axis):
     _refused(capsys, hypershard.sft.cli.main, _sft_argv(tmp_path, f"{axis}=2,dp=2"), "sft", axis, list(MESH_AXES))
 

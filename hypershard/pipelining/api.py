@@ -1,0 +1,314 @@
+"""hs.pipeline: a HuggingFace decoder model split into pipeline stages (hypershard.pipelining.split),
+each stage's parameters hypershard DTensors on its sub-mesh (the mesh without the pp axis, laid out
+by hs.parallelize: dp, tp, ep), run by torch.distributed.pipelining's own stages and schedules
+(GPipe, 1F1B, Interleaved1F1B) over the pp axis's process group.
+
+What crosses a stage boundary: the LOCAL tensor of the hidden states, in the boundary layout
+(the batch dim sharded over the dp axes, Replicate elsewhere); the receiver rebuilds the DTensor
+from it and that layout with DTensor.from_local (no gather, no collective). A stage whose output is
+laid out otherwise (a Partial left by a row-parallel layer, say) is redistributed to the boundary
+layout first.
+
+The loss: the global batch is split into microbatches along dim 0 (each one then over dp); the
+last stage computes the model's own loss_function per microbatch with num_items_in_batch = the
+trained tokens of the WHOLE global batch (HF's causal-LM loss is a mean over the non-ignored
+shifted labels), so the microbatch losses add up to one device's loss over the same tokens and
+their gradients to its gradient (schedule scale_grads=False). Gradient reduction over dp: the
+dp all-reduces of every microbatch's backward are held and done once per step (hypershard's
+gradient buckets, hypershard._C.hold_grad_sync).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import _C
+from ..parallel import parallelize
+from ..parallel.inputs import _rope_index, _shard_inputs
+from ..tensor.axes import note_axes_used
+from ..tensor.dtensor import DTensor
+from ..tensor.placement_types import Replicate, Shard
+from .split import SCHEDULES, StageSpec, _fail, check_schedule, image_token_counts, split_model, stage_model, text_model
+
+__all__ = ["Pipeline", "StageModule", "pipeline"]
+
+
+class StageModule(nn.Module):
+    """What torch's PipelineStage runs for one stage: `model` is the stage's pruned copy of the HF
+    model (hypershard.pipelining.split.stage_model). Its forward takes the global microbatch of
+    input ids (first stage) or the previous stage's local hidden states, and returns the local
+    hidden states (or, on the last stage, the local logits). Per-microbatch side inputs (images,
+    M-RoPE position ids) come from `side`, one dict per microbatch in forward order."""
+
+    def __init__(self, model: nn.Module, spec: StageSpec, mesh=None, dp_axes: Sequence[int] = ()):
+        super().__init__()
+        self.model = model
+        self.spec = spec
+        self.mesh = mesh
+        self.dp_axes = list(dp_axes)
+        self.side: list = []
+        self.calls = 0
+        self._shard = _shard_inputs(mesh, self.dp_axes) if mesh is not None else None
+
+    def boundary(self) -> list:
+        placements: list = [Replicate()] * self.mesh.ndim
+        for axis in self.dp_axes:
+            placements[axis] = Shard(0)
+        return placements
+
+    def dp_size(self) -> int:
+        size = 1
+        for axis in self.dp_axes:
+            size *= self.mesh.shape[axis]
+        return size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        side = dict(self.side[self.calls]) if self.calls < len(self.side) else {}
+        self.calls += 1
+        images = side.pop("images", {})
+        if self.spec.first:
+            kwargs = {"input_ids": x, **images, **side}
+            if self._shard is not None:
+                _, kwargs = self._shard(self.model, (), kwargs)
+            hidden = self.model.model(**kwargs, use_cache=False).last_hidden_state
+        else:
+            if self._shard is not None:
+                _, side = self._shard(self.model, (), side)
+                shape = [x.shape[0] * self.dp_size(), *x.shape[1:]]
+                x = DTensor.from_local(x, self.mesh, self.boundary(), shape=shape)
+            hidden = text_model(self.model)(inputs_embeds=x, use_cache=False, **side).last_hidden_state
+        out = self.model.lm_head(hidden) if self.spec.last else hidden
+        if self._shard is None:
+            return out
+        if tuple(out.placements) != tuple(self.boundary()):
+            out = out.redistribute(self.mesh, self.boundary())
+        return out.to_local()
+
+
+def _dp_chunk(t: torch.Tensor, mesh, dp_axes: Sequence[int]) -> torch.Tensor:
+    """This rank's rows of `t` when dim 0 is sharded over `dp_axes` (major first), evenly."""
+    for axis in dp_axes:
+        t = t.chunk(mesh.shape[axis], 0)[mesh.coordinate(axis)]
+    return t
+
+
+def _split_images(input_ids: torch.Tensor, inputs: dict, counts, n: int) -> list:
+    """The image inputs of each of `n` microbatches: each sample's images are the next ones in
+    order (as many as its image tokens cover), their patches the next rows of pixel_values."""
+    if "pixel_values" not in inputs:
+        return [{} for _ in range(n)]
+    token, merge = counts
+    grid = inputs["image_grid_thw"]
+    tokens_per_image = (grid.prod(-1) // merge**2).tolist()
+    patches_per_image = grid.prod(-1).tolist()
+    per_mb = input_ids.shape[0] // n
+    out, image, patch = [], 0, 0
+    for k in range(n):
+        ids = input_ids[k * per_mb : (k + 1) * per_mb]
+        need, first_image, first_patch = int((ids == token).sum()), image, patch
+        while need > 0:
+            need -= tokens_per_image[image]
+            patch += patches_per_image[image]
+            image += 1
+        mb = {"pixel_values": inputs["pixel_values"][first_patch:patch], "image_grid_thw": grid[first_image:image]}
+        if "mm_token_type_ids" in inputs:
+            mb["mm_token_type_ids"] = inputs["mm_token_type_ids"][k * per_mb : (k + 1) * per_mb]
+        out.append(mb if image > first_image else {})
+    return out
+
+
+class Pipeline:
+    """The stages of this rank and their schedule. ``step(input_ids, labels, **inputs)`` runs one
+    forward and backward of the global batch and returns one device's loss over it (the same value
+    on every rank); then ``clip_grad_norm_`` and an optimizer over ``parameters()`` as usual."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh=None,
+        *,
+        n_microbatches: int,
+        schedule: str = "1f1b",
+        stages_per_rank: int = 1,
+        pp_axis: str = "pp",
+        dp_axis: Union[str, Sequence[str]] = "dp",
+        **parallelize_kwargs,
+    ):
+        from torch.distributed import pipelining
+
+        names = list(mesh.mesh_dim_names) if mesh is not None else []
+        if mesh is not None and pp_axis not in names:
+            _fail(f"the mesh {names} has no axis {pp_axis!r}", "a mesh with a pp axis")
+        pp_index = names.index(pp_axis) if mesh is not None else None
+        self.pp = mesh.shape[pp_index] if mesh is not None else 1
+        self.pp_rank = mesh.coordinate(pp_index) if mesh is not None else 0
+        self.schedule_name = schedule
+        self.n_microbatches = n_microbatches
+        check_schedule(schedule, self.pp, stages_per_rank, n_microbatches)
+        self.specs = split_model(model, self.pp, stages_per_rank)
+        self._image_counts = image_token_counts(model)
+        self._vision_outer = model.model if self._image_counts is not None else None
+        self._loss_function = model.loss_function
+        self._vocab_size = getattr(model.config, "text_config", model.config).vocab_size
+        rest = [n for n in names if n != pp_axis]
+        self.mesh = mesh
+        self.submesh = mesh[rest] if rest else None
+        dp_names = [dp_axis] if isinstance(dp_axis, str) else list(dp_axis)
+        self.dp_axes = [rest.index(a) for a in dp_names if a in rest]
+        self.pp_group = mesh.group(pp_index) if mesh is not None else None
+        self.modules: list = []
+        self.stages: list = []
+        for spec in self.specs:
+            if spec.rank != self.pp_rank:
+                continue
+            part = stage_model(model, spec)
+            if self.submesh is not None:
+                parallelize(part, self.submesh, shard_inputs=False, dp_axis=dp_names, **parallelize_kwargs)
+                note_axes_used(self.submesh, [rest[a] for a in self.dp_axes])
+            module = StageModule(part, spec, self.submesh, self.dp_axes)
+            self.modules.append(module)
+            if mesh is not None:
+                self.stages.append(
+                    pipelining.PipelineStage(
+                        module, spec.index, len(self.specs), torch.device(mesh.device_type), group=self.pp_group
+                    )
+                )
+        self.schedule = None
+        if mesh is not None:
+            cls = getattr(pipelining, SCHEDULES[schedule])
+            stages = self.stages if schedule == "interleaved_1f1b" else self.stages[0]
+            self.schedule = cls(stages, n_microbatches, loss_fn=self._microbatch_loss, scale_grads=False)
+        self._num_items = 1
+
+    # ------------------------------------------------------------------ parameters
+
+    def named_parameters(self):
+        """(name in the full model, parameter) of this rank's stages."""
+        for module in self.modules:
+            yield from module.model.named_parameters()
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    # ------------------------------------------------------------------ a step
+
+    def check_batch(self, batch: int) -> None:
+        """The batch checks, on every rank before any collective."""
+        n = self.n_microbatches
+        if batch % n:
+            _fail(f"{n} microbatches do not divide the batch of {batch}", f"a divisor of {batch}")
+        dp = 1
+        for axis in self.dp_axes:
+            dp *= self.submesh.shape[axis]
+        if (batch // n) % dp:
+            _fail(
+                f"a microbatch of {batch // n} samples cannot be split evenly over dp size {dp}",
+                f"microbatches of a multiple of {dp} samples",
+            )
+
+    def _microbatch_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """HF's causal-LM loss of this rank's tokens of one microbatch, summed and divided by the
+        global batch's trained tokens."""
+        if self.submesh is not None:
+            labels = _dp_chunk(labels, self.submesh, self.dp_axes)
+        return self._loss_function(
+            logits=logits, labels=labels, vocab_size=self._vocab_size, num_items_in_batch=self._num_items
+        )
+
+    def _side_inputs(self, input_ids: torch.Tensor, inputs: dict) -> list:
+        n = self.n_microbatches
+        per_mb = input_ids.shape[0] // n
+        side = [{} for _ in range(n)]
+        if self._image_counts is not None:
+            images = _split_images(input_ids, inputs, self._image_counts, n)
+            for k in range(n):
+                ids = input_ids[k * per_mb : (k + 1) * per_mb]
+                kwargs = {"input_ids": ids, **images[k]}
+                position_ids = _rope_index(self._vision_outer, kwargs)
+                if position_ids is not None:
+                    side[k]["position_ids"] = position_ids
+                side[k]["images"] = {key: v for key, v in images[k].items()}
+        return side
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, **inputs) -> float:
+        """Forward and backward of the global batch (the same tensors on every rank); returns one
+        device's loss over it. Gradients accumulate into the stages' parameters' .grad."""
+        if self.schedule is None:
+            _fail("a pipeline without a mesh cannot run a schedule", "a mesh with a pp axis")
+        self.check_batch(input_ids.shape[0])
+        unknown = set(inputs) - {"pixel_values", "image_grid_thw", "mm_token_type_ids"}
+        if unknown:
+            _fail(f"inputs {sorted(unknown)} are not passed through the pipeline", "input_ids, labels and images")
+        self._num_items = int((labels[:, 1:] != -100).sum())
+        side = self._side_inputs(input_ids, inputs)
+        for module in self.modules:
+            module.side, module.calls = side, 0
+        losses: list = []
+        last = self.specs[-1].rank == self.pp_rank
+        with hold_grad_sync():
+            self.schedule.step(input_ids, target=labels, losses=losses)
+        total = torch.zeros((), dtype=torch.float64)
+        if last:
+            total = sum(loss.detach().to(torch.float64) for loss in losses)
+            for axis in self.dp_axes:
+                dist.all_reduce(total, group=self.submesh.group(axis))
+        dist.broadcast(total, group=self.pp_group, group_src=self.specs[-1].rank)
+        return float(total)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """torch.nn.utils.clip_grad_norm_ over every stage's gradients: the squared norms of this
+        rank's stages added, then summed over the pp axis."""
+        squares = torch.zeros((), dtype=torch.float64)
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        for g in grads:
+            norm = torch.linalg.vector_norm(g)
+            if _C.is_dtensor(norm):
+                norm = norm.to_local()
+            squares += norm.detach().to(torch.float64) ** 2
+        if self.pp_group is not None:
+            dist.all_reduce(squares, group=self.pp_group)
+        total = float(squares.sqrt())
+        coef = min(max_norm / (total + 1e-6), 1.0)
+        with torch.no_grad():
+            for g in grads:
+                g.mul_(coef)
+        return total
+
+
+@contextlib.contextmanager
+def hold_grad_sync():
+    """Holds the dp gradient reductions of the backward passes inside (one per microbatch) and
+    does them once on exit (hypershard._C.hold_grad_sync); without that binding, a no-op."""
+    hold = getattr(_C, "hold_grad_sync", None)
+    if hold is None:
+        yield
+        return
+    hold(True)
+    try:
+        yield
+    finally:
+        hold(False)
+
+
+def pipeline(
+    model: nn.Module,
+    mesh,
+    *,
+    n_microbatches: int,
+    schedule: str = "1f1b",
+    stages_per_rank: Optional[int] = None,
+    **kwargs,
+) -> Pipeline:
+    """Splits `model` over `mesh`'s pp axis (hypershard.pipelining.split), lays each stage out on
+    the rest of the mesh with hs.parallelize and returns the Pipeline (its stages and schedule).
+    `stages_per_rank`: virtual stages per rank (default 2 for interleaved_1f1b, else 1)."""
+    if stages_per_rank is None:
+        stages_per_rank = 2 if schedule == "interleaved_1f1b" else 1
+    return Pipeline(
+        model, mesh, n_microbatches=n_microbatches, schedule=schedule, stages_per_rank=stages_per_rank, **kwargs
+    )

@@ -1,0 +1,141 @@
+"""Level1, strict mode: pipeline parallelism (hypershard.pipelining, torch.distributed.pipelining's
+schedules) trains like one device. Each case trains the same tiny HF model on one device
+(hypershard.testing.models.train: AdamW, clip_grad_norm_ 1.0) and through hs.pipeline on a mesh with
+a pp axis, then compares with hypershard.testing.training's tolerances: every step's loss (rtol 1e-5),
+the first step's gradients and the final parameters of the parameters this rank's stages hold.
+
+Why those tolerances hold for pipelining: the microbatches split the global batch, each microbatch's
+loss is its tokens' summed cross entropy divided by the WHOLE batch's token count, so the step's
+loss and gradient are the same sums as one device's, in another order (microbatch by microbatch,
+then over dp); the norm for clipping is summed over the stages of the pp axis. Nothing but the
+order of float32 additions differs -- the case training.py's tolerances are argued for.
+
+A planted fault (one microbatch's loss divided by its own tokens instead of the global batch's:
+HF's default mean) must fail the same checks."""
+
+import torch
+
+from hypershard.testing import Case, Input, assert_all_passed, current_mesh, run_cases
+
+STEPS = 3
+PP2_DP2 = ((2, 2), ("pp", "dp"))
+
+
+def _record(pipe, batches, lr=1e-3, clip=1.0):
+    """record_training's record of hs.pipeline training (the same loop as models.train)."""
+    from hypershard.testing.training import TrainingRecord, _full
+
+    record = TrainingRecord()
+    record.initial = {name: _full(p) for name, p in pipe.named_parameters()}
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=lr, weight_decay=0.01)
+    for step, (ids, labels, *rest) in enumerate(batches):
+        optimizer.zero_grad()
+        loss = pipe.step(ids, labels, **(rest[0] if rest else {}))
+        if step == 0:
+            record.first_grads = {n: _full(p.grad) for n, p in pipe.named_parameters() if p.grad is not None}
+        pipe.clip_grad_norm_(clip)
+        optimizer.step()
+        record.losses.append(loss)
+    record.final = {name: _full(p) for name, p in pipe.named_parameters()}
+    return record
+
+
+def _only(record, names):
+    """`record` restricted to the parameters `names` (what this rank's stages hold)."""
+    from hypershard.testing.training import TrainingRecord
+
+    return TrainingRecord(
+        losses=record.losses,
+        initial={n: t for n, t in record.initial.items() if n in names},
+        first_grads={n: t for n, t in record.first_grads.items() if n in names},
+        final={n: t for n, t in record.final.items() if n in names},
+    )
+
+
+def _drop_one_microbatch_scaling(pipe):
+    """Microbatch 0 of every step normalised by its own tokens (HF's default mean) instead of the
+    global batch's."""
+    original = pipe._microbatch_loss
+    calls = {"n": 0}
+
+    def loss(logits, labels):
+        first = calls["n"] % pipe.n_microbatches == 0
+        calls["n"] += 1
+        if not first:
+            return original(logits, labels)
+        saved, pipe._num_items = pipe._num_items, None
+        try:
+            return original(logits, labels)
+        finally:
+            pipe._num_items = saved
+
+    pipe._microbatch_loss = loss
+    pipe.schedule._loss_fn = loss
+
+
+def trainer(model_type, schedule, n_microbatches, batch, overrides=None, images=False, fault=None, **pipe_kwargs):
+    def setup():
+        from hypershard.testing.models import (
+            IMAGE_TOKEN,
+            VISION_START,
+            make_batches,
+            make_image_batches,
+            tiny_config,
+        )
+
+        if images:
+            config = tiny_config(model_type, image_token_id=IMAGE_TOKEN, vision_start_token_id=VISION_START)
+            return config, make_image_batches(STEPS, batch=batch)
+        config = tiny_config(model_type, **(overrides or {}))
+        return config, make_batches(config.vocab_size, STEPS, batch=batch, seq=16)
+
+    def reference(_dummy):
+        from hypershard.testing.models import tiny_model, train
+
+        config, batches = setup()
+        return torch.tensor(train(tiny_model(config), batches), dtype=torch.float64)
+
+    def distributed(_dummy):
+        import hypershard as hs
+        from hypershard.testing.models import tiny_model
+        from hypershard.testing.training import check_training, record_training
+
+        assert hs.is_strict()
+        config, batches = setup()
+        expected = record_training(tiny_model(config), batches)
+        pipe = hs.pipeline(tiny_model(config), current_mesh(), n_microbatches=n_microbatches, schedule=schedule,
+                           **pipe_kwargs)
+        names = {n for n, _ in pipe.named_parameters()}
+        for name, p in pipe.named_parameters():
+            assert isinstance(p, hs.DTensor), name
+        if fault is not None:
+            fault(pipe)
+        hs._C.reset_grad_sync_stats()
+        got = _record(pipe, batches)
+        problems, worst = check_training(got, _only(expected, names))
+        if fault is None:
+            assert not problems, "\n".join(problems)
+            print(f"losses one device {expected.losses} pipeline {got.losses} worst {worst}", flush=True)
+            return torch.tensor(got.losses, dtype=torch.float64)
+        assert problems, f"planted fault was NOT caught; worst ratios {worst}"
+        return torch.tensor(expected.losses, dtype=torch.float64)
+
+    return reference, distributed
+
+
+def _case(name, mesh, reference, distributed):
+    return Case(name, reference, [Input((1,), requires_grad=False)], mesh, dist_fn=distributed,
+                check_grad=False, rtol=1e-5, atol=0.0)
+
+
+QWEN3_4_LAYERS = {"num_hidden_layers": 4}
+
+
+def test_qwen3_pp2_dp2_1f1b_and_interleaved_strict():
+    cases = [
+        _case("qwen3_pp2_dp2_1f1b", PP2_DP2, *trainer("qwen3", "1f1b", 4, 8, QWEN3_4_LAYERS)),
+        _case("qwen3_pp2_dp2_interleaved_1f1b", PP2_DP2, *trainer("qwen3", "interleaved_1f1b", 4, 8, QWEN3_4_LAYERS)),
+        _case("qwen3_pp2_dp2_planted_unscaled_microbatch_is_caught", PP2_DP2,
+              *trainer("qwen3", "1f1b", 4, 8, QWEN3_4_LAYERS, fault=_drop_one_microbatch_scaling)),
+    ]
+    assert_all_passed(run_cases(cases, backend="hypershard", timeout=400))
