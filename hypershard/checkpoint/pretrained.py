@@ -53,7 +53,7 @@ from torch import nn
 from .. import _C
 from .safetensors_io import DEFAULT_STAGING_BYTES, Reader, read_index
 
-__all__ = ["from_pretrained", "load_into", "LoadReport", "fully_shard_layers"]
+__all__ = ["from_pretrained", "load_into", "load_meta", "LoadReport", "fully_shard_layers"]
 
 # Model types whose checkpoints store fused experts as [experts, in, out] (their modules hold
 # [experts, out, in]): transformers transposes them at load (its conversion mapping).
@@ -158,30 +158,38 @@ def _per_expert(name: str, shape: tuple, entries: dict) -> Optional[list]:
     return None
 
 
-def _tensors(model: nn.Module, buffers: bool) -> list:
+def _tensors(model: nn.Module, buffers: bool, only_meta: bool = False) -> list:
     """[(names, shape)] of the model's parameters (or persistent buffers), one row per tensor
-    (a tied tensor once, with all its names), in named_parameters order."""
+    (a tied tensor once, with all its names), in named_parameters order; `only_meta`: those on the
+    meta device."""
     rows: dict = {}
     for module_name, module in model.named_modules():
         table = module._buffers if buffers else module._parameters
         for attr, tensor in table.items():
             if tensor is None or (buffers and attr in module._non_persistent_buffers_set):
                 continue
+            if only_meta and not tensor.is_meta:
+                continue
             name = f"{module_name}.{attr}" if module_name else attr
             rows.setdefault(id(tensor), ([], tuple(tensor.shape)))[0].append(name)
     return list(rows.values())
 
 
-def _match(model: nn.Module, entries: dict, init_missing: bool) -> tuple:
+def _match(
+    model: nn.Module, entries: dict, init_missing: bool, rename: Optional[Callable] = None, only_meta: bool = False
+) -> tuple:
     """({model name: [pieces] or None (missing)}, unused checkpoint keys). Raises on a shape
-    mismatch, a partly stored fused weight, or a missing tensor that will not be initialised."""
+    mismatch, a partly stored fused weight, or a missing tensor that will not be initialised.
+    `rename(model name) -> file name` (load_meta: a wrapper's names); `only_meta`: the tensors that
+    are not on the meta device are not looked for."""
     transposed = getattr(getattr(model, "config", None), "model_type", None) in _TRANSPOSED_EXPERTS
+    rename = rename or (lambda name: name)
     sources: dict = {}
     missing = []
-    for names, shape in _tensors(model, False) + _tensors(model, True):
+    for names, shape in _tensors(model, False, only_meta) + _tensors(model, True, only_meta):
         pieces = None
         for name in names:
-            pieces = _direct(name, shape, entries, transposed) or _per_expert(name, shape, entries)
+            pieces = _direct(rename(name), shape, entries, transposed) or _per_expert(rename(name), shape, entries)
             if pieces:
                 break
         for name in names:
@@ -390,6 +398,8 @@ def _materialize(
         for attr, param in list(module._parameters.items()):
             if param is None:
                 continue
+            if id(param) not in replaced and not param.is_meta:
+                replaced[id(param)] = (param, param)  # built by the caller (load_meta): kept
             if id(param) not in replaced:
                 name = f"{module_name}.{attr}" if module_name else attr
                 shape, offset = _box(param, rank)
@@ -407,7 +417,7 @@ def _materialize(
     filled: dict = {}  # id(meta buffer) -> its real tensor, read from the files (whole: buffers are never sharded)
     for module_name, module in model.named_modules():
         for attr, buffer in module._buffers.items():
-            if buffer is None or id(buffer) in buffers or id(buffer) in filled:
+            if buffer is None or id(buffer) in buffers or id(buffer) in filled or not buffer.is_meta:
                 continue
             name = f"{module_name}.{attr}" if module_name else attr
             real = torch.empty(buffer.shape, dtype=buffer.dtype)
@@ -573,4 +583,29 @@ def load_into(model: nn.Module, directory, *, staging_bytes: int = DEFAULT_STAGI
                     report.loaded.append(name)
                     report.local_bytes += local.numel() * local.element_size()
         report.bytes_read, report.largest_slice = reader.bytes_read, reader.largest_slice
+    return report
+
+
+def load_meta(
+    model: nn.Module,
+    directory,
+    mesh,
+    *,
+    rename: Optional[Callable] = None,
+    dp_axis: str = "dp",
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+) -> LoadReport:
+    """Fills the meta tensors of `model` -- built on meta and laid out there (hs.parallelize,
+    hs.fully_shard), as from_pretrained's steps 1 and 3 leave it -- from the folder, each rank
+    reading and allocating only its shards (step 4); non-persistent buffers are computed (step 5).
+    Tensors already off meta (built by the caller: LoRA adapters) are kept as they are.
+    `rename(model name) -> file name` for a model wrapped after its build (peft's ``base_layer``).
+    Every meta tensor must be in the files. Not a collective; sets ``model.hs_load_report``."""
+    entries = read_index(Path(directory))
+    sources, unused = _match(model, entries, init_missing=False, rename=rename, only_meta=True)
+    report = LoadReport(unused_keys=unused)
+    with Reader(staging_bytes) as reader:
+        _materialize(model, mesh, sources, reader, dp_axis, None, report)
+        report.bytes_read, report.largest_slice = reader.bytes_read, reader.largest_slice
+    model.hs_load_report = report
     return report

@@ -365,9 +365,11 @@ def main(argv=None) -> int:
         sys.argv.pop(1)
         from llamafactory.train.tuner import run_exp
 
+        from . import loading
         from .resume import install_auto_resume
 
         install_auto_resume()  # automatic resume: the newest COMPLETE checkpoint (docs/faults.md)
+        loading.install()  # each rank reads only its shards of the model (loading.py)
         run_exp()
         return 0
     from llamafactory.cli import main as llamafactory_main

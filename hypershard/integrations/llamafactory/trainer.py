@@ -219,26 +219,44 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
     # --------------------------------------------------------------------------- distribution
 
     def _distribute(self, model, training_args=None) -> None:
+        from hypershard import _C
         from hypershard.parallel import parallelize
+
+        from . import loading
 
         hp = self.hp_args
         plan = None if hp.tp_plan == "auto" else dict(hp.tp_plan)
         ep_plan = None if hp.ep_plan == "auto" else dict(hp.ep_plan)
+        on_meta = getattr(model, loading.SHARDED_ATTR, None) is not None
+        checks = _C.check_replicas()
+        if on_meta:  # (loading.py) the debug checks compare values, a collective; meta tensors have none
+            _C.set_check_replicas(False)
         try:
-            if self._peft_model is not None:
-                plan, ep_plan = self._adapter_plans(model, plan, ep_plan)
-            parallelize(model, self.mesh, plan, ep_plan=ep_plan, cp_algorithm=hp.cp_algorithm)
-        except ValueError as error:
-            hp._fail(str(error))
-        if hp.fully_shard:
-            from hypershard.fsdp.fully_shard import fully_shard
+            try:
+                if self._peft_model is not None:
+                    plan, ep_plan = self._adapter_plans(model, plan, ep_plan)
+                parallelize(model, self.mesh, plan, ep_plan=ep_plan, cp_algorithm=hp.cp_algorithm)
+            except ValueError as error:
+                hp._fail(str(error))
+            if hp.fully_shard:
+                from hypershard.fsdp.fully_shard import fully_shard
 
-            blocks = next(
-                (m for n, m in model.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList)), []
-            )
-            for block in blocks:  # one group per decoder layer, then the root (as fully_shard_layers)
-                fully_shard(block, self.mesh, reshard_after_forward=hp.reshard_after_forward)
-            fully_shard(model, self.mesh, reshard_after_forward=hp.reshard_after_forward)
+                blocks = next(
+                    (
+                        m
+                        for n, m in model.named_modules()
+                        if n.endswith("layers") and isinstance(m, torch.nn.ModuleList)
+                    ),
+                    [],
+                )
+                for block in blocks:  # one group per decoder layer, then the root (as fully_shard_layers)
+                    fully_shard(block, self.mesh, reshard_after_forward=hp.reshard_after_forward)
+                fully_shard(model, self.mesh, reshard_after_forward=hp.reshard_after_forward)
+        finally:
+            _C.set_check_replicas(checks)
+        # each rank reads its shards of the laid-out meta model (loading.py); None: loaded whole
+        self._load_report = loading.materialize(model, self.mesh) if on_meta else None
+        self._log_load(self._load_report, model)
         self._recompute(model, training_args)
         param_dtype, reduce_dtype = hp.precision(model, training_args)
         if param_dtype or reduce_dtype:
@@ -253,6 +271,25 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
                 )
             # fully_shard's groups (no policy of their own) take this one too
             mixed_precision(model, MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+
+    def _log_load(self, report, model) -> None:
+        """One line per rank once the model is distributed: the parameter bytes it read into its
+        shards against the whole model's (the level1 test reads it: about 1/world under
+        fully_shard), the file bytes it read, and its resident memory now and at its peak so far
+        (/proc/self/status VmRSS / VmHWM)."""
+        from . import loading
+
+        total = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+        rank, world = _rank_world()
+        memory = loading.rss_text()
+        if report is None:
+            what = f"holds the model loaded whole by LlamaFactory ({total} parameter bytes)"
+        else:
+            what = (
+                f"loaded its shards: {report.local_bytes} of the model's {total} parameter bytes "
+                f"({len(report.loaded)} tensors, {report.bytes_read} file bytes read)"
+            )
+        print(f"hypershard: llamafactory: rank {rank} of {world} {what}; {memory}", flush=True)
 
     def _recompute(self, model, training_args) -> None:
         """LlamaFactory turns transformers' gradient checkpointing on by default (its own checkpoint
