@@ -22,6 +22,7 @@
 #include <ATen/ops/linear_native.h>
 #include <torch/library.h>
 
+#include "ops/composites.h"
 #include "ops/families.h"
 #include "runtime/dtensor_impl.h"
 #include "runtime/redistribute.h"
@@ -68,15 +69,22 @@ at::Tensor ctc_loss_kernel(const at::Tensor& log_probs, const at::Tensor& target
 
 at::Tensor linear_kernel(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   const auto* impl = runtime::dtensor_impl(input);
-  if (impl && input.dim() == 3 && weight.dim() == 2 && input.size(0) > 1 && !impl->layout()->dim_axes()[1].empty()) {
-    const at::Tensor out =
-        at::bmm(input, weight.t().unsqueeze(0).expand({input.size(0), weight.size(1), weight.size(0)}));
-    return bias && bias->defined() ? at::add(out, *bias) : out;
-  }
+  if (impl && linear_keeps_sequence_shards(*impl->layout(), weight.dim())) return linear_batched(input, weight, bias);
   return at::native::linear(input, weight, bias);
 }
 
 }  // namespace
+
+bool linear_keeps_sequence_shards(const layout::Layout& input, int64_t weight_dim) {
+  return input.global_shape().size() == 3 && weight_dim == 2 && input.global_shape()[0] > 1 &&
+         !input.dim_axes()[1].empty();
+}
+
+at::Tensor linear_batched(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const at::Tensor out =
+      at::bmm(input, weight.t().unsqueeze(0).expand({input.size(0), weight.size(1), weight.size(0)}));
+  return bias && bias->defined() ? at::add(out, *bias) : out;
+}
 
 void register_composite_kernels() {
   aten_autograd_kernels().impl("linear", TORCH_FN(linear_kernel));

@@ -13,6 +13,7 @@
 #include "layout/error.h"
 #include "layout/intern.h"
 #include "ops/attention_sequence.h"
+#include "ops/composites.h"
 #include "ops/families.h"
 #include "ops/op_call.h"
 #include "ops/user_rules.h"
@@ -212,6 +213,12 @@ void bind_runtime(py::module_& m) {
       py::arg("layout"), py::arg("shape"),
       "The layout `layout` must take so that viewing it as `shape` (one size may be -1) keeps every "
       "shard a whole block (itself when it already does): reshape's redistribution.");
+  m.def("linear_keeps_sequence_shards", &ops::linear_keeps_sequence_shards, py::arg("input"), py::arg("weight_dim"),
+        "Whether linear of an input laid out as `input` by a `weight_dim`-D weight takes the batched "
+        "product that keeps its sequence shards (csrc/ops/composites.cpp), eagerly and traced.");
+  m.def("linear_batched", &ops::linear_batched, py::arg("input"), py::arg("weight"), py::arg("bias") = std::nullopt,
+        "linear as bmm(input, weight^T expanded over the batch) (+ bias): the batched product of "
+        "linear_keeps_sequence_shards.");
   m.def(
       "traced_redistribute",
       [](const at::Tensor& t, const layout::Layout& layout) {

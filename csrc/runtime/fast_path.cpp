@@ -136,49 +136,77 @@ void read(FastArgs& a, at::TensorList list) {
       a.tensor(t);
   }
 }
-// Non-tensor values, keyed as the boxed stack holds them (read() checked runnable first).
-void read_value(PlanKey& key, int64_t v) { key.integer(v); }
-void read_value(PlanKey& key, bool v) { key.boolean(v); }
-void read_value(PlanKey& key, double v) { key.real(v); }
-void read_value(PlanKey& key, const c10::Scalar& s) {
-  // A double, an int or a bool IValue (complex: not runnable).
+// Non-tensor values, keyed as the boxed stack holds them: each writes its chunk into `key` (when
+// given: the rule reads scalars) and says whether this path runs the value at all -- a complex
+// Scalar or a symbolic int goes to the boxed fallback (the one refusal, for the check and the key
+// alike; a refused call's partial key is dropped with it).
+bool read_value(PlanKey* key, int64_t v) {
+  if (key) key->integer(v);
+  return true;
+}
+bool read_value(PlanKey* key, bool v) {
+  if (key) key->boolean(v);
+  return true;
+}
+bool read_value(PlanKey* key, double v) {
+  if (key) key->real(v);
+  return true;
+}
+bool read_value(PlanKey* key, const c10::Scalar& s) {
+  if (s.isComplex()) return false;
+  if (!key) return true;
+  // A double, an int or a bool IValue.
   if (s.isFloatingPoint())
-    key.real(s.toDouble());
+    key->real(s.toDouble());
   else if (s.isBoolean())
-    key.boolean(s.toBool());
+    key->boolean(s.toBool());
   else
-    key.integer(s.toLong());
+    key->integer(s.toLong());
+  return true;
 }
-void read_value(PlanKey& key, const c10::SymInt& v) { key.integer(v.as_int_unchecked()); }
-void read_value(PlanKey& key, c10::IntArrayRef v) {
-  key.list(v.size());
-  for (int64_t x : v) key.integer(x);
+bool read_value(PlanKey* key, const c10::SymInt& v) {
+  if (v.is_heap_allocated()) return false;
+  if (key) key->integer(v.as_int_unchecked());
+  return true;
 }
-void read_value(PlanKey& key, c10::SymIntArrayRef v) {
-  key.list(v.size());
-  for (const auto& x : v) read_value(key, x);
-}
-void read_value(PlanKey& key, at::ArrayRef<c10::Scalar> list) {
-  key.list(list.size());
-  for (const auto& x : list) read_value(key, x);
-}
-void read_value(PlanKey& key, at::OptionalIntArrayRef v) {
-  if (v)
-    read_value(key, *v);
-  else
-    key.none();
-}
-void read_value(PlanKey& key, c10::Device d) { key.device(d); }
-template <typename T, typename = std::enable_if_t<std::is_enum_v<T>>>
-void read_value(PlanKey& key, T v) {
-  key.integer(static_cast<int64_t>(v));  // dtypes, layouts, memory formats: ints on the boxed stack
+bool read_value(PlanKey* key, c10::IntArrayRef v) {
+  if (!key) return true;
+  key->list(v.size());
+  for (int64_t x : v) key->integer(x);
+  return true;
 }
 template <typename T>
-void read_value(PlanKey& key, const std::optional<T>& v) {
-  if (!v)
-    key.none();
-  else
-    read_value(key, *v);
+bool read_list(PlanKey* key, c10::ArrayRef<T> list) {
+  if (key) key->list(list.size());
+  for (const auto& x : list)
+    if (!read_value(key, x)) return false;
+  return true;
+}
+bool read_value(PlanKey* key, c10::SymIntArrayRef v) { return read_list(key, v); }
+bool read_value(PlanKey* key, at::ArrayRef<c10::Scalar> list) { return read_list(key, list); }
+bool read_value(PlanKey* key, at::OptionalIntArrayRef v) {
+  if (!v) {
+    if (key) key->none();
+    return true;
+  }
+  return read_value(key, *v);
+}
+bool read_value(PlanKey* key, c10::Device d) {
+  if (key) key->device(d);
+  return true;
+}
+template <typename T, typename = std::enable_if_t<std::is_enum_v<T>>>
+bool read_value(PlanKey* key, T v) {
+  if (key) key->integer(static_cast<int64_t>(v));  // dtypes, layouts, memory formats: ints on the boxed stack
+  return true;
+}
+template <typename T>
+bool read_value(PlanKey* key, const std::optional<T>& v) {
+  if (!v) {
+    if (key) key->none();
+    return true;
+  }
+  return read_value(key, *v);
 }
 
 // The kinds read_value keys; any other argument kind sends the call to the fallback.
@@ -192,38 +220,13 @@ struct Keyable
 template <typename T>
 struct Keyable<std::optional<T>> : Keyable<T> {};
 
-// Whether this path runs a value: a complex Scalar or a symbolic int goes to the boxed fallback.
-template <typename T>
-bool runnable(const T&) {
-  return true;  // ints, bools, doubles, int lists, devices, enums
-}
-bool runnable(const c10::Scalar& s) { return !s.isComplex(); }
-bool runnable(const c10::SymInt& v) { return !v.is_heap_allocated(); }
-bool runnable(c10::SymIntArrayRef list) {
-  for (const auto& x : list)
-    if (x.is_heap_allocated()) return false;
-  return true;
-}
-bool runnable(at::ArrayRef<c10::Scalar> list) {
-  for (const auto& x : list)
-    if (x.isComplex()) return false;
-  return true;
-}
-template <typename T>
-bool runnable(const std::optional<T>& v) {
-  return !v || runnable(*v);
-}
-
 // Each value is checked once; its chunk is written only when the rule reads scalars.
 template <typename T>
 void read(FastArgs& a, const T& v) {
-  if constexpr (!Keyable<std::decay_t<T>>::value) {
+  if constexpr (!Keyable<std::decay_t<T>>::value)
     a.ok = false;
-  } else if (!runnable(v)) {
+  else if (!read_value(a.key_scalars ? &a.key : nullptr, v))
     a.ok = false;
-  } else if (a.key_scalars) {
-    read_value(a.key, v);
-  }
 }
 
 // The local of a DTensor operand; every other argument passes through.

@@ -375,19 +375,13 @@ _SPECIAL = {
 @torch.ops.aten.linear.default.py_impl(torch._C.DispatchKey.CompositeImplicitAutograd)
 def _linear_keeping_sequence_shards(input: torch.Tensor, weight: torch.Tensor, bias: Any = None) -> torch.Tensor:
     """aten::linear while torch traces (its Python dispatcher; eager calls never come here). A traced
-    3-D input with its dim 1 sharded (a sequence under context parallelism) and more than one row in
-    dim 0 takes the batched product eager hypershard's linear kernel takes (csrc/ops/composites.cpp):
-    torch's composite flattens (batch, sequence) into rows, which the traced view could only plan by
-    gathering the sequence. Every other call: torch's own composite."""
-    if (
-        isinstance(input, TracedDTensor)
-        and input.dim() == 3
-        and weight.dim() == 2
-        and input.shape[0] > 1
-        and input._spec.layout.dim_axes[1]
-    ):
-        out = torch.bmm(input, weight.t().unsqueeze(0).expand(input.shape[0], weight.shape[1], weight.shape[0]))
-        return out if bias is None else out + bias
+    input that eager hypershard's linear kernel would take through the batched product (a 3-D input
+    with its dim 1 sharded -- a sequence under context parallelism -- and more than one row in dim 0)
+    takes it here too: the rule and the product are that kernel's (csrc/ops/composites.cpp, through
+    _C). torch's composite flattens (batch, sequence) into rows, which the traced view could only
+    plan by gathering the sequence. Every other call: torch's own composite."""
+    if isinstance(input, TracedDTensor) and _C.linear_keeps_sequence_shards(input._spec.layout, weight.dim()):
+        return _C.linear_batched(input, weight, bias)
     # torch's C++ composite itself (OpOverload.decompose would call this kernel again)
     return torch.ops.aten.linear.default._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, input, weight, bias)
 
