@@ -31,7 +31,7 @@ from .. import _C
 from ..parallel import parallelize
 from ..parallel.inputs import _rope_index, _shard_inputs
 from ..tensor.axes import note_axes_used
-from ..tensor.dtensor import DTensor
+from ..tensor.dtensor import DTensor, distribute_tensor
 from ..tensor.placement_types import Replicate, Shard
 from .split import SCHEDULES, StageSpec, _fail, check_schedule, image_token_counts, split_model, stage_model, text_model
 
@@ -67,10 +67,21 @@ class StageModule(nn.Module):
             size *= self.mesh.shape[axis]
         return size
 
+    def _position_ids(self, side: dict) -> None:
+        """M-RoPE position ids (3, batch, seq) split over dp on their batch dim, dim 1 (parallelize's
+        input hook reads that layout only with a cp axis)."""
+        ids = side.get("position_ids")
+        if self.mesh is not None and isinstance(ids, torch.Tensor) and ids.dim() == 3 and not _C.is_dtensor(ids):
+            placements = self.boundary()
+            for axis in self.dp_axes:
+                placements[axis] = Shard(1)
+            side["position_ids"] = distribute_tensor(ids, self.mesh, placements)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         side = dict(self.side[self.calls]) if self.calls < len(self.side) else {}
         self.calls += 1
         images = side.pop("images", {})
+        self._position_ids(side)
         if self.spec.first:
             kwargs = {"input_ids": x, **images, **side}
             if self._shard is not None:
