@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..launch.ranks import RankTimeout, mesh_argument, mesh_size, spawn_local_ranks
 from .data import FORMATS, SFTError, check_batch_sizes, fail
-from .train import checkpoint_dir, dp_size, prepare_data, run_rank, schedule
+from .train import check_pipeline, checkpoint_dir, dp_size, prepare_data, run_rank, schedule
 
 
 def parser() -> argparse.ArgumentParser:
@@ -56,6 +56,20 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="sequences per forward/backward (default: --batch-size); a multiple of dp dividing the batch",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="with a pp axis in --mesh: microbatches per step of the pipeline schedule "
+        "(default: --batch-size / --micro-batch-size)",
+    )
+    p.add_argument(
+        "--pp-schedule",
+        default="1f1b",
+        choices=("gpipe", "1f1b", "interleaved_1f1b"),
+        help="with a pp axis: torch.distributed.pipelining's schedule (default 1f1b; interleaved_1f1b "
+        "runs 2 stages per rank; docs/pipelining.md)",
     )
     steps = p.add_mutually_exclusive_group()
     steps.add_argument("--epochs", type=int, default=1, help="passes over the data (default 1)")
@@ -134,6 +148,7 @@ def preflight(args) -> None:
     _, examples = prepare_data(args)
     check_batch_sizes(args.batch_size, args.micro_batch_size, dp_size(args.mesh), len(examples))
     schedule(args, len(examples))
+    check_pipeline(args)
     ckpts = checkpoint_dir(args)
     if not args.resume and not args.auto_resume and ckpts.is_dir() and any(ckpts.iterdir()):
         fail(f"--output {args.output!r} already holds checkpoints", "--resume, --auto-resume, or a new output folder")

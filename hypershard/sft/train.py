@@ -253,6 +253,53 @@ def _fully_shard(model, mesh) -> None:
     fully_shard_layers(model, mesh)
 
 
+def check_pipeline(args) -> None:
+    """With a pp axis in --mesh: the options the pipeline does not take yet, and the schedule's
+    microbatch rules (hypershard.pipelining), refused before any rank starts."""
+    names = list(args.mesh[1])
+    if "pp" not in names:
+        return
+    unsupported = [
+        flag
+        for flag, on in (
+            ("--fully-shard", getattr(args, "fully_shard", False)),
+            ("--resume/--auto-resume", args.resume or getattr(args, "auto_resume", False)),
+            ("--save-steps/--stop-after", getattr(args, "save_steps", 0) or args.stop_after),
+            ("--export-hf", args.export_hf),
+            ("a cp axis", "cp" in names),
+        )
+        if on
+    ]
+    if unsupported:
+        fail(
+            f"a pp axis with {', '.join(unsupported)}",
+            "pp with dp, tp and ep; checkpoints of pipeline stages are not written yet",
+        )
+    from hypershard.pipelining import PipelineError, check_schedule
+
+    pp = axis_size(args.mesh, "pp")
+    if args.microbatches is None:
+        args.microbatches = args.batch_size // args.micro_batch_size
+    try:
+        check_schedule(args.pp_schedule, pp, 2 if args.pp_schedule == "interleaved_1f1b" else 1, args.microbatches)
+    except PipelineError as e:
+        fail(str(e).split(": ", 2)[2].split("; allowed: ")[0], str(e).split("; allowed: ")[1])
+    if args.batch_size % args.microbatches or (args.batch_size // args.microbatches) % dp_size(args.mesh):
+        fail(
+            f"--microbatches {args.microbatches} of a --batch-size {args.batch_size} split over dp={dp_size(args.mesh)}",
+            "microbatches dividing the batch into a multiple of dp samples each",
+        )
+
+
+def _pipeline_model(args, mesh, vocab: int):
+    """The model split into pipeline stages over the pp axis (hs.pipeline), each stage parallelized on
+    the rest of the mesh."""
+    import hypershard as hs
+
+    model = build_model(args.model, vocab, args.seed, args.cutoff_len)
+    return hs.pipeline(model, mesh, n_microbatches=args.microbatches, schedule=args.pp_schedule)
+
+
 def distributed_model(args, mesh, vocab: int):
     """The model on `mesh`: --model DIR is read by hs.from_pretrained straight into each rank's
     shards (docs/loading.md; float32, the TP/EP plans, --fully-shard applied on the meta model, tensors
@@ -330,7 +377,12 @@ def _run_rank(rank: int, world: int, args) -> dict:
     tokenizer, examples = prepare_data(args)
     check_batch_sizes(args.batch_size, args.micro_batch_size, dp_size(args.mesh), len(examples))
     per_epoch, total, warmup = schedule(args, len(examples))
-    model = distributed_model(args, mesh, len(tokenizer))
+    pipe = None
+    if "pp" in args.mesh[1]:
+        check_pipeline(args)
+        model = pipe = _pipeline_model(args, mesh, len(tokenizer))
+    else:
+        model = distributed_model(args, mesh, len(tokenizer))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup, args.min_lr_ratio))
     start, records, resumed_from = 0, [], None
@@ -363,18 +415,23 @@ def _run_rank(rank: int, world: int, args) -> dict:
             epoch, _, indices = global_batch(len(examples), args.batch_size, args.seed, step)
             batches = [
                 collate([examples[i] for i in mb], pad, multiple)
-                for mb in micro_batches(indices, args.micro_batch_size)
+                for mb in ([indices] if pipe is not None else micro_batches(indices, args.micro_batch_size))
             ]
             tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-            if context_parallel:
+            if context_parallel or pipe is not None:  # right padding with labels -100: see above
                 for batch in batches:
                     del batch["attention_mask"]
             n_items = sum(trained_tokens(b["labels"]) for b in batches)
             lr = scheduler.get_last_lr()[0]
             optimizer.zero_grad(set_to_none=True)
-            loss_sum = accumulate(model, batches, n_items, crash=crash_at == step + 1)
+            if pipe is not None:  # the schedule splits the global batch into --microbatches
+                loss_sum = pipe.step(batches[0]["input_ids"], batches[0]["labels"])
+            else:
+                loss_sum = accumulate(model, batches, n_items, crash=crash_at == step + 1)
             grad_norm = None
-            if args.clip > 0:
+            if args.clip > 0 and pipe is not None:
+                grad_norm = pipe.clip_grad_norm_(args.clip)
+            elif args.clip > 0:
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip).item())
             optimizer.step()
             scheduler.step()
