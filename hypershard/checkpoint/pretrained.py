@@ -600,11 +600,13 @@ def load_meta(
     reading and allocating only its shards (step 4); non-persistent buffers are computed (step 5).
     Tensors already off meta (built by the caller: LoRA adapters) are kept as they are.
     `rename(model name) -> file name` for a model wrapped after its build (peft's ``base_layer``).
-    Every meta tensor must be in the files. Not a collective; sets ``model.hs_load_report``."""
+    Every meta tensor must be in the files. The global generator is left as it was (the init pass
+    that computes the buffers draws nothing that is kept: whatever an _init_weights draws for a
+    loaded tensor is discarded). Not a collective; sets ``model.hs_load_report``."""
     entries = read_index(Path(directory))
     sources, unused = _match(model, entries, init_missing=False, rename=rename, only_meta=True)
     report = LoadReport(unused_keys=unused)
-    with Reader(staging_bytes) as reader:
+    with Reader(staging_bytes) as reader, torch.random.fork_rng(devices=[]):
         _materialize(model, mesh, sources, reader, dp_axis, None, report)
         report.bytes_read, report.largest_slice = reader.bytes_read, reader.largest_slice
     model.hs_load_report = report

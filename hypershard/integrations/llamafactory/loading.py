@@ -165,6 +165,11 @@ def _meta_from_pretrained(auto_cls, pretrained_model_name_or_path, *args, config
         # adapters; read after peft, the draws would come in another order. Mis-shaped ones:
         # transformers' own message.
         raise _WholeLoad(f"the checkpoint does not hold every tensor of the model as it is ({error})") from None
+    # transformers' load runs every module's _init_weights with the loaded tensors flagged done; some
+    # still draw numbers (Qwen3.5's A_log draws on the loaded tensor's device). Those draws happen
+    # here, before peft draws its adapters, as on one device (load_meta leaves the generator alone).
+    with torch.no_grad():
+        pretrained._initialize(model, {}, {}, pretrained.LoadReport())
     generation = directory / "generation_config.json"
     if generation.is_file() and model.can_generate():
         from transformers import GenerationConfig
