@@ -9,9 +9,11 @@
   shared by the planner and by the 4-rank measurement that validates it;
 - `run`: the planned step (`plan_step`) and the measured one (`measure_rank`);
 - `validate`: the two compared (``python -m hypershard.planner.validate``);
+- `pipeline`: the pp axis: stages planned one microbatch each, a schedule's in-flight activations,
+  P2P bytes and bubble added (docs/planner.md, Pipeline parallelism);
 - `search`: ``--search``, the meshes of N ranks pruned, planned at cut depths, scaled per layer and
   ranked by a stated time model.
 """
 
 # The mesh axes the planner models (a subset of hypershard.tensor.axes.MESH_AXES); the CLIs refuse others.
-PLANNED_AXES = ("dp", "tp", "ep", "cp")
+PLANNED_AXES = ("pp", "dp", "tp", "ep", "cp")

@@ -31,6 +31,7 @@ import torch
 
 from ..launch.ranks import mesh_argument
 from . import PLANNED_AXES
+from .pipeline import SCHEDULES
 from .run import PlanReport, apply_options, plan_step
 from .search import HARDWARE
 from .step import PUBLISHED, RECOMPUTE, load_config
@@ -78,7 +79,7 @@ def format_report(r: PlanReport, memory_per_rank: float = 0.0) -> str:
         phases = ", ".join(
             f"{p} {_size(n)}" for key, n in r.phase_bytes.items() for p, a in [key.split(" ", 1)] if a == axis and n
         )
-        lines.append(f"    {axis:<8}{_size(b):>12}   ({phases})")
+        lines.append(f"    {axis:<8}{_size(b):>12}" + (f"   ({phases})" if phases else ""))
     lines.append("  collectives issued (count, bytes sent):")
     for key, n in r.collectives.items():
         lines.append(f"    {key:<26}{n:>6}  {_size(r.collective_bytes.get(key, 0)):>12}")
@@ -119,7 +120,12 @@ def main(argv=None) -> int:
     parser.add_argument("--fully-shard", action="store_true", help="hs.fully_shard every decoder layer over dp")
     parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
     parser.add_argument("--batch", type=int, default=0, help="sequences per step in all (default: the dp size)")
-    parser.add_argument("--rank", type=int, default=0, help="the rank simulated (default 0)")
+    parser.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="the rank simulated (default 0; with pp: a rank of the stage of largest peak)",
+    )
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="of the parameters")
     parser.add_argument(
         "--compute-dtype",
@@ -153,6 +159,12 @@ def main(argv=None) -> int:
         "--trace", action="store_true", help="attribute each collective's bytes to the source line that issued it"
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    pipeline = parser.add_argument_group("a pp axis: pipeline stages (docs/planner.md, Pipeline parallelism)")
+    pipeline.add_argument(
+        "--microbatches", type=int, default=0, help="per step, each dp rank's batch split in M (default 4 x pp)"
+    )
+    pipeline.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b", help="torch.distributed.pipelining's")
+    pipeline.add_argument("--pp-virtual", type=int, default=2, help="stages per rank of interleaved_1f1b (default 2)")
     search = parser.add_argument_group("--search: rank the meshes of --world ranks (docs/planner.md, Search)")
     search.add_argument("--search", action="store_true", help="sweep dp x cp x ep x tp, fully_shard, recompute")
     search.add_argument("--world", type=int, default=0, help="ranks to search over")
@@ -163,6 +175,11 @@ def main(argv=None) -> int:
     search.add_argument("--inter-gbs", type=float, default=0.0, help="GB/s per rank across nodes (default: hardware)")
     search.add_argument("--node-size", type=int, default=0, help="ranks per node (default: --hardware's)")
     search.add_argument("--verify", type=int, default=3, help="top configurations checked at a third depth")
+    search.add_argument(
+        "--search-pp",
+        default="1",
+        help="pp sizes searched, e.g. 1,8,16 (default 1: no pp); with --microbatches (default 4 x pp), --pp-schedule",
+    )
     args = parser.parse_args(argv)
     compute_dtype = _DTYPES[args.compute_dtype] if args.compute_dtype else None
     if args.search:
@@ -171,6 +188,8 @@ def main(argv=None) -> int:
         parser.error("--mesh is required (or --search with --world)")
     shape, names = mesh_argument("plan", PLANNED_AXES)(args.mesh)
     mesh = dict(zip(names, shape))
+    if "pp" in mesh:
+        return _pipeline(args, mesh, compute_dtype)
     replicas = args.hsdp or 1
     if args.hsdp and (not args.fully_shard or mesh.get("dp", 1) % args.hsdp):
         parser.error(f"--hsdp {args.hsdp}: needs --fully-shard and a dp size it divides")
@@ -185,7 +204,7 @@ def main(argv=None) -> int:
             cut,
             planned_mesh,
             name=args.model,
-            rank=args.rank,
+            rank=args.rank or 0,
             fully_shard=args.fully_shard,
             batch=batch,
             seq=args.seq,
@@ -224,24 +243,100 @@ def main(argv=None) -> int:
         print(json.dumps(report.to_dict(), indent=1))
     else:
         print(format_report(report, args.memory_per_rank * 1e9))
+        if replicas == 1 and not args.offload_optimizer:
+            print(estimate_line(report, _hardware(args), args.efficiency))
     return 1 if args.memory_per_rank and report.over(args.memory_per_rank * 1e9) else 0
 
 
-def _search(args, compute_dtype) -> int:
+def _hardware(args):
     import dataclasses
 
-    from .search import format_table, search
-
-    if not args.world:
-        raise SystemExit("hypershard: plan: --search needs --world N")
     hardware = HARDWARE[args.hardware]
-    hardware = dataclasses.replace(
+    return dataclasses.replace(
         hardware,
         tflops=args.tflops or hardware.tflops,
         intra_gbs=args.intra_gbs or hardware.intra_gbs,
         inter_gbs=args.inter_gbs or hardware.inter_gbs,
         node_size=args.node_size or hardware.node_size,
     )
+
+
+def estimate_line(report, hardware, efficiency: float) -> str:
+    """The search's time model for one plan (docs/planner.md, Search 5; a pp plan's: Pipeline)."""
+    from .pipeline import pipeline_estimate
+    from .search import estimate
+
+    if report.pp:
+        sequences = report.pp["batch"]
+        e = pipeline_estimate(report, hardware, efficiency, sequences * report.seq)
+    else:
+        sequences = report.mesh.get("dp", 1)
+        e = estimate(report, hardware, efficiency, sequences * report.seq)
+    comm = ", ".join(f"{a} {s:.2f} s ({e['links'][a]})" for a, s in sorted(e["comm_s"].items()))
+    bubble = f", bubble {e['bubble_s']:.2f} s" if "bubble_s" in e else ""
+    return (
+        f"  estimated step ({hardware.name}, {hardware.tflops:g} TFLOP/s x {efficiency:g}, no overlap): "
+        f"{e['step_s']:.2f} s = compute {e['compute_s']:.2f} s{bubble}, {comm}; "
+        f"{sequences} sequences, {e['tokens_per_s']:.0f} tokens/s"
+    )
+
+
+def _pipeline(args, mesh, compute_dtype) -> int:
+    from .pipeline import describe, plan_pipeline
+
+    for flag, value in (
+        ("--hsdp", args.hsdp),
+        ("--offload-optimizer", args.offload_optimizer),
+        ("--scale-depth", args.scale_depth),
+    ):
+        if value:
+            raise SystemExit(
+                f"hypershard: plan: {flag} with a pp axis: not modelled (a pp plan plans each stage at its "
+                "own depth); allowed: pp without it"
+            )
+    overrides = {"num_hidden_layers": args.layers} if args.layers else {}
+    config = load_config(args.model, **overrides)
+    started = time.perf_counter()
+    try:
+        report = plan_pipeline(
+            config,
+            mesh,
+            microbatches=args.microbatches or 4 * mesh["pp"],
+            schedule=args.pp_schedule,
+            virtual=args.pp_virtual,
+            rank=args.rank,
+            batch=args.batch,
+            seq=args.seq,
+            fully_shard=args.fully_shard,
+            dtype=_DTYPES[args.dtype],
+            compute_dtype=compute_dtype,
+            device=args.device,
+            recompute=args.recompute,
+            cp_algorithm=args.cp_algorithm,
+            trace=args.trace,
+        )
+    except ValueError as exc:
+        if str(exc).startswith("hypershard: plan:"):
+            raise SystemExit(str(exc)) from None
+        raise
+    report.model = args.model
+    report.seconds["total"] = time.perf_counter() - started
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        text = format_report(report, args.memory_per_rank * 1e9).split("\n")
+        print("\n".join(text[:1] + describe(report) + text[1:]))
+        print(estimate_line(report, _hardware(args), args.efficiency))
+    return 1 if args.memory_per_rank and report.over(args.memory_per_rank * 1e9) else 0
+
+
+def _search(args, compute_dtype) -> int:
+
+    from .search import format_table, search
+
+    if not args.world:
+        raise SystemExit("hypershard: plan: --search needs --world N")
+    hardware = _hardware(args)
     config = load_config(args.model)
     budget = args.memory_per_rank * 1e9
 
@@ -264,6 +359,34 @@ def _search(args, compute_dtype) -> int:
         r.seconds["total"] = time.perf_counter() - t0
         return r
 
+    def plan_pp(mesh, fully_shard, recompute):
+        from .pipeline import plan_pipeline
+
+        t0 = time.perf_counter()
+        r = plan_pipeline(
+            config,
+            mesh,
+            microbatches=args.microbatches or 4 * mesh["pp"],
+            schedule=args.pp_schedule,
+            virtual=args.pp_virtual,
+            rank=None,
+            seq=args.seq,
+            fully_shard=fully_shard,
+            dtype=_DTYPES[args.dtype],
+            compute_dtype=compute_dtype,
+            device=args.device,
+            recompute=recompute,
+            cp_algorithm=args.cp_algorithm,
+        )
+        r.seconds["total"] = time.perf_counter() - t0
+        return r
+
+    try:
+        pps = sorted({int(x) for x in args.search_pp.split(",") if x.strip()})
+    except ValueError:
+        pps = []
+    if not pps or min(pps) < 1:
+        raise SystemExit(f"hypershard: plan: --search-pp {args.search_pp!r}; allowed: sizes >= 1, e.g. 1,8,16")
     started = time.perf_counter()
     ranked = search(
         config,
@@ -275,9 +398,13 @@ def _search(args, compute_dtype) -> int:
         args.efficiency,
         verify=args.verify,
         log=lambda line: print(line, flush=True),
+        pps=pps,
+        plan_pp=plan_pp,
     )
     print(
-        f"{args.model} on {args.world} ranks, seq {args.seq}, one sequence per dp rank, device {args.device}, "
+        f"{args.model} on {args.world} ranks, seq {args.seq}, one sequence per dp rank"
+        + (" (with pp: per microbatch, m of them)" if max(pps) > 1 else "")
+        + f", device {args.device}, "
         f"compute {args.compute_dtype or args.dtype}, cp {args.cp_algorithm}"
         + (f", budget {args.memory_per_rank:g} GB per rank" if budget else "")
         + f"; searched in {time.perf_counter() - started:.0f} s"

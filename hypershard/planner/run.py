@@ -57,6 +57,15 @@ class PlanReport:
     peak_optimizer_offloaded: int = 0  # the peak with the optimizer state on the host (never on the device)
     offload: int = 0  # with the optimizer offloaded (plan.py --offload-optimizer): host-device bytes per step
     hsdp: int = 0  # replicas of an HSDP plan (analytic, see plan.hsdp_report); 0: none
+    # For the pp axis (planner/pipeline.py): what one microbatch's pass through the decoder layers
+    # leaves alive (live bytes after the last layer's forward minus before the first's), the share
+    # of forward FLOPs spent in the decoder layers, and this rank's bytes of the parameters outside
+    # the layers by where a pipeline puts them ("embed": the first stage; "head": the last).
+    layer_activations: int = 0
+    layer_flops_share: float = 1.0
+    root_state: dict = field(default_factory=dict)  # "embed" / "head" / "both" (tied) -> {class: bytes}
+    seq: int = 0  # tokens per sequence planned
+    pp: dict = field(default_factory=dict)  # a pp plan's schedule, stages and bubble (pipeline.py)
 
     def over(self, memory_per_rank: float) -> list:
         """The classes that do not fit `memory_per_rank` bytes, largest first: each class's share
@@ -146,10 +155,91 @@ def _step_figures(report: PlanReport, model, optimizer, live: LiveBytes) -> None
     report.peak_optimizer_offloaded = report.parameters + live.peak(
         exclude=live.births(counted.keys["optimizer"]), start="forward", end="end"
     )
+    if "layers" in live.marks and "head" in live.marks:
+        report.layer_activations = live.peak(start="head", end="head") - live.peak(start="layers", end="layers")
+        forward = live.flops_at.get("backward", live.flops) - live.flops_at.get("forward", 0)
+        layers = live.flops_at["head"] - live.flops_at["layers"]
+        report.layer_flops_share = layers / forward if forward else 1.0
+    report.root_state = _root_state(model, optimizer)
     marks = live.flops_at
     order = ["forward", "backward", "optimizer", "end"]
     report.phase_flops = {a: marks.get(b, live.flops) - marks.get(a, 0) for a, b in zip(order, order[1:])}
     report.flops = live.flops
+
+
+# Parameters outside the decoder layers, by the pipeline stage that holds them (pipeline.py): the
+# embeddings (and a vision tower: its features enter at the first stage) on the first; the final
+# norm and the LM head on the last. A tied embedding is one parameter in both.
+_ROOT_PLACES = (("embed", ("embed", "visual", "vision")), ("head", ("lm_head", "norm")))
+
+
+def _root_state(model, optimizer) -> dict:
+    """{"embed" | "head" | "both": {"parameters", "gradients", "optimizer": bytes}}: this rank's bytes
+    of the parameters outside the decoder layers, by the stages that hold them ("both": a tied
+    embedding, on the first and the last)."""
+    from ..parallel.recompute import decoder_layers
+
+    inside = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
+    where: dict = {}  # id -> (parameter, the places its names put it)
+    for name, p in model.named_parameters(remove_duplicate=False):  # a tied parameter under each name
+        if id(p) in inside:
+            continue
+        path = name.rsplit(".", 1)[0]
+        place = next((place for place, words in _ROOT_PLACES if any(w in path for w in words)), "embed")
+        where.setdefault(id(p), (p, set()))[1].add(place)
+    out = {}
+    for place in ("embed", "head", "both"):
+        params = [
+            p
+            for p, places in where.values()
+            if (places == {"embed", "head"}) == (place == "both") and (place == "both" or places == {place})
+        ]
+        state = [v for p in params for v in (optimizer.state.get(p, {}).values() if optimizer is not None else ())]
+        out[place] = {
+            "parameters": _unique(params),
+            "gradients": _unique(p.grad for p in params),
+            "optimizer": _unique(state),
+        }
+    return out
+
+
+def _unique(tensors) -> int:
+    """Bytes of these tensors' local elements (not their storages': gradients are views of the
+    data-parallel buckets, one storage for many parameters)."""
+    from .memory import local_tensor
+
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            local = local_tensor(t)
+            total += local.numel() * local.element_size()
+    return total
+
+
+def _mark_layers(model, phase) -> list:
+    """Forward hooks that mark the timeline "layers" before the first decoder layer runs (before
+    fully_shard gathers it) and "head" after the last one (after it freed its gathered parameters),
+    once per step: between them one microbatch's pass through the layers (pipeline.py)."""
+    from ..parallel.recompute import decoder_layers
+
+    layers = decoder_layers(model)
+    if not layers:
+        return []
+    seen = set()
+
+    def once(name):
+        def hook(*_):
+            if name not in seen:
+                seen.add(name)
+                phase(name)
+
+        return hook
+
+    return [
+        layers[0].register_forward_pre_hook(once("layers"), prepend=True),
+        layers[-1].register_forward_hook(once("head")),
+    ]
 
 
 def plan_step(
@@ -192,6 +282,7 @@ def plan_step(
         device=device,
         recompute=recompute,
         cp_algorithm=cp_algorithm if "cp" in shape else "",
+        seq=seq,
     )
     ids = make_batch(config, batch, seq, "meta")
     live = LiveBytes()
@@ -210,7 +301,15 @@ def plan_step(
             live.mark(name)
             log.phase = name
 
-        optimizer = train_step(model, ids, phase)
+        def mark(name):
+            live.mark(name)
+
+        hooks = _mark_layers(model, mark)
+        try:
+            optimizer = train_step(model, ids, phase)
+        finally:
+            for h in hooks:
+                h.remove()
     times["step"] = time.perf_counter() - t0
     report.traffic_bytes = _C.traffic()["bytes_sent"] - before
     report.cp_calls = {

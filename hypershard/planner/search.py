@@ -80,7 +80,7 @@ LINEAR_FIGURES = (
     "flops",
     "total_parameters",
 )
-AXES = ("dp", "cp", "ep", "tp")  # mesh order: tp fastest (inside a node), dp slowest
+AXES = ("dp", "cp", "ep", "tp")  # mesh order: tp fastest (inside a node), dp slowest; pp before dp
 
 
 @dataclass
@@ -89,13 +89,15 @@ class Candidate:
     fully_shard: bool = False
     recompute: str = "none"
     pruned: str = ""  # why it was not planned ("" when planned)
-    report: object = None  # the scaled PlanReport
+    report: object = None  # the scaled PlanReport (a pp mesh's: its stage of largest peak, not scaled)
     estimate: dict = field(default_factory=dict)
     linear: Optional[float] = None  # largest relative distance of a third depth from the line
 
     @property
     def name(self) -> str:
         mesh = ",".join(f"{a}={n}" for a, n in self.mesh.items()) or "one rank"
+        if self.report is not None and getattr(self.report, "pp", None):
+            mesh += f" {self.report.pp['schedule']} m{self.report.pp['microbatches']}"
         return (
             mesh + (" fs" if self.fully_shard else "") + ("" if self.recompute == "none" else f" rc={self.recompute}")
         )
@@ -105,15 +107,20 @@ def _divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def meshes(world: int) -> list:
-    """Every dp x cp x ep x tp = world, as {axis: size} with sizes > 1 in AXES order."""
+def meshes(world: int, pp: int = 1) -> list:
+    """Every dp x cp x ep x tp = world / pp, as {axis: size} with sizes > 1 in AXES order (pp first,
+    the slowest: stages across nodes)."""
     out = []
+    if world % pp:
+        return out
+    world //= pp
+    head = {"pp": pp} if pp > 1 else {}
     for tp in _divisors(world):
         for ep in _divisors(world // tp):
             for cp in _divisors(world // tp // ep):
                 dp = world // tp // ep // cp
                 sizes = dict(zip(AXES, (dp, cp, ep, tp)))
-                out.append({a: n for a, n in sizes.items() if n > 1})
+                out.append({**head, **{a: n for a, n in sizes.items() if n > 1}})
     return out
 
 
@@ -150,7 +157,7 @@ def parameter_split(config) -> tuple:
 def prune_reason(mesh: dict, fully_shard: bool, config, seq: int, budget: float, split: tuple, node: int) -> str:
     """Why this mesh cannot run or cannot fit, without planning it ("" when it may)."""
     text = _text(config)
-    tp, ep, cp, dp = (mesh.get(a, 1) for a in ("tp", "ep", "cp", "dp"))
+    tp, ep, cp, dp, pp = (mesh.get(a, 1) for a in ("tp", "ep", "cp", "dp", "pp"))
     heads = getattr(text, "num_attention_heads", 1)
     kv = getattr(text, "num_key_value_heads", None) or heads
     if tp > node:
@@ -160,21 +167,23 @@ def prune_reason(mesh: dict, fully_shard: bool, config, seq: int, budget: float,
     experts = _experts(config)
     if ep > 1 and (not experts or experts % ep):
         return f"ep={ep} does not divide {experts} routed experts"
+    if pp > text.num_hidden_layers:
+        return f"pp={pp} is more stages than {text.num_hidden_layers} layers"
     if seq % (2 * cp):
         return f"cp={cp} does not divide seq {seq} into 2 x cp chunks"
     if fully_shard and dp == 1:
         return "fully_shard without a dp axis"
     expert, other = split
     shard = dp if fully_shard else 1
-    state = 16 * (expert / (ep * shard) + other / (tp * shard))
+    state = 16 * (expert / (ep * shard) + other / (tp * shard)) / pp
     if budget and state > budget:
         return f"training state >= {state / 1e9:.1f} GB per rank (16 B/parameter, lower bound)"
     return ""
 
 
-def candidates(world: int, config, seq: int, budget: float, node: int, split: tuple) -> list:
+def candidates(world: int, config, seq: int, budget: float, node: int, split: tuple, pps=(1,)) -> list:
     out = []
-    for mesh in meshes(world):
+    for mesh in (m for pp in pps for m in meshes(world, pp)):
         for fully_shard in (False, True):
             c = Candidate(mesh, fully_shard)
             c.pruned = prune_reason(mesh, fully_shard, config, seq, budget, split, node)
@@ -325,6 +334,31 @@ def _plan_mesh(c, plan, d1, d2, layers, budget, modes, hardware, efficiency, seq
     return False
 
 
+def _plan_pipeline(c, plan_pp, budget, modes, hardware, efficiency, seq, planned, log, peak_of) -> bool:
+    """A pp candidate: each recompute setting in turn (cheapest first) until one fits."""
+    from .pipeline import pipeline_estimate
+
+    for mode in modes:
+        t0 = time.perf_counter()
+        trial = dataclasses.replace(c, recompute=mode)
+        try:
+            trial.report = plan_pp(trial.mesh, trial.fully_shard, mode)
+        except ValueError as exc:  # the schedule cannot run (check_pipeline)
+            trial.pruned = str(exc).removeprefix("hypershard: plan: ")
+            planned.append(trial)
+            return False
+        trial.estimate = pipeline_estimate(trial.report, hardware, efficiency, trial.report.pp["batch"] * seq)
+        planned.append(trial)
+        fits = not budget or peak_of(trial.report) <= budget
+        log(
+            f"  {trial.name:<34} peak {peak_of(trial.report) / 1e9:8.1f} GB  {'fits' if fits else 'over'}  "
+            f"({time.perf_counter() - t0:.0f} s)"
+        )
+        if fits:
+            return True
+    return False
+
+
 def search(
     config,
     world: int,
@@ -337,16 +371,19 @@ def search(
     verify: int = 3,
     log: Callable = lambda line: None,
     peak_of: Callable = lambda r: r.peak,
+    pps=(1,),
+    plan_pp: Optional[Callable] = None,
 ) -> list:
     """The ranked candidates (fitting ones first, by estimated tokens per second; then the others by
     peak; then the pruned). `plan(mesh, fully_shard, recompute, layers)` returns a PlanReport of a
     model cut to `layers`; `verify`: the top candidates whose linearity in depth is checked with a
-    third depth."""
+    third depth. `pps`: the pp sizes searched; `plan_pp(mesh, fully_shard, recompute)` the PlanReport
+    of a pp mesh's stage of largest peak (pipeline.plan_pipeline, planned at the stages' depths)."""
     text = _text(config)
     layers = text.num_hidden_layers
     d1, d2 = cut_depths(config)
     split = parameter_split(config)
-    out = candidates(world, config, seq, budget, hardware.node_size, split)
+    out = candidates(world, config, seq, budget, hardware.node_size, split, pps)
     live = [c for c in out if not c.pruned]
     log(f"{len(out)} candidates, {len(out) - len(live)} pruned; planning depths {d1} and {d2} of {layers}")
     planned = []
@@ -355,6 +392,12 @@ def search(
         by_mesh.setdefault(tuple(c.mesh.items()), []).append(c)
     for key, group in by_mesh.items():
         for c in sorted(group, key=lambda c: c.fully_shard):
+            if "pp" in c.mesh:
+                if _plan_pipeline(
+                    c, plan_pp, budget, recompute_modes, hardware, efficiency, seq, planned, log, peak_of
+                ):
+                    break
+                continue
             if _plan_mesh(
                 c, plan, d1, d2, layers, budget, recompute_modes, hardware, efficiency, seq, planned, log, peak_of
             ):
@@ -366,6 +409,8 @@ def search(
     )
     over = sorted((c for c in planned if budget and peak_of(c.report) > budget), key=lambda c: peak_of(c.report))
     for c in fit[:verify]:
+        if "pp" in c.mesh:
+            continue  # planned at the stages' own depths, not scaled
         r1, r2, d1_, d2_ = c.report._cut
         d3 = d2_ + (d2_ - d1_)
         if d1_ == d2_ or d3 > layers:
