@@ -263,8 +263,7 @@ def _hardware(args):
 
 def estimate_line(report, hardware, efficiency: float) -> str:
     """The search's time model for one plan (docs/planner.md, Search 5; a pp plan's: Pipeline)."""
-    from .pipeline import pipeline_estimate
-    from .search import estimate
+    from .search import estimate, pipeline_estimate
 
     if report.pp:
         sequences = report.pp["batch"]

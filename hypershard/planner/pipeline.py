@@ -54,7 +54,6 @@ __all__ = [
     "check_pipeline",
     "in_flight",
     "p2p_bytes",
-    "pipeline_estimate",
     "plan_pipeline",
     "stage_config",
     "stage_layers",
@@ -403,49 +402,6 @@ def _first_rank(shape: dict, stage: int) -> int:
             rank += stage * stride
         stride *= n
     return rank
-
-
-def pipeline_estimate(report, hardware, efficiency: float, tokens: int) -> dict:
-    """search.estimate for a pp plan: the slowest stage's microbatch time (its FLOPs / m at the
-    stated throughput, plus its per-microbatch collectives at their links) stretched by the
-    schedule to (m + (pp - 1) / v) microbatch-times, plus dp's once-per-step gradient reductions and
-    the P2P bytes at the pp link; no overlap (as search.estimate)."""
-    from .search import axis_links
-
-    pp = report.pp
-    m, v = pp["microbatches"], pp["virtual"]
-    stages = report.mesh["pp"]
-    links = axis_links(report.mesh, hardware.node_size)
-
-    def seconds(axis, nbytes):
-        bw = hardware.intra_gbs if links.get(axis, "inter") == "intra" else hardware.inter_gbs
-        return nbytes / (bw * 1e9)
-
-    compute = pp["slowest_flops"] / (hardware.tflops * 1e12 * efficiency)
-    per_micro = {a: 0 for a in report.axis_bytes if a != "pp"}
-    once = dict(per_micro)
-    for key, (step_bytes, micro_bytes) in pp["once_per_microbatch"].items():
-        axis = key.split(" ", 1)[0]
-        once[axis] += step_bytes
-        per_micro[axis] += m * micro_bytes
-    for axis, n in report.axis_bytes.items():  # uncounted collectives: per microbatch
-        if axis != "pp":
-            per_micro[axis] += n - per_micro[axis] - once[axis]
-    micro_s = (compute + sum(seconds(a, n) for a, n in per_micro.items())) / m
-    pipeline_s = micro_s * (m + (stages - 1) / v)
-    comm = {a: seconds(a, per_micro[a] + once[a]) for a in per_micro}
-    comm["pp"] = seconds("pp", report.axis_bytes.get("pp", 0))
-    once_s = sum(seconds(a, n) for a, n in once.items())
-    step = pipeline_s + once_s + comm["pp"]
-    return {
-        "compute_s": compute,
-        "comm_s": comm,
-        "host_s": 0.0,
-        "bubble_s": pipeline_s - micro_s * m,
-        "step_s": step,
-        "tokens_per_s": tokens / step,
-        "links": links,
-    }
 
 
 def describe(report) -> list:

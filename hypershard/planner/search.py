@@ -38,6 +38,7 @@ __all__ = [
     "cut_depths",
     "estimate",
     "format_table",
+    "pipeline_estimate",
     "scale_report",
     "search",
 ]
@@ -291,6 +292,47 @@ def estimate(report, hardware: Hardware, efficiency: float, tokens: int, offload
     }
 
 
+def pipeline_estimate(report, hardware, efficiency: float, tokens: int) -> dict:
+    """`estimate` for a pp plan (pipeline.py): the slowest stage's microbatch time (its FLOPs / m at the
+    stated throughput, plus its per-microbatch collectives at their links) stretched by the
+    schedule to (m + (pp - 1) / v) microbatch-times, plus dp's once-per-step gradient reductions and
+    the P2P bytes at the pp link; no overlap (as search.estimate)."""
+    pp = report.pp
+    m, v = pp["microbatches"], pp["virtual"]
+    stages = report.mesh["pp"]
+    links = axis_links(report.mesh, hardware.node_size)
+
+    def seconds(axis, nbytes):
+        bw = hardware.intra_gbs if links.get(axis, "inter") == "intra" else hardware.inter_gbs
+        return nbytes / (bw * 1e9)
+
+    compute = pp["slowest_flops"] / (hardware.tflops * 1e12 * efficiency)
+    per_micro = {a: 0 for a in report.axis_bytes if a != "pp"}
+    once = dict(per_micro)
+    for key, (step_bytes, micro_bytes) in pp["once_per_microbatch"].items():
+        axis = key.split(" ", 1)[0]
+        once[axis] += step_bytes
+        per_micro[axis] += m * micro_bytes
+    for axis, n in report.axis_bytes.items():  # uncounted collectives: per microbatch
+        if axis != "pp":
+            per_micro[axis] += n - per_micro[axis] - once[axis]
+    micro_s = (compute + sum(seconds(a, n) for a, n in per_micro.items())) / m
+    pipeline_s = micro_s * (m + (stages - 1) / v)
+    comm = {a: seconds(a, per_micro[a] + once[a]) for a in per_micro}
+    comm["pp"] = seconds("pp", report.axis_bytes.get("pp", 0))
+    once_s = sum(seconds(a, n) for a, n in once.items())
+    step = pipeline_s + once_s + comm["pp"]
+    return {
+        "compute_s": compute,
+        "comm_s": comm,
+        "host_s": 0.0,
+        "bubble_s": pipeline_s - micro_s * m,
+        "step_s": step,
+        "tokens_per_s": tokens / step,
+        "links": links,
+    }
+
+
 def _plan_mesh(c, plan, d1, d2, layers, budget, modes, hardware, efficiency, seq, planned, log, peak_of) -> bool:
     """Plans one candidate (module docstring, 3 and 4); True when a setting of it fits. A figure at d1
     layers bounds the full depth's from below (every layer adds state and saved activations), so
@@ -336,8 +378,6 @@ def _plan_mesh(c, plan, d1, d2, layers, budget, modes, hardware, efficiency, seq
 
 def _plan_pipeline(c, plan_pp, budget, modes, hardware, efficiency, seq, planned, log, peak_of) -> bool:
     """A pp candidate: each recompute setting in turn (cheapest first) until one fits."""
-    from .pipeline import pipeline_estimate
-
     for mode in modes:
         t0 = time.perf_counter()
         trial = dataclasses.replace(c, recompute=mode)
