@@ -1,0 +1,140 @@
+"""Section "llamafactory_true_size": LlamaFactory's own sft stage through hypershard's launcher on
+Qwen3.5-0.8B at its true width (hidden 1024, vocabulary 248,320, the published config) with its
+depth cut to LAYERS layers (one whole pattern: 3 linear-attention layers, 1 full attention), from a
+bf16 safetensors folder of random weights, 4 CPU ranks.
+
+Runs, each its own launch (one after the other, so each process's peak is its own run's):
+- full fine-tuning on fully_shard dp4, and LoRA (rank 16, ``lora_target: all``) on dp2 x tp2,
+  each loaded shard-wise (the default) and the old way (``HYPERSHARD_LLAMAFACTORY_LOAD=whole``:
+  LlamaFactory's load_model of the whole model on every rank, then distributed);
+- STEPS training steps each.
+
+Per rank, from the trainer's load line: the parameter bytes it holds or read, its RSS right after
+the model is distributed and its peak RSS up to then (VmHWM); from HF's trainer_state.json: the
+losses and the train runtime per step.
+
+    .venv/bin/python -m hsbench.llamafactory_true_size --out bench   (from benchmarks/)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+LAYERS = 4
+STEPS = 2
+LINE = re.compile(
+    r"rank (\d) of (\d) (?:loaded its shards: (\d+) of the model's (\d+) parameter bytes|holds the model loaded "
+    r"whole by LlamaFactory \((\d+) parameter bytes\)).*?; RSS ([\d.]+) MB, peak ([\d.]+) MB"
+)
+RUNS = (
+    # (name, hyper_parallel_args, YAML overrides)
+    ("full_fully_shard_dp4", {"fully_shard": True}, {}),
+    ("lora_dp2_tp2", {"tp_size": 2}, dict(finetuning_type="lora", lora_target="all", lora_rank=16, lora_alpha=32)),
+)
+
+
+def write_folder(folder: Path, layers: int = LAYERS) -> dict:
+    """The bf16 checkpoint (transformers' own init, seed 0) and the fixtures' byte-level tokenizer."""
+    import torch
+
+    from hypershard.planner.step import _model_class, load_config
+    from hypershard.testing.llamafactory_fixtures import _texts, write_tokenizer
+
+    config = load_config("qwen3_5_0_8b", num_hidden_layers=layers)
+    marker = folder / "hs_bench_config.json"
+    key = config.to_json_string(use_diff=False)
+    if marker.is_file() and json.loads(marker.read_text()).get("config") == key:
+        return json.loads(marker.read_text())["info"]
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    torch.manual_seed(0)
+    model = _model_class(config)._from_config(config, dtype=torch.bfloat16)
+    model.config.use_cache = False
+    model.save_pretrained(folder)
+    info = {"params": sum(p.numel() for p in model.parameters()), "layers": layers}
+    del model
+    write_tokenizer(folder, _texts())
+    info["file_bytes"] = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    marker.write_text(json.dumps({"config": key, "info": info}))  # last: the folder is complete
+    return info
+
+
+def parse(stdout: str) -> dict:
+    """{rank: {bytes, total, rss_mb, peak_mb, sharded}} from the ranks' load lines."""
+    ranks = {}
+    for rank, _, local, total, whole, rss, peak in LINE.findall(stdout):
+        ranks[int(rank)] = {
+            "sharded": bool(local),
+            "bytes": int(local or whole),
+            "total": int(total or whole),
+            "rss_mb": float(rss),
+            "peak_mb": float(peak),
+        }
+    return ranks
+
+
+def run(out: Path, log: Callable = print, timeout: float = 900) -> dict:
+    from hypershard.testing.llamafactory_fixtures import launch, write_dataset_dir, write_run
+
+    folder = out / "llamafactory_true_size" / "qwen3_5_0_8b_cut"
+    log(f"  checkpoint {folder} ...")
+    info = write_folder(folder)
+    data = write_dataset_dir(out / "llamafactory_true_size" / "data")
+    results = {"checkpoint": info, "runs": {}}
+    for name, hp, overrides in RUNS:
+        for load in ("sharded", "whole"):
+            label = f"{name}_{load}"
+            run_dir = out / "llamafactory_true_size" / label
+            shutil.rmtree(run_dir, ignore_errors=True)
+            yaml_path = write_run(
+                run_dir, folder, data, run_dir / "out", hp=hp, max_steps=STEPS, cutoff_len=128, **overrides
+            )
+            start = time.perf_counter()
+            result = launch(yaml_path, 4, {"HYPERSHARD_LLAMAFACTORY_LOAD": load}, int(timeout))
+            seconds = time.perf_counter() - start
+            row = {"returncode": result.returncode, "seconds": seconds, "ranks": parse(result.stdout)}
+            state = run_dir / "out" / "trainer_state.json"
+            if state.is_file():
+                history = json.loads(state.read_text())["log_history"]
+                row["losses"] = [e["loss"] for e in history if "loss" in e]
+                runtime = [e["train_runtime"] for e in history if "train_runtime" in e]
+                row["step_seconds"] = runtime[0] / STEPS if runtime else None
+            else:
+                row["tail"] = (result.stdout + result.stderr)[-3000:]
+            results["runs"][label] = row
+            peaks = [r["peak_mb"] for r in row["ranks"].values()]
+            log(f"  {label}: exit {result.returncode}, {seconds:.0f} s, peak RSS per rank {peaks} MB")
+            shutil.rmtree(run_dir / "out", ignore_errors=True)  # the exported model: not needed
+    return results
+
+
+def lines(results: dict) -> list:
+    out = ["| run | load | rank bytes (MB) | RSS after load (MB) | peak RSS to then (MB) | s / step | losses |"]
+    out.append("|---|---|---|---|---|---|---|")
+    for label, row in results["runs"].items():
+        name, load = label.rsplit("_", 1)
+        ranks = row["ranks"]
+        fmt = lambda key, scale=1.0: " / ".join(f"{ranks[r][key] / scale:.0f}" for r in sorted(ranks))  # noqa: E731
+        step = row.get("step_seconds")
+        out.append(
+            f"| {name} | {load} | {fmt('bytes', 1e6)} | {fmt('rss_mb')} | {fmt('peak_mb')} | "
+            f"{'-' if step is None else f'{step:.1f}'} | {' / '.join(f'{x:.4f}' for x in row.get('losses', []))} |"
+        )
+    return out
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="bench")
+    args = parser.parse_args()
+    out = Path(args.out).resolve()
+    results = run(out)
+    (out / "llamafactory_true_size.json").write_text(json.dumps(results, indent=1))
+    print("\n".join(lines(results)))
