@@ -70,3 +70,17 @@ def test_deepseek_v32_fits_80_gb_on_256_ranks_with_recomputation_on_cuda():
     assert "671.88 B parameters on mesh dp=32,ep=8; rank 0 (dp=0, ep=0); device cuda, recompute full" in out, out
     assert "kernels: sdpa cudnn x122" in out, out  # 61 layers' attention forward and backward, fused
     assert "fits 80.0 GB per rank" in out and "DOES NOT FIT" not in out, out
+
+
+def test_deepseek_v32_pipeline_fits_80_gb_on_256_ranks():
+    # issue 46: pp=16 x dp=2 x ep=8, 1F1B over 32 microbatches; each distinct stage planned at its depth
+    # (docs/planner.md, Pipeline parallelism): the largest stage is stage 1 (stage 0 holds the dense layers).
+    args = [sys.executable, "-m", "hypershard.plan", "--model", "deepseek_v32", "--mesh", "pp=16,dp=2,ep=8",
+            "--microbatches", "32", "--fully-shard", "--compute-dtype", "bfloat16", "--seq", "4096",
+            "--memory-per-rank", "80", "--device", "cuda", "--recompute", "full"]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]  # 0: fits
+    assert "pipeline: 1f1b, pp=16, 32 microbatches" in out and "bubble (pp-1)/(v*m+pp-1) = 31.9 %" in out, out
+    assert "rank 16 (pp=1, dp=0, ep=0)" in out and "fits 80.0 GB per rank" in out, out
+    assert "pp send/recv" in out and "estimated step" in out, out
