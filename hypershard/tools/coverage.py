@@ -16,6 +16,7 @@ import sys
 import warnings
 
 from ..launch.ranks import mesh_argument, mesh_size, parse_mesh, spawn_local_ranks
+from ..tensor.axes import MESH_AXES
 
 
 def parse_overrides(items: list) -> dict:
@@ -32,6 +33,9 @@ def parse_overrides(items: list) -> dict:
 TARGETS = ("qwen3", "qwen3_5_text", "qwen3_5_moe_text", "deepseek_v32", "qwen3_vl_moe")
 MOE_TARGETS = ("qwen3_5_moe_text", "deepseek_v32", "qwen3_vl_moe")
 ALL_MESHES = ("tp=4", "dp=2,tp=2", "dp=2,ep=2")
+# Every axis parallelize() lays a whole model out on; pp splits the model into stages instead
+# (hypershard.pipelining), which the coverage run, one whole model per rank, does not do.
+COVERAGE_AXES = tuple(axis for axis in MESH_AXES if axis != "pp")
 
 
 def _measure(mesh, model_type: str, overrides: dict, steps: int, batch: int, seq: int, without_rule=()) -> dict:
@@ -162,8 +166,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="qwen3", help="transformers model_type with a tiny config (default qwen3)")
     parser.add_argument(
         "--mesh",
-        type=mesh_argument("coverage"),
-        default=mesh_argument("coverage")("dp=2,tp=2"),
+        type=mesh_argument("coverage", COVERAGE_AXES),
+        default=mesh_argument("coverage", COVERAGE_AXES)("dp=2,tp=2"),
         help="mesh axes and sizes, e.g. dp=2,tp=2 (tp uses the model's own TP plan)",
     )
     parser.add_argument("--config", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. intermediate_size=66")

@@ -57,7 +57,10 @@ def test_demo_refuses(capsys):
 
 
 def test_coverage_refuses(capsys):
-    _refused(capsys, hypershard.tools.coverage.main, ["--mesh", "zz=2,dp=2"], "coverage", "zz", list(MESH_AXES))
+    allowed = hypershard.tools.coverage.COVERAGE_AXES
+    _refused(capsys, hypershard.tools.coverage.main, ["--mesh", "zz=2,dp=2"], "coverage", "zz", allowed)
+    # a coverage run holds one whole model per rank: pp (stages) means nothing to it
+    _refused(capsys, hypershard.tools.coverage.main, ["--mesh", "pp=2,dp=2"], "coverage", "pp", allowed)
 
 
 def test_plan_refuses(capsys):
