@@ -72,6 +72,20 @@ def mesh_size(shape) -> int:
     return world
 
 
+def init_torchrun_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """The default process group of a rank torchrun started, with keys of its own for every attempt
+    of ``torchrun --max-restarts``: with --standalone the agent's store outlives an attempt, and the
+    process groups' keys (their names are counters, the same in every attempt) would otherwise hand
+    a restarted rank the dead attempt's addresses (measured: gloo connectFullMesh refused or hung in
+    the restarted job's first new_group). Used by hypershard.sft and the LlamaFactory launcher."""
+    import torch.distributed as dist
+
+    store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"hypershard/attempt_{attempt}/", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -168,17 +168,11 @@ def _torchrun(args, world: int) -> dict:
             f"--nproc-per-node x nodes = {world}",
         )
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    from ..launch import init_torchrun_process_group
     from ..launch.faults import collective_timeout
 
     timeout = datetime.timedelta(seconds=collective_timeout(args.timeout))
-    # Every attempt of torchrun --max-restarts gets keys of its own in the store: with --standalone
-    # the agent's store outlives an attempt, and the process groups' keys (their names are counters,
-    # the same in every attempt) would otherwise hand a restarted rank the dead attempt's addresses
-    # (measured: gloo connectFullMesh refused or hung in the restarted job's first new_group).
-    store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"hypershard/attempt_{attempt}/", store)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
+    init_torchrun_process_group("gloo", timeout)  # keys of its own per torchrun attempt
     try:
         result = run_rank(dist.get_rank(), world, args)
         dist.barrier()

@@ -268,6 +268,9 @@ def _relaunch(argv: list) -> int:
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={nproc}",
+        # LlamaFactory's own variable: torchrun restarts a failed job that many times, and the
+        # job resumes from the newest complete checkpoint by itself (docs/faults.md)
+        f"--max-restarts={os.environ.get('MAX_RESTARTS', '0')}",
         "--tee=3",
         "-m",
         "hypershard.integrations.llamafactory",
@@ -304,6 +307,34 @@ def _watchdog() -> None:
     timer = threading.Timer(float(seconds), expire)
     timer.daemon = True
     timer.start()
+
+
+def _init_process_group(train_argv: list) -> None:
+    """Under torchrun, the default process group made here rather than by accelerate (which keeps one
+    that exists), with keys of its own per attempt of ``torchrun --max-restarts``: accelerate's own
+    group reuses the dead attempt's keys in the agent's store, and a restarted job's first group
+    then reads dead addresses (hypershard.launch.init_torchrun_process_group). Its timeout is HF's
+    ``ddp_timeout`` (the YAML's, else HF's default 1800 s), as accelerate would set it;
+    HYPERSHARD_COLLECTIVE_TIMEOUT overrides it."""
+    if not _under_torchrun() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return
+    import datetime
+    from pathlib import Path
+
+    import torch
+    import yaml
+
+    from hypershard.launch import init_torchrun_process_group
+    from hypershard.launch.faults import collective_timeout
+
+    seconds = 1800
+    try:
+        config = yaml.safe_load(Path(train_argv[0]).read_text()) or {} if train_argv else {}
+        seconds = int(config.get("ddp_timeout", seconds))
+    except (OSError, yaml.YAMLError, TypeError, ValueError):
+        pass  # LlamaFactory reports its own YAML's faults
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    init_torchrun_process_group(backend, datetime.timedelta(seconds=collective_timeout(seconds)))
 
 
 def check_hyper_parallel_args(train_argv: list, world: int) -> str:
@@ -352,6 +383,12 @@ def main(argv=None) -> int:
         and not _under_torchrun()
         and (_env_enabled("FORCE_TORCHRUN") or int(os.environ.get("NPROC_PER_NODE", "1")) > 1)
     ):
+        # checked here first: one line, once, and no torchrun failure summary after it
+        world = int(os.environ.get("NPROC_PER_NODE", "1")) * int(os.environ.get("NNODES", "1"))
+        error = check_hyper_parallel_args(argv[1:], world)
+        if error:
+            print(error, file=sys.stderr, flush=True)
+            return 2
         return _relaunch(argv)
     os.environ.pop("FORCE_TORCHRUN", None)  # LlamaFactory's launcher must not start torchrun itself
     _watchdog()
@@ -363,6 +400,7 @@ def main(argv=None) -> int:
             print(error, file=sys.stderr, flush=True)
             return 2
         sys.argv.pop(1)
+        _init_process_group(argv[1:])
         from llamafactory.train.tuner import run_exp
 
         from . import loading

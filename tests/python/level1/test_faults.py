@@ -398,3 +398,52 @@ def test_llamafactory_disk_full_then_automatic_resume(tmp_path):
     # its lost trainer_state.json); bit for bit on resume is test_llamafactory's same-mesh case
     assert {k: f"{v:.4g}" for k, v in resumed.items()} == uninterrupted, (resumed, uninterrupted)
     assert (out / "checkpoint-4" / "COMPLETE").is_file()  # rewritten whole by the resumed run
+
+
+# make test-full only (two LlamaFactory launches and a restart, ~3 min on 2 cores): make test has the
+# same restart through hypershard.sft (test_sft_sigkill_mid_step_torchrun_restarts), whose
+# per-attempt process group (hypershard.launch.init_torchrun_process_group) the launcher shares.
+@pytest.mark.full
+def test_llamafactory_dead_rank_torchrun_restarts(tmp_path):
+    """LlamaFactory through hypershard's launcher with MAX_RESTARTS=1 (LlamaFactory's own variable):
+    rank 1 dies as step 3 begins; rank 0 names it; torchrun restarts the job, which resumes from
+    checkpoint-2 by itself and trains losses equal to an uninterrupted run's, bit for bit. Planted
+    fault: without the per-attempt process group (accelerate's own) the restarted job's first group
+    reads the dead attempt's addresses and fails (docs/faults.md)."""
+    import llamafactory  # noqa: F401  (make setup installs it: a missing install fails, never skips)
+
+    from hypershard.testing.llamafactory_fixtures import launch, read_losses, write_dataset_dir, write_model, write_run
+
+    model, data = write_model(tmp_path / "qwen3", "qwen3"), write_dataset_dir(tmp_path / "data")
+    runs = {name: (tmp_path / f"{name}_run", tmp_path / f"{name}_out") for name in ("reference", "restarted")}
+    yamls = {
+        name: write_run(run, model, data, out, hp={}, save_strategy="steps", save_steps=2)
+        for name, (run, out) in runs.items()
+    }
+    reference = launch(yamls["reference"], 2, timeout=TIMEOUT)
+    assert reference.returncode == 0, (reference.stdout + reference.stderr)[-5000:]
+    env = {
+        **os.environ,
+        "NPROC_PER_NODE": "2",
+        "MAX_RESTARTS": "1",
+        "HYPERSHARD_LLAMAFACTORY_CRASH_AT_STEP": "3",  # rank 1 exits as step 3 begins, first attempt only
+        "HYPERSHARD_LLAMAFACTORY_TIMEOUT": str(2 * TIMEOUT),
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [sys.executable, "-m", "hypershard.integrations.llamafactory", "train", str(yamls["restarted"])]
+    tic = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=3 * TIMEOUT, env=env)
+    seconds = time.monotonic() - tic
+    err = result.stdout + result.stderr
+    assert result.returncode == 0, err[-5000:]
+    # torchrun saw rank 1 exit and restarted the job. Rank 0 either names the dead rank (when it was
+    # waiting in a collective) or was stopped first by torchrun's agent (which polls every 0.1 s)
+    # while it still computed: which one comes first is a race (hypershard.sft's test, killing mid-
+    # collective, checks the naming).
+    assert "failed (exitcode: 1) local_rank: 1" in err, err[-5000:]
+    survivor = [ln for ln in err.splitlines() if "rank 1 is dead" in ln or "closing signal SIGTERM" in ln]
+    assert survivor, err[-5000:]
+    print("llamafactory restart:", survivor[:2], f"whole job incl. restart {seconds:.0f} s")
+    restarted, uninterrupted = read_losses(runs["restarted"][1]), read_losses(runs["reference"][1])
+    assert sorted(restarted) == [1, 2, 3, 4], restarted
+    assert restarted == uninterrupted, (restarted, uninterrupted)  # bit for bit: same mesh, resumed at step 2

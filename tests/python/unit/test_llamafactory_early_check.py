@@ -53,3 +53,20 @@ def test_missing_file_and_bad_json(tmp_path):
     assert "not valid JSON" in check_hyper_parallel_args([str(yaml_path)], 4)
     (tmp_path / "hp.json").unlink()
     assert "is not a file" in check_hyper_parallel_args([str(yaml_path)], 4)
+
+
+def test_the_launcher_refuses_before_starting_torchrun(tmp_path, monkeypatch, capsys):
+    """NPROC_PER_NODE > 1: the parent checks the JSON against NPROC_PER_NODE x NNODES ranks and prints
+    the one line once, with no torchrun started (so no failure summary of torchrun's follows it)."""
+    from hypershard.integrations.llamafactory import launcher
+
+    started = []
+    monkeypatch.setattr(launcher, "_relaunch", lambda argv: started.append(argv) or 0)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("NPROC_PER_NODE", "2")
+    monkeypatch.setenv("NNODES", "2")
+    yaml_path = _run(tmp_path, {"tp_size": 3})
+    assert launcher.main(["train", str(yaml_path)]) == 2 and not started
+    assert capsys.readouterr().err.count("tp_size=3 does not divide the 4 ranks") == 1
+    assert launcher.main(["train", str(_run(tmp_path, {"tp_size": 2}))]) == 0 and len(started) == 1
