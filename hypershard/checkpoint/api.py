@@ -15,6 +15,11 @@ On top of DCP this module adds only what DCP lacks:
   temporary folder that becomes ``step_N`` -- with its COMPLETE marker -- only once every rank
   finished: a failure on one rank (a full disk) raises on every rank naming it, and a crash
   mid-save leaves only the temporary folder, which ``latest`` ignores.
+- A ``hs.pipeline`` Pipeline is a model here too: its state dict is its rank's stages' slice of
+  the full model's under the full model's names, so each pp rank writes its stages' entries (DCP's
+  global plan takes every rank's keys; replicated chunks once) and a load into another split or a
+  model without pp reads what it holds (the optimizer groups' parameter-name lists stay the
+  loading model's: they are one saved value per group, which ranks of different stages differ on).
 - ``latest(directory)``: the newest complete checkpoint. ``load(path, model, optimizer)`` loads in
   place (on any mesh; the optimizer's state is allocated first when it has none); on a folder of
   checkpoints it takes the newest complete one and logs the partial ones it skipped.
@@ -520,10 +525,18 @@ def load(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     if optimizer is not None:
         _allocate_optimizer_state(optimizer)
         state["optimizer"] = optimizer_state_dict(model, optimizer)
+    groups = [list(group["params"]) for group in state["optimizer"]["param_groups"]] if optimizer is not None else []
     dcp.load(state, checkpoint_id=str(path))
     # DCP loads tensors in place; non-tensor entries (step counts as ints, hyper-parameters) are
-    # replaced in `state`, so the optimizer takes the whole loaded state.
+    # replaced in `state`, so the optimizer takes the whole loaded state -- except each group's
+    # parameter names, which stay this model's: a group's name list is one saved value that ranks
+    # holding different parameters (pipeline stages, on another mesh) do not share.
     if optimizer is not None:
+        loaded = state["optimizer"]["param_groups"]
+        if len(loaded) != len(groups):
+            raise _error(f"{path} holds {len(loaded)} optimizer parameter groups, this optimizer has {len(groups)}")
+        for group, names in zip(loaded, groups):
+            group["params"] = names
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
     if marker["world_size"] == _world():
         _set_rng_state(torch.load(path / _RNG.format(rank=_rank()), weights_only=False))

@@ -198,13 +198,33 @@ class Pipeline:
 
     # ------------------------------------------------------------------ parameters
 
-    def named_parameters(self):
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """(name in the full model, parameter) of this rank's stages."""
         for module in self.modules:
-            yield from module.model.named_parameters()
+            yield from module.model.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def state_dict(self) -> dict:
+        """This rank's stages' state dicts merged: a slice of the full model's state dict, under its
+        names (a stage is a pruned copy of the model). hypershard.checkpoint.save/load take a
+        Pipeline as the model: each pp rank writes and reads its stages' entries, the dp/tp/ep
+        shards as for any parallelized model, so the checkpoint holds the full model's names
+        once and loads into another split or a model without pp."""
+        state: dict = {}
+        for module in self.modules:
+            state.update(module.model.state_dict())
+        return state
 
     def parameters(self):
         return [p for _, p in self.named_parameters()]
+
+    def train(self, mode: bool = True) -> "Pipeline":
+        """Sets this rank's stages to training (or eval) mode, as nn.Module.train."""
+        for module in self.modules:
+            module.train(mode)
+        return self
+
+    def eval(self) -> "Pipeline":
+        return self.train(False)
 
     # ------------------------------------------------------------------ a step
 
