@@ -137,8 +137,8 @@ def main(argv=None) -> int:
         "--device",
         choices=DEVICES,
         default="cuda",
-        help="whose kernels the step takes (default cuda: torch's SDPA backend choice on an H100/H200; cpu: a CPU "
-        "run's; npu: not modelled yet, refused)",
+        help="whose kernels the step takes (default cuda: torch's SDPA backend choice on an H100/H200; npu: "
+        "torch_npu's npu_fusion_attention, modelled on meta; cpu: a CPU run's)",
     )
     parser.add_argument("--recompute", choices=RECOMPUTE, default="none", help="activation recomputation per layer")
     parser.add_argument("--cp-algorithm", choices=CP_ALGORITHMS, default="all_gather_kv", help="attention on a cp axis")

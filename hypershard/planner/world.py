@@ -14,7 +14,8 @@ issues the collective, so the counter's growth since the previous collective is 
 bytes. The one exception, span exchanges (an all_to_all counted right after it is issued), is
 costed from its splits. A collective hypershard never counts (none known) would be costed by ring
 formulas and marked uncounted. While recording, F.scaled_dot_product_attention on meta takes the
-kernel the planned device's dispatch takes (`recording(device=...)`: _cuda_attention, _cpu_attention).
+kernel the planned device's dispatch takes (`recording(device=...)`: _cuda_attention, _npu_attention,
+_cpu_attention).
 """
 
 from __future__ import annotations
@@ -350,7 +351,72 @@ def _cpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     )[0]
 
 
-_ATTENTION = {"cpu": _cpu_attention, "cuda": _cuda_attention}
+# npu_fusion_attention's saved softmax statistics: softmax_max and softmax_sum, each [B, N, S, 8]
+# float32 (torch_npu's layout, csrc/ops/attention.cpp's "bhL8"), against CUDA's one fp32 logsumexp per row.
+NPU_STATISTICS_WIDTH = 8
+
+
+class _KeepStatistics(torch.autograd.Function):
+    """Identity on the attention output that holds npu_fusion_attention's softmax_max / softmax_sum
+    until the backward reaches the attention (the node runs just before the attention's own)."""
+
+    @staticmethod
+    def forward(ctx, out, softmax_max, softmax_sum):
+        ctx.save_for_backward(softmax_max, softmax_sum)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def _npu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention on meta as an Ascend NPU runs it: torch_npu dispatches to
+    npu_fusion_attention (a flash-style fused kernel: no S x S matrix kept; its grad recomputes the
+    scores blockwise), which saves query, key, value, the output and softmax_max / softmax_sum,
+    [B, N, S, 8] float32 each. torch_npu is not installed here, so the kernel is a stand-in: the
+    PrivateUse1 fused-attention hook (aten::_scaled_dot_product_fused_attention_overrideable, the
+    op torch routes a PrivateUse1 device's SDPA to; its Meta kernel: out + a [B, N, S] fp32
+    logsumexp, and its backward) for the output, the FLOPs and q / k / v / out saved, plus the two
+    statistics tensors allocated like the query (sharded alike: new_empty's rule) and held to the
+    backward. Over-counts the logsumexp's 4 bytes per row (1/16 of the statistics)."""
+    from ..testing.cuda_lowering import lowered_sdpa
+
+    if not query.is_meta:
+        return _sdpa(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+    if _active is not None:
+        _active.kernels["npu_fusion_attention"] += 1
+    if not enable_gqa and key.size(-3) != query.size(-3):
+        enable_gqa = True  # npu_fusion_attention takes grouped key/value heads (N1 != N2) as they are
+    out = lowered_sdpa(
+        "overrideable",
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
+    if not (torch.is_grad_enabled() and out.requires_grad):
+        return out
+    shape = (*query.shape[:-1], NPU_STATISTICS_WIDTH)
+    softmax_max = query.new_empty(shape, dtype=torch.float32)
+    softmax_sum = query.new_empty(shape, dtype=torch.float32)
+    return _KeepStatistics.apply(out, softmax_max, softmax_sum)
+
+
+_ATTENTION = {"cpu": _cpu_attention, "cuda": _cuda_attention, "npu": _npu_attention}
 
 
 class recording:
@@ -358,10 +424,7 @@ class recording:
 
     def __init__(self, trace: bool = False, device: str = "cpu"):
         if device not in _ATTENTION:
-            raise ValueError(
-                f"hypershard: plan: device {device!r} is not modelled; allowed: {sorted(_ATTENTION)}"
-                + (" (npu: torch_npu's kernels are not modelled yet, docs/planner.md)" if device == "npu" else "")
-            )
+            raise ValueError(f"hypershard: plan: device {device!r} is not modelled; allowed: {sorted(_ATTENTION)}")
         self.log = CollectiveLog(trace=trace)
         self.device = device
 

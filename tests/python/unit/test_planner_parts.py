@@ -147,11 +147,47 @@ def test_cuda_plan_takes_the_fused_kernel_and_holds_no_scores():
     assert cuda.flops > 0 and cuda.phase_flops["backward"] > cuda.phase_flops["forward"]
 
 
-def test_npu_is_refused_until_modelled():
-    import pytest
+def _attention_saved_bytes(device, seq, heads=4, dq=48, dv=32):
+    """Bytes of the distinct storages autograd saves for one attention call on meta (the planner's
+    kernel for `device`), bf16, causal."""
+    saved = {}
 
-    with pytest.raises(ValueError, match="device 'npu' is not modelled"):
-        recording(device="npu")
+    def pack(t):
+        saved[id(t.untyped_storage())] = t.untyped_storage().nbytes()
+        return t
+
+    q, k, v = (t.requires_grad_() for t in _qkv(dq, dv, heads=heads, kv_heads=heads, seq=seq))
+    with recording(device=device) as log, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return sum(saved.values()), dict(log.kernels)
+
+
+def test_npu_attention_holds_no_scores():
+    """On an NPU the planner takes npu_fusion_attention (a meta stand-in): saved q, k, v, out and
+    softmax_max / softmax_sum [B, N, S, 8] fp32 -- linear in S (doubling S doubles the saved bytes),
+    where the CPU math path keeps S x S probabilities (doubling S nearly quadruples them)."""
+    npu_s, kernels = _attention_saved_bytes("npu", 512)
+    npu_2s, _ = _attention_saved_bytes("npu", 1024)
+    cpu_s, _ = _attention_saved_bytes("cpu", 512)
+    cpu_2s, _ = _attention_saved_bytes("cpu", 1024)
+    assert kernels == {"npu_fusion_attention": 1}, kernels
+    assert 0 <= 2 * npu_s - npu_2s <= 64, (npu_s, npu_2s)  # no S^2 term (16 B of rng state per call)
+    assert cpu_2s > 3.5 * cpu_s, (cpu_s, cpu_2s)  # the math path's scores
+    q_k_v_out = 512 * 4 * 2 * (48 + 48 + 32 + 32)  # bf16
+    statistics = 2 * 512 * 4 * 8 * 4  # softmax_max + softmax_sum, fp32
+    logsumexp = 512 * 4 * 4  # the stand-in kernel's (an over-count, docs/planner.md)
+    assert q_k_v_out + statistics + logsumexp <= npu_s <= q_k_v_out + statistics + logsumexp + 64, npu_s
+
+
+def test_npu_plan_runs_for_a_tiny_model(capsys):
+    config = load_config("qwen3", **TINY_CONFIGS["qwen3"])
+    report = plan_step(config, {"dp": 2, "tp": 2}, batch=4, seq=16, device="npu", dtype=torch.bfloat16)
+    assert set(report.kernels) == {"npu_fusion_attention"} and report.device == "npu", report.kernels
+    assert report.flops > 0 and report.activations > 0
+    assert main(["--model", "qwen3_5_0_8b", "--mesh", "dp=2,tp=2", "--seq", "64", "--layers", "4",
+                 "--device", "npu", "--memory-per-rank", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "device npu" in out and "npu_fusion_attention" in out, out
 
 
 def test_recompute_lowers_the_peak_and_adds_the_forward_again():
