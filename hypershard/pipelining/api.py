@@ -21,6 +21,7 @@ gradient buckets, hypershard._C.hold_grad_sync).
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Optional, Sequence, Union
 
 import torch
@@ -43,7 +44,11 @@ class StageModule(nn.Module):
     model (hypershard.pipelining.split.stage_model). Its forward takes the global microbatch of
     input ids (first stage) or the previous stage's local hidden states, and returns the local
     hidden states (or, on the last stage, the local logits). Per-microbatch side inputs (images,
-    M-RoPE position ids) come from `side`, one dict per microbatch in forward order."""
+    M-RoPE position ids) come from `side`, one dict per microbatch, indexed by `microbatch` (the
+    index torch's stage runs, set by _Stage.forward_one_chunk). Not a count of forward calls: torch
+    runs the module once more before the first microbatch to infer the boundary metadata (on the
+    first microbatch's inputs), and a counter then handed every microbatch the next one's images
+    and position ids (the Qwen3-VL-MoE pp2 x dp2 error of issue 46)."""
 
     def __init__(self, model: nn.Module, spec: StageSpec, mesh=None, dp_axes: Sequence[int] = ()):
         super().__init__()
@@ -52,7 +57,7 @@ class StageModule(nn.Module):
         self.mesh = mesh
         self.dp_axes = list(dp_axes)
         self.side: list = []
-        self.calls = 0
+        self.microbatch = 0
         self._shard = _shard_inputs(mesh, self.dp_axes) if mesh is not None else None
 
     def boundary(self) -> list:
@@ -78,8 +83,7 @@ class StageModule(nn.Module):
             side["position_ids"] = distribute_tensor(ids, self.mesh, placements)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        side = dict(self.side[self.calls]) if self.calls < len(self.side) else {}
-        self.calls += 1
+        side = dict(self.side[self.microbatch]) if self.microbatch < len(self.side) else {}
         images = side.pop("images", {})
         self._position_ids(side)
         if self.spec.first:
@@ -99,6 +103,19 @@ class StageModule(nn.Module):
         if tuple(out.placements) != tuple(self.boundary()):
             out = out.redistribute(self.mesh, self.boundary())
         return out.to_local()
+
+
+@functools.lru_cache(maxsize=None)
+def _stage_class():
+    """torch's PipelineStage, telling its StageModule which microbatch each forward runs."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class _Stage(PipelineStage):
+        def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+            self.submod.microbatch = fwd_chunk_id
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    return _Stage
 
 
 def _dp_chunk(t: torch.Tensor, mesh, dp_axes: Sequence[int]) -> torch.Tensor:
@@ -185,7 +202,7 @@ class Pipeline:
             self.modules.append(module)
             if mesh is not None:
                 self.stages.append(
-                    pipelining.PipelineStage(
+                    _stage_class()(
                         module, spec.index, len(self.specs), torch.device(mesh.device_type), group=self.pp_group
                     )
                 )
@@ -278,7 +295,7 @@ class Pipeline:
         self._num_items = int((labels[:, 1:] != -100).sum())
         side = self._side_inputs(input_ids, inputs)
         for module in self.modules:
-            module.side, module.calls = side, 0
+            module.side, module.microbatch = side, 0
         losses: list = []
         last = self.specs[-1].rank == self.pp_rank
         with hold_grad_sync():

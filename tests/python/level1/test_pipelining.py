@@ -13,7 +13,6 @@ order of float32 additions differs -- the case training.py's tolerances are argu
 A planted fault (one microbatch's loss divided by its own tokens instead of the global batch's:
 HF's default mean) must fail the same checks."""
 
-import pytest
 import torch
 
 from hypershard.testing import Case, Input, assert_all_passed, current_mesh, run_cases
@@ -198,11 +197,6 @@ def test_qwen3_5_pp2_tp2_strict():
     assert_all_passed(run_cases(cases, backend="hypershard", timeout=400))
 
 
-@pytest.mark.skip(
-    reason="open: on pp2 x dp2 the image batch's loss is 2.6e-4 (relative) off one device and the "
-    "vision tower's gradients are wrong (the same stages on one process match exactly: "
-    "tests/python/unit/test_pipeline_split.py); not found yet"
-)
 def test_qwen3_vl_moe_pp2_dp2_image_strict():
     """The vision tower and its deepstack feature (layer 0) on stage 0; M-RoPE position ids from the
     model's get_rope_index per microbatch, handed to both stages."""
