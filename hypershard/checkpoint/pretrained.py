@@ -369,6 +369,12 @@ def _initialize(model: nn.Module, pending: dict, buffers: dict, report: LoadRepo
         for child in module.children():
             visit(child, child if isinstance(child, PreTrainedModel) else owner)
         saved = swap(module)
+        # transformers' _initialize_weights skips a module flagged by an earlier pass (it sets the
+        # flag after each _init_weights): LlamaFactory's meta build runs one (loading.py) before
+        # load_meta's, which would then leave the computed buffers (rotary inv_freq) uninitialised
+        # memory. Here what must not be written is a stand-in, so every module runs (and ends flagged,
+        # as after transformers' own load).
+        module.__dict__.pop("_is_hf_initialized", None)
         try:
             owner._initialize_weights(module, custom)
             for sub, _, old_buffers in saved:  # a computed buffer keeps its (possibly new) tensor

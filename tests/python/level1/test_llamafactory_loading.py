@@ -8,7 +8,10 @@ reads only its shards (hypershard/integrations/llamafactory/loading.py, docs/lla
   LlamaFactory's own load -- names, shapes, dtypes (its fp32 casts of the trainable weights, peft's
   cast of the adapters to the base dtype), requires_grad -- the LoRA adapters (drawn by peft on CPU)
   equal bit for bit, and the global generator is left in the same state (later draws, the
-  dropout masks, are the same). The cases that must load whole do, with their reason logged.
+  dropout masks, are the same); filled then as the trainer fills it (``loading.materialize``), every
+  parameter and buffer -- the computed ones, rotary ``inv_freq`` -- equals that load bit for bit
+  (a meta build runs transformers' init pass once already; load_meta's must not be skipped by its
+  flags, or those buffers keep uninitialised memory and every run's losses differ). The cases that must load whole do, with their reason logged.
 - 4 ranks: the bytes each rank allocates for the weights it reads (its shards; counted from the
   local tensors, not RSS, so machine-independent) are 1/4 of the model under fully_shard dp4 (and
   the 4 ranks' sum the model's exactly); under LoRA on dp2 x tp2 fully sharded, between 1/4 (what
@@ -43,6 +46,7 @@ from llamafactory.hparams import get_train_args
 from llamafactory.model import load_model, load_tokenizer
 
 from hypershard.integrations.llamafactory import loading
+from hypershard.integrations.llamafactory.adapters import unwrap_peft
 
 cases = json.loads(sys.argv[1])
 out = {}
@@ -75,6 +79,21 @@ for name, cfg in cases.items():
             n for n, b in whole.named_buffers() if dict(meta.named_buffers())[n].dtype != b.dtype
         ],
     }
+    # then the trainer's fill (no layout: one rank holds every box): every parameter and buffer
+    # (the computed ones, rotary inv_freq, too) equals LlamaFactory's load bit for bit
+    report = loading.materialize(unwrap_peft(meta)[0], None)  # the HF model inside, as the trainer
+    row["filled"] = report is not None
+    row["values"] = [
+        n
+        for kind in ("named_parameters", "named_buffers")
+        for n, t in getattr(whole, kind)(remove_duplicate=False)
+        if not (
+            (u := dict(getattr(meta, kind)(remove_duplicate=False)).get(n)) is not None
+            and not u.is_meta
+            and (u.dtype, u.shape) == (t.dtype, t.shape)
+            and torch.equal(u, t)
+        )
+    ]
     out[name] = row
 print("RESULT " + json.dumps(out))
 """
@@ -134,6 +153,7 @@ def test_meta_build_equals_llamafactory_load(work):
     rows = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
     for name, row in rows.items():
         assert row["names"] and not row["differs"] and not row["buffers"], (name, row)
+        assert not row["values"], f"{name}: after the fill these differ from LlamaFactory's load: {row['values']}"
         assert row["rng"], f"{name}: the meta build leaves the generator elsewhere than LlamaFactory's load"
     for name in ("full", "full_bf16", "freeze_bf16"):
         assert rows[name]["real"] == [] and rows[name]["meta"] > 0, (name, rows[name]["real"][:5])
@@ -141,7 +161,7 @@ def test_meta_build_equals_llamafactory_load(work):
         real = rows[name]["real"]
         assert real and all(".lora_A." in n or ".lora_B." in n for n in real), (name, real[:5])
         assert rows[name]["real_equal"], f"{name}: the LoRA adapters differ from LlamaFactory's draws"
-    assert rows["resize_vocab"]["meta"] == 0
+    assert rows["resize_vocab"]["meta"] == 0 and not rows["resize_vocab"]["filled"]
     assert "every rank loads the whole model (LlamaFactory's load_model): resize_vocab" in result.stdout
 
 
