@@ -16,6 +16,8 @@
   - planned for CUDA's kernels (cuDNN attention: no S x S scores) with full recomputation it FITS
     80 GB (an H100), planned at 5 and 6 layers and scaled per layer to 61 (--scale-depth; the
     full-depth plan gives the same peak, docs/planner.md).
+- The same model on 512 simulated ranks (dp=64 x ep=8) planned for an Ascend 910B (--device npu:
+  torch_npu's npu_fusion_attention, modelled on meta) with full recomputation FITS 64 GB.
 """
 
 import subprocess
@@ -84,3 +86,19 @@ def test_deepseek_v32_pipeline_fits_80_gb_on_256_ranks():
     assert "pipeline: 1f1b, pp=16, 32 microbatches" in out and "bubble (pp-1)/(v*m+pp-1) = 31.9 %" in out, out
     assert "rank 16 (pp=1, dp=0, ep=0)" in out and "fits 80.0 GB per rank" in out, out
     assert "pp send/recv" in out and "estimated step" in out, out
+
+
+def test_deepseek_v32_fits_64_gb_on_512_ranks_on_ascend_910b():
+    # issue 44: --device npu (npu_fusion_attention on meta: softmax_max / softmax_sum [B, N, S, 8] fp32
+    # kept, no S x S scores), dp=64 x ep=8 = 512 ranks, full recomputation, the 910B's figures
+    # (docs/planner.md, "The targets on an Ascend 910B").
+    args = [sys.executable, "-m", "hypershard.plan", "--model", "deepseek_v32", "--mesh", "dp=64,ep=8",
+            "--fully-shard", "--compute-dtype", "bfloat16", "--seq", "4096", "--memory-per-rank", "64",
+            "--device", "npu", "--recompute", "full", "--scale-depth", "--hardware", "910b"]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]  # 0: fits
+    assert "671.88 B parameters on mesh dp=64,ep=8; rank 0 (dp=0, ep=0); device npu, recompute full" in out, out
+    assert "kernels: npu_fusion_attention x122" in out, out  # 61 layers' forward and recomputed forward
+    assert "fits 64.0 GB per rank" in out and "DOES NOT FIT" not in out, out
+    assert "estimated step (Huawei Ascend 910B" in out, out
