@@ -48,10 +48,13 @@ Sections (see benchmarks/README.md for what each measures and how; the code is i
               hypershard, forward + backward time per step and the first call's compile time
   user_rules  a custom op with a rule registered from Python (hs.register_rule) vs aten::mm with
               its native rule, 1 and 2 ranks: hypershard's per-call overhead on each
+  pipelining  (only when named: ~8 min quick, ~10 GB) Qwen3.5-0.8B at true width cut to 4 layers on
+              4 ranks: pp2 x dp2 (hs.pipeline, 1F1B, 4 microbatches) vs dp4 hs.fully_shard: step
+              time, peak RSS per rank, bytes per axis (dp, pp), measured bubble vs (pp-1)/(m+pp-1)
 
 Writes bench/results.json, bench/RESULTS.md and bench/results.png and prints the tables.
 
-    .venv/bin/python benchmarks/run.py [--quick] [--sections dispatch,fallback,rotary,checkpoint,fully_shard,step,memory,grad_overlap,context_parallel,compile,user_rules,true_size] [--out bench]
+    .venv/bin/python benchmarks/run.py [--quick] [--sections dispatch,fallback,rotary,checkpoint,fully_shard,step,memory,grad_overlap,context_parallel,compile,user_rules,true_size,pipelining] [--out bench]
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ from hsbench.fallback import run_fallback  # noqa: E402
 from hsbench.fully_shard import run_fully_shard  # noqa: E402
 from hsbench.grad_overlap import run_grad_overlap  # noqa: E402
 from hsbench.memory import MEMORY_CONFIG  # noqa: E402
+from hsbench.pipelining import run_pipelining  # noqa: E402
 from hsbench.report import markdown, targets  # noqa: E402
 from hsbench.rotary import run_rotary  # noqa: E402
 from hsbench.training import run_steps  # noqa: E402
@@ -99,9 +103,11 @@ SECTIONS = (
     "compile",
     "user_rules",
     "true_size",
+    "pipelining",
 )
-# true_size holds ~13 GB and runs ~15 min on 2 cores: a default run (make bench) leaves it out
-OPT_IN_SECTIONS = ("true_size",)
+# true_size holds ~13 GB and runs ~15 min on 2 cores, pipelining ~10 GB and ~8 min (--quick: batch
+# 8 x 32; else 8 x 128): a default run (make bench) leaves them out
+OPT_IN_SECTIONS = ("true_size", "pipelining")
 DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s not in OPT_IN_SECTIONS)
 
 
@@ -214,6 +220,8 @@ def main(argv=None) -> int:
         results["user_rules"] = run_user_rules(args, log)
     if "true_size" in sections:
         results["true_size"] = run_true_size(args, log)
+    if "pipelining" in sections:
+        results["pipelining"] = run_pipelining(args, log)
     results["meta"] = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
