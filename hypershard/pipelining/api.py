@@ -115,7 +115,38 @@ def _stage_class():
             self.submod.microbatch = fwd_chunk_id
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
+        def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+            # fully_shard inside the stage: the gradients of the step's microbatches accumulate
+            # unreduced in each group; the schedule's last backward of this stage reduce-scatters
+            # their sum, once per step (FSDP2's set_requires_gradient_sync, as torch's own stage
+            # does for torch's FSDP)
+            for group in _fully_shard_groups(self.submod):
+                group.requires_sync = bool(last_backward)
+            return super().backward_one_chunk(
+                bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
+            )
+
     return _Stage
+
+
+def _fully_shard_groups(module: nn.Module) -> list:
+    return [m._hs_fully_shard for m in module.modules() if hasattr(m, "_hs_fully_shard")]
+
+
+def _fully_shard_stage(module: StageModule, submesh, dp_names: list) -> None:
+    """hs.fully_shard on each decoder layer the stage owns, then on the StageModule itself (the
+    root: what torch's stage calls, so its gather covers the embeddings, a vision tower, the final
+    norm and the head), over the stage's dp axis."""
+    from ..fsdp.fully_shard import fully_shard
+
+    names = list(submesh.mesh_dim_names) if submesh is not None else []
+    dp = [n for n in dp_names if n in names]
+    if len(dp) != 1:
+        _fail(f"fully_shard inside a stage needs one dp axis on the stage's mesh {names}, got {dp}", "a dp axis")
+    layers = text_model(module.model).layers
+    for i in module.spec.layers:
+        fully_shard(layers[i], submesh, dp_axis=dp[0])
+    fully_shard(module, submesh, dp_axis=dp[0])
 
 
 def _dp_chunk(t: torch.Tensor, mesh, dp_axes: Sequence[int]) -> torch.Tensor:
@@ -165,6 +196,7 @@ class Pipeline:
         stages_per_rank: int = 1,
         pp_axis: str = "pp",
         dp_axis: Union[str, Sequence[str]] = "dp",
+        fully_shard: bool = False,
         **parallelize_kwargs,
     ):
         from torch.distributed import pipelining
@@ -199,6 +231,8 @@ class Pipeline:
                 parallelize(part, self.submesh, shard_inputs=False, dp_axis=dp_names, **parallelize_kwargs)
                 note_axes_used(self.submesh, [rest[a] for a in self.dp_axes])
             module = StageModule(part, spec, self.submesh, self.dp_axes)
+            if fully_shard:
+                _fully_shard_stage(module, self.submesh, dp_names)
             self.modules.append(module)
             if mesh is not None:
                 self.stages.append(
@@ -212,6 +246,7 @@ class Pipeline:
             stages = self.stages if schedule == "interleaved_1f1b" else self.stages[0]
             self.schedule = cls(stages, n_microbatches, loss_fn=self._microbatch_loss, scale_grads=False)
         self._num_items = 1
+        self._shape: Optional[tuple] = None
 
     # ------------------------------------------------------------------ parameters
 
@@ -292,6 +327,14 @@ class Pipeline:
         unknown = set(inputs) - {"pixel_values", "image_grid_thw", "mm_token_type_ids"}
         if unknown:
             _fail(f"inputs {sorted(unknown)} are not passed through the pipeline", "input_ids, labels and images")
+        shape = tuple(input_ids.shape)
+        if self._shape is not None and shape != self._shape:
+            _fail(
+                f"a batch of shape {shape} after batches of {self._shape} (torch's stages keep the boundary "
+                "buffers the first step sized)",
+                f"every batch of shape {self._shape} (pad to a fixed length)",
+            )
+        self._shape = shape
         self._num_items = int((labels[:, 1:] != -100).sum())
         side = self._side_inputs(input_ids, inputs)
         for module in self.modules:
@@ -354,7 +397,9 @@ def pipeline(
 ) -> Pipeline:
     """Splits `model` over `mesh`'s pp axis (hypershard.pipelining.split), lays each stage out on
     the rest of the mesh with hs.parallelize and returns the Pipeline (its stages and schedule).
-    `stages_per_rank`: virtual stages per rank (default 2 for interleaved_1f1b, else 1)."""
+    `stages_per_rank`: virtual stages per rank (default 2 for interleaved_1f1b, else 1).
+    `fully_shard=True`: each stage's decoder layers, then its root, hs.fully_shard'ed over the dp
+    axis (gathered per microbatch, gradients reduce-scattered once per step; docs/pipelining.md)."""
     if stages_per_rank is None:
         stages_per_rank = 2 if schedule == "interleaved_1f1b" else 1
     return Pipeline(

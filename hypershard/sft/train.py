@@ -262,7 +262,7 @@ def check_pipeline(args) -> None:
     unsupported = [
         flag
         for flag, on in (
-            ("--fully-shard", getattr(args, "fully_shard", False)),
+            ("--fully-shard without a dp axis", getattr(args, "fully_shard", False) and "dp" not in names),
             ("--resume/--auto-resume", args.resume or getattr(args, "auto_resume", False)),
             ("--save-steps/--stop-after", getattr(args, "save_steps", 0) or args.stop_after),
             ("--export-hf", args.export_hf),
@@ -293,11 +293,17 @@ def check_pipeline(args) -> None:
 
 def _pipeline_model(args, mesh, vocab: int):
     """The model split into pipeline stages over the pp axis (hs.pipeline), each stage parallelized on
-    the rest of the mesh."""
+    the rest of the mesh (and with --fully-shard, each stage's layers and root fully sharded over dp)."""
     import hypershard as hs
 
     model = build_model(args.model, vocab, args.seed, args.cutoff_len)
-    return hs.pipeline(model, mesh, n_microbatches=args.microbatches, schedule=args.pp_schedule)
+    return hs.pipeline(
+        model,
+        mesh,
+        n_microbatches=args.microbatches,
+        schedule=args.pp_schedule,
+        fully_shard=getattr(args, "fully_shard", False),
+    )
 
 
 def distributed_model(args, mesh, vocab: int):
@@ -401,6 +407,10 @@ def _run_rank(rank: int, world: int, args) -> dict:
     # SFT trains without it.)
     context_parallel = "cp" in args.mesh[1]  # parallelize treats a cp axis of any size as one
     multiple = 2 * axis_size(args.mesh, "cp") if context_parallel else 1
+    if pipe is not None:
+        # torch's pipeline stages size their boundary buffers from the first step's batch: every
+        # batch padded to the dataset's longest example (each one a multiple of it: exactly it)
+        multiple = max(len(ids) for ids, _ in examples)
 
     bar = None
     if rank == 0:

@@ -111,13 +111,25 @@ def trainer(model_type, schedule, n_microbatches, batch, overrides=None, images=
             assert isinstance(p, hs.DTensor), name
         if fault is not None:
             fault(pipe)
+        groups = [m._hs_fully_shard for s in pipe.modules for m in s.modules() if hasattr(m, "_hs_fully_shard")]
+        assert bool(groups) == bool(pipe_kwargs.get("fully_shard")), len(groups)
+        for group in groups:
+            group.cgroup.reset_stats()
+            for p in group.params:  # stored sharded on dim 0 over dp (the stage's mesh is (dp,))
+                assert list(hs.layout_of(p).dim_axes[0]) == [0], hs.layout_of(p)
         hs._C.reset_grad_sync_stats()
         got = _record(pipe, batches)
         problems, worst = check_training(got, _only(expected, names))
         stats = hs._C.grad_sync_stats()
+        if groups:
+            # each fully_shard group: its gradients accumulate unreduced over the step's
+            # microbatches and are reduce-scattered once per step (the stage's last backward)
+            stats["reduce_scatters"] = sorted({g.cgroup.stats()["reduce_scatters"] for g in groups})
+            stats["gathers"] = sorted({g.cgroup.stats()["gathers"] for g in groups})
+            assert stats["reduce_scatters"] == [STEPS], stats
         if fault is None:
             assert not problems, "\n".join(problems)
-            if "dp" in current_mesh().mesh_dim_names:
+            if "dp" in current_mesh().mesh_dim_names and not groups:
                 # the dp sums of a step's microbatches held and reduced together: one bucket per step
                 assert stats["buckets"] == STEPS and stats["reduced_on_arrival"] == 0, stats
             _report(model_type, schedule, expected.losses, got.losses, worst, stats)
@@ -180,6 +192,20 @@ def test_qwen3_pp2_dp2_1f1b_and_interleaved_strict():
             PP2_DP2,
             *trainer("qwen3", "1f1b", 4, 8, QWEN3_4_LAYERS, fault=_drop_one_microbatch_scaling),
         ),
+    ]
+    assert_all_passed(run_cases(cases, backend="hypershard", timeout=400))
+
+
+def test_qwen3_pp2_dp2_fully_shard_strict():
+    """hs.pipeline(..., fully_shard=True): each stage's decoder layers and its root fully sharded over
+    dp (FSDP2 + PP as torchtitan runs it): gathered per microbatch, the gradients reduce-scattered
+    once per step."""
+    cases = [
+        _case(
+            "qwen3_pp2_dp2_1f1b_fully_shard",
+            PP2_DP2,
+            *trainer("qwen3", "1f1b", 4, 8, QWEN3_4_LAYERS, fully_shard=True),
+        )
     ]
     assert_all_passed(run_cases(cases, backend="hypershard", timeout=400))
 
