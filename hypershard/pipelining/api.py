@@ -137,7 +137,7 @@ def _fully_shard_stage(module: StageModule, submesh, dp_names: list) -> None:
     """hs.fully_shard on each decoder layer the stage owns, then on the StageModule itself (the
     root: what torch's stage calls, so its gather covers the embeddings, a vision tower, the final
     norm and the head), over the stage's dp axis."""
-    from ..fsdp.fully_shard import fully_shard
+    from ..fsdp.fully_shard import _owned_parameters, fully_shard
 
     names = list(submesh.mesh_dim_names) if submesh is not None else []
     dp = [n for n in dp_names if n in names]
@@ -146,7 +146,15 @@ def _fully_shard_stage(module: StageModule, submesh, dp_names: list) -> None:
     layers = text_model(module.model).layers
     for i in module.spec.layers:
         fully_shard(layers[i], submesh, dp_axis=dp[0])
-    fully_shard(module, submesh, dp_axis=dp[0])
+    if _owned_parameters(module):
+        fully_shard(module, submesh, dp_axis=dp[0])
+        return
+    # A middle stage of an interleaved schedule holds only layers: its last layer's group is the
+    # root of them all (kept gathered from its forward to its backward, as a root is; the others
+    # freed after each forward and prefetched in order)
+    groups = [layers[i]._hs_fully_shard for i in module.spec.layers]
+    for group in groups:
+        group.context = groups[-1].context
 
 
 def _dp_chunk(t: torch.Tensor, mesh, dp_axes: Sequence[int]) -> torch.Tensor:

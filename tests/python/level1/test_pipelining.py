@@ -199,13 +199,14 @@ def test_qwen3_pp2_dp2_1f1b_and_interleaved_strict():
 def test_qwen3_pp2_dp2_fully_shard_strict():
     """hs.pipeline(..., fully_shard=True): each stage's decoder layers and its root fully sharded over
     dp (FSDP2 + PP as torchtitan runs it): gathered per microbatch, the gradients reduce-scattered
-    once per step."""
+    once per step; with 1F1B and with Interleaved1F1B (two stages per rank, each its own root)."""
     cases = [
         _case(
-            "qwen3_pp2_dp2_1f1b_fully_shard",
+            f"qwen3_pp2_dp2_{schedule}_fully_shard",
             PP2_DP2,
-            *trainer("qwen3", "1f1b", 4, 8, QWEN3_4_LAYERS, fully_shard=True),
+            *trainer("qwen3", schedule, 4, 8, QWEN3_4_LAYERS, fully_shard=True),
         )
+        for schedule in ("1f1b", "interleaved_1f1b")
     ]
     assert_all_passed(run_cases(cases, backend="hypershard", timeout=400))
 
