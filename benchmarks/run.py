@@ -51,10 +51,14 @@ Sections (see benchmarks/README.md for what each measures and how; the code is i
   pipelining  (only when named: ~8 min quick, ~10 GB) Qwen3.5-0.8B at true width cut to 4 layers on
               4 ranks: pp2 x dp2 (hs.pipeline, 1F1B, 4 microbatches) vs dp4 hs.fully_shard: step
               time, peak RSS per rank, bytes per axis (dp, pp), measured bubble vs (pp-1)/(m+pp-1)
+  llamafactory_true_size  (only when named: ~10 GB, tens of minutes on 2 cores) LlamaFactory's sft
+              stage on Qwen3.5-0.8B at true width cut to 4 layers, 4 ranks, 2 steps: full fine-
+              tuning on fully_shard dp4 and LoRA on dp2 x tp2, loaded shard-wise, whole, and by
+              LlamaFactory alone in one process: per-rank bytes, RSS, peak, step time, losses
 
 Writes bench/results.json, bench/RESULTS.md and bench/results.png and prints the tables.
 
-    .venv/bin/python benchmarks/run.py [--quick] [--sections dispatch,fallback,rotary,checkpoint,fully_shard,step,memory,grad_overlap,context_parallel,compile,user_rules,true_size,pipelining] [--out bench]
+    .venv/bin/python benchmarks/run.py [--quick] [--sections dispatch,fallback,rotary,checkpoint,fully_shard,step,memory,grad_overlap,context_parallel,compile,user_rules,true_size,pipelining,llamafactory_true_size] [--out bench]
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ from hsbench.dispatch import run_dispatch  # noqa: E402
 from hsbench.fallback import run_fallback  # noqa: E402
 from hsbench.fully_shard import run_fully_shard  # noqa: E402
 from hsbench.grad_overlap import run_grad_overlap  # noqa: E402
+from hsbench.llamafactory_true_size import run_llamafactory_true_size  # noqa: E402
 from hsbench.memory import MEMORY_CONFIG  # noqa: E402
 from hsbench.pipelining import run_pipelining  # noqa: E402
 from hsbench.report import markdown, targets  # noqa: E402
@@ -104,10 +109,11 @@ SECTIONS = (
     "user_rules",
     "true_size",
     "pipelining",
+    "llamafactory_true_size",
 )
 # true_size holds ~13 GB and runs ~15 min on 2 cores, pipelining ~10 GB and ~8 min (--quick: batch
 # 8 x 32; else 8 x 128): a default run (make bench) leaves them out
-OPT_IN_SECTIONS = ("true_size", "pipelining")
+OPT_IN_SECTIONS = ("true_size", "pipelining", "llamafactory_true_size")
 DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s not in OPT_IN_SECTIONS)
 
 
@@ -222,6 +228,8 @@ def main(argv=None) -> int:
         results["true_size"] = run_true_size(args, log)
     if "pipelining" in sections:
         results["pipelining"] = run_pipelining(args, log)
+    if "llamafactory_true_size" in sections:
+        results["llamafactory_true_size"] = run_llamafactory_true_size(args, log)
     results["meta"] = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,

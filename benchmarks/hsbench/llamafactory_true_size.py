@@ -7,7 +7,9 @@ Runs, each its own launch (one after the other, so each process's peak is its ow
 - full fine-tuning on fully_shard dp4, and LoRA (rank 16, ``lora_target: all``) on dp2 x tp2,
   each loaded shard-wise (the default) and the old way (``HYPERSHARD_LLAMAFACTORY_LOAD=whole``:
   LlamaFactory's load_model of the whole model on every rank, then distributed);
-- STEPS training steps each.
+- STEPS training steps each;
+- and LlamaFactory's own single-process run of the same YAML without hypershard (the reference:
+  its peak RSS from /proc/self/status VmHWM, printed by a wrapper at exit, and its losses).
 
 Per rank, from the trainer's load line: the parameter bytes it holds or read, its RSS right after
 the model is distributed and its peak RSS up to then (VmHWM); from HF's trainer_state.json: the
@@ -78,6 +80,44 @@ def parse(stdout: str) -> dict:
     return ranks
 
 
+# Runs LlamaFactory in this process through hypershard's launcher (one process: no torchrun) and
+# prints the process's peak RSS at exit (the single-process reference has no load line of ours).
+_SINGLE = (
+    "import atexit, re, runpy, sys\n"
+    "def peak():\n"
+    "    text = open('/proc/self/status').read()\n"
+    "    print('single process peak RSS', int(re.search(r'VmHWM:\\s+(\\d+) kB', text).group(1)) / 1e3, 'MB', flush=True)\n"
+    "atexit.register(peak)\n"
+    "sys.argv = ['hypershard.integrations.llamafactory', 'train', sys.argv[1]]\n"
+    "runpy.run_module('hypershard.integrations.llamafactory', run_name='__main__', alter_sys=True)\n"
+)
+SINGLE_PEAK = re.compile(r"single process peak RSS ([\d.]+) MB")
+
+
+def _single_process(yaml_path: Path, timeout: float):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("NPROC_PER_NODE", None)
+    return subprocess.run(
+        [sys.executable, "-c", _SINGLE, str(yaml_path)], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def _losses_and_step(run_dir: Path) -> dict:
+    state = run_dir / "out" / "trainer_state.json"
+    if not state.is_file():
+        return {}
+    history = json.loads(state.read_text())["log_history"]
+    runtime = [e["train_runtime"] for e in history if "train_runtime" in e]
+    return {
+        "losses": [e["loss"] for e in history if "loss" in e],
+        "step_seconds": runtime[0] / STEPS if runtime else None,
+    }
+
+
 def run(out: Path, log: Callable = print, timeout: float = 900) -> dict:
     from hypershard.testing.llamafactory_fixtures import launch, write_dataset_dir, write_run
 
@@ -87,30 +127,60 @@ def run(out: Path, log: Callable = print, timeout: float = 900) -> dict:
     data = write_dataset_dir(out / "llamafactory_true_size" / "data")
     results = {"checkpoint": info, "runs": {}}
     for name, hp, overrides in RUNS:
-        for load in ("sharded", "whole"):
+        for load in ("sharded", "whole", "single"):
             label = f"{name}_{load}"
             run_dir = out / "llamafactory_true_size" / label
             shutil.rmtree(run_dir, ignore_errors=True)
             yaml_path = write_run(
-                run_dir, folder, data, run_dir / "out", hp=hp, max_steps=STEPS, cutoff_len=128, **overrides
+                run_dir,
+                folder,
+                data,
+                run_dir / "out",
+                hp=None if load == "single" else hp,
+                max_steps=STEPS,
+                cutoff_len=128,
+                **overrides,
             )
             start = time.perf_counter()
-            result = launch(yaml_path, 4, {"HYPERSHARD_LLAMAFACTORY_LOAD": load}, int(timeout))
-            seconds = time.perf_counter() - start
-            row = {"returncode": result.returncode, "seconds": seconds, "ranks": parse(result.stdout)}
-            state = run_dir / "out" / "trainer_state.json"
-            if state.is_file():
-                history = json.loads(state.read_text())["log_history"]
-                row["losses"] = [e["loss"] for e in history if "loss" in e]
-                runtime = [e["train_runtime"] for e in history if "train_runtime" in e]
-                row["step_seconds"] = runtime[0] / STEPS if runtime else None
+            if load == "single":  # LlamaFactory alone, one process: the per-rank figures' reference
+                result = _single_process(yaml_path, timeout)
+                peak = SINGLE_PEAK.search(result.stdout)
+                ranks = {0: {"sharded": False, "bytes": 0, "total": 0, "rss_mb": 0.0, "peak_mb": float(peak.group(1))}}
+                ranks = ranks if peak else {}
             else:
+                result = launch(yaml_path, 4, {"HYPERSHARD_LLAMAFACTORY_LOAD": load}, int(timeout))
+                ranks = parse(result.stdout)
+            seconds = time.perf_counter() - start
+            row = {"returncode": result.returncode, "seconds": seconds, "ranks": ranks, **_losses_and_step(run_dir)}
+            if "losses" not in row:
                 row["tail"] = (result.stdout + result.stderr)[-3000:]
             results["runs"][label] = row
             peaks = [r["peak_mb"] for r in row["ranks"].values()]
             log(f"  {label}: exit {result.returncode}, {seconds:.0f} s, peak RSS per rank {peaks} MB")
             shutil.rmtree(run_dir / "out", ignore_errors=True)  # the exported model: not needed
     return results
+
+
+def run_llamafactory_true_size(args, log: Callable) -> dict:
+    """benchmarks/run.py's section: the runs above, under --out."""
+    return run(Path(args.out).resolve(), log)
+
+
+def llamafactory_true_size_lines(results) -> list:
+    if not results:
+        return []
+    info = results["checkpoint"]
+    return [
+        f"## LlamaFactory at true size (Qwen3.5-0.8B at true width, {info['layers']} layers, "
+        f"{info['params'] / 1e6:.0f} M parameters, bf16 files; 4 CPU ranks, {STEPS} steps)",
+        "",
+        "sharded = hypershard's shard-wise load (the default); whole = LlamaFactory's load_model on every "
+        "rank, then distributed; single = LlamaFactory alone in one process (peak RSS of the whole run). "
+        "Per-rank columns list ranks 0-3; RSS after load and peak to then come from each rank's load line.",
+        "",
+        *lines(results),
+        "",
+    ]
 
 
 def lines(results: dict) -> list:

@@ -10,6 +10,7 @@ from .context_parallel import context_parallel_lines
 from .dispatch import IMPL_NAMES
 from .fully_shard import fully_shard_lines
 from .grad_overlap import grad_overlap_lines
+from .llamafactory_true_size import llamafactory_true_size_lines
 from .pipelining import pipelining_lines
 from .rotary import rotary_lines
 from .training import STEP_MESHES
@@ -133,6 +134,7 @@ def markdown(results: dict) -> str:
     lines += user_rules_lines(results.get("user_rules"))
     lines += true_size_lines(results.get("true_size"))
     lines += pipelining_lines(results.get("pipelining"))
+    lines += llamafactory_true_size_lines(results.get("llamafactory_true_size"))
     s = results.get("step")
     if s:
         lines += [
