@@ -250,7 +250,8 @@ void bind_redistribute_plan(py::module_& m) {
 
 }  // namespace
 
-void bind_runtime(py::module_& m);  // runtime_bindings.cpp
+void bind_runtime(py::module_& m);    // runtime_bindings.cpp
+void bind_in_flight(py::module_& m);  // in_flight_bindings.cpp
 
 }  // namespace hypershard::python
 
@@ -265,4 +266,5 @@ PYBIND11_MODULE(_C, m) {
   hypershard::python::bind_placements(m);
   hypershard::python::bind_redistribute_plan(m);
   hypershard::python::bind_runtime(m);
+  hypershard::python::bind_in_flight(m);
 }

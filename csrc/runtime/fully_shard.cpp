@@ -8,6 +8,7 @@
 
 #include "layout/error.h"
 #include "runtime/dispatch_internal.h"
+#include "runtime/in_flight.h"
 #include "runtime/redistribute.h"
 #include "runtime/traced_collectives.h"
 
@@ -107,6 +108,9 @@ std::vector<at::Tensor> FullyShardGroup::finish_gather() {
     start_gather();
     if (work_) {
       const auto started = std::chrono::steady_clock::now();
+      CollectiveInFlight in_flight(CollectiveKind::kAllGather, *mesh_, axis_,
+                                   flat_ * static_cast<int64_t>(send_.element_size()),
+                                   "fully_shard's parameter all-gather");
       work_->wait();
       stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
       work_.reset();
@@ -138,6 +142,9 @@ std::vector<at::Tensor> FullyShardGroup::finish_gather() {
 
 void FullyShardGroup::free_unsharded() {
   if (work_) {  // never leave a collective unwaited
+    CollectiveInFlight in_flight(CollectiveKind::kAllGather, *mesh_, axis_,
+                                 flat_ * static_cast<int64_t>(send_.element_size()),
+                                 "fully_shard's parameter all-gather");
     work_->wait();
     work_.reset();
     send_ = received_ = at::Tensor();
@@ -235,6 +242,8 @@ std::vector<at::Tensor> FullyShardGroup::reduce_scatter(const std::vector<at::Te
     opts.reduceOp = c10d::ReduceOp::SUM;
     auto send_flat = send.view({members_ * flat_});  // c10d wants the members' blocks in one flat dim
     check_not_tracing("fully_shard's gradient reduce-scatter");
+    CollectiveInFlight in_flight(CollectiveKind::kReduceScatter, *mesh_, axis_,
+                                 static_cast<int64_t>(send_flat.nbytes()), "fully_shard's gradient reduce-scatter");
     mesh_->group(axis_)._reduce_scatter_base(received, send_flat, opts)->wait();
   }
   ++stats_.reduce_scatters;

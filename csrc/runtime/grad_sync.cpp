@@ -49,6 +49,7 @@
 #include "runtime/async_sum.h"
 #include "runtime/dtensor_impl.h"
 #include "runtime/gil.h"
+#include "runtime/in_flight.h"
 #include "runtime/redistribute.h"
 
 namespace hypershard::runtime {
@@ -223,7 +224,11 @@ void settle_bucket(BucketGrads grads, bool overlapped) {
 void reduce_bucket(Group& group, size_t begin, size_t end) {
   const BucketGrads grads = BucketGrads(group.grads).slice(begin, end - begin);
   at::Tensor buffer = pack_bucket(grads, group.dtype, group.device);
-  for (const int64_t axis : group.axes) sum_in_place_along(buffer, *group.mesh, axis);
+  for (const int64_t axis : group.axes) {
+    CollectiveInFlight in_flight(CollectiveKind::kAllReduce, *group.mesh, axis, static_cast<int64_t>(buffer.nbytes()),
+                                 "a gradient bucket");
+    sum_in_place_along(buffer, *group.mesh, axis);
+  }
   settle_bucket(grads, /*overlapped=*/false);
 }
 
@@ -297,7 +302,11 @@ void finish_started(std::vector<Started>& started) {
   for (bool more = true; more;) {
     more = false;
     for (auto& bucket : started) {
-      without_gil([&] { bucket.sum.wait(); });
+      {
+        CollectiveInFlight in_flight(CollectiveKind::kAllReduce, *bucket.mesh, bucket.axes[bucket.next - 1],
+                                     static_cast<int64_t>(bucket.sum.buffer().nbytes()), "a gradient bucket");
+        without_gil([&] { bucket.sum.wait(); });
+      }
       if (bucket.next < bucket.axes.size()) {
         bucket.sum = PendingSum(bucket.sum.buffer(), *bucket.mesh, bucket.axes[bucket.next++]);
         more = true;

@@ -21,6 +21,7 @@
 #include "runtime/dispatch.h"
 #include "runtime/dispatch_internal.h"
 #include "runtime/dtensor_impl.h"
+#include "runtime/in_flight.h"
 #include "runtime/redistribute.h"
 #include "runtime/traced_collectives.h"
 
@@ -487,6 +488,7 @@ void wrap_output(const OpInfo& info, const ops::OpCall& call, const ops::OpPlan&
 
 void dtensor_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   g_calls.fetch_add(1, std::memory_order_relaxed);
+  const OpInFlight in_op(op.operator_name());  // a hung collective's report names the op (in_flight.h)
   sync_registrations();
   OpInfo& info = op_info(op);
   c10::IValue* args = stack->data() + (stack->size() - op.schema().arguments().size());

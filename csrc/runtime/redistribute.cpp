@@ -1,6 +1,7 @@
 #include "runtime/redistribute.h"
 
 #include "runtime/async_sum.h"
+#include "runtime/in_flight.h"
 #include "runtime/traced_collectives.h"
 
 #include <ATen/ATen.h>
@@ -130,6 +131,7 @@ at::Tensor gather_dim0(const at::Tensor& send, const DeviceMesh& mesh, int64_t a
   sizes[0] *= mesh.mesh()->shape()[axis];
   auto gathered = at::empty(sizes, send.options());
   at::Tensor gathered_bytes = movable(gathered), send_bytes = movable(send);
+  CollectiveInFlight in_flight(CollectiveKind::kAllGather, mesh, axis, static_cast<int64_t>(send.nbytes()));
   mesh.group(axis)._allgather_base(gathered_bytes, send_bytes)->wait();
   return gathered;
 }
@@ -190,6 +192,7 @@ void all_reduce_in_place(at::Tensor& buffer, const DeviceMesh& mesh, int64_t axi
   std::vector<at::Tensor> tensors{reducible(buffer, op)};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
+  CollectiveInFlight in_flight(CollectiveKind::kAllReduce, mesh, axis, static_cast<int64_t>(tensors[0].nbytes()));
   mesh.group(axis).allreduce(tensors, opts)->wait();
   if (!tensors[0].is_alias_of(buffer)) buffer.copy_(tensors[0]);
 }
@@ -229,6 +232,7 @@ at::Tensor reduce_scatter(const RedistributeStep& step, const at::Tensor& local_
     received = at::empty(sizes, send.options());
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = to_c10d(step.op);
+    CollectiveInFlight in_flight(CollectiveKind::kReduceScatter, mesh, step.axis, static_cast<int64_t>(send.nbytes()));
     mesh.group(step.axis)._reduce_scatter_base(received, send, opts)->wait();
   }
   if (at::isComplexType(original))
@@ -269,6 +273,7 @@ at::Tensor all_to_all(const RedistributeStep& step, const at::Tensor& local, con
   } else {
     received = at::empty({std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0})}, local.options());
     at::Tensor received_bytes = movable(received), send_bytes = movable(send);
+    CollectiveInFlight in_flight(CollectiveKind::kAllToAll, mesh, step.axis, static_cast<int64_t>(send.nbytes()));
     mesh.group(step.axis).alltoall_base(received_bytes, send_bytes, recv_counts, send_counts)->wait();
   }
   std::vector<at::Tensor> blocks;

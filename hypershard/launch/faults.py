@@ -9,8 +9,10 @@ which operation. This module adds that:
 - ``register()`` (collective-free; called once the process group exists): this rank's host and pid
   go into the process group's store, so a survivor can tell which peers are dead;
 - ``explain(error, where)``: for an error raised by a collective, one line naming this rank, what
-  it was doing (``where``: the step and phase the caller knows), the operation it was in (the
-  innermost frame of the traceback outside torch and hypershard: file, line and the source line),
+  it was doing (``where``: the step and phase the caller knows), the collective it was waiting in
+  and the ATen op that issued it (kept by the C++ runtime: ``_C.operation_in_flight()``), the
+  operation it was in (the innermost frame of the traceback outside torch and hypershard: file,
+  line and the source line),
   the ranks that are dead (same host: their pid is gone), and gloo's own message;
 - ``note(text)``: what the rank is doing now (the training loop's step and phase);
 - ``reporting(where)``: a context manager that re-raises a collective's error as a
@@ -178,6 +180,30 @@ def _operation(error: BaseException) -> str:
     return ", called from ".join(parts) if parts else "an unknown operation"
 
 
+def _collective() -> str:
+    """The collective this rank was waiting in and the ATen op that issued it, as the C++ runtime
+    recorded them (runtime/in_flight.h: a collective that raised stays recorded until its thread
+    issues the next one): "all_reduce over dp (8 bytes) of aten::sum.default"; "" when none."""
+    try:
+        from hypershard import _C
+
+        record = _C.operation_in_flight()
+    except Exception:  # noqa: BLE001 -- diagnostics only: a report never fails for them
+        return ""
+    if not record or not record.get("collective"):
+        return ""
+    text = record["collective"]
+    if record.get("axis"):
+        text += f" over {record['axis']}"
+    if record.get("bytes") is not None:
+        text += f" ({record['bytes']} bytes)"
+    if record.get("op"):
+        text += f" of {record['op']}"
+    elif record.get("what"):
+        text += f" of {record['what']}"
+    return text
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
@@ -202,8 +228,10 @@ def explain(error: BaseException, where: str = "") -> str:
         )
     kind = "timed out" if "imed out" in str(error) else "failed"
     place = f" {where}," if where else ""
+    collective = _collective()
+    waiting = f" waiting in {collective}," if collective else ""
     return (
-        f"hypershard: rank {rank} of {world}: a collective {kind}{place} in {_operation(error)}: {peers}; "
+        f"hypershard: rank {rank} of {world}: a collective {kind}{place}{waiting} in {_operation(error)}: {peers}; "
         f"{type(error).__name__}: {_first_line(error)}"
     )
 

@@ -14,7 +14,8 @@
   rank, torchrun restarts the job, which resumes from the newest complete checkpoint by itself
   (--auto-resume); losses equal the uninterrupted run's bit for bit.
 - A rank that stops issuing collectives: the other reports, within the process group's timeout,
-  which operation (model file and line) it was waiting in and that no rank is dead.
+  which collective (kind, mesh axis, bytes) and ATen op it was waiting in, the model file and line,
+  and that no rank is dead.
 - LlamaFactory: a failed save of checkpoint-4 (disk full on rank 1) leaves checkpoint-4 without its
   COMPLETE marker; the same command again resumes from checkpoint-2 (LlamaFactory's automatic
   resume, which picks the highest number, goes through hypershard's newest-complete choice), logs
@@ -24,6 +25,7 @@
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -194,7 +196,14 @@ def test_hung_collective_is_named():
     report = results[0]["error"]
     print(f"hung collective: {report} -- after {results[0]['seconds']:.1f} s (timeout {pg_timeout} s)")
     assert report.startswith("CollectiveError: hypershard: rank 0 of 2: a collective timed out in the test's step 1,")
-    # the op that waited (dp: the loss's mean over the global batch is an all-reduce) and its line
+    # the collective that waited and the ATen op that issued it, as the C++ runtime recorded them
+    # (dp: the loss's mean over the global batch is an all-reduce), then the op's line
+    waiting = re.search(
+        r"timed out in the test's step 1, waiting in (\w+) over (\w+) \((\d+) bytes\) of (\S+), ", report
+    )
+    assert waiting, report
+    assert waiting.groups()[:2] == ("all_reduce", "dp") and int(waiting.group(3)) > 0, report
+    assert re.fullmatch(r"aten::\w+\.\w+", waiting.group(4)), report
     assert "in torch functional.cross_entropy, called from loss_utils.py:" in report, report
     assert "no rank on this host is dead: a peer stopped issuing collectives" in report, report
     assert pg_timeout - 1 <= results[0]["seconds"] <= pg_timeout + 10, results  # the timeout, + a loaded CPU
