@@ -21,6 +21,7 @@ _cpu_attention).
 from __future__ import annotations
 
 import collections
+import functools
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
@@ -283,71 +284,59 @@ def cuda_sdpa_backend(
     return "math"
 
 
-def _cuda_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def _meta_attention(kernel):
+    """F.scaled_dot_product_attention's signature around a device's kernel choice on meta: a call on
+    real tensors runs torch's own SDPA; on meta, `kernel(query, key, value, sdpa)` gets the other
+    arguments as one dict (attn_mask, dropout_p, is_causal, scale, enable_gqa)."""
+
+    @functools.wraps(kernel)
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        sdpa = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        if not query.is_meta:
+            return _sdpa(query, key, value, **sdpa)
+        return kernel(query, key, value, sdpa)
+
+    return attention
+
+
+@_meta_attention
+def _cuda_attention(query, key, value, sdpa: dict):
     """F.scaled_dot_product_attention on meta as CUDA dispatch lowers it: the backend torch's chooser
     takes (cuda_sdpa_backend) and the lowering of hypershard.testing.cuda_lowering (the one its CUDA
     trace uses): aten::_scaled_dot_product_{cudnn,flash,efficient}_attention and their backwards, whose
     Meta kernels give the outputs a GPU keeps: out and the fp32 logsumexp (no S x S matrix)."""
     from ..testing.cuda_lowering import lowered_sdpa
 
-    if not query.is_meta:
-        return _sdpa(
-            query,
-            key,
-            value,
-            attn_mask=attn_mask,
-            dropout_p=dropout_p,
-            is_causal=is_causal,
-            scale=scale,
-            enable_gqa=enable_gqa,
-        )
-    backend = cuda_sdpa_backend(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+    backend = cuda_sdpa_backend(
+        query, key, value, sdpa["attn_mask"], sdpa["dropout_p"], sdpa["is_causal"], sdpa["enable_gqa"]
+    )
     if _active is not None:
         _active.kernels[f"sdpa {backend}"] += 1
-    return lowered_sdpa(
-        backend,
-        query,
-        key,
-        value,
-        attn_mask=attn_mask,
-        dropout_p=dropout_p,
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=enable_gqa,
-    )
+    return lowered_sdpa(backend, query, key, value, **sdpa)
 
 
-def _cpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+@_meta_attention
+def _cpu_attention(query, key, value, sdpa: dict):
     """F.scaled_dot_product_attention on meta as a CPU run computes it. torch picks the kernel by
     the query's device type, and on meta that is the math path (a softmax of the whole score
     matrix: other memory, other ops); a real CPU run takes the fused flash kernel."""
     # torch's CPU flash check: 4-d, float dtypes, no dropout, one head size for q, k and v.
     if not (
-        query.is_meta
-        and query.dim() == 4
-        and dropout_p == 0.0
+        query.dim() == 4
+        and sdpa["dropout_p"] == 0.0
         and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and query.shape[-1] == key.shape[-1] == value.shape[-1]
     ):
-        if _active is not None and query.is_meta:
+        if _active is not None:
             _active.kernels["sdpa math"] += 1
-        return _sdpa(
-            query,
-            key,
-            value,
-            attn_mask=attn_mask,
-            dropout_p=dropout_p,
-            is_causal=is_causal,
-            scale=scale,
-            enable_gqa=enable_gqa,
-        )
+        return _sdpa(query, key, value, **sdpa)
     if _active is not None:
         _active.kernels["sdpa flash_for_cpu"] += 1
-    if enable_gqa and key.shape[1] != query.shape[1]:
+    if sdpa["enable_gqa"] and key.shape[1] != query.shape[1]:
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+        query, key, value, sdpa["dropout_p"], sdpa["is_causal"], attn_mask=sdpa["attn_mask"], scale=sdpa["scale"]
     )[0]
 
 
@@ -370,7 +359,8 @@ class _KeepStatistics(torch.autograd.Function):
         return grad, None, None
 
 
-def _npu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+@_meta_attention
+def _npu_attention(query, key, value, sdpa: dict):
     """F.scaled_dot_product_attention on meta as an Ascend NPU runs it: torch_npu dispatches to
     npu_fusion_attention (a flash-style fused kernel: no S x S matrix kept; its grad recomputes the
     scores blockwise), which saves query, key, value, the output and softmax_max / softmax_sum,
@@ -382,32 +372,11 @@ def _npu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     backward. Over-counts the logsumexp's 4 bytes per row (1/16 of the statistics)."""
     from ..testing.cuda_lowering import lowered_sdpa
 
-    if not query.is_meta:
-        return _sdpa(
-            query,
-            key,
-            value,
-            attn_mask=attn_mask,
-            dropout_p=dropout_p,
-            is_causal=is_causal,
-            scale=scale,
-            enable_gqa=enable_gqa,
-        )
     if _active is not None:
         _active.kernels["npu_fusion_attention"] += 1
-    if not enable_gqa and key.size(-3) != query.size(-3):
-        enable_gqa = True  # npu_fusion_attention takes grouped key/value heads (N1 != N2) as they are
-    out = lowered_sdpa(
-        "overrideable",
-        query,
-        key,
-        value,
-        attn_mask=attn_mask,
-        dropout_p=dropout_p,
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=enable_gqa,
-    )
+    if key.size(-3) != query.size(-3):
+        sdpa = {**sdpa, "enable_gqa": True}  # npu_fusion_attention takes grouped key/value heads (N1 != N2) as they are
+    out = lowered_sdpa("overrideable", query, key, value, **sdpa)
     if not (torch.is_grad_enabled() and out.requires_grad):
         return out
     shape = (*query.shape[:-1], NPU_STATISTICS_WIDTH)
