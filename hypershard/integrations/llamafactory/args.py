@@ -96,6 +96,13 @@ class HyperParallelArguments:
                 f"{type(values).__name__}; allowed keys: {cls.keys()}"
             )
         unknown = sorted(set(values) - set(cls.keys()))
+        if "pp_size" in unknown:  # a mesh axis, but not one HF's Trainer loop can run (docs/llamafactory.md)
+            raise HyperParallelConfigError(
+                f"hypershard: llamafactory: {where}: pp_size: pipeline parallelism does not run under HF's "
+                "Trainer (its training_step runs each micro-batch's forward and backward itself; a pipeline "
+                "schedule's step runs every microbatch of the batch); allowed: tp_size, ep_size, cp_size, "
+                "dp_size here, or python -m hypershard.sft --mesh pp=N,dp=M (docs/pipelining.md)"
+            )
         sizes = sorted(k for k in unknown if k.endswith("_size"))
         if sizes:  # a mesh axis: hypershard's list of axes says which exist
             axes = _mesh_axes()

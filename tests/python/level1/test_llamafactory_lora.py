@@ -255,7 +255,10 @@ def test_adapter_plan_and_refusals_in_process():
     assert args.mesh_spec(8) == ((2, 2, 2), ("dp", "cp", "tp"))
     with pytest.raises(HyperParallelConfigError, match=r"cp_size x tp_size x ep_size = 2 x 2 x 1 does not divide"):
         HyperParallelArguments(cp_size=2, tp_size=2).mesh_spec(6)
-    with pytest.raises(HyperParallelConfigError, match=r"\['pp_size'\] name\(s\) no mesh axis; allowed sizes: .*cp_size"):
+    with pytest.raises(HyperParallelConfigError, match=r"\['xp_size'\] name\(s\) no mesh axis; allowed sizes: .*cp_size"):
+        HyperParallelArguments.from_dict({"xp_size": 2})
+    # pp is a mesh axis, but not one HF's Trainer loop runs: its own refusal points to hypershard.sft
+    with pytest.raises(HyperParallelConfigError, match=r"pp_size: pipeline parallelism does not run under HF's Trainer"):
         HyperParallelArguments.from_dict({"pp_size": 2})
     with pytest.raises(HyperParallelConfigError, match=r"recompute='partial'; allowed: one of"):
         HyperParallelArguments.from_dict({"recompute": "partial"})
