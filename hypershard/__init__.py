@@ -44,12 +44,14 @@ from ._C import (  # noqa: E402
     to_placements,
     to_tensor_map,
 )
-from .checkpoint import from_pretrained  # noqa: E402
 from .compile import compile  # noqa: E402,A004  (hypershard.compile: the traced local program)
 from .fsdp import FullyShardedModule, MixedPrecisionPolicy, fully_shard, mixed_precision, offload_optimizer  # noqa: E402
 from .parallel import parallelize  # noqa: E402
 from .parallel.recompute import recompute  # noqa: E402
 from .pipelining import pipeline  # noqa: E402
+
+# from_pretrained: hypershard.checkpoint.from_pretrained, and on a mesh with a pp axis the pipeline's
+from .pipelining.loading import from_pretrained  # noqa: E402
 from .tensor import layout, ops  # noqa: E402
 from .tensor.axes import MESH_AXES, declare_replica_axis  # noqa: E402
 from .tensor.dtensor import (  # noqa: E402

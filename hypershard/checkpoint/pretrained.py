@@ -510,10 +510,6 @@ def from_pretrained(
     ep_axis: str = "ep",
     shard_inputs: bool = True,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
-    pp_axis: str = "pp",
-    n_microbatches: Optional[int] = None,
-    schedule: str = "1f1b",
-    stages_per_rank: Optional[int] = None,
 ) -> nn.Module:
     """Loads the HuggingFace model folder `directory` (config.json + safetensors) onto `mesh`,
     each rank reading and holding only its shards. Every rank calls it with the same arguments.
@@ -531,9 +527,8 @@ def from_pretrained(
     (a LoadReport). Raises ValueError on bad input -- a missing or mis-shaped tensor, a plan that
     cannot shard a dim -- on every rank, before any collective.
 
-    A mesh with a `pp_axis`: returns ``hs.pipeline``'s Pipeline (`n_microbatches`, `schedule`,
-    `stages_per_rank` as there) built on the meta model; each rank then reads only its stages'
-    tensors -- their shards on the mesh without pp (see _pipeline_from_pretrained)."""
+    A mesh with a pp axis is hypershard.pipelining.from_pretrained's (what hs.from_pretrained is):
+    it builds the pipeline's stages and fills them with this module's reader."""
     from ..parallel.api import parallelize
 
     directory = Path(directory)
@@ -541,27 +536,6 @@ def from_pretrained(
     cls = _model_class(config, model_class)
     entries = read_index(directory)
     model = _meta_model(cls, config, dtype, attn_implementation)
-    if mesh is not None and pp_axis in (mesh.mesh_dim_names or ()):
-        if n_microbatches is None:
-            raise _error(f"a mesh with a {pp_axis!r} axis builds a pipeline; allowed: n_microbatches=N")
-        if fully_shard:
-            raise _error("fully_shard inside pipeline stages is not supported yet; allowed: fully_shard=False")
-        _match(model, entries, init_missing=False)  # every tensor in the files (on every rank alike)
-        return _pipeline_from_pretrained(
-            model,
-            mesh,
-            entries,
-            staging_bytes,
-            pp_axis=pp_axis,
-            n_microbatches=n_microbatches,
-            schedule=schedule,
-            stages_per_rank=stages_per_rank,
-            plan=plan,
-            ep_plan=ep_plan,
-            tp_axis=tp_axis,
-            dp_axis=dp_axis,
-            ep_axis=ep_axis,
-        )
     sources, unused = _match(model, entries, init_missing)
     if fully_shard is True and dp_axis not in mesh.mesh_dim_names:
         raise _error(f"fully_shard=True needs a {dp_axis!r} axis; the mesh has {list(mesh.mesh_dim_names)}")
@@ -590,38 +564,6 @@ def from_pretrained(
         report.bytes_read, report.largest_slice = reader.bytes_read, reader.largest_slice
     model.hs_load_report = report
     return model.eval()
-
-
-def _pipeline_from_pretrained(model: nn.Module, mesh, entries: dict, staging_bytes: int, **options):
-    """from_pretrained on a mesh with a pp axis: the meta model is split into stages and each stage
-    laid out on the mesh without pp by hs.pipeline (on meta: no memory), then each of this rank's
-    stages is filled from the files like a model of its own -- a stage is a pruned copy of the model
-    whose names are the full model's, so the checkpoint's names match; only its layers' (and its
-    embeddings' / head's) shards are read. Every tensor must be in the files (checked on the whole
-    model before this): initialising a missing one as one device does needs the whole model's
-    random stream. Returns the Pipeline with ``hs_load_report`` (the LoadReport of this rank's
-    stages together)."""
-    from ..pipelining.api import pipeline
-
-    checks = _C.check_replicas()
-    _C.set_check_replicas(False)  # the debug checks compare values (a collective); meta tensors have none
-    try:
-        pipe = pipeline(model, mesh, **options)
-    finally:
-        _C.set_check_replicas(checks)
-    unused = set(entries)
-    report = LoadReport()
-    with Reader(staging_bytes) as reader:
-        for module in pipe.modules:
-            stage = module.model
-            sources, stage_unused = _match(stage, entries, init_missing=False)
-            unused &= set(stage_unused)
-            _materialize(stage, pipe.submesh, sources, reader, options.get("dp_axis", "dp"), None, report)
-            stage.eval()
-        report.bytes_read, report.largest_slice = reader.bytes_read, reader.largest_slice
-    report.unused_keys = sorted(unused)  # keys no stage of this rank read: the other stages'
-    pipe.hs_load_report = report
-    return pipe
 
 
 def load_into(model: nn.Module, directory, *, staging_bytes: int = DEFAULT_STAGING_BYTES) -> LoadReport:
