@@ -296,15 +296,28 @@ def _pipeline_model(args, mesh, vocab: int):
     the rest of the mesh (and with --fully-shard, each stage's layers and root fully sharded over dp)."""
     import hypershard as hs
 
-    # Whole on every rank before the split (a reason: hs.from_pretrained with a pp axis reads
-    # shard-wise, but the CLI is not wired to it yet; docs/pipelining.md "Not done yet")
+    fully = getattr(args, "fully_shard", False)
+    if Path(args.model).is_dir() and not fully:
+        # hs.from_pretrained with a pp axis: each rank reads only its stages' shards
+        size = json.loads((Path(args.model) / "config.json").read_text()).get("vocab_size", vocab)
+        if size < vocab:
+            fail(
+                f"model {args.model!r} has {size} embeddings, fewer than the tokenizer's {vocab} tokens",
+                "a tokenizer whose vocabulary the model covers",
+            )
+        pipe = hs.from_pretrained(
+            args.model, mesh, n_microbatches=args.microbatches, schedule=args.pp_schedule, dtype=torch.float32
+        )
+        return pipe.train()
+    # Whole on every rank before the split: a tiny type (built from a seed), or a --model folder with
+    # --fully-shard (hs.from_pretrained does not fully shard pipeline stages yet; docs/pipelining.md)
     model = build_model(args.model, vocab, args.seed, args.cutoff_len)
     return hs.pipeline(
         model,
         mesh,
         n_microbatches=args.microbatches,
         schedule=args.pp_schedule,
-        fully_shard=getattr(args, "fully_shard", False),
+        fully_shard=fully,
     )
 
 

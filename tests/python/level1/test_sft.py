@@ -234,3 +234,12 @@ def test_pipeline_checkpoint_resumes_without_pp(fixtures, reference, tmp_path):
     summary = json.loads((out / "losses.json").read_text())
     assert summary["resumed_from"].endswith("step_00000002"), summary
     torch.testing.assert_close(losses(out), losses(reference), rtol=1e-5, atol=0)
+
+
+def test_model_directory_on_a_pipeline_is_read_by_stage(fixtures, reference, tmp_path):
+    """--model DIR on --mesh pp=2,dp=2: hs.from_pretrained with a pp axis, each rank reading only its
+    stage's shards; the run equals the plain tp=2 run from the same folder (rtol 1e-5: summation order)."""
+    hf = reference / "hf"
+    ok(sft(fixtures, tmp_path / "pp", "--microbatches", "2", "--save-steps", "0", model=str(hf), mesh="pp=2,dp=2"))
+    ok(sft(fixtures, tmp_path / "tp", "--save-steps", "0", model=str(hf), mesh="tp=2"))
+    torch.testing.assert_close(losses(tmp_path / "pp"), losses(tmp_path / "tp"), rtol=1e-5, atol=0)
