@@ -98,7 +98,7 @@ class _HypershardAccelerator(Accelerator):
         if backend != DynamoBackend.NO:
             # HF's torch_compile (module docstring): hypershard.compile, with accelerate's settings;
             # accelerate's own torch.compile(model) is skipped
-            from hypershard.tensor.traced import compile as hypershard_compile
+            from hypershard.compile import compile as hypershard_compile
 
             kwargs = plugin.to_kwargs()
             if _rank_world()[0] == 0 and not hasattr(model, "_hypershard_compiled"):

@@ -58,10 +58,10 @@ def parallelize_keeping_head_tail(model, mesh, algorithm):
     the inputs in head-tail order), the gated delta nets' rule installed all the same."""
     from unittest import mock
 
-    from hypershard import parallel
+    from hypershard.parallel import api
 
-    with mock.patch.object(parallel, "natural_order_reason", lambda model: None):
-        return parallel.parallelize(model, mesh, cp_algorithm=algorithm)
+    with mock.patch.object(api, "natural_order_reason", lambda model: None):  # the name parallelize reads
+        return api.parallelize(model, mesh, cp_algorithm=algorithm)
 
 
 def trainer(batch, fault=None, algorithm="all_gather_kv", padded=False):

@@ -245,12 +245,20 @@ def test_qwen3_bf16_yaml_dp2_tp2_equals_llamafactory(work):
 
 
 def test_bad_json_fails_on_every_rank(work):
-    """Launched the second documented way: the launcher starts torchrun itself (FORCE_TORCHRUN=1)."""
+    """A bad hyper_parallel_args file, launched both documented ways. Through the launcher starting torchrun
+    itself (FORCE_TORCHRUN=1, NPROC_PER_NODE=2): it is checked before torchrun starts, so the one line is
+    printed once, exit 2, and no rank runs (no torchrun failure summary after it). Under torchrun
+    directly: every rank reports the one line before LlamaFactory loads the model."""
     yaml_path = write_run(work["root"] / "bad_key", work["qwen3"], work["data"], work["root"] / "out_bad_key",
                           hp={"tp_size": 1, "tensor_parallel": 2})
-    result = launch(yaml_path, 1, env={"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2"})
-    assert result.returncode != 0
-    text = result.stdout + result.stderr
+    via_launcher = launch(yaml_path, 1, env={"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2"})
+    text = via_launcher.stdout + via_launcher.stderr
+    assert via_launcher.returncode == 2, text[-4000:]
+    assert text.count("unknown key(s) ['tensor_parallel']") == 1, text[-4000:]
+    assert "[default" not in text and "ChildFailedError" not in text, text[-4000:]  # torchrun never started
+    under_torchrun = launch(yaml_path, 2)
+    assert under_torchrun.returncode != 0
+    text = under_torchrun.stdout + under_torchrun.stderr
     for rank in range(2):
         lines = [line for line in text.splitlines() if line.startswith(f"[default{rank}]")
                  and "unknown key(s) ['tensor_parallel']" in line]
