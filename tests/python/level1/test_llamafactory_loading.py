@@ -177,7 +177,9 @@ def _loaded(stdout: str) -> dict:
     "hp, overrides",
     [
         ({"fully_shard": True}, {}),  # full fine-tuning, fully_shard dp4
-        ({"tp_size": 2, "fully_shard": True}, LORA),  # LoRA, dp2 x tp2 fully sharded
+        # LoRA, dp2 x tp2 fully sharded: make test-full (make test's 40-minute budget; the full
+        # fine-tuning case above is its representative, the LoRA meta build is in the test above)
+        pytest.param({"tp_size": 2, "fully_shard": True}, LORA, marks=pytest.mark.full),
     ],
     ids=["full_fully_shard_dp4", "lora_dp2_tp2_fully_shard"],
 )

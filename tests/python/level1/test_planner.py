@@ -74,6 +74,8 @@ def test_deepseek_v32_fits_80_gb_on_256_ranks_with_recomputation_on_cuda():
     assert "fits 80.0 GB per rank" in out and "DOES NOT FIT" not in out, out
 
 
+# make test-full (make test's 40-minute budget; the pp planner's arithmetic is unit-tested in test_planner_pp.py)
+@pytest.mark.full
 def test_deepseek_v32_pipeline_fits_80_gb_on_256_ranks():
     # issue 46: pp=16 x dp=2 x ep=8, 1F1B over 32 microbatches; each distinct stage planned at its depth
     # (docs/planner.md, Pipeline parallelism): the largest stage is stage 1 (stage 0 holds the dense layers).
@@ -88,6 +90,8 @@ def test_deepseek_v32_pipeline_fits_80_gb_on_256_ranks():
     assert "pp send/recv" in out and "estimated step" in out, out
 
 
+# make test-full (make test's 40-minute budget; the npu stand-in is unit-tested in test_planner_parts.py)
+@pytest.mark.full
 def test_deepseek_v32_fits_64_gb_on_512_ranks_on_ascend_910b():
     # issue 44: --device npu (npu_fusion_attention on meta: softmax_max / softmax_sum [B, N, S, 8] fp32
     # kept, no S x S scores), dp=64 x ep=8 = 512 ranks, full recomputation, the 910B's figures

@@ -236,6 +236,9 @@ def test_pipeline_checkpoint_resumes_without_pp(fixtures, reference, tmp_path):
     torch.testing.assert_close(losses(out), losses(reference), rtol=1e-5, atol=0)
 
 
+# make test-full (make test's 40-minute budget; hs.from_pretrained with pp is in make test through
+# test_pipelining_checkpoint.py)
+@pytest.mark.full
 def test_model_directory_on_a_pipeline_is_read_by_stage(fixtures, reference, tmp_path):
     """--model DIR on --mesh pp=2,dp=2: hs.from_pretrained with a pp axis, each rank reading only its
     stage's shards; the run equals the plain tp=2 run from the same folder (rtol 1e-5: summation order)."""
