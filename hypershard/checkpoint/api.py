@@ -10,7 +10,9 @@ values are not the tensor's; reduce them first).
 On top of DCP this module adds only what DCP lacks:
 
 - ``save(directory, model, optimizer, step=..., extra=...)``: model and optimizer state (the
-  optimizer's keyed by parameter NAME, so it loads into a differently built optimizer), every
+  optimizer's keyed by parameter NAME, so it loads into a differently built optimizer; an
+  hs.offload_optimizer's host state is saved in its parameters' layouts, like the device
+  optimizer's, so either resumes the other), every
   rank's RNG states and the caller's ``extra`` (data position, scheduler, ...), written into a
   temporary folder that becomes ``step_N`` -- with its COMPLETE marker -- only once every rank
   finished: a failure on one rank (a full disk) raises on every rank naming it, and a crash
@@ -140,14 +142,25 @@ def model_state_dict(model: torch.nn.Module) -> dict:
     return model.state_dict()
 
 
+def _offloaded(optimizer: torch.optim.Optimizer) -> bool:
+    """hs.offload_optimizer's: its param_groups hold host copies of the parameters' local shards,
+    each standing for a model parameter (parameter_of), and its state_dict is in the parameters'
+    layouts, so it saves and loads like the device optimizer's (docs/checkpoint.md)."""
+    from ..fsdp.offload import OffloadedOptimizer
+
+    return isinstance(optimizer, OffloadedOptimizer)
+
+
 def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list:
     """The names of the optimizer's parameters in the order optimizer.state_dict() numbers them."""
     names = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), name)
+    stands_for = optimizer.parameter_of if _offloaded(optimizer) else (lambda param: param)
     ordered = []
     for group in optimizer.param_groups:
         for param in group["params"]:
+            param = stands_for(param)
             if id(param) not in names:
                 raise _error(
                     "the optimizer holds a parameter that is not one of the model's; pass the model "
@@ -189,7 +202,9 @@ def _allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Gives every parameter without optimizer state its state (the layouts a step would create),
     so DCP has tensors to load into: one step with zero gradients and learning rate 0 on those
     parameters only (the others' gradients are set aside meanwhile, so their state is untouched).
-    A zero step leaves parameters unchanged: AdamW multiplies by 1 - 0 * wd and adds 0."""
+    A zero step leaves parameters unchanged: AdamW multiplies by 1 - 0 * wd and adds 0.
+    hs.offload_optimizer's host optimizer takes that step on its host copies (its own step would
+    copy the device gradients over them)."""
     missing = [
         p for group in optimizer.param_groups for p in group["params"] if p.requires_grad and not optimizer.state.get(p)
     ]
@@ -205,7 +220,7 @@ def _allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             for p in group["params"]:
                 saved_grads[id(p)] = (p, p.grad)
                 p.grad = torch.zeros_like(p) if id(p) in missing_ids else None
-        optimizer.step()
+        (optimizer.inner if _offloaded(optimizer) else optimizer).step()
     finally:
         for group, lr in zip(optimizer.param_groups, saved_lrs):
             group["lr"] = lr

@@ -30,9 +30,18 @@ result equals the plain optimizer bit for bit (tests/python/level1/test_recomput
 
 Gradient clipping, gradient accumulation and anything else that reads ``param.grad`` work
 before ``step()`` as usual (they see the device gradients). Learning-rate schedulers work: this
-is a ``torch.optim.Optimizer`` whose ``param_groups`` are the host optimizer's. ``state_dict()``
-holds the host optimizer's state (plain tensors of the local shards, per rank); it is not the
-DTensor state ``hypershard.checkpoint`` saves.
+is a ``torch.optim.Optimizer`` whose ``param_groups`` are the host optimizer's.
+
+``state_dict()`` has the form the same optimizer on the model's parameters would give: a state
+tensor of its parameter's shape (AdamW's exp_avg, exp_avg_sq) is a DTensor in that parameter's
+layout whose local shard IS the host tensor (no copy), and "step" is as torch keeps it. So
+``hypershard.checkpoint`` saves it like the device optimizer's state: DCP entries keyed by
+parameter name, each rank writing only its shards from host memory, and a load reads into the
+host tensors in place. A checkpoint saved with offload resumes without it and the reverse, on any
+mesh (docs/checkpoint.md). ``load_state_dict`` takes that form (or the device optimizer's, in the
+parameters' layouts) and then re-reads the host masters from the parameters, which a checkpoint
+load restored first: the masters stand for the parameters and must hold their values, not those
+of the model the optimizer was built on.
 """
 
 from __future__ import annotations
@@ -64,7 +73,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise _error("no parameters to optimize")
         if not isinstance(groups[0], dict):
             groups = [{"params": groups}]
-        self._pairs: list = []  # (device parameter, host master)
+        self._pairs: list = []  # (device parameter, host master), in param_groups' order
+        self._parameter_of: dict = {}  # id(host master) -> device parameter
         host_groups = []
         for group in groups:
             host = []
@@ -79,6 +89,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 master.copy_(local)
                 master.requires_grad_(p.requires_grad)
                 self._pairs.append((p, master))
+                self._parameter_of[id(master)] = p
                 host.append(master)
             host_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": host})
         self.inner = optimizer_cls(host_groups, **kwargs)
@@ -119,13 +130,67 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 p.grad.zero_()
         self.inner.zero_grad(set_to_none=set_to_none)
 
+    def parameter_of(self, master: torch.Tensor) -> torch.Tensor:
+        """The model parameter that the host tensor `master` (one of ``param_groups``' params) stands
+        for: hypershard.checkpoint names the optimizer's state by the model's names through it."""
+        return self._parameter_of[id(master)]
+
     def state_dict(self) -> dict:
-        return self.inner.state_dict()
+        """The host optimizer's state_dict with each parameter-shaped state tensor viewed as a DTensor
+        in its parameter's layout (see the module docstring); positions number the parameters as
+        ``param_groups`` do, as in any torch optimizer."""
+        state = self.inner.state_dict()
+        return {
+            "state": {
+                i: {key: self._distributed(self._pairs[i], key, value) for key, value in entry.items()}
+                for i, entry in state["state"].items()
+            },
+            "param_groups": state["param_groups"],
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.inner.load_state_dict(state_dict)
+        """Loads a state_dict of ``state_dict()``'s form (DTensors in the parameters' layouts, or
+        plain tensors of the local shards), then copies every parameter's local shard into its host
+        master (see the module docstring)."""
+        state = {
+            i: {key: self._host(self._pairs[i], key, value) for key, value in entry.items()}
+            for i, entry in state_dict["state"].items()
+        }
+        self.inner.load_state_dict({**state_dict, "state": state})
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
+        self._read_masters()
+
+    @torch.no_grad()
+    def _read_masters(self) -> None:
+        """Every host master := its parameter's local shard (host <- device, N * b bytes, once)."""
+        for p, master in self._pairs:
+            master.copy_(_local(p.detach()))
+
+    @staticmethod
+    def _is_per_element(pair: tuple, key: str, value: Any) -> bool:
+        # torch's own rule (Optimizer._process_value_according_to_param_policy): every tensor but
+        # "step" follows its parameter; here, those of the parameter's local shape.
+        _, master = pair
+        return key != "step" and isinstance(value, torch.Tensor) and value.shape == master.shape
+
+    def _distributed(self, pair: tuple, key: str, value: Any) -> Any:
+        p, _ = pair
+        if not _C.is_dtensor(p) or _C.is_dtensor(value) or not self._is_per_element(pair, key, value):
+            return value
+        return _C.from_local(value, _C.device_mesh_of(p), _C.layout_of(p))
+
+    def _host(self, pair: tuple, key: str, value: Any) -> Any:
+        p, master = pair
+        if not (isinstance(value, torch.Tensor) and _C.is_dtensor(value)):
+            return value
+        if not _C.is_dtensor(p) or _C.layout_of(value) != _C.layout_of(p):
+            raise _error(
+                f"state {key!r} of a parameter is a DTensor of layout {_C.layout_of(value)}, the parameter's is "
+                f"{_C.layout_of(p) if _C.is_dtensor(p) else 'a plain tensor'}; allowed: the parameter's layout "
+                "(hypershard.checkpoint.load reshards a saved state onto any mesh)"
+            )
+        return _C.local_of(value).detach().to(device="cpu", dtype=master.dtype)
 
 
 def offload_optimizer(

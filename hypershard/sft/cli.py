@@ -95,6 +95,12 @@ def parser() -> argparse.ArgumentParser:
         "optimizer states 1/dp per rank)",
     )
     p.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="hs.offload_optimizer: AdamW's state and step on the host, the gradients copied there and "
+        "the updated parameters back each step (docs/fully_shard.md); checkpoints resume with or without it",
+    )
+    p.add_argument(
         "--mixed-precision",
         default="auto",
         choices=("auto", "bf16", "none"),

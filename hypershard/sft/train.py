@@ -404,7 +404,12 @@ def _run_rank(rank: int, world: int, args) -> dict:
         model = pipe = _pipeline_model(args, mesh, len(tokenizer))
     else:
         model = distributed_model(args, mesh, len(tokenizer))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    if getattr(args, "offload_optimizer", False):
+        optimizer = hs.offload_optimizer(
+            model.parameters(), torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay
+        )
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup, args.min_lr_ratio))
     start, records, resumed_from = 0, [], None
     if args.resume or (getattr(args, "auto_resume", False) and _has_checkpoint(args)):

@@ -190,6 +190,22 @@ def test_fully_sharded_run_and_resume_without_it(fixtures, reference, tmp_path):
     torch.testing.assert_close(losses(first), losses(reference), rtol=1e-5, atol=0)
 
 
+# make test-full: two 4-rank launches (212 s on the shared 2-core machine); the offloaded optimizer's
+# checkpoint and resume are in make test through test_offload_checkpoint.py, with planted faults.
+@pytest.mark.full
+def test_offloaded_optimizer_run_and_resume(fixtures, reference, tmp_path):
+    """--offload-optimizer (hs.offload_optimizer: AdamW's state and step on the host) with --fully-shard,
+    stopped after step 2, then resumed with the offloaded optimizer on the plain dp=2 x tp=2 model (its
+    host state read from the fully sharded checkpoint into the tp layouts): the reference's losses up
+    to summation order (rtol 1e-5, as in every level1 comparison). Step 4's loss follows a step taken
+    with the loaded AdamW state."""
+    out = tmp_path / "offload"
+    ok(sft(fixtures, out, "--fully-shard", "--offload-optimizer", "--stop-after", "2"))
+    torch.testing.assert_close(losses(out), losses(reference)[:2], rtol=1e-5, atol=0)
+    ok(sft(fixtures, out, "--offload-optimizer", "--resume"))
+    torch.testing.assert_close(losses(out), losses(reference), rtol=1e-5, atol=0)
+
+
 def test_model_directory_is_loaded_shard_by_shard(fixtures, reference, tmp_path):
     """--model DIR (the reference run's HF export: safetensors written by hypershard.checkpoint.export_hf)
     goes through hs.from_pretrained, each rank reading only its shards; fully sharded on dp=2 x tp=2 and
