@@ -34,6 +34,7 @@ from ..parallel.inputs import _rope_index, _shard_inputs
 from ..tensor.axes import note_axes_used
 from ..tensor.dtensor import DTensor, distribute_tensor
 from ..tensor.placement_types import Replicate, Shard
+from .recompute_and_precision import apply_stage_options, stage_options
 from .split import SCHEDULES, StageSpec, _fail, check_schedule, image_token_counts, split_model, stage_model, text_model
 
 __all__ = ["Pipeline", "StageModule", "pipeline"]
@@ -205,9 +206,13 @@ class Pipeline:
         pp_axis: str = "pp",
         dp_axis: Union[str, Sequence[str]] = "dp",
         fully_shard: bool = False,
+        recompute: Optional[str] = None,
+        mixed_precision=None,
         **parallelize_kwargs,
     ):
         from torch.distributed import pipelining
+
+        recompute_mode, policy = stage_options(recompute, mixed_precision)
 
         names = list(mesh.mesh_dim_names) if mesh is not None else []
         if mesh is not None and pp_axis not in names:
@@ -241,6 +246,7 @@ class Pipeline:
             module = StageModule(part, spec, self.submesh, self.dp_axes)
             if fully_shard:
                 _fully_shard_stage(module, self.submesh, dp_names)
+            apply_stage_options(module, recompute_mode, policy)  # hypershard.pipelining.recompute_and_precision
             self.modules.append(module)
             if mesh is not None:
                 self.stages.append(
@@ -407,7 +413,10 @@ def pipeline(
     the rest of the mesh with hs.parallelize and returns the Pipeline (its stages and schedule).
     `stages_per_rank`: virtual stages per rank (default 2 for interleaved_1f1b, else 1).
     `fully_shard=True`: each stage's decoder layers, then its root, hs.fully_shard'ed over the dp
-    axis (gathered per microbatch, gradients reduce-scattered once per step; docs/pipelining.md)."""
+    axis (gathered per microbatch, gradients reduce-scattered once per step; docs/pipelining.md).
+    `recompute="full" | "selective"`: hs.recompute on each stage's decoder layers, after fully_shard;
+    `mixed_precision=True` (bf16 compute, fp32 masters and gradient sums) or a hs.MixedPrecisionPolicy:
+    hs.mixed_precision on each stage, last (hypershard.pipelining.recompute_and_precision)."""
     if stages_per_rank is None:
         stages_per_rank = 2 if schedule == "interleaved_1f1b" else 1
     return Pipeline(

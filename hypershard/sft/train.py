@@ -293,32 +293,28 @@ def check_pipeline(args) -> None:
 
 def _pipeline_model(args, mesh, vocab: int):
     """The model split into pipeline stages over the pp axis (hs.pipeline), each stage parallelized on
-    the rest of the mesh (and with --fully-shard, each stage's layers and root fully sharded over dp)."""
+    the rest of the mesh; with --fully-shard its layers and root fully sharded over dp, then
+    --recompute and --mixed-precision applied to each stage (docs/pipelining.md). A --model folder
+    is read by hs.from_pretrained with the pp axis, each rank only its stages' shards."""
     import hypershard as hs
 
-    fully = getattr(args, "fully_shard", False)
-    if Path(args.model).is_dir() and not fully:
-        # hs.from_pretrained with a pp axis: each rank reads only its stages' shards
+    options = dict(
+        n_microbatches=args.microbatches,
+        schedule=args.pp_schedule,
+        fully_shard=getattr(args, "fully_shard", False),
+        recompute=None if getattr(args, "recompute", "none") == "none" else args.recompute,
+        mixed_precision=precision_of(args) == "bf16",
+    )
+    if Path(args.model).is_dir():
         size = json.loads((Path(args.model) / "config.json").read_text()).get("vocab_size", vocab)
         if size < vocab:
             fail(
                 f"model {args.model!r} has {size} embeddings, fewer than the tokenizer's {vocab} tokens",
                 "a tokenizer whose vocabulary the model covers",
             )
-        pipe = hs.from_pretrained(
-            args.model, mesh, n_microbatches=args.microbatches, schedule=args.pp_schedule, dtype=torch.float32
-        )
-        return pipe.train()
-    # Whole on every rank before the split: a tiny type (built from a seed), or a --model folder with
-    # --fully-shard (hs.from_pretrained does not fully shard pipeline stages yet; docs/pipelining.md)
-    model = build_model(args.model, vocab, args.seed, args.cutoff_len)
-    return hs.pipeline(
-        model,
-        mesh,
-        n_microbatches=args.microbatches,
-        schedule=args.pp_schedule,
-        fully_shard=fully,
-    )
+        return hs.from_pretrained(args.model, mesh, dtype=torch.float32, **options).train()
+    # a tiny type, built from a seed whole on every rank before the split
+    return hs.pipeline(build_model(args.model, vocab, args.seed, args.cutoff_len), mesh, **options)
 
 
 def distributed_model(args, mesh, vocab: int):

@@ -194,9 +194,11 @@ def test_qwen3_pp2_dp2_checkpoint_resumes_on_dp2_tp2_strict():
     assert_all_passed(run_cases(cases, backend="hypershard", timeout=400))
 
 
-def from_pretrained_trainer():
+def from_pretrained_trainer(fully_shard=False):
     """hs.from_pretrained on pp2 x dp2: each rank reads only its stage's tensors (the other stage's
-    keys are its unused ones), equal bit for bit to the saved model, then trains like one device."""
+    keys are its unused ones), equal bit for bit to the saved model, then trains like one device.
+    With fully_shard=True each stage's layers and root are fully sharded over dp on meta, so a rank
+    reads exactly half its stage's bytes (every dim 0 of the tiny Qwen3 is even)."""
 
     def reference(_dummy):
         from hypershard.testing.models import tiny_model, train
@@ -220,7 +222,9 @@ def from_pretrained_trainer():
             if dist.get_rank() == 0:
                 tiny_model(config).save_pretrained(root)
             dist.barrier()
-            pipe = hs.from_pretrained(root, current_mesh(), n_microbatches=MICROBATCHES, schedule="1f1b")
+            pipe = hs.from_pretrained(
+                root, current_mesh(), n_microbatches=MICROBATCHES, schedule="1f1b", fully_shard=fully_shard
+            )
             assert isinstance(pipe, hs.pipelining.Pipeline), type(pipe)
             report = pipe.hs_load_report
             names = {n for n, _ in pipe.named_parameters()}
@@ -230,7 +234,11 @@ def from_pretrained_trainer():
             assert set(report.unused_keys) == set(expected.initial) - mine, report.unused_keys[:5]
             assert not report.initialized, report.initialized[:5]
             total = sum(t.numel() * 4 for t in expected.initial.values())  # float32 files
-            assert report.bytes_read == report.local_bytes < total, (report.bytes_read, report.local_bytes, total)
+            stage_bytes = sum(expected.initial[n].numel() * 4 for n in mine)
+            want = stage_bytes // 2 if fully_shard else stage_bytes
+            assert report.bytes_read == report.local_bytes == want, (report.bytes_read, report.local_bytes, want)
+            groups = [m for s in pipe.modules for m in s.modules() if hasattr(m, "_hs_fully_shard")]
+            assert len(groups) == (3 if fully_shard else 0), len(groups)  # 2 layers and the root
             for name, p in pipe.named_parameters():
                 assert isinstance(p, hs.DTensor), name
                 assert torch.equal(_full(p), expected.initial[name]), name
@@ -245,7 +253,7 @@ def from_pretrained_trainer():
         problems, worst = check_training(got, _only(expected, names))
         assert not problems, "\n".join(problems)
         _report(
-            "from_pretrained",
+            "from_pretrained_fully_shard" if fully_shard else "from_pretrained",
             "pp",
             expected.losses,
             got.losses,
@@ -257,8 +265,8 @@ def from_pretrained_trainer():
 
 
 def test_qwen3_from_pretrained_pp2_dp2_reads_only_its_stage_strict():
-    assert_all_passed(
-        run_cases(
-            [_case("qwen3_from_pretrained_pp2_dp2", *from_pretrained_trainer())], backend="hypershard", timeout=400
-        )
-    )
+    cases = [
+        _case("qwen3_from_pretrained_pp2_dp2", *from_pretrained_trainer()),
+        _case("qwen3_from_pretrained_pp2_dp2_fully_shard", *from_pretrained_trainer(fully_shard=True)),
+    ]
+    assert_all_passed(run_cases(cases, backend="hypershard", timeout=400))
