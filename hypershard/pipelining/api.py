@@ -1,10 +1,11 @@
 """hs.pipeline: a HuggingFace decoder model split into pipeline stages (hypershard.pipelining.split),
 each stage's parameters hypershard DTensors on its sub-mesh (the mesh without the pp axis, laid out
-by hs.parallelize: dp, tp, ep), run by torch.distributed.pipelining's own stages and schedules
+by hs.parallelize: dp, tp, ep, cp), run by torch.distributed.pipelining's own stages and schedules
 (GPipe, 1F1B, Interleaved1F1B) over the pp axis's process group.
 
 What crosses a stage boundary: the LOCAL tensor of the hidden states, in the boundary layout
-(the batch dim sharded over the dp axes, Replicate elsewhere); the receiver rebuilds the DTensor
+(the batch dim sharded over the dp axes, the sequence dim over cp, Replicate elsewhere: each rank
+sends its own sequence shard; hypershard.pipelining.context); the receiver rebuilds the DTensor
 from it and that layout with DTensor.from_local (no gather, no collective). A stage whose output is
 laid out otherwise (a Partial left by a row-parallel layer, say) is redistributed to the boundary
 layout first.
@@ -30,10 +31,12 @@ from torch import nn
 
 from .. import _C
 from ..parallel import parallelize
+from ..parallel.context import natural_order_reason
 from ..parallel.inputs import _rope_index, _shard_inputs
 from ..tensor.axes import note_axes_used
 from ..tensor.dtensor import DTensor, distribute_tensor
 from ..tensor.placement_types import Replicate, Shard
+from .context import check_sequence, later_stage_inputs, local_targets
 from .recompute_and_precision import apply_stage_options, stage_options
 from .split import SCHEDULES, StageSpec, _fail, check_schedule, image_token_counts, split_model, stage_model, text_model
 
@@ -51,20 +54,31 @@ class StageModule(nn.Module):
     first microbatch's inputs), and a counter then handed every microbatch the next one's images
     and position ids (the Qwen3-VL-MoE pp2 x dp2 error of issue 46)."""
 
-    def __init__(self, model: nn.Module, spec: StageSpec, mesh=None, dp_axes: Sequence[int] = ()):
+    def __init__(
+        self,
+        model: nn.Module,
+        spec: StageSpec,
+        mesh=None,
+        dp_axes: Sequence[int] = (),
+        cp_axis: Optional[int] = None,
+        head_tail: bool = False,
+    ):
         super().__init__()
         self.model = model
         self.spec = spec
         self.mesh = mesh
         self.dp_axes = list(dp_axes)
+        self.cp_axis = cp_axis  # the sequence sharded over it (hypershard.pipelining.context)
         self.side: list = []
         self.microbatch = 0
-        self._shard = _shard_inputs(mesh, self.dp_axes) if mesh is not None else None
+        self._shard = _shard_inputs(mesh, self.dp_axes, cp_axis, head_tail) if mesh is not None else None
 
     def boundary(self) -> list:
         placements: list = [Replicate()] * self.mesh.ndim
         for axis in self.dp_axes:
             placements[axis] = Shard(0)
+        if self.cp_axis is not None:  # each rank's sequence shard crosses the boundary
+            placements[self.cp_axis] = Shard(1)
         return placements
 
     def dp_size(self) -> int:
@@ -86,16 +100,23 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         side = dict(self.side[self.microbatch]) if self.microbatch < len(self.side) else {}
         images = side.pop("images", {})
-        self._position_ids(side)
+        if self.cp_axis is None:  # with cp, the input hook lays them out (batch over dp, sequence over cp)
+            self._position_ids(side)
         if self.spec.first:
             kwargs = {"input_ids": x, **images, **side}
             if self._shard is not None:
                 _, kwargs = self._shard(self.model, (), kwargs)
-            hidden = self.model.model(**kwargs, use_cache=False).last_hidden_state
+            kwargs["use_cache"] = False  # (the cp input hook sets it too)
+            hidden = self.model.model(**kwargs).last_hidden_state
         else:
             if self._shard is not None:
-                _, side = self._shard(self.model, (), side)
-                shape = [x.shape[0] * self.dp_size(), *x.shape[1:]]
+                cp = self.mesh.shape[self.cp_axis] if self.cp_axis is not None else 1
+                shape = [x.shape[0] * self.dp_size(), x.shape[1] * cp, *x.shape[2:]]
+                if self.cp_axis is None:
+                    _, side = self._shard(self.model, (), side)
+                else:
+                    side = later_stage_inputs(self._shard, self.model, side, shape[0], shape[1])
+                side.pop("use_cache", None)
                 x = DTensor.from_local(x, self.mesh, self.boundary(), shape=shape)
             hidden = text_model(self.model)(inputs_embeds=x, use_cache=False, **side).last_hidden_state
         out = self.model.lm_head(hidden) if self.spec.last else hidden
@@ -205,6 +226,8 @@ class Pipeline:
         stages_per_rank: int = 1,
         pp_axis: str = "pp",
         dp_axis: Union[str, Sequence[str]] = "dp",
+        cp_axis: str = "cp",
+        cp_load_balance: Optional[bool] = None,
         fully_shard: bool = False,
         recompute: Optional[str] = None,
         mixed_precision=None,
@@ -234,6 +257,14 @@ class Pipeline:
         dp_names = [dp_axis] if isinstance(dp_axis, str) else list(dp_axis)
         self.dp_axes = [rest.index(a) for a in dp_names if a in rest]
         self.pp_group = mesh.group(pp_index) if mesh is not None else None
+        # a cp axis: the sequence sharded over it in every stage (hypershard.pipelining.context);
+        # head-tail order decided once from the whole model, so every stage stores it alike
+        self.cp_axis = rest.index(cp_axis) if cp_axis in rest else None
+        if self.cp_axis is not None and cp_load_balance is None:
+            cp_load_balance = natural_order_reason(model) is None
+        self.head_tail = bool(self.cp_axis is not None and cp_load_balance)
+        if self.cp_axis is not None and fully_shard:
+            _fail("fully_shard inside a stage with a cp axis is not supported yet", "fully_shard on a pp x dp mesh")
         self.modules: list = []
         self.stages: list = []
         for spec in self.specs:
@@ -241,9 +272,17 @@ class Pipeline:
                 continue
             part = stage_model(model, spec)
             if self.submesh is not None:
-                parallelize(part, self.submesh, shard_inputs=False, dp_axis=dp_names, **parallelize_kwargs)
+                parallelize(
+                    part,
+                    self.submesh,
+                    shard_inputs=False,
+                    dp_axis=dp_names,
+                    cp_axis=cp_axis,
+                    cp_load_balance=cp_load_balance,
+                    **parallelize_kwargs,
+                )
                 note_axes_used(self.submesh, [rest[a] for a in self.dp_axes])
-            module = StageModule(part, spec, self.submesh, self.dp_axes)
+            module = StageModule(part, spec, self.submesh, self.dp_axes, self.cp_axis, self.head_tail)
             if fully_shard:
                 _fully_shard_stage(module, self.submesh, dp_names)
             apply_stage_options(module, recompute_mode, policy)  # hypershard.pipelining.recompute_and_precision
@@ -294,8 +333,9 @@ class Pipeline:
 
     # ------------------------------------------------------------------ a step
 
-    def check_batch(self, batch: int) -> None:
-        """The batch checks, on every rank before any collective."""
+    def check_batch(self, batch: int, length: Optional[int] = None) -> None:
+        """The batch checks (and with a cp axis the sequence length's), on every rank before any
+        collective."""
         n = self.n_microbatches
         if batch % n:
             _fail(f"{n} microbatches do not divide the batch of {batch}", f"a divisor of {batch}")
@@ -307,10 +347,21 @@ class Pipeline:
                 f"a microbatch of {batch // n} samples cannot be split evenly over dp size {dp}",
                 f"microbatches of a multiple of {dp} samples",
             )
+        if length is not None:
+            check_sequence(length, self.submesh, self.cp_axis, self.head_tail)
 
     def _microbatch_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """HF's causal-LM loss of this rank's tokens of one microbatch, summed and divided by the
         global batch's trained tokens."""
+        if self.cp_axis is not None:  # the targets shifted over the whole sequence, then this rank's block
+            targets = local_targets(labels, self.submesh, self.dp_axes, self.cp_axis, self.head_tail)
+            return self._loss_function(
+                logits=logits,
+                labels=targets,
+                shift_labels=targets,
+                vocab_size=self._vocab_size,
+                num_items_in_batch=self._num_items,
+            )
         if self.submesh is not None:
             labels = _dp_chunk(labels, self.submesh, self.dp_axes)
         return self._loss_function(
@@ -337,7 +388,7 @@ class Pipeline:
         device's loss over it. Gradients accumulate into the stages' parameters' .grad."""
         if self.schedule is None:
             _fail("a pipeline without a mesh cannot run a schedule", "a mesh with a pp axis")
-        self.check_batch(input_ids.shape[0])
+        self.check_batch(input_ids.shape[0], input_ids.shape[-1])
         unknown = set(inputs) - {"pixel_values", "image_grid_thw", "mm_token_type_ids"}
         if unknown:
             _fail(f"inputs {sorted(unknown)} are not passed through the pipeline", "input_ids, labels and images")
@@ -360,7 +411,7 @@ class Pipeline:
         total = torch.zeros((), dtype=torch.float64)
         if last:
             total = sum(loss.detach().to(torch.float64) for loss in losses)
-            for axis in self.dp_axes:
+            for axis in self.dp_axes + ([self.cp_axis] if self.cp_axis is not None else []):
                 dist.all_reduce(total, group=self.submesh.group(axis))
         dist.broadcast(total, group=self.pp_group, group_src=self.specs[-1].rank)
         return float(total)

@@ -265,15 +265,15 @@ def check_pipeline(args) -> None:
             ("--fully-shard without a dp axis", getattr(args, "fully_shard", False) and "dp" not in names),
             # the export gathers one whole model: the stages' ranks would each hold only their part
             ("--export-hf", args.export_hf),
-            ("a cp axis", "cp" in names),
+            ("--fully-shard with a cp axis", getattr(args, "fully_shard", False) and "cp" in names),
         )
         if on
     ]
     if unsupported:
         fail(
             f"a pp axis with {', '.join(unsupported)}",
-            "pp with dp, tp, ep and --fully-shard, checkpoints and --resume (a pipeline's checkpoint "
-            "resumes on any mesh); --export-hf after resuming the checkpoint without pp",
+            "pp with dp, tp, ep, cp and --fully-shard (without cp), checkpoints and --resume (a pipeline's "
+            "checkpoint resumes on any mesh); --export-hf after resuming the checkpoint without pp",
         )
     from hypershard.pipelining import PipelineError, check_schedule
 
@@ -425,8 +425,10 @@ def _run_rank(rank: int, world: int, args) -> dict:
     multiple = 2 * axis_size(args.mesh, "cp") if context_parallel else 1
     if pipe is not None:
         # torch's pipeline stages size their boundary buffers from the first step's batch: every
-        # batch padded to the dataset's longest example (each one a multiple of it: exactly it)
-        multiple = max(len(ids) for ids, _ in examples)
+        # batch padded to the dataset's longest example (each one a multiple of it: exactly it),
+        # rounded up to the cp multiple
+        longest = max(len(ids) for ids, _ in examples)
+        multiple = -(-longest // multiple) * multiple
 
     bar = None
     if rank == 0:

@@ -11,8 +11,22 @@ then over dp); the norm for clipping is summed over the stages of the pp axis. N
 order of float32 additions differs -- the case training.py's tolerances are argued for.
 
 A planted fault (one microbatch's loss divided by its own tokens instead of the global batch's:
-HF's default mean) must fail the same checks."""
+HF's default mean) must fail the same checks.
 
+Context parallelism inside the stages (pp2 x cp2): besides the microbatching, the sequence is
+sharded over cp. With all-gather-KV every query's softmax still runs over all keys (only the
+kernel call's blocking differs); Ulysses moves the sharding to the heads and back (exact copies);
+ring merges per-block partial softmaxes with exp(m_i - m) rescalings, exact in real arithmetic and
+a few u in float32; the parameters' gradients add the cp ranks' contributions (another order of
+the same sum); the loss adds the ranks' token sums before the one division by the global count.
+So again only float32 rounding of the same sums differs: the same tolerances (those of
+test_context_parallel.py). Qwen3.5's dt_bias and A_log gradients nearly cancel (sums over tokens,
+training.py's module docstring): its case compares gradients with the float64 one-device run
+(check_training's `exact`), as test_linear_attention_cp.py does. Planted fault: each rank's labels
+block shifted on its own (after the permutation and the cp split) instead of over the whole
+natural-order sequence first -- the targets at the shard boundaries are wrong."""
+
+import pytest
 import torch
 
 from hypershard.testing import Case, Input, assert_all_passed, current_mesh, run_cases
@@ -73,7 +87,68 @@ def _drop_one_microbatch_scaling(pipe):
     pipe.schedule._loss_fn = loss
 
 
-def trainer(model_type, schedule, n_microbatches, batch, overrides=None, images=False, fault=None, **pipe_kwargs):
+def _shift_each_shard(pipe):
+    """Each rank's block of the labels (permuted, split over dp and cp) shifted by one on its own,
+    instead of shifting over the whole natural-order sequence before the permutation."""
+    from hypershard.parallel.context import shift_labels, to_head_tail
+
+    mesh, cp = pipe.submesh, pipe.cp_axis
+
+    def loss(logits, labels):
+        if pipe.head_tail:
+            labels = to_head_tail(labels, 1, 2 * mesh.shape[cp])
+        for axis in pipe.dp_axes:
+            labels = labels.chunk(mesh.shape[axis], 0)[mesh.coordinate(axis)]
+        targets = shift_labels(labels.chunk(mesh.shape[cp], 1)[mesh.coordinate(cp)].contiguous())
+        return pipe._loss_function(
+            logits=logits,
+            labels=targets,
+            shift_labels=targets,
+            vocab_size=pipe._vocab_size,
+            num_items_in_batch=pipe._num_items,
+        )
+
+    pipe._microbatch_loss = loss
+    pipe.schedule._loss_fn = loss
+
+
+def _refuses_an_unsplittable_sequence(pipe, ids, labels):
+    """A sequence the cp shards cannot split evenly: one line on every rank, before any collective
+    (a rank that went on would hang its peers: the case's timeout)."""
+    from hypershard.pipelining import PipelineError
+
+    cp = pipe.submesh.shape[pipe.cp_axis]
+    parts = 2 * cp if pipe.head_tail else cp
+    cut = ids.shape[1] - parts // 2
+    with pytest.raises(PipelineError) as error:
+        pipe.step(ids[:, :cut], labels[:, :cut])
+    assert str(error.value) == (
+        f"hypershard: pipeline: a sequence of {cut} tokens cannot be split over cp={cp} in "
+        + (f"head-tail order of {parts} chunks (2 x cp)" if pipe.head_tail else f"{parts} equal shards (natural order)")
+        + f"; allowed: sequences padded to a multiple of {parts}"
+    ), error.value
+
+
+def _boundary_shapes(pipe) -> list:
+    """The shapes of what this rank's stages other than the last return to torch's stage (what it
+    sends to the next stage), recorded by forward hooks; each must be a plain (local) tensor."""
+    import hypershard as hs
+
+    shapes = []
+
+    def record(module, args, out):
+        assert not hs._C.is_dtensor(out), type(out)
+        shapes.append(tuple(out.shape))
+
+    for module in pipe.modules:
+        if not module.spec.last:
+            module.register_forward_hook(record)
+    return shapes
+
+
+def trainer(
+    model_type, schedule, n_microbatches, batch, overrides=None, images=False, fault=None, seq=16, **pipe_kwargs
+):
     def setup():
         from hypershard.testing.models import (
             IMAGE_TOKEN,
@@ -87,7 +162,7 @@ def trainer(model_type, schedule, n_microbatches, batch, overrides=None, images=
             config = tiny_config(model_type, image_token_id=IMAGE_TOKEN, vision_start_token_id=VISION_START)
             return config, make_image_batches(STEPS, batch=batch)
         config = tiny_config(model_type, **(overrides or {}))
-        return config, make_batches(config.vocab_size, STEPS, batch=batch, seq=16)
+        return config, make_batches(config.vocab_size, STEPS, batch=batch, seq=seq)
 
     def reference(_dummy):
         from hypershard.testing.models import tiny_model, train
@@ -103,6 +178,8 @@ def trainer(model_type, schedule, n_microbatches, batch, overrides=None, images=
         assert hs.is_strict()
         config, batches = setup()
         expected = record_training(tiny_model(config), batches)
+        exact = record_training(tiny_model(config).double(), batches) if model_type == "qwen3_5_text" else None
+        cp = "cp" in current_mesh().mesh_dim_names
         pipe = hs.pipeline(
             tiny_model(config), current_mesh(), n_microbatches=n_microbatches, schedule=schedule, **pipe_kwargs
         )
@@ -117,10 +194,34 @@ def trainer(model_type, schedule, n_microbatches, batch, overrides=None, images=
             group.cgroup.reset_stats()
             for p in group.params:  # stored sharded on dim 0 over dp (the stage's mesh is (dp,))
                 assert list(hs.layout_of(p).dim_axes[0]) == [0], hs.layout_of(p)
+        if cp:
+            # head-tail order for sdpa Qwen3, natural for Qwen3.5 (its linear attention), as parallelize decides
+            assert pipe.head_tail == (model_type == "qwen3")
+            assert pipe.submesh.load_balanced_sequence_axis == (pipe.cp_axis if pipe.head_tail else -1)
+            _refuses_an_unsplittable_sequence(pipe, *batches[0])
+            sent = _boundary_shapes(pipe)
+            hs._C.reset_cp_attention_calls()
+            hs._C.reset_dispatch_stats()
         hs._C.reset_grad_sync_stats()
         got = _record(pipe, batches)
-        problems, worst = check_training(got, _only(expected, names))
+        problems, worst = check_training(got, _only(expected, names), _only(exact, names) if exact else None)
         stats = hs._C.grad_sync_stats()
+        if cp:
+            calls, dispatch = hs._C.cp_attention_calls(), hs._C.dispatch_stats()
+            pipe.submesh.load_balanced_sequence_axis = -1  # the cases of one launch share the mesh
+            pipe.submesh.cp_algorithm = "all_gather_kv"
+            algorithm = pipe_kwargs.get("cp_algorithm", "all_gather_kv")
+            # the stage holding a full-attention layer ran every call of it with the chosen algorithm
+            assert all(n == 0 for name, n in calls.items() if name != algorithm), calls
+            full = [i for s in pipe.modules for i in s.spec.layers if _is_full_attention(config, i)]
+            assert (calls[algorithm] > 0) == bool(full), (calls, full)
+            assert dispatch["implicit_calls"] == 0 and dispatch["fallback_calls"] == 0, dispatch
+            # what crossed each boundary: this rank's sequence shard of the hidden states, no gather
+            ids = batches[0][0]
+            cp_size = pipe.submesh.shape[pipe.cp_axis]
+            local = (ids.shape[0] // n_microbatches, ids.shape[1] // cp_size, config.hidden_size)
+            assert bool(sent) == any(not m.spec.last for m in pipe.modules), sent
+            assert all(shape == local for shape in sent), (sent, local)
         if groups:
             # each fully_shard group: its gradients accumulate unreduced over the step's
             # microbatches and are reduce-scattered once per step (the stage's last backward)
@@ -129,7 +230,7 @@ def trainer(model_type, schedule, n_microbatches, batch, overrides=None, images=
             assert stats["reduce_scatters"] == [STEPS], stats
         if fault is None:
             assert not problems, "\n".join(problems)
-            if "dp" in current_mesh().mesh_dim_names and not groups:
+            if ("dp" in current_mesh().mesh_dim_names or cp) and not groups:
                 # the dp sums of a step's microbatches held and reduced together: one bucket per step
                 assert stats["buckets"] == STEPS and stats["reduced_on_arrival"] == 0, stats
             _report(model_type, schedule, expected.losses, got.losses, worst, stats)
@@ -140,14 +241,24 @@ def trainer(model_type, schedule, n_microbatches, batch, overrides=None, images=
     return reference, distributed
 
 
+def _is_full_attention(config, layer: int) -> bool:
+    types = getattr(config, "layer_types", None)
+    return types is None or types[layer] == "full_attention"
+
+
 def _report(model_type, schedule, expected, got, worst, stats):
-    """With HYPERSHARD_PP_REPORT=FILE, rank 0 appends the loss table of the case to FILE."""
+    """With HYPERSHARD_PP_REPORT=FILE, rank 0 appends the loss table of the case to FILE (the worst
+    ratios over every rank: each holds only its stages' parameters)."""
     import json
     import os
 
     import torch.distributed as dist
 
     path = os.environ.get("HYPERSHARD_PP_REPORT")
+    if path:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, worst)
+        worst = {key: max(w[key] for w in every) for key in worst}
     if path and dist.get_rank() == 0:
         mesh = current_mesh()
         with open(path, "a") as f:
@@ -228,4 +339,48 @@ def test_qwen3_vl_moe_pp2_dp2_image_strict():
     """The vision tower and its deepstack feature (layer 0) on stage 0; M-RoPE position ids from the
     model's get_rope_index per microbatch, handed to both stages."""
     cases = [_case("qwen3_vl_moe_pp2_dp2_image_1f1b", PP2_DP2, *trainer("qwen3_vl_moe", "1f1b", 2, 4, images=True))]
+    assert_all_passed(run_cases(cases, backend="hypershard", timeout=400))
+
+
+PP2_CP2 = ((2, 2), ("pp", "cp"))
+
+
+def test_qwen3_pp2_cp2_strict():
+    """Context parallelism inside the stages: the sequence (16 tokens, head-tail order of 4 chunks)
+    sharded over cp on both stages, each rank's shard of the hidden states crossing the boundary;
+    all-gather-KV with 1F1B, ring with GPipe, Ulysses with Interleaved1F1B (one layer per stage); an
+    unsplittable sequence refused on every rank first; the planted fault (labels shifted per shard)
+    caught."""
+    cases = [
+        _case("qwen3_pp2_cp2_1f1b_all_gather_kv", PP2_CP2, *trainer("qwen3", "1f1b", 2, 4, QWEN3_4_LAYERS)),
+        _case(
+            "qwen3_pp2_cp2_gpipe_ring", PP2_CP2, *trainer("qwen3", "gpipe", 2, 4, QWEN3_4_LAYERS, cp_algorithm="ring")
+        ),
+        _case(
+            "qwen3_pp2_cp2_interleaved_1f1b_ulysses",
+            PP2_CP2,
+            *trainer("qwen3", "interleaved_1f1b", 2, 4, QWEN3_4_LAYERS, cp_algorithm="ulysses"),
+        ),
+        _case(
+            "qwen3_pp2_cp2_planted_shift_per_shard_is_caught",
+            PP2_CP2,
+            *trainer("qwen3", "1f1b", 2, 4, QWEN3_4_LAYERS, fault=_shift_each_shard),
+        ),
+    ]
+    assert_all_passed(run_cases(cases, backend="hypershard", timeout=400))
+
+
+def test_qwen3_5_pp2_cp2_strict():
+    """Qwen3.5 (the full-attention layer on stage 0, the gated delta net on stage 1) in natural order:
+    the recurrence's state passed from cp rank to cp rank inside stage 1. 128 tokens, as
+    test_linear_attention_cp.py argues: each cp rank's block is one whole 64-token chunk of
+    transformers' chunked rule (at 16 tokens dt_bias's and A_log's 8-element updates, at the
+    rounding-noise level, fail the 1 % parameter check there and here: 1.3e-2 of the update)."""
+    cases = [
+        _case(
+            "qwen3_5_pp2_cp2_1f1b",
+            PP2_CP2,
+            *trainer("qwen3_5_text", "1f1b", 2, 4, {"max_position_embeddings": 128}, seq=128),
+        )
+    ]
     assert_all_passed(run_cases(cases, backend="hypershard", timeout=400))

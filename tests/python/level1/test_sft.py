@@ -236,6 +236,21 @@ def test_pipeline_with_fully_shard_matches_the_reference(fixtures, reference, tm
     torch.testing.assert_close(losses(tmp_path), losses(reference), rtol=1e-5, atol=0)
 
 
+def test_pipeline_with_context_parallel_matches_the_reference(fixtures, reference, tmp_path):
+    """--mesh pp=2,cp=2 in strict mode (hs.pipeline with a cp axis: each stage's sequence split over cp
+    in head-tail order, every batch padded on the right to a multiple of 2 x cp, labels -100 on the
+    pads, each rank's sequence shard crossing the stage
+    boundary), two microbatches under 1F1B: the dp=2 x tp=2 reference's losses up to summation order
+    (rtol 1e-5 as in every level1 comparison), the same token counts (padding not counted)."""
+    ok(sft(fixtures, tmp_path, "--strict", "--microbatches", "2", "--save-steps", "0", mesh="pp=2,cp=2"))
+    summary = json.loads((tmp_path / "losses.json").read_text())
+    expected = json.loads((reference / "losses.json").read_text())
+    assert summary["mesh"] == "pp=2,cp=2"
+    counts = [(r["tokens"], r["trained_tokens"]) for r in summary["steps"]]
+    assert counts == [(r["tokens"], r["trained_tokens"]) for r in expected["steps"]]
+    torch.testing.assert_close(losses(tmp_path), losses(reference), rtol=1e-5, atol=0)
+
+
 def test_pipeline_with_recompute_and_bf16_matches_the_reference(fixtures, reference, tmp_path):
     """--mesh pp=2,dp=2 --fully-shard --recompute full --mixed-precision bf16: each stage fully
     sharded, its layers recomputed, computing in bf16 from fp32 masters (hs.pipeline's recompute and
