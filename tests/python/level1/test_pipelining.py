@@ -384,3 +384,5 @@ def test_qwen3_5_pp2_cp2_strict():
         )
     ]
     assert_all_passed(run_cases(cases, backend="hypershard", timeout=400))
+# make test-full (about 80 s on the shared 2 cores; make test keeps Qwen3 pp2 x cp2 as the representative)
+@pytest.mark.full
