@@ -261,17 +261,20 @@ def _meta_model(cls, config, dtype: torch.dtype, attn_implementation: Optional[s
     return model
 
 
-def fully_shard_layers(model: nn.Module, mesh, *, dp_axis: str = "dp", mp_policy=None) -> nn.Module:
+def fully_shard_layers(
+    model: nn.Module, mesh, *, dp_axis: str = "dp", mp_policy=None, replicate_axis: Optional[str] = None
+) -> nn.Module:
     """hs.fully_shard on every block of the model's decoder layers (the first ModuleList named
-    ``*layers``) and then the root: the grouping the SFT entry point and from_pretrained use."""
+    ``*layers``) and then the root: the grouping the SFT entry point and from_pretrained use.
+    `replicate_axis`: HSDP's (fully_shard's), Replicate across it, sharded over `dp_axis`."""
     from ..fsdp.fully_shard import fully_shard
 
     layers = next(
         (m for name, m in model.named_modules() if name.endswith("layers") and isinstance(m, nn.ModuleList)), None
     )
     for layer in layers if layers is not None else []:
-        fully_shard(layer, mesh, dp_axis=dp_axis, mp_policy=mp_policy)
-    return fully_shard(model, mesh, dp_axis=dp_axis, mp_policy=mp_policy)
+        fully_shard(layer, mesh, dp_axis=dp_axis, mp_policy=mp_policy, replicate_axis=replicate_axis)
+    return fully_shard(model, mesh, dp_axis=dp_axis, mp_policy=mp_policy, replicate_axis=replicate_axis)
 
 
 # ---------------------------------------------------------------------------------- materialising

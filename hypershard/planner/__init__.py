@@ -15,5 +15,6 @@
   ranked by a stated time model.
 """
 
-# The mesh axes the planner models (a subset of hypershard.tensor.axes.MESH_AXES); the CLIs refuse others.
-PLANNED_AXES = ("pp", "dp", "tp", "ep", "cp")
+# The mesh axes the planner models (those of hypershard.tensor.axes.MESH_AXES, and HSDP's replicate
+# axis, hs.fully_shard's `replicate_axis`: step.REPLICATE_AXIS); the CLIs refuse others.
+PLANNED_AXES = ("pp", "dp_replicate", "dp", "tp", "ep", "cp")

@@ -15,8 +15,9 @@ optimizer state; the peak of activations (everything else the step holds, hypers
 memory.py); bytes sent per mesh axis (per phase) and the collectives issued. Ranks with the same
 coordinates on the axes that shard a tensor hold the same bytes; rank 0 holds the first
 (largest) chunk of every uneven shard, so its figures are the largest. `--device` (default cuda)
-picks whose kernels the step takes; `--recompute`, a cp axis with `--cp-algorithm`, `--hsdp` and
-`--offload-optimizer` are the library's settings; `--search` ranks the meshes of `--world` ranks.
+picks whose kernels the step takes; `--recompute`, a cp axis with `--cp-algorithm`, HSDP (`--hsdp R`
+or a dp_replicate axis) and `--offload-optimizer` are the library's settings; `--search` ranks the
+meshes of `--world` ranks.
 See docs/planner.md.
 """
 
@@ -34,7 +35,7 @@ from . import PLANNED_AXES
 from .pipeline import SCHEDULES
 from .run import PlanReport, apply_options, plan_step
 from .search import HARDWARE
-from .step import PUBLISHED, RECOMPUTE, load_config
+from .step import PUBLISHED, RECOMPUTE, REPLICATE_AXIS, check_hsdp, data_parallel, hsdp_mesh, load_config
 from .world import DEVICES
 
 CP_ALGORITHMS = ("all_gather_kv", "ulysses", "ring")
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--fully-shard", action="store_true", help="hs.fully_shard every decoder layer over dp")
     parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
-    parser.add_argument("--batch", type=int, default=0, help="sequences per step in all (default: the dp size)")
+    parser.add_argument("--batch", type=int, default=0, help="sequences per step in all (default: dp x dp_replicate)")
     parser.add_argument(
         "--rank",
         type=int,
@@ -143,7 +144,11 @@ def main(argv=None) -> int:
     parser.add_argument("--recompute", choices=RECOMPUTE, default="none", help="activation recomputation per layer")
     parser.add_argument("--cp-algorithm", choices=CP_ALGORITHMS, default="all_gather_kv", help="attention on a cp axis")
     parser.add_argument(
-        "--hsdp", type=int, default=0, help="with --fully-shard: R replicas of dp/R-sharded state (analytic, docs)"
+        "--hsdp",
+        type=int,
+        default=0,
+        help=f"with --fully-shard: dp=D becomes {REPLICATE_AXIS}=R (across nodes) x dp=D/R (HSDP, hs.fully_shard's "
+        "replicate_axis)",
     )
     parser.add_argument(
         "--offload-optimizer", action="store_true", help="AdamW state on the host (the step on CPU), docs"
@@ -166,9 +171,14 @@ def main(argv=None) -> int:
     pipeline.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b", help="torch.distributed.pipelining's")
     pipeline.add_argument("--pp-virtual", type=int, default=2, help="stages per rank of interleaved_1f1b (default 2)")
     search = parser.add_argument_group("--search: rank the meshes of --world ranks (docs/planner.md, Search)")
-    search.add_argument("--search", action="store_true", help="sweep dp x cp x ep x tp, fully_shard, recompute")
+    search.add_argument("--search", action="store_true", help="sweep dp x cp x ep x tp, fully_shard / HSDP, recompute")
     search.add_argument("--world", type=int, default=0, help="ranks to search over")
-    search.add_argument("--hardware", choices=sorted(HARDWARE), default="h100", help="published figures (default h100)")
+    search.add_argument(
+        "--hardware",
+        choices=sorted(HARDWARE),
+        default=None,
+        help="published figures (default: 910b with --device npu, else h100)",
+    )
     search.add_argument("--tflops", type=float, default=0.0, help="peak TFLOP/s per rank (default: --hardware's)")
     search.add_argument("--efficiency", type=float, default=0.4, help="fraction of --tflops achieved (default 0.4)")
     search.add_argument("--intra-gbs", type=float, default=0.0, help="GB/s per rank inside a node (default: hardware)")
@@ -190,19 +200,20 @@ def main(argv=None) -> int:
     mesh = dict(zip(names, shape))
     if "pp" in mesh:
         return _pipeline(args, mesh, compute_dtype)
-    replicas = args.hsdp or 1
-    if args.hsdp and (not args.fully_shard or mesh.get("dp", 1) % args.hsdp):
-        parser.error(f"--hsdp {args.hsdp}: needs --fully-shard and a dp size it divides")
-    planned_mesh = dict(mesh, dp=mesh["dp"] // replicas) if replicas > 1 else mesh
+    try:
+        mesh = hsdp_mesh(mesh, args.hsdp, args.fully_shard) if args.hsdp else mesh
+        check_hsdp(mesh, args.fully_shard)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     overrides = {"num_hidden_layers": args.layers} if args.layers else {}
     config = load_config(args.model, **overrides)
-    batch = (args.batch or mesh.get("dp", 1)) // replicas
+    batch = args.batch or data_parallel(mesh)
     started = time.perf_counter()
 
     def plan(cut):
         return plan_step(
             cut,
-            planned_mesh,
+            mesh,
             name=args.model,
             rank=args.rank or 0,
             fully_shard=args.fully_shard,
@@ -237,13 +248,13 @@ def main(argv=None) -> int:
         report.model += f" (planned at {d1} and {d2} layers, scaled to {layers})"
     else:
         report = plan(config)
-    apply_options(report, hsdp=replicas if args.hsdp else 0, offload=args.offload_optimizer)
+    apply_options(report, offload=args.offload_optimizer)
     report.seconds["total"] = time.perf_counter() - started
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:
         print(format_report(report, args.memory_per_rank * 1e9))
-        if replicas == 1 and not args.offload_optimizer:
+        if not args.offload_optimizer:
             print(estimate_line(report, _hardware(args), args.efficiency))
     return 1 if args.memory_per_rank and report.over(args.memory_per_rank * 1e9) else 0
 
@@ -251,7 +262,7 @@ def main(argv=None) -> int:
 def _hardware(args):
     import dataclasses
 
-    hardware = HARDWARE[args.hardware]
+    hardware = HARDWARE[args.hardware or ("910b" if args.device == "npu" else "h100")]
     return dataclasses.replace(
         hardware,
         tflops=args.tflops or hardware.tflops,
@@ -269,7 +280,7 @@ def estimate_line(report, hardware, efficiency: float) -> str:
         sequences = report.pp["batch"]
         e = pipeline_estimate(report, hardware, efficiency, sequences * report.seq)
     else:
-        sequences = report.mesh.get("dp", 1)
+        sequences = data_parallel(report.mesh)
         e = estimate(report, hardware, efficiency, sequences * report.seq)
     comm = ", ".join(f"{a} {s:.2f} s ({e['links'][a]})" for a, s in sorted(e["comm_s"].items()))
     bubble = f", bubble {e['bubble_s']:.2f} s" if "bubble_s" in e else ""
@@ -284,7 +295,7 @@ def _pipeline(args, mesh, compute_dtype) -> int:
     from .pipeline import describe, plan_pipeline
 
     for flag, value in (
-        ("--hsdp", args.hsdp),
+        (f"--hsdp (a {REPLICATE_AXIS} axis)", args.hsdp or REPLICATE_AXIS in mesh),
         ("--offload-optimizer", args.offload_optimizer),
         ("--scale-depth", args.scale_depth),
     ):
@@ -347,7 +358,7 @@ def _search(args, compute_dtype) -> int:
             mesh,
             name=args.model,
             fully_shard=fully_shard,
-            batch=mesh.get("dp", 1),
+            batch=data_parallel(mesh),
             seq=args.seq,
             dtype=_DTYPES[args.dtype],
             compute_dtype=compute_dtype,

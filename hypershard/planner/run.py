@@ -56,7 +56,6 @@ class PlanReport:
     cp_calls: dict = field(default_factory=dict)  # cp attention calls per algorithm that ran them
     peak_optimizer_offloaded: int = 0  # the peak with the optimizer state on the host (never on the device)
     offload: int = 0  # with the optimizer offloaded (plan.py --offload-optimizer): host-device bytes per step
-    hsdp: int = 0  # replicas of an HSDP plan (analytic, see plan.hsdp_report); 0: none
     # For the pp axis (planner/pipeline.py): what one microbatch's pass through the decoder layers
     # leaves alive (live bytes after the last layer's forward minus before the first's), the share
     # of forward FLOPs spent in the decoder layers, and this rank's bytes of the parameters outside
@@ -86,25 +85,11 @@ class PlanReport:
         return asdict(self)
 
 
-def apply_options(report: PlanReport, hsdp: int = 0, offload: bool = False) -> PlanReport:
-    """The two settings modelled from a plan rather than planned (docs/planner.md, "HSDP and
-    optimizer offload"):
-    - `hsdp` = R replicas: `report` is the plan of the dp/R-sized shard group (fully sharded over it,
-      one sequence per rank as before); an HSDP rank holds the same, and adds one all-reduce of its
-      fp32 gradient shard over the R replicas (ring: 2 (R-1)/R of its bytes sent), on a
-      "dp_replicate" axis placed outside the mesh (across nodes);
-    - `offload`: the AdamW state lives on the host and the step runs there: the device peak is the
-      plan's peak without the optimizer state's storages (planned exactly), and every step moves the
-      gradients down and the parameters back up (their bytes, at the host link)."""
-    if hsdp > 1:
-        sent = 2 * (hsdp - 1) * report.gradients // hsdp
-        report.mesh = {"dp_replicate": hsdp, **report.mesh}
-        report.axis_bytes["dp_replicate"] = sent
-        report.phase_bytes["backward dp_replicate"] = sent
-        report.collectives["dp_replicate all_reduce"] = 1
-        report.collective_bytes["dp_replicate all_reduce"] = sent
-        report.traffic_bytes += sent
-        report.hsdp = hsdp
+def apply_options(report: PlanReport, offload: bool = False) -> PlanReport:
+    """The setting modelled from a plan rather than planned (docs/planner.md, "The library's axes"):
+    with `offload` the AdamW state lives on the host and the step runs there: the device peak is the
+    plan's peak without the optimizer state's storages (planned exactly), and every step moves the
+    gradients down and the parameters back up (their bytes, at the host link)."""
     if offload:
         report.peak = report.peak_optimizer_offloaded
         report.offload = report.gradients + report.parameters

@@ -1,17 +1,21 @@
 """`python -m hypershard.plan --search`: the meshes of N ranks, pruned, planned, ranked by an
 estimated step time (docs/planner.md, "Search").
 
-1. Candidates: every mesh dp x cp x ep x tp = N (axes of size 1 dropped) with fully_shard on or off
-   and recomputation none / selective / full.
+1. Candidates: every mesh dp x cp x ep x tp = N (axes of size 1 dropped) with fully_shard off, HSDP
+   (dp split into dp_replicate=R x dp=dp/R, fully sharded over the dp/R, for every R >= 2 dividing dp
+   with dp/R >= 2) or fully_shard over dp, and recomputation none / selective / full.
 2. Pruned without planning, each with its reason: tp that does not divide the query and KV heads or
    exceeds a node; ep that does not divide the routed experts (ep > 1 on a model without experts);
    cp that does not divide the sequence into 2 x cp chunks; and a training state (fp32 parameter,
    gradient, AdamW m and v: 16 bytes per parameter) whose LOWER bound per rank (expert parameters
    / (ep x dp when fully sharded), the rest / (tp x dp when fully sharded)) already exceeds the
    budget.
-3. Planned in order of cost: fully_shard and recomputation only add communication and compute, so
+3. Planned in order of cost: sharding and recomputation only add communication and compute, so
    a mesh is planned with the cheapest setting first (no fully_shard, no recomputation) and the next
-   (fully_shard; then selective, then full recomputation) only when the cheaper one does not fit.
+   only when the cheaper one does not fit: HSDP from the most replicas to the fewest (per rank it
+   sends 3 P - P / (dp/R) - 2 P / dp bytes for P local parameter bytes: from plain data
+   parallelism's 2 P (1 - 1/dp) at R = dp up to fully_shard's 3 P (1 - 1/dp) at R = 1), then
+   fully_shard; within each, selective then full recomputation.
    A cut-depth plan's peak bounds the full depth's from below: a mesh over the budget at the first
    cut depth with full recomputation is reported over without planning more of it.
 4. Each plan is of a cut-depth model (`depths`: a few layers), scaled to the full depth per layer:
@@ -28,6 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from .step import REPLICATE_AXIS, data_parallel
+
 __all__ = [
     "HARDWARE",
     "Candidate",
@@ -38,6 +44,7 @@ __all__ = [
     "cut_depths",
     "estimate",
     "format_table",
+    "hsdp_meshes",
     "pipeline_estimate",
     "scale_report",
     "search",
@@ -81,6 +88,7 @@ LINEAR_FIGURES = (
     "flops",
     "total_parameters",
 )
+_NAME = 42  # the mesh column's width: "dp_replicate=2,dp=16,ep=8 fs rc=selective" fits
 AXES = ("dp", "cp", "ep", "tp")  # mesh order: tp fastest (inside a node), dp slowest; pp before dp
 
 
@@ -182,12 +190,25 @@ def prune_reason(mesh: dict, fully_shard: bool, config, seq: int, budget: float,
     return ""
 
 
+def hsdp_meshes(mesh: dict) -> list:
+    """The HSDP splits of `mesh`'s dp, most replicas first: dp_replicate=R (outermost: across nodes)
+    x dp=dp/R for every R >= 2 dividing dp with dp/R >= 2 (none with a pp axis: not planned)."""
+    dp = mesh.get("dp", 1)
+    if "pp" in mesh:
+        return []
+    splits = [r for r in range(dp // 2, 1, -1) if dp % r == 0 and dp // r >= 2]
+    return [{REPLICATE_AXIS: r, **{a: (n // r if a == "dp" else n) for a, n in mesh.items()}} for r in splits]
+
+
 def candidates(world: int, config, seq: int, budget: float, node: int, split: tuple, pps=(1,)) -> list:
+    """Per mesh, in the order planned (module docstring, 3): no fully_shard, HSDP most replicas first,
+    fully_shard."""
     out = []
     for mesh in (m for pp in pps for m in meshes(world, pp)):
-        for fully_shard in (False, True):
-            c = Candidate(mesh, fully_shard)
-            c.pruned = prune_reason(mesh, fully_shard, config, seq, budget, split, node)
+        settings = [(mesh, False)] + [(m, True) for m in hsdp_meshes(mesh)] + [(mesh, True)]
+        for shape, fully_shard in settings:
+            c = Candidate(shape, fully_shard)
+            c.pruned = prune_reason(shape, fully_shard, config, seq, budget, split, node)
             out.append(c)
     return out
 
@@ -345,11 +366,11 @@ def _plan_mesh(c, plan, d1, d2, layers, budget, modes, hardware, efficiency, seq
     if budget and peak_of(first[frugal]) > budget:
         trial = dataclasses.replace(c, recompute=frugal)
         trial.report = first[frugal]
-        trial.estimate = estimate(trial.report, hardware, efficiency, c.mesh.get("dp", 1) * seq)
+        trial.estimate = estimate(trial.report, hardware, efficiency, data_parallel(c.mesh) * seq)
         trial.pruned = f"over at {d1} layers with recompute {frugal}: {peak_of(first[frugal]) / 1e9:.1f} GB"
         trial.report = None
         planned.append(trial)
-        log(f"  {trial.name:<34} {trial.pruned}  ({time.perf_counter() - t0:.0f} s)")
+        log(f"  {trial.name:<{_NAME}} {trial.pruned}  ({time.perf_counter() - t0:.0f} s)")
         return False
     for mode in modes:
         t1 = time.perf_counter()
@@ -357,18 +378,18 @@ def _plan_mesh(c, plan, d1, d2, layers, budget, modes, hardware, efficiency, seq
         r1 = first.get(mode) or plan(trial.mesh, trial.fully_shard, mode, d1)
         if budget and peak_of(r1) > budget:
             log(
-                f"  {trial.name:<34} over at {d1} layers: {peak_of(r1) / 1e9:.1f} GB  ({time.perf_counter() - t1:.0f} s)"
+                f"  {trial.name:<{_NAME}} over at {d1} layers: {peak_of(r1) / 1e9:.1f} GB  ({time.perf_counter() - t1:.0f} s)"
             )
             continue
         r2 = plan(trial.mesh, trial.fully_shard, mode, d2) if d2 != d1 else r1
         trial.report = scale_report(r1, r2, d1, d2, layers)
         trial.report.seconds = {"planned": time.perf_counter() - t1}
         trial.report._cut = (r1, r2, d1, d2)
-        trial.estimate = estimate(trial.report, hardware, efficiency, trial.mesh.get("dp", 1) * seq)
+        trial.estimate = estimate(trial.report, hardware, efficiency, data_parallel(trial.mesh) * seq)
         planned.append(trial)
         fits = not budget or peak_of(trial.report) <= budget
         log(
-            f"  {trial.name:<34} peak {peak_of(trial.report) / 1e9:8.1f} GB  {'fits' if fits else 'over'}  "
+            f"  {trial.name:<{_NAME}} peak {peak_of(trial.report) / 1e9:8.1f} GB  {'fits' if fits else 'over'}  "
             f"({time.perf_counter() - t1:.0f} s)"
         )
         if fits:
@@ -391,7 +412,7 @@ def _plan_pipeline(c, plan_pp, budget, modes, hardware, efficiency, seq, planned
         planned.append(trial)
         fits = not budget or peak_of(trial.report) <= budget
         log(
-            f"  {trial.name:<34} peak {peak_of(trial.report) / 1e9:8.1f} GB  {'fits' if fits else 'over'}  "
+            f"  {trial.name:<{_NAME}} peak {peak_of(trial.report) / 1e9:8.1f} GB  {'fits' if fits else 'over'}  "
             f"({time.perf_counter() - t0:.0f} s)"
         )
         if fits:
@@ -427,11 +448,14 @@ def search(
     live = [c for c in out if not c.pruned]
     log(f"{len(out)} candidates, {len(out) - len(live)} pruned; planning depths {d1} and {d2} of {layers}")
     planned = []
-    by_mesh: dict = {}
+    by_mesh: dict = {}  # the mesh with HSDP's dp_replicate folded back into dp -> its settings, cheapest first
     for c in live:
-        by_mesh.setdefault(tuple(c.mesh.items()), []).append(c)
+        base = {
+            a: n * c.mesh.get(REPLICATE_AXIS, 1) if a == "dp" else n for a, n in c.mesh.items() if a != REPLICATE_AXIS
+        }
+        by_mesh.setdefault(tuple(base.items()), []).append(c)
     for key, group in by_mesh.items():
-        for c in sorted(group, key=lambda c: c.fully_shard):
+        for c in group:  # in candidates' order: no fully_shard, HSDP most replicas first, fully_shard
             if "pp" in c.mesh:
                 if _plan_pipeline(
                     c, plan_pp, budget, recompute_modes, hardware, efficiency, seq, planned, log, peak_of
@@ -475,7 +499,7 @@ def format_table(
     lines = [
         f"time model: {hardware.name}, {hardware.tflops:g} TFLOP/s x {efficiency:g}, links {hardware.intra_gbs:g} GB/s "
         f"inside a node of {hardware.node_size}, {hardware.inter_gbs:g} GB/s across; no compute/communication overlap",
-        f"{'#':>3} {'mesh':<34}{'peak GB':>9}{'fits':>6}{'TFLOP':>9}{'compute s':>10}{'comm s':>8}{'step s':>8}"
+        f"{'#':>3} {'mesh':<{_NAME}}{'peak GB':>9}{'fits':>6}{'TFLOP':>9}{'compute s':>10}{'comm s':>8}{'step s':>8}"
         f"{'tok/s':>9}  bytes per axis GB (link)   lin",
     ]
     planned = [c for c in ranked if c.report is not None]
@@ -485,7 +509,7 @@ def format_table(
         axes = " ".join(f"{a}={_gb(b)}({e['links'].get(a, '?')[:5]})" for a, b in sorted(r.axis_bytes.items()))
         lin = "-" if c.linear is None else f"{100 * c.linear:.1f}%"
         lines.append(
-            f"{i:>3} {c.name:<34}{_gb(peak_of(r)):>9}{fits:>6}{r.flops / 1e12:>9.1f}{e['compute_s']:>10.2f}"
+            f"{i:>3} {c.name:<{_NAME}}{_gb(peak_of(r)):>9}{fits:>6}{r.flops / 1e12:>9.1f}{e['compute_s']:>10.2f}"
             f"{sum(e['comm_s'].values()):>8.2f}{e['step_s']:>8.2f}{e['tokens_per_s']:>9.0f}  {axes}   {lin}"
         )
     pruned = [c for c in ranked if c.pruned]
@@ -494,5 +518,5 @@ def format_table(
             f"not ranked (pruned, or over at the first cut depth): {len(pruned)} (first {min(show_pruned, len(pruned))}):"
         )
         for c in pruned[:show_pruned]:
-            lines.append(f"    {c.name:<34}{c.pruned}")
+            lines.append(f"    {c.name:<{_NAME}}{c.pruned}")
     return "\n".join(lines)

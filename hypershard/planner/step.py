@@ -19,7 +19,11 @@ from .memory import storage_key
 __all__ = [
     "PUBLISHED",
     "RECOMPUTE",
+    "REPLICATE_AXIS",
     "apply_recompute",
+    "check_hsdp",
+    "data_parallel",
+    "hsdp_mesh",
     "StepBytes",
     "build_model",
     "load_config",
@@ -160,6 +164,55 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     return recompute(model, mode=mode)
 
 
+# HSDP's replicate axis (hs.fully_shard's `replicate_axis`, docs/fully_shard.md): the parameters
+# Replicate across it (nodes), sharded over "dp" (ranks of a node); the batch split over both.
+REPLICATE_AXIS = "dp_replicate"
+
+
+def check_hsdp(shape: dict, fully_shard: bool) -> None:
+    """One line (ValueError) for a dp_replicate axis the step cannot run: without fully_shard (then it
+    is plain data parallelism: fold it into dp), without a dp axis to shard over, or not outermost
+    (it replicates across nodes: the slowest axis, before every other)."""
+    if REPLICATE_AXIS not in shape:
+        return
+    sizes = ",".join(f"{a}={n}" for a, n in shape.items())
+    if not fully_shard:
+        raise ValueError(
+            f"hypershard: plan: mesh {sizes}: {REPLICATE_AXIS} is fully_shard's replicate axis (HSDP) and "
+            f"needs --fully-shard; allowed: --fully-shard, or its size folded into dp"
+        )
+    if shape.get("dp", 1) < 2:
+        raise ValueError(
+            f"hypershard: plan: mesh {sizes}: HSDP shards over dp, which it lacks; allowed: a dp axis of size >= 2"
+        )
+    if next(iter(shape)) != REPLICATE_AXIS:
+        raise ValueError(
+            f"hypershard: plan: mesh {sizes}: {REPLICATE_AXIS} replicates across nodes and comes first; "
+            f"allowed: {REPLICATE_AXIS}=R,dp=D,..."
+        )
+
+
+def hsdp_mesh(shape: dict, replicas: int, fully_shard: bool) -> dict:
+    """`shape` with its dp axis split into dp_replicate=R (outermost: across nodes) x dp=D/R (plan.py
+    --hsdp R); one line (ValueError) when R does not divide dp."""
+    dp = shape.get("dp", 1)
+    if replicas < 2 or dp % replicas or dp // replicas < 2 or REPLICATE_AXIS in shape:
+        raise ValueError(
+            f"hypershard: plan: --hsdp {replicas} on dp={dp}: R replicas of a dp/R shard group; allowed: "
+            f"R >= 2 dividing dp with dp/R >= 2 ({[r for r in range(2, dp) if dp % r == 0 and dp // r >= 2]}), "
+            f"no {REPLICATE_AXIS} axis in --mesh"
+        )
+    out = {REPLICATE_AXIS: replicas}
+    out.update({a: (n // replicas if a == "dp" else n) for a, n in shape.items()})
+    check_hsdp(out, fully_shard)
+    return out
+
+
+def data_parallel(shape: dict) -> int:
+    """Ranks the batch is split over: dp, times dp_replicate under HSDP."""
+    return shape.get("dp", 1) * shape.get(REPLICATE_AXIS, 1)
+
+
 def shard_model(
     model: nn.Module,
     mesh,
@@ -172,20 +225,24 @@ def shard_model(
     sequence over "cp" with `cp_algorithm`), then, with `fully_shard`, hs.fully_shard on every
     decoder layer and the root over "dp" (`compute_dtype`: the gathered parameters' dtype, the shards
     staying the master weights; without fully_shard, hs.mixed_precision computes in it from the
-    parameters); `recompute`: see apply_recompute."""
+    parameters); `recompute`: see apply_recompute. A mesh with a "dp_replicate" axis is HSDP
+    (check_hsdp): the inputs split over dp_replicate and dp, fully_shard's `replicate_axis`."""
     from ..checkpoint.pretrained import fully_shard_layers
     from ..fsdp.fully_shard import MixedPrecisionPolicy
     from ..parallel.api import parallelize
 
+    names = list(mesh.mesh_dim_names)
+    check_hsdp(dict(zip(names, mesh.shape)), fully_shard)
+    hsdp = REPLICATE_AXIS in names
     checks = _C.check_replicas()
     _C.set_check_replicas(False)  # meta tensors have no values to compare
     try:
-        parallelize(model, mesh, cp_algorithm=cp_algorithm)
+        parallelize(model, mesh, cp_algorithm=cp_algorithm, dp_axis=(REPLICATE_AXIS, "dp") if hsdp else "dp")
         if fully_shard:
             policy = None
             if compute_dtype is not None:
                 policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-            fully_shard_layers(model, mesh, mp_policy=policy)
+            fully_shard_layers(model, mesh, mp_policy=policy, replicate_axis=REPLICATE_AXIS if hsdp else None)
         apply_recompute(model, recompute)  # after fully_shard, before mixed precision (hs.recompute's order)
         if compute_dtype is not None and not fully_shard:  # bf16 compute from fp32 master weights without fully_shard
             from ..fsdp.mixed_precision import mixed_precision

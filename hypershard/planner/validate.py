@@ -3,6 +3,7 @@ ranks on this machine), figure by figure.
 
     python -m hypershard.planner.validate --mesh dp=2,tp=2 [--fully-shard] [--recompute full]
     python -m hypershard.planner.validate --mesh dp=2,cp=2 --cp-algorithm ring
+    python -m hypershard.planner.validate --mesh dp=4 --fully-shard --hsdp 2
     python -m hypershard.planner.validate --rank-check [--world 4] [--top 3] [--steps 5]
 
 Compared for rank 0 (planned | measured):
@@ -182,7 +183,7 @@ def rank_check(world: int = 4, top: int = 3, steps: int = 5, model: dict = MODEL
     from ..launch.ranks import spawn_local_ranks
     from .run import plan_step
     from .search import Hardware, search
-    from .step import load_config
+    from .step import data_parallel, load_config
 
     env = {"OMP_NUM_THREADS": "1"}
     speeds = spawn_local_ranks(measure_speed, world, env=env)
@@ -214,7 +215,7 @@ def rank_check(world: int = 4, top: int = 3, steps: int = 5, model: dict = MODEL
     fit = [c for c in ranked if c.report is not None][:top]
     rows = []
     for i, c in enumerate(fit, 1):
-        dp = c.mesh.get("dp", 1)
+        dp = data_parallel(c.mesh)
         times = spawn_local_ranks(
             time_rank,
             world,
@@ -278,6 +279,12 @@ def main(argv=None) -> int:
         "--fully-shard", action="store_true", help="hs.fully_shard every decoder layer and the root over dp"
     )
     parser.add_argument(
+        "--hsdp",
+        type=int,
+        default=0,
+        help="with --fully-shard: dp=D becomes dp_replicate=R x dp=D/R (HSDP; default: none)",
+    )
+    parser.add_argument(
         "--recompute",
         choices=("none", "selective", "full"),
         default="none",
@@ -301,10 +308,16 @@ def main(argv=None) -> int:
     if args.rank_check:
         print(json.dumps(rank_check(args.world, args.top, args.steps), indent=1))
         return 0
+    from .step import check_hsdp, hsdp_mesh
+
     shape, names = mesh_argument("plan.validate", PLANNED_AXES)(args.mesh)
-    result = validate(
-        dict(zip(names, shape)), args.fully_shard, recompute=args.recompute, cp_algorithm=args.cp_algorithm
-    )
+    mesh = dict(zip(names, shape))
+    try:  # one line before any rank starts
+        mesh = hsdp_mesh(mesh, args.hsdp, args.fully_shard) if args.hsdp else mesh
+        check_hsdp(mesh, args.fully_shard)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    result = validate(mesh, args.fully_shard, recompute=args.recompute, cp_algorithm=args.cp_algorithm)
     print(json.dumps(result, indent=1))
     return 0
 

@@ -6,8 +6,9 @@
   bytes (counted on the real tensors: exact), resident-set growth over backward (the gradients) and
   over the optimizer step (its state), the forward+backward peak (VmHWM), and hypershard's traffic
   counter.
-- Two more meshes for the axes issue 44 added: dp=2 x cp=2 (ring attention) and dp=4 fully sharded
-  with full recomputation (hs.recompute), within 10 % on the forward+backward peak as the others.
+- Three more meshes for the axes issue 44 added: dp=2 x cp=2 (ring attention), dp=4 fully sharded
+  with full recomputation (hs.recompute) and HSDP dp_replicate=2 x dp=2 (hs.fully_shard's
+  replicate_axis), within 10 % on the forward+backward peak as the others.
 - The DeepSeek-V3.2 default config (671B) on 256 simulated ranks (dp=32 x ep=8, fully sharded,
   bf16 compute):
   - planned for CPU kernels without recomputation (--device cpu) it does not fit 141 GB (an H200)
@@ -35,7 +36,8 @@ TOLERANCE = 0.10
     ({"dp": 2, "tp": 2}, False, "none", "all_gather_kv", 256),
     ({"dp": 2, "cp": 2}, False, "none", "ring", 512),
     ({"dp": 4}, True, "full", "all_gather_kv", 256),
-], ids=["dp4-fully-shard", "dp2-tp2", "dp2-cp2-ring", "dp4-fully-shard-recompute-full"])
+    ({"dp_replicate": 2, "dp": 2}, True, "none", "all_gather_kv", 256),
+], ids=["dp4-fully-shard", "dp2-tp2", "dp2-cp2-ring", "dp4-fully-shard-recompute-full", "hsdp-2x2"])
 def test_planner_agrees_with_four_real_ranks(mesh, fully_shard, recompute, cp_algorithm, seq):
     from hypershard.planner.validate import FIGURES, validate
 
