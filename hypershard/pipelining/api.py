@@ -38,6 +38,7 @@ from ..tensor.dtensor import DTensor, distribute_tensor
 from ..tensor.placement_types import Replicate, Shard
 from .context import check_sequence, later_stage_inputs, local_targets
 from .recompute_and_precision import apply_stage_options, stage_options
+from .shapes import DEFAULT_MAX_SHAPES, SchedulesByShape, check_max_shapes
 from .split import SCHEDULES, StageSpec, _fail, check_schedule, image_token_counts, split_model, stage_model, text_model
 
 __all__ = ["Pipeline", "StageModule", "pipeline"]
@@ -231,11 +232,11 @@ class Pipeline:
         fully_shard: bool = False,
         recompute: Optional[str] = None,
         mixed_precision=None,
+        max_shapes: int = DEFAULT_MAX_SHAPES,
         **parallelize_kwargs,
     ):
-        from torch.distributed import pipelining
-
         recompute_mode, policy = stage_options(recompute, mixed_precision)
+        check_max_shapes(max_shapes)
 
         names = list(mesh.mesh_dim_names) if mesh is not None else []
         if mesh is not None and pp_axis not in names:
@@ -266,7 +267,6 @@ class Pipeline:
         if self.cp_axis is not None and fully_shard:
             _fail("fully_shard inside a stage with a cp axis is not supported yet", "fully_shard on a pp x dp mesh")
         self.modules: list = []
-        self.stages: list = []
         for spec in self.specs:
             if spec.rank != self.pp_rank:
                 continue
@@ -287,19 +287,34 @@ class Pipeline:
                 _fully_shard_stage(module, self.submesh, dp_names)
             apply_stage_options(module, recompute_mode, policy)  # hypershard.pipelining.recompute_and_precision
             self.modules.append(module)
-            if mesh is not None:
-                self.stages.append(
-                    _stage_class()(
-                        module, spec.index, len(self.specs), torch.device(mesh.device_type), group=self.pp_group
-                    )
-                )
+        # torch's stages and schedule, one pair per batch shape over these same modules
+        # (hypershard.pipelining.shapes); `stages` / `schedule` are the current shape's
+        self.stages: list = []
         self.schedule = None
+        self.schedules: Optional[SchedulesByShape] = None
         if mesh is not None:
-            cls = getattr(pipelining, SCHEDULES[schedule])
-            stages = self.stages if schedule == "interleaved_1f1b" else self.stages[0]
-            self.schedule = cls(stages, n_microbatches, loss_fn=self._microbatch_loss, scale_grads=False)
+            self.schedules = SchedulesByShape(self._build_schedule, max_shapes)
+            self.stages, self.schedule = self.schedules.unclaimed
         self._num_items = 1
         self._shape: Optional[tuple] = None
+
+    def _build_schedule(self) -> tuple:
+        """Fresh torch stages over this rank's StageModules and their schedule (no communication:
+        torch infers the boundary metadata on the schedule's first step)."""
+        from torch.distributed import pipelining
+
+        device = torch.device(self.mesh.device_type)
+        stages = [
+            _stage_class()(module, module.spec.index, len(self.specs), device, group=self.pp_group)
+            for module in self.modules
+        ]
+        cls = getattr(pipelining, SCHEDULES[self.schedule_name])
+        run = stages if self.schedule_name == "interleaved_1f1b" else stages[0]
+        return stages, cls(run, self.n_microbatches, loss_fn=self._schedule_loss, scale_grads=False)
+
+    def _schedule_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # looked up at each call, so every shape's schedule runs the current _microbatch_loss
+        return self._microbatch_loss(logits, labels)
 
     # ------------------------------------------------------------------ parameters
 
@@ -392,14 +407,9 @@ class Pipeline:
         unknown = set(inputs) - {"pixel_values", "image_grid_thw", "mm_token_type_ids"}
         if unknown:
             _fail(f"inputs {sorted(unknown)} are not passed through the pipeline", "input_ids, labels and images")
-        shape = tuple(input_ids.shape)
-        if self._shape is not None and shape != self._shape:
-            _fail(
-                f"a batch of shape {shape} after batches of {self._shape} (torch's stages keep the boundary "
-                "buffers the first step sized)",
-                f"every batch of shape {self._shape} (pad to a fixed length)",
-            )
-        self._shape = shape
+        # the same global shape on every rank: the same cached / built / dropped pair everywhere
+        self._shape = tuple(input_ids.shape)
+        self.stages, self.schedule = self.schedules.get(self._shape)
         self._num_items = int((labels[:, 1:] != -100).sum())
         side = self._side_inputs(input_ids, inputs)
         for module in self.modules:
@@ -408,6 +418,8 @@ class Pipeline:
         last = self.specs[-1].rank == self.pp_rank
         with hold_grad_sync():
             self.schedule.step(input_ids, target=labels, losses=losses)
+        for stage in self.stages:  # an idle shape's stages keep no outputs (the last stage's logits)
+            stage.clear_runtime_states()
         total = torch.zeros((), dtype=torch.float64)
         if last:
             total = sum(loss.detach().to(torch.float64) for loss in losses)
@@ -467,7 +479,10 @@ def pipeline(
     axis (gathered per microbatch, gradients reduce-scattered once per step; docs/pipelining.md).
     `recompute="full" | "selective"`: hs.recompute on each stage's decoder layers, after fully_shard;
     `mixed_precision=True` (bf16 compute, fp32 masters and gradient sums) or a hs.MixedPrecisionPolicy:
-    hs.mixed_precision on each stage, last (hypershard.pipelining.recompute_and_precision)."""
+    hs.mixed_precision on each stage, last (hypershard.pipelining.recompute_and_precision).
+    Batches may change shape from step to step (sequence length, batch size): torch's stages and
+    schedule are built per shape over the same stage modules, the `max_shapes` (default 8) most
+    recently used kept (hypershard.pipelining.shapes)."""
     if stages_per_rank is None:
         stages_per_rank = 2 if schedule == "interleaved_1f1b" else 1
     return Pipeline(

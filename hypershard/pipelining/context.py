@@ -40,8 +40,8 @@ def sequence_parts(mesh, cp_axis: Optional[int], head_tail: bool) -> int:
 
 def check_sequence(length: int, mesh, cp_axis: Optional[int], head_tail: bool) -> None:
     """On every rank before any collective: the sequence must split evenly over cp (the boundary's
-    local shards are rebuilt into DTensors of cp x their length). hs.pipeline does not pad: padding
-    would change the boundary buffers torch's stages sized from the first step."""
+    local shards are rebuilt into DTensors of cp x their length). hs.pipeline does not pad: the caller
+    pads with labels -100 (hypershard.sft pads each batch to a multiple of 2 x cp)."""
     parts = sequence_parts(mesh, cp_axis, head_tail)
     if length % parts:
         order = f"head-tail order of {parts} chunks (2 x cp)" if head_tail else f"{parts} equal shards (natural order)"

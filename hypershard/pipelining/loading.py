@@ -66,7 +66,9 @@ def from_pretrained(
     entries = read_index(directory)
     pretrained._match(model, entries, init_missing=False)  # every tensor in the files (on every rank alike)
     layout = {k: options[k] for k in ("plan", "ep_plan", "tp_axis", "dp_axis", "ep_axis") if k in options}
-    stage_options = {k: options[k] for k in ("fully_shard", "recompute", "mixed_precision") if k in options}
+    stage_options = {
+        k: options[k] for k in ("fully_shard", "recompute", "mixed_precision", "max_shapes") if k in options
+    }
     checks = _C.check_replicas()
     _C.set_check_replicas(False)  # the debug checks compare values (a collective); meta tensors have none
     try:

@@ -422,13 +422,9 @@ def _run_rank(rank: int, world: int, args) -> dict:
     # token's loss is the same. (A MoE's auxiliary balance loss would count the pad tokens: the
     # SFT trains without it.)
     context_parallel = "cp" in args.mesh[1]  # parallelize treats a cp axis of any size as one
+    # (with pp too: each batch padded to its own longest; the pipeline builds torch's stages per
+    # batch shape, hypershard.pipelining.shapes)
     multiple = 2 * axis_size(args.mesh, "cp") if context_parallel else 1
-    if pipe is not None:
-        # torch's pipeline stages size their boundary buffers from the first step's batch: every
-        # batch padded to the dataset's longest example (each one a multiple of it: exactly it),
-        # rounded up to the cp multiple
-        longest = max(len(ids) for ids, _ in examples)
-        multiple = -(-longest // multiple) * multiple
 
     bar = None
     if rank == 0:
