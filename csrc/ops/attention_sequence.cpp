@@ -34,6 +34,7 @@
 #include <optional>
 #include <string>
 
+#include "runtime/gil.h"
 #include "runtime/redistribute.h"
 #include "runtime/traced_collectives.h"
 
@@ -144,13 +145,15 @@ class RingPass {
     received_ = at::empty_like(send_);
     auto& group = c.mesh->group(axis);
     std::vector<at::Tensor> out{runtime::movable_view(send_)}, in{runtime::movable_view(received_)};
-    sent_ = group.send(out, static_cast<int>((me + 1) % n), tag);
-    receiving_ = group.recv(in, static_cast<int>((me + n - 1) % n), tag);
+    runtime::without_gil([&] {
+      sent_ = group.send(out, static_cast<int>((me + 1) % n), tag);
+      receiving_ = group.recv(in, static_cast<int>((me + n - 1) % n), tag);
+    });
     runtime::count_collective(send_.numel() * static_cast<int64_t>(send_.element_size()));
   }
   at::Tensor wait() {
-    sent_->wait();
-    receiving_->wait();
+    runtime::without_gil([&] { sent_->wait(); });
+    runtime::without_gil([&] { receiving_->wait(); });
     return received_;
   }
 

@@ -8,6 +8,7 @@
 
 #include "layout/error.h"
 #include "runtime/dispatch_internal.h"
+#include "runtime/gil.h"
 #include "runtime/in_flight.h"
 #include "runtime/redistribute.h"
 #include "runtime/traced_collectives.h"
@@ -99,7 +100,7 @@ void FullyShardGroup::start_gather() {
   stats_.bytes_sent += bytes;
   check_not_tracing("fully_shard's parameter all-gather");
   at::Tensor received_bytes = movable_view(received_), send_bytes = movable_view(send_);
-  work_ = mesh_->group(axis_)._allgather_base(received_bytes, send_bytes);
+  without_gil([&] { work_ = mesh_->group(axis_)._allgather_base(received_bytes, send_bytes); });
 }
 
 std::vector<at::Tensor> FullyShardGroup::finish_gather() {
@@ -111,7 +112,7 @@ std::vector<at::Tensor> FullyShardGroup::finish_gather() {
       CollectiveInFlight in_flight(CollectiveKind::kAllGather, *mesh_, axis_,
                                    flat_ * static_cast<int64_t>(send_.element_size()),
                                    "fully_shard's parameter all-gather");
-      work_->wait();
+      without_gil([&] { work_->wait(); });
       stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
       work_.reset();
     }
@@ -145,7 +146,7 @@ void FullyShardGroup::free_unsharded() {
     CollectiveInFlight in_flight(CollectiveKind::kAllGather, *mesh_, axis_,
                                  flat_ * static_cast<int64_t>(send_.element_size()),
                                  "fully_shard's parameter all-gather");
-    work_->wait();
+    without_gil([&] { work_->wait(); });
     work_.reset();
     send_ = received_ = at::Tensor();
   }
@@ -244,7 +245,7 @@ std::vector<at::Tensor> FullyShardGroup::reduce_scatter(const std::vector<at::Te
     check_not_tracing("fully_shard's gradient reduce-scatter");
     CollectiveInFlight in_flight(CollectiveKind::kReduceScatter, *mesh_, axis_,
                                  static_cast<int64_t>(send_flat.nbytes()), "fully_shard's gradient reduce-scatter");
-    mesh_->group(axis_)._reduce_scatter_base(received, send_flat, opts)->wait();
+    without_gil([&] { mesh_->group(axis_)._reduce_scatter_base(received, send_flat, opts)->wait(); });
   }
   ++stats_.reduce_scatters;
   std::vector<at::Tensor> out(params_.size());

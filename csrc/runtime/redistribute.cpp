@@ -1,6 +1,7 @@
 #include "runtime/redistribute.h"
 
 #include "runtime/async_sum.h"
+#include "runtime/gil.h"
 #include "runtime/in_flight.h"
 #include "runtime/traced_collectives.h"
 
@@ -132,7 +133,7 @@ at::Tensor gather_dim0(const at::Tensor& send, const DeviceMesh& mesh, int64_t a
   auto gathered = at::empty(sizes, send.options());
   at::Tensor gathered_bytes = movable(gathered), send_bytes = movable(send);
   CollectiveInFlight in_flight(CollectiveKind::kAllGather, mesh, axis, static_cast<int64_t>(send.nbytes()));
-  mesh.group(axis)._allgather_base(gathered_bytes, send_bytes)->wait();
+  without_gil([&] { mesh.group(axis)._allgather_base(gathered_bytes, send_bytes)->wait(); });
   return gathered;
 }
 
@@ -193,7 +194,7 @@ void all_reduce_in_place(at::Tensor& buffer, const DeviceMesh& mesh, int64_t axi
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
   CollectiveInFlight in_flight(CollectiveKind::kAllReduce, mesh, axis, static_cast<int64_t>(tensors[0].nbytes()));
-  mesh.group(axis).allreduce(tensors, opts)->wait();
+  without_gil([&] { mesh.group(axis).allreduce(tensors, opts)->wait(); });
   if (!tensors[0].is_alias_of(buffer)) buffer.copy_(tensors[0]);
 }
 
@@ -233,7 +234,7 @@ at::Tensor reduce_scatter(const RedistributeStep& step, const at::Tensor& local_
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = to_c10d(step.op);
     CollectiveInFlight in_flight(CollectiveKind::kReduceScatter, mesh, step.axis, static_cast<int64_t>(send.nbytes()));
-    mesh.group(step.axis)._reduce_scatter_base(received, send, opts)->wait();
+    without_gil([&] { mesh.group(step.axis)._reduce_scatter_base(received, send, opts)->wait(); });
   }
   if (at::isComplexType(original))
     received = at::view_as_complex(received);
@@ -274,7 +275,8 @@ at::Tensor all_to_all(const RedistributeStep& step, const at::Tensor& local, con
     received = at::empty({std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0})}, local.options());
     at::Tensor received_bytes = movable(received), send_bytes = movable(send);
     CollectiveInFlight in_flight(CollectiveKind::kAllToAll, mesh, step.axis, static_cast<int64_t>(send.nbytes()));
-    mesh.group(step.axis).alltoall_base(received_bytes, send_bytes, recv_counts, send_counts)->wait();
+    without_gil(
+        [&] { mesh.group(step.axis).alltoall_base(received_bytes, send_bytes, recv_counts, send_counts)->wait(); });
   }
   std::vector<at::Tensor> blocks;
   int64_t offset = 0;
@@ -445,12 +447,12 @@ PendingSum::PendingSum(at::Tensor buffer, const DeviceMesh& mesh, int64_t axis) 
   std::vector<at::Tensor> tensors{moved_};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(ReduceOp::Sum);
-  work_ = mesh.group(axis).allreduce(tensors, opts);
+  without_gil([&] { work_ = mesh.group(axis).allreduce(tensors, opts); });
 }
 
 void PendingSum::wait() {
   if (!work_) return;
-  work_->wait();
+  without_gil([&] { work_->wait(); });
   work_.reset();
   if (!moved_.is_alias_of(buffer_)) buffer_.copy_(moved_);
 }

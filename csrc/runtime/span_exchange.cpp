@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "runtime/redistribute.h"
+#include "runtime/gil.h"
 #include "runtime/in_flight.h"
 #include "runtime/traced_collectives.h"
 
@@ -64,7 +65,7 @@ at::Tensor all_to_all_rows(const at::Tensor& send, std::vector<int64_t> send_row
     received = at::empty(shape, contiguous.options());
     at::Tensor received_bytes = movable_view(received), send_bytes = movable_view(contiguous);
     CollectiveInFlight in_flight(CollectiveKind::kAllToAll, mesh, axis, static_cast<int64_t>(contiguous.nbytes()));
-    mesh.group(axis).alltoall_base(received_bytes, send_bytes, recv_rows, send_rows)->wait();
+    without_gil([&] { mesh.group(axis).alltoall_base(received_bytes, send_bytes, recv_rows, send_rows)->wait(); });
   }
   count_collective(sent_rows * row_elements * static_cast<int64_t>(contiguous.element_size()));
   return received;

@@ -17,7 +17,9 @@ the node): every rank's backward runs the same sequence of collectives and waits
 for a LOWER rank in forward and a HIGHER rank in backward, and sends before it enters anything
 that waits on others again, so the waits form a chain, never a cycle. Every wait uses the
 process group's timeout (the launch's ``pg_timeout``) and fails naming this rank, the peer and
-what it waited for.
+what it waited for. Inside a checkpointed module (hs.recompute) the recomputation runs the chain
+again in forward order on every rank, and the node rebuilds its local graph in backward instead of
+keeping it (_ChainedBlock's docstring says why).
 
 The sequence must be in natural order (rank r holds the r-th block): ``parallelize`` does not
 declare a load-balanced (head-tail) axis for a model with these layers (see the docs for why).
@@ -109,6 +111,14 @@ class _Chain:
         return buffer
 
 
+def _saved_tensors_hooks_active() -> bool:
+    """Whether saved-tensor hooks are installed on this thread: torch.utils.checkpoint's (hs.recompute,
+    in forward and in its recomputation), save_on_cpu, ... (torch has no public query; without
+    the private one, answer yes: the block is then rebuilt in backward, correct either way)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(True) is not None
+
+
 class _ChainedBlock(torch.autograd.Function):
     """This rank's block of the recurrence, one autograd node: forward receives the state its
     block starts from (rank r-1's final state; rank 0: the caller's initial state or zeros), runs
@@ -119,7 +129,15 @@ class _ChainedBlock(torch.autograd.Function):
     One node, so its backward always does both: a rank whose local result ignored the received
     state (or made no use of a gradient) still answers its neighbours, with zeros, instead of
     leaving them waiting. The local graph is built inside forward and differentiated inside
-    backward (as checkpointing does, without recomputing)."""
+    backward (as checkpointing does, without recomputing).
+
+    Under saved-tensor hooks (a checkpointed module: hs.recompute) the node keeps no local graph:
+    that graph's saved tensors would go through the checkpoint's hooks, and differentiating it in
+    backward (torch.autograd.grad, a graph task of its own) would make the checkpoint recompute
+    the whole module a second time there, with its collectives and this chain's messages, while
+    the neighbour waits in this node's receive (both ranks stuck). The node then saves its block's
+    inputs and the received state (through the hooks: recomputed like everything else) and
+    rebuilds the local graph in backward, with no message, from them."""
 
     @staticmethod
     def forward(ctx, chain, run, build_graph, initial, *block):
@@ -129,26 +147,45 @@ class _ChainedBlock(torch.autograd.Function):
             state = initial.detach().to(chain.dtype, copy=True)
         else:
             state = torch.zeros(chain.state_shape, dtype=chain.dtype, device=chain.device)
-        with torch.set_grad_enabled(build_graph):
+        keep_graph = build_graph and not _saved_tensors_hooks_active()
+        with torch.set_grad_enabled(keep_graph):
             leaves = [t.detach().requires_grad_(t.requires_grad) for t in block]
-            state.requires_grad_(build_graph)
+            state.requires_grad_(keep_graph)
             output, final_state = run(*leaves, initial_state=state)
         if not chain.last:
             chain.send(final_state, chain.position + 1, _STATE_TAG, "the recurrent state")
-        ctx.chain, ctx.has_initial = chain, initial is not None
-        ctx.graph = (output, final_state, leaves, state) if build_graph else None
+        ctx.chain, ctx.has_initial, ctx.run = chain, initial is not None, run
+        ctx.graph = (output, final_state, leaves, state) if keep_graph else None
+        ctx.rebuild = build_graph and not keep_graph
+        if ctx.rebuild:
+            ctx.block_requires_grad = [t.requires_grad for t in block]
+            ctx.save_for_backward(*block, state.detach())
         return output.detach(), final_state.detach()
 
     @staticmethod
-    def backward(ctx, grad_output, grad_final_state):
-        chain = ctx.chain
-        if ctx.graph is None:
+    def _local_graph(ctx) -> tuple:
+        """(output, final_state, leaves, state): the graph forward kept, or the one rebuilt here
+        from the saved inputs and state (same ops on the same values: the same results)."""
+        if ctx.graph is not None:
+            graph, ctx.graph = ctx.graph, None  # the local graph is freed once differentiated
+            return graph
+        if not ctx.rebuild:
             raise RuntimeError(
                 "hypershard: chunk_gated_delta_rule under context parallelism: its backward ran twice "
                 "(retain_graph); allowed: one backward per forward"
             )
-        output, final_state, leaves, state = ctx.graph
-        ctx.graph = None  # the local graph is freed once differentiated
+        ctx.rebuild = False
+        *block, state = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(wanted) for t, wanted in zip(block, ctx.block_requires_grad)]
+            state = state.detach().requires_grad_(True)
+            output, final_state = ctx.run(*leaves, initial_state=state)
+        return output, final_state, leaves, state
+
+    @staticmethod
+    def backward(ctx, grad_output, grad_final_state):
+        chain = ctx.chain
+        output, final_state, leaves, state = _ChainedBlock._local_graph(ctx)
         if not chain.last:
             grad_final_state = grad_final_state + chain.receive(
                 chain.position + 1, _STATE_GRAD_TAG, "the state's gradient"
@@ -364,7 +401,7 @@ def _replace_rule(model: nn.Module, make: Callable[[Callable], Callable], caller
                     f"recurrence cannot be {purpose} (unsupported transformers version)"
                 )
             module.forward = _forward_with(module, _FUNCTION_NAME, make(forward.__globals__[_FUNCTION_NAME]))
-        module._hs_gated_delta_rule = caller  # who replaced it (hs.recompute reads it)
+        module._hs_gated_delta_rule = caller  # who replaced it
         count += 1
     return count
 

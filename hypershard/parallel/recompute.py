@@ -23,7 +23,9 @@ What a recomputation does on a mesh: the module's ops run again on the same DTen
 recomputed op that communicates (an all-reduce of a rowwise projection, a cp all-gather of K/V,
 an ep all-to-all) communicates again, in the same order on every rank (backward visits the
 modules in the same order everywhere). Selective mode keeps the products, so the collectives
-that follow a kept product still run when what consumes it is recomputed.
+that follow a kept product still run when what consumes it is recomputed. Qwen3.5's gated delta
+net on cp passes its state rank to rank again in the recomputation; its node rebuilds its local
+graph in backward rather than keep one from forward (hypershard.parallel.linear_attention).
 
 fully_shard: a module's parameters are gathered twice per step as without recomputation: in its
 forward, and before its backward (the pre-backward hook on its outputs). The recomputation runs
@@ -227,19 +229,6 @@ def recompute(model: nn.Module, mode: str = "full", modules: Optional[Iterable[n
                 f"{type(module).__name__} has transformers' gradient checkpointing on; it would be "
                 "recomputed twice over; allowed: model.gradient_checkpointing_disable() first, or no hs.recompute"
             )
-    for module in targets:
-        for sub in module.modules():
-            # Known limit: Qwen3.5's gated delta net on a cp axis (its state chain and causal-conv
-            # halo exchanges) hangs under recomputation (both ranks stuck in the first forward's
-            # conv halo exchange, level1 sft run); refused on every rank before anything runs
-            # instead of hanging. docs/recompute.md.
-            if getattr(sub, "_hs_gated_delta_rule", None) == "parallelize":
-                raise _error(
-                    f"{type(module).__name__} holds a gated delta net ({type(sub).__name__}) on a context-parallel "
-                    "axis, which recomputation does not support yet (it would hang in the conv's halo exchange); "
-                    "allowed: no hs.recompute on such a model, a mesh without cp, or hs.recompute(model, modules=...) "
-                    "with the full-attention layers only"
-                )
     nested = [m for m in targets for sub in m.modules() if sub is not m and id(sub) in {id(t) for t in targets}]
     if nested:
         raise _error(

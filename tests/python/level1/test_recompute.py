@@ -4,6 +4,9 @@ one mesh each, in strict mode, in ONE 2-rank launch:
 - Qwen3.5 dense on tp2, selective (its gated delta nets' and attention's tp collectives recomputed);
 - Qwen3.5-MoE on ep2, full (the experts' all-to-all / reduction over ep recomputed);
 - Qwen3-VL-MoE on cp2, selective (K/V all-gathered again in the recomputation);
+- Qwen3.5 dense on cp2, full and selective (the gated delta net's conv halo exchange and state
+  chain run again in the recomputation; its node rebuilds its local graph in backward; one
+  sequence of 128 and dt_bias / A_log against float64, as test_linear_attention_cp.py argues);
 - DeepSeek-V3.2 with fully_shard on dp2, full: the recomputation gathers no parameter a third time
   (FullyShardGroup.stats(): as many gathers per step as without recomputation);
 - Qwen3.5 dense on tp2 with hs.mixed_precision (bf16 compute, fp32 masters), selective;
@@ -18,9 +21,11 @@ hypershard.testing.training (losses rtol 1e-5, gradients and parameters in norm,
 there; the mixed-precision run is compared bitwise only, its one-device comparison is
 tests/python/level1/test_mixed_precision.py's). Planted faults that must fail: the Qwen3.5 tp2
 run with each recomputation fed its input off by 2^-20 relative (the bitwise check catches what
-check_training's tolerances would let through), and the DeepSeek-V3.2
+check_training's tolerances would let through), the DeepSeek-V3.2
 fully_shard run with each module's pre-backward gather freed before its recomputation (the
-recomputation then gathers a third time: same values, caught by the gather count).
+recomputation then gathers a third time: same values, caught by the gather count), and the
+Qwen3.5 cp2 run with the gated delta block rebuilt in backward from zeros instead of the state
+it received (bitwise check).
 """
 
 import torch
@@ -32,6 +37,9 @@ TP2 = ((2,), ("tp",))
 EP2 = ((2,), ("ep",))
 CP2 = ((2,), ("cp",))
 DP2 = ((2,), ("dp",))
+# Qwen3.5 on cp as tests/python/level1/test_linear_attention_cp.py runs it: one sequence of 128 (each
+# cp rank's block one whole chunk of the gated delta rule), dt_bias / A_log checked against float64
+QWEN3_5_CP = dict(seq=128, batch=1, exact=True)
 
 
 def _bitwise(got, base) -> list:
@@ -52,13 +60,16 @@ def _gathers(model) -> int:
     return sum(g.cgroup.stats()["gathers"] for g in _groups(model, True))
 
 
-def trainer(model_type, mode, *, fully_shard=False, mixed=False, compiled=False, fault=None):
+def trainer(
+    model_type, mode, *, fully_shard=False, mixed=False, compiled=False, fault=None, seq=16, batch=4, exact=False
+):
     def setup():
         from hypershard.testing.models import make_batches, tiny_config
 
         # (no KV cache: a compiled block handed one runs eagerly, and a recomputed one drops it)
-        config = tiny_config(model_type, **({"use_cache": False} if model_type == "qwen3" else {}))
-        return config, make_batches(config.get_text_config().vocab_size, STEPS, batch=4, seq=16)
+        overrides = {"use_cache": False} if model_type == "qwen3" else {}
+        config = tiny_config(model_type, **overrides, **({"max_position_embeddings": seq} if seq > 64 else {}))
+        return config, make_batches(config.get_text_config().vocab_size, STEPS, batch=batch, seq=seq)
 
     def reference(_dummy):
         from hypershard.testing.models import tiny_model, train
@@ -134,6 +145,17 @@ def trainer(model_type, mode, *, fully_shard=False, mixed=False, compiled=False,
 
             original = fs._PreBackward.backward
             patch = mock.patch.object(fs._PreBackward, "backward", staticmethod(wasteful))
+        if fault == "rebuilt_from_zeros":
+            from hypershard.parallel import linear_attention as la
+
+            def forgetful(ctx):  # the gated delta block rebuilt in backward from zeros, not the received state
+                if ctx.rebuild:
+                    run = ctx.run
+                    ctx.run = lambda *block, initial_state: run(*block, initial_state=torch.zeros_like(initial_state))
+                return rebuild(ctx)
+
+            rebuild = la._ChainedBlock._local_graph
+            patch = mock.patch.object(la._ChainedBlock, "_local_graph", staticmethod(forgetful))
         calls = []
         if fault is None:
             counted = rc.checkpoint
@@ -141,6 +163,7 @@ def trainer(model_type, mode, *, fully_shard=False, mixed=False, compiled=False,
             def counting(*args, **kwargs):
                 calls.append(1)
                 return counted(*args, **kwargs)
+
             patch = mock.patch.object(rc, "checkpoint", counting)
         with patch:
             got = record(model)
@@ -158,7 +181,10 @@ def trainer(model_type, mode, *, fully_shard=False, mixed=False, compiled=False,
         if mixed:
             return torch.zeros(1, dtype=torch.float64)
         expected = record_training(tiny_model(config), batches)
-        problems, _ = check_training(got, expected)
+        # (Qwen3.5 on cp: dt_bias's and A_log's gradients nearly cancel, so they are checked against
+        # the float64 run, as tests/python/level1/test_linear_attention_cp.py argues)
+        exact_record = record_training(tiny_model(config).double(), batches) if exact else None
+        problems, _ = check_training(got, expected, exact_record)
         assert not problems, "\n".join(problems)
         return torch.tensor(got.losses, dtype=torch.float64)
 
@@ -187,6 +213,8 @@ def cases():
         _case("qwen3_5_text_tp2_selective", TP2, *trainer("qwen3_5_text", "selective")),
         _case("qwen3_5_moe_ep2_full", EP2, *trainer("qwen3_5_moe_text", "full")),
         _case("qwen3_vl_moe_cp2_selective", CP2, *trainer("qwen3_vl_moe", "selective")),
+        _case("qwen3_5_text_cp2_full", CP2, *trainer("qwen3_5_text", "full", **QWEN3_5_CP)),
+        _case("qwen3_5_text_cp2_selective", CP2, *trainer("qwen3_5_text", "selective", **QWEN3_5_CP)),
         _case("deepseek_v32_fully_shard_dp2_full", DP2, *trainer("deepseek_v32", "full", fully_shard=True)),
         _case(
             "qwen3_fully_shard_dp2_compiled_selective",
@@ -198,6 +226,11 @@ def cases():
             "qwen3_5_text_tp2_planted_perturbed_recompute_is_caught",
             TP2,
             *trainer("qwen3_5_text", "full", fault="perturbed_recompute"),
+        ),
+        _case(
+            "qwen3_5_text_cp2_planted_rebuilt_from_zeros_is_caught",
+            CP2,
+            *trainer("qwen3_5_text", "full", fault="rebuilt_from_zeros", **QWEN3_5_CP),
         ),
         _case(
             "deepseek_v32_fully_shard_dp2_planted_third_gather_is_caught",

@@ -4,6 +4,7 @@ replayed; with hs.mixed_precision: the masters back in place after an early-stop
 planted faults that the same checks must catch. The distributed runs are level1
 (tests/python/level1/test_recompute.py)."""
 
+import contextlib
 import functools
 import sys
 from unittest import mock
@@ -231,19 +232,67 @@ def test_sft_recompute_flag_recomputes_every_decoder_layer():
         parser().parse_args([*base, "--recompute", "some"])
 
 
-def test_gated_delta_net_on_cp_is_refused_not_hung():
-    """Qwen3.5's gated delta net on a cp axis hangs under recomputation (its halo exchange; see
-    hypershard/parallel/recompute.py): refused before anything runs. The real install marks the module
-    (linear_attention._replace_rule); this model is marked as it would be. Planted fault: without
-    the check, hs.recompute accepts it (and the sft run hangs until its timeout)."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5
+class _OneRankChain:
+    """The state chain of a cp axis of one rank (linear_attention._Chain's fields): no neighbour,
+    no message, so _ChainedBlock runs on one process."""
 
-    from hypershard.testing.models import tiny_config, tiny_model
+    first = last = True
+    position, size = 0, 1
 
-    model = tiny_model(tiny_config("qwen3_5_text"))
-    net = next(m for m in model.modules() if isinstance(m, modeling_qwen3_5.Qwen3_5GatedDeltaNet))
-    net._hs_gated_delta_rule = "parallelize"
-    with pytest.raises(ValueError, match="gated delta net .* on a context-parallel axis"):
-        hs.recompute(model)
-    full_attention = [layer for layer in model.model.layers if not any(m is net for m in layer.modules())]
-    hs.recompute(model, modules=full_attention)  # the layers without it are accepted
+    def __init__(self, state_shape):
+        self.state_shape, self.dtype, self.device = state_shape, torch.float32, torch.device("cpu")
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "kept_graph_planted"])
+def test_gated_delta_block_is_recomputed_once_and_exactly(mode):
+    """The gated delta rule's cp node (linear_attention._ChainedBlock) inside a checkpointed
+    module: the module runs twice (forward, one recomputation) and its gradients equal the
+    unrecomputed run's bit for bit. The node keeps no local graph under saved-tensor hooks: it
+    rebuilds it in backward from its saved inputs and state. Planted: the local graph kept as
+    without hooks -- differentiating it in backward (a graph task of its own) recomputes the
+    module a second time (3 runs; on a cp mesh that second recomputation replays the chain's
+    receive while the neighbour waits for a gradient: both ranks hang)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    from hypershard.parallel import linear_attention as la
+
+    torch.manual_seed(0)
+    batch, length, heads, dim = 1, 80, 2, 8  # 80: a whole chunk of 64 and a padded one
+    inputs = [
+        torch.randn(batch, length, heads, dim),
+        torch.randn(batch, length, heads, dim),
+        torch.randn(batch, length, heads, dim),
+        -torch.rand(batch, length, heads),
+        torch.rand(batch, length, heads),
+    ]
+    chain = _OneRankChain((batch, heads, dim, dim))
+    runs = []
+
+    def rule(q, k, v, g, beta, initial_state):
+        return torch_chunk_gated_delta_rule(
+            q, k, v, g, beta, initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
+
+    def module(q, k, v, g, beta):
+        runs.append(1)
+        out, _ = la._ChainedBlock.apply(chain, rule, True, None, q * 1.5, k, v, g.exp().log(), beta.sigmoid())
+        return out.tanh()
+
+    def gradients(call):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = call(*leaves)
+        out.backward(torch.linspace(-1, 1, out.numel()).view(out.shape))
+        return out.detach(), [t.grad for t in leaves]
+
+    base_out, base_grads = gradients(module)
+    runs.clear()
+    extra = {"context_fn": rc._selective_contexts} if mode == "selective" else {}
+    planted = mock.patch.object(la, "_saved_tensors_hooks_active", lambda: False)
+    with planted if mode == "kept_graph_planted" else contextlib.nullcontext():
+        out, grads = gradients(lambda *t: torch_checkpoint.checkpoint(module, *t, use_reentrant=False, **extra))
+    assert torch.equal(out, base_out)
+    assert all(torch.equal(a, b) for a, b in zip(grads, base_grads))
+    if mode == "kept_graph_planted":
+        assert len(runs) == 3, f"planted fault not caught: the module ran {len(runs)} times"
+        return
+    assert len(runs) == 2, f"the module ran {len(runs)} times; expected forward and one recomputation"
