@@ -5,11 +5,23 @@ bf16 safetensors folder of random weights, 4 CPU ranks.
 
 Runs, each its own launch (one after the other, so each process's peak is its own run's):
 - full fine-tuning on fully_shard dp4, and LoRA (rank 16, ``lora_target: all``) on dp2 x tp2,
-  each loaded shard-wise (the default) and the old way (``HYPERSHARD_LLAMAFACTORY_LOAD=whole``:
-  LlamaFactory's load_model of the whole model on every rank, then distributed);
-- STEPS training steps each;
-- and LlamaFactory's own single-process run of the same YAML without hypershard (the reference:
-  its peak RSS from /proc/self/status VmHWM, printed by a wrapper at exit, and its losses).
+  each loaded shard-wise (the default; LOADS may add "whole", the old way,
+  ``HYPERSHARD_LLAMAFACTORY_LOAD=whole``: LlamaFactory's load_model of the whole model on every
+  rank, then distributed -- docs/llamafactory.md "Loading" has its figures);
+- STEPS training steps each, BATCH sequences per rank per micro-batch, ACCUMULATION micro-batches,
+  CUTOFF tokens at most per sequence;
+- and LlamaFactory's own single-process run of the same YAML without hypershard, dp times the
+  micro-batch (the same global batches: the losses compare), the reference: its peak RSS from
+  /proc/self/status VmHWM, printed by a wrapper at exit, its load_model time and its losses.
+
+Precision: the JSON's ``param_dtype: null``, the single process's own: no autocast, LlamaFactory's
+dtypes (the trainable weights upcast to float32, a LoRA base kept in the checkpoint's bfloat16: its
+products take torch's reference bf16 gemm on this CPU, measured 0.3 GFLOP/s against 56 for float32,
+hence the short sequences).
+The default ("auto") would compute in bfloat16 from float32 masters, as on a GPU; on this CPU a
+bfloat16 matrix product takes torch's reference gemm (no bf16 instructions), which made the dp4
+full run take over 40 minutes for 2 steps, and the losses would differ from the single process's
+by bfloat16 rounding.
 
 Per rank, from the trainer's load line: the parameter bytes it holds or read, its RSS right after
 the model is distributed and its peak RSS up to then (VmHWM); from HF's trainer_state.json: the
@@ -29,14 +41,22 @@ from typing import Callable
 
 LAYERS = 4
 STEPS = 2
+BATCH, ACCUMULATION, CUTOFF = 1, 1, 32  # kept small: a LoRA base computes in bf16, 0.3 GFLOP/s on this CPU
+LOADS = ("sharded", "single")
 LINE = re.compile(
     r"rank (\d) of (\d) (?:loaded its shards: (\d+) of the model's (\d+) parameter bytes|holds the model loaded "
     r"whole by LlamaFactory \((\d+) parameter bytes\)).*?; RSS ([\d.]+) MB, peak ([\d.]+) MB"
+    r"(?:; load ([\d.]+) s)?"
 )
 RUNS = (
-    # (name, hyper_parallel_args, YAML overrides)
-    ("full_fully_shard_dp4", {"fully_shard": True}, {}),
-    ("lora_dp2_tp2", {"tp_size": 2}, dict(finetuning_type="lora", lora_target="all", lora_rank=16, lora_alpha=32)),
+    # (name, hyper_parallel_args, YAML overrides, dp: the single process's batch multiple)
+    ("full_fully_shard_dp4", {"fully_shard": True, "param_dtype": None}, {}, 4),
+    (
+        "lora_dp2_tp2",
+        {"tp_size": 2, "param_dtype": None},
+        dict(finetuning_type="lora", lora_target="all", lora_rank=16, lora_alpha=32),
+        2,
+    ),
 )
 
 
@@ -67,23 +87,34 @@ def write_folder(folder: Path, layers: int = LAYERS) -> dict:
 
 
 def parse(stdout: str) -> dict:
-    """{rank: {bytes, total, rss_mb, peak_mb, sharded}} from the ranks' load lines."""
+    """{rank: {bytes, total, rss_mb, peak_mb, load_s, sharded}} from the ranks' load lines (load_s:
+    from LlamaFactory's load_model entered to the model distributed and filled)."""
     ranks = {}
-    for rank, _, local, total, whole, rss, peak in LINE.findall(stdout):
+    for rank, _, local, total, whole, rss, peak, load in LINE.findall(stdout):
         ranks[int(rank)] = {
             "sharded": bool(local),
             "bytes": int(local or whole),
             "total": int(total or whole),
             "rss_mb": float(rss),
             "peak_mb": float(peak),
+            "load_s": float(load) if load else None,
         }
     return ranks
 
 
 # Runs LlamaFactory in this process through hypershard's launcher (one process: no torchrun) and
-# prints the process's peak RSS at exit (the single-process reference has no load line of ours).
+# prints the process's peak RSS at exit and the seconds its load_model took (the single-process
+# reference has no load line of ours).
 _SINGLE = (
-    "import atexit, re, runpy, sys\n"
+    "import atexit, re, runpy, sys, time\n"
+    "import llamafactory.model as model_package\n"  # before the sft workflow imports its load_model
+    "real_load = model_package.load_model\n"
+    "def timed_load(*args, **kwargs):\n"
+    "    start = time.perf_counter()\n"
+    "    model = real_load(*args, **kwargs)\n"
+    "    print('single process load', round(time.perf_counter() - start, 1), 's', flush=True)\n"
+    "    return model\n"
+    "model_package.load_model = timed_load\n"
     "def peak():\n"
     "    text = open('/proc/self/status').read()\n"
     "    print('single process peak RSS', int(re.search(r'VmHWM:\\s+(\\d+) kB', text).group(1)) / 1e3, 'MB', flush=True)\n"
@@ -92,6 +123,7 @@ _SINGLE = (
     "runpy.run_module('hypershard.integrations.llamafactory', run_name='__main__', alter_sys=True)\n"
 )
 SINGLE_PEAK = re.compile(r"single process peak RSS ([\d.]+) MB")
+SINGLE_LOAD = re.compile(r"single process load ([\d.]+) s")
 
 
 def _single_process(yaml_path: Path, timeout: float):
@@ -118,7 +150,7 @@ def _losses_and_step(run_dir: Path) -> dict:
     }
 
 
-def run(out: Path, log: Callable = print, timeout: float = 900) -> dict:
+def run(out: Path, log: Callable = print, timeout: float = 2400) -> dict:
     from hypershard.testing.llamafactory_fixtures import launch, write_dataset_dir, write_run
 
     folder = out / "llamafactory_true_size" / "qwen3_5_0_8b_cut"
@@ -126,8 +158,8 @@ def run(out: Path, log: Callable = print, timeout: float = 900) -> dict:
     info = write_folder(folder)
     data = write_dataset_dir(out / "llamafactory_true_size" / "data")
     results = {"checkpoint": info, "runs": {}}
-    for name, hp, overrides in RUNS:
-        for load in ("sharded", "whole", "single"):
+    for name, hp, overrides, dp in RUNS:
+        for load in LOADS:
             label = f"{name}_{load}"
             run_dir = out / "llamafactory_true_size" / label
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -138,14 +170,25 @@ def run(out: Path, log: Callable = print, timeout: float = 900) -> dict:
                 run_dir / "out",
                 hp=None if load == "single" else hp,
                 max_steps=STEPS,
-                cutoff_len=128,
+                cutoff_len=CUTOFF,
+                per_device_train_batch_size=BATCH * (dp if load == "single" else 1),
+                gradient_accumulation_steps=ACCUMULATION,
                 **overrides,
             )
             start = time.perf_counter()
             if load == "single":  # LlamaFactory alone, one process: the per-rank figures' reference
                 result = _single_process(yaml_path, timeout)
-                peak = SINGLE_PEAK.search(result.stdout)
-                ranks = {0: {"sharded": False, "bytes": 0, "total": 0, "rss_mb": 0.0, "peak_mb": float(peak.group(1))}}
+                peak, load_s = SINGLE_PEAK.search(result.stdout), SINGLE_LOAD.search(result.stdout)
+                ranks = {
+                    0: {
+                        "sharded": False,
+                        "bytes": 0,
+                        "total": 0,
+                        "rss_mb": 0.0,
+                        "peak_mb": float(peak.group(1)) if peak else 0.0,
+                        "load_s": float(load_s.group(1)) if load_s else None,
+                    }
+                }
                 ranks = ranks if peak else {}
             else:
                 result = launch(yaml_path, 4, {"HYPERSHARD_LLAMAFACTORY_LOAD": load}, int(timeout))
@@ -172,11 +215,13 @@ def llamafactory_true_size_lines(results) -> list:
     info = results["checkpoint"]
     return [
         f"## LlamaFactory at true size (Qwen3.5-0.8B at true width, {info['layers']} layers, "
-        f"{info['params'] / 1e6:.0f} M parameters, bf16 files; 4 CPU ranks, {STEPS} steps)",
+        f"{info['params'] / 1e6:.0f} M parameters, bf16 files; 4 CPU ranks, {STEPS} steps of "
+        f"{BATCH} x {ACCUMULATION} sequences per rank, cutoff {CUTOFF}; param_dtype null)",
         "",
         "sharded = hypershard's shard-wise load (the default); whole = LlamaFactory's load_model on every "
-        "rank, then distributed; single = LlamaFactory alone in one process (peak RSS of the whole run). "
-        "Per-rank columns list ranks 0-3; RSS after load and peak to then come from each rank's load line.",
+        "rank, then distributed; single = LlamaFactory alone in one process with the same global batches "
+        "(its peak RSS is the whole run's). Per-rank columns list ranks 0-3; RSS after load, peak to then "
+        "and load s (load_model entered to the model distributed and filled) come from each rank's load line.",
         "",
         *lines(results),
         "",
@@ -184,15 +229,20 @@ def llamafactory_true_size_lines(results) -> list:
 
 
 def lines(results: dict) -> list:
-    out = ["| run | load | rank bytes (MB) | RSS after load (MB) | peak RSS to then (MB) | s / step | losses |"]
-    out.append("|---|---|---|---|---|---|---|")
+    out = [
+        "| run | load | rank bytes (MB) | RSS after load (MB) | peak RSS to then (MB) | load s | s / step | losses |"
+    ]
+    out.append("|---|---|---|---|---|---|---|---|")
     for label, row in results["runs"].items():
         name, load = label.rsplit("_", 1)
         ranks = row["ranks"]
         fmt = lambda key, scale=1.0: " / ".join(f"{ranks[r][key] / scale:.0f}" for r in sorted(ranks))  # noqa: E731
         step = row.get("step_seconds")
+        loads = " / ".join(
+            "-" if ranks[r].get("load_s") is None else f"{ranks[r]['load_s']:.1f}" for r in sorted(ranks)
+        )
         out.append(
-            f"| {name} | {load} | {fmt('bytes', 1e6)} | {fmt('rss_mb')} | {fmt('peak_mb')} | "
+            f"| {name} | {load} | {fmt('bytes', 1e6)} | {fmt('rss_mb')} | {fmt('peak_mb')} | {loads} | "
             f"{'-' if step is None else f'{step:.1f}'} | {' / '.join(f'{x:.4f}' for x in row.get('losses', []))} |"
         )
     return out

@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -256,6 +257,8 @@ def sharded_load_model(load_model):
 
     @functools.wraps(load_model)
     def wrapper(tokenizer, model_args, finetuning_args, is_trainable=False, add_valuehead=False):
+        global LOAD_STARTED
+        LOAD_STARTED = time.perf_counter()  # the trainer's load line reports the time from here
         why = _whole_reason(model_args, finetuning_args, is_trainable, add_valuehead)
         if why is not None:
             _log(f"every rank loads the whole model (LlamaFactory's load_model): {why}")
@@ -275,6 +278,16 @@ def sharded_load_model(load_model):
 
     wrapper._hs_sharded = True
     return wrapper
+
+
+# perf_counter() when LlamaFactory's load_model was entered (None before): the load the trainer's load
+# line times runs from here to the model distributed and, when sharded, filled with its shards
+LOAD_STARTED: Optional[float] = None
+
+
+def load_seconds_text() -> str:
+    """ "; load 12.3 s" since load_model was entered, or "" when it was not called through us."""
+    return "" if LOAD_STARTED is None else f"; load {time.perf_counter() - LOAD_STARTED:.1f} s"
 
 
 def install() -> None:

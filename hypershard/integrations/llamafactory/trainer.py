@@ -275,8 +275,8 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
     def _log_load(self, report, model) -> None:
         """One line per rank once the model is distributed: the parameter bytes it read into its
         shards against the whole model's (the level1 test reads it: about 1/world under
-        fully_shard), the file bytes it read, and its resident memory now and at its peak so far
-        (/proc/self/status VmRSS / VmHWM)."""
+        fully_shard), the file bytes it read, its resident memory now and at its peak so far
+        (/proc/self/status VmRSS / VmHWM), and the seconds since LlamaFactory's load_model began."""
         from . import loading
 
         total = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
@@ -289,7 +289,8 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
                 f"loaded its shards: {report.local_bytes} of the model's {total} parameter bytes "
                 f"({len(report.loaded)} tensors, {report.bytes_read} file bytes read)"
             )
-        print(f"hypershard: llamafactory: rank {rank} of {world} {what}; {memory}", flush=True)
+        timed = loading.load_seconds_text()
+        print(f"hypershard: llamafactory: rank {rank} of {world} {what}; {memory}{timed}", flush=True)
 
     def _recompute(self, model, training_args) -> None:
         """LlamaFactory turns transformers' gradient checkpointing on by default (its own checkpoint

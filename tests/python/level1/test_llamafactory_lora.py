@@ -204,14 +204,16 @@ def test_qwen3_freeze_on_cp2_dp2_equals_llamafactory(work):
     [
         ("qwen3_5_text", {"cp_size": 2}, "cp2 x dp2"),
         ("qwen3_5_moe_text", {"ep_size": 2, "strict": True}, "ep2 x dp2"),
+        ("deepseek_v32", {"ep_size": 2, "strict": True}, "ep2 x dp2"),
     ],
-    ids=["qwen3_5_cp2_dp2", "qwen3_5_moe_ep2_dp2"],
+    ids=["qwen3_5_cp2_dp2", "qwen3_5_moe_ep2_dp2", "deepseek_v32_ep2_dp2"],
 )
 def test_qwen3_5_lora_equals_llamafactory(work, model_type, hp, what):
     """LoRA on Qwen3.5 (gated delta-net linear attention: its recurrence passed rank to rank over cp,
     natural order) on cp2 x dp2, and on Qwen3.5-MoE (the router and the shared expert's linear
-    layers get adapters; the packed experts are not nn.Linear and stay frozen) on ep2 x dp2 in strict
-    mode: losses equal LlamaFactory's single-process LoRA run."""
+    layers get adapters; the packed experts are not nn.Linear and stay frozen) and DeepSeek-V3.2 (MLA:
+    kv_a_proj_with_mqa's adapters Replicate, as its base) on ep2 x dp2 in strict mode: losses equal
+    LlamaFactory's single-process LoRA run."""
     work.setdefault(model_type, write_model(work["root"] / model_type, model_type))
     result, ref = run(work, f"{model_type}_ref", model_type, per_device_train_batch_size=4, **LORA)
     ok(result, f"LlamaFactory's single-process LoRA run of {model_type}")

@@ -36,7 +36,9 @@ TOLERANCE = 0.10
     ({"dp": 2, "tp": 2}, False, "none", "all_gather_kv", 256),
     ({"dp": 2, "cp": 2}, False, "none", "ring", 512),
     ({"dp": 4}, True, "full", "all_gather_kv", 256),
-    ({"dp_replicate": 2, "dp": 2}, True, "none", "all_gather_kv", 256),
+    # make test-full: HSDP planning is checked process-free (tests/python/unit/test_planner_hsdp.py:
+    # equal to the plain fully sharded plan of dp/R plus exactly the replicas' all-reduce)
+    pytest.param({"dp_replicate": 2, "dp": 2}, True, "none", "all_gather_kv", 256, marks=pytest.mark.full),
 ], ids=["dp4-fully-shard", "dp2-tp2", "dp2-cp2-ring", "dp4-fully-shard-recompute-full", "hsdp-2x2"])
 def test_planner_agrees_with_four_real_ranks(mesh, fully_shard, recompute, cp_algorithm, seq):
     from hypershard.planner.validate import FIGURES, validate

@@ -236,6 +236,7 @@ def test_pipeline_with_fully_shard_matches_the_reference(fixtures, reference, tm
     torch.testing.assert_close(losses(tmp_path), losses(reference), rtol=1e-5, atol=0)
 
 
+@pytest.mark.full  # its feature's representative in make test: tests/python/level1/test_pipelining*.py
 def test_pipeline_with_context_parallel_matches_the_reference(fixtures, reference, tmp_path):
     """--mesh pp=2,cp=2 in strict mode (hs.pipeline with a cp axis: each stage's sequence split over cp
     in head-tail order, every batch padded on the right to a multiple of 2 x cp, labels -100 on the
@@ -251,6 +252,7 @@ def test_pipeline_with_context_parallel_matches_the_reference(fixtures, referenc
     torch.testing.assert_close(losses(tmp_path), losses(reference), rtol=1e-5, atol=0)
 
 
+@pytest.mark.full  # its feature's representative in make test: tests/python/level1/test_pipelining*.py
 def test_pipeline_with_recompute_and_bf16_matches_the_reference(fixtures, reference, tmp_path):
     """--mesh pp=2,dp=2 --fully-shard --recompute full --mixed-precision bf16: each stage fully
     sharded, its layers recomputed, computing in bf16 from fp32 masters (hs.pipeline's recompute and
