@@ -126,6 +126,18 @@ def record_cp_training(model: torch.nn.Module, batches: list, mesh) -> tuple:
         mesh.cp_algorithm = "all_gather_kv"
 
 
+def bitwise_differences(got: TrainingRecord, base: TrainingRecord) -> list:
+    """What differs between two records bit for bit (losses, first-step gradients, final parameters;
+    [] when nothing): for runs that must run the same ops on the same values in the same order."""
+    bad = [] if got.losses == base.losses else [f"losses {got.losses} vs {base.losses}"]
+    for kind in ("first_grads", "final"):
+        a, b = getattr(got, kind), getattr(base, kind)
+        if set(a) != set(b):
+            bad.append(f"{kind}: other names")
+        bad += [f"{kind} {n}" for n in a if n in b and not torch.equal(a[n], b[n])]
+    return bad
+
+
 def _norm(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t)) if t.numel() else 0.0
 

@@ -36,20 +36,11 @@ from test_mixed_precision import check_mixed
 from test_pipelining import _only, _record
 
 from hypershard.testing import Case, Input, assert_all_passed, current_mesh, run_cases
+from hypershard.testing.training import bitwise_differences
 
 STEPS = 3
 PP2_DP2 = ((2, 2), ("pp", "dp"))
 N_MICROBATCHES = 4
-
-
-def _bitwise(got, base) -> list:
-    bad = [] if got.losses == base.losses else [f"losses {got.losses} vs {base.losses}"]
-    for kind in ("first_grads", "final"):
-        a, b = getattr(got, kind), getattr(base, kind)
-        if set(a) != set(b):
-            bad.append(f"{kind}: other names")
-        bad += [f"{kind} {n}" for n in a if n in b and not torch.equal(a[n], b[n])]
-    return bad
 
 
 def _gathers(pipe) -> int:
@@ -146,7 +137,7 @@ def trainer(recompute=None, mixed=False, fully_shard=False, fault=None):
             patch = mock.patch.object(rc, "checkpoint", counting)
         with patch:
             got = _record(pipe, batches)
-        bad = _bitwise(got, base) if recompute else []
+        bad = bitwise_differences(got, base) if recompute else []
         if fully_shard and recompute and _gathers(pipe) != _gathers(base_pipe):
             bad.append(f"{_gathers(pipe)} parameter gathers with recomputation, {_gathers(base_pipe)} without")
         check = check_mixed if mixed or fault == "no_master" else check_training

@@ -31,6 +31,7 @@ it received (bitwise check).
 import torch
 
 from hypershard.testing import Case, Input, assert_all_passed, current_mesh, run_cases
+from hypershard.testing.training import bitwise_differences
 
 STEPS = 3
 TP2 = ((2,), ("tp",))
@@ -40,18 +41,6 @@ DP2 = ((2,), ("dp",))
 # Qwen3.5 on cp as tests/python/level1/test_linear_attention_cp.py runs it: one sequence of 128 (each
 # cp rank's block one whole chunk of the gated delta rule), dt_bias / A_log checked against float64
 QWEN3_5_CP = dict(seq=128, batch=1, exact=True)
-
-
-def _bitwise(got, base) -> list:
-    bad = []
-    if got.losses != base.losses:
-        bad.append(f"losses {got.losses} vs {base.losses}")
-    for kind in ("first_grads", "final"):
-        a, b = getattr(got, kind), getattr(base, kind)
-        if set(a) != set(b):
-            bad.append(f"{kind}: other names")
-        bad += [f"{kind} {n}" for n in a if n in b and not torch.equal(a[n], b[n])]
-    return bad
 
 
 def _gathers(model) -> int:
@@ -169,7 +158,7 @@ def trainer(
             got = record(model)
         if fault is None and not compiled:  # every decoder layer checkpointed in every step
             assert len(calls) == STEPS * len(rc.decoder_layers(model)), len(calls)
-        bad = _bitwise(got, base)
+        bad = bitwise_differences(got, base)
         if fully_shard:
             gathers, base_gathers = _gathers(model), _gathers(base_model)
             if gathers != base_gathers:
