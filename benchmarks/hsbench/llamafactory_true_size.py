@@ -99,6 +99,9 @@ def parse(stdout: str) -> dict:
             "peak_mb": float(peak),
             "load_s": float(load) if load else None,
         }
+    for rank, peak in TRAINED.findall(stdout):  # the whole run's peak, printed when training ended
+        if int(rank) in ranks:
+            ranks[int(rank)]["run_peak_mb"] = float(peak)
     return ranks
 
 
@@ -122,6 +125,7 @@ _SINGLE = (
     "sys.argv = ['hypershard.integrations.llamafactory', 'train', sys.argv[1]]\n"
     "runpy.run_module('hypershard.integrations.llamafactory', run_name='__main__', alter_sys=True)\n"
 )
+TRAINED = re.compile(r"rank (\d) of \d trained; RSS [\d.]+ MB, peak ([\d.]+) MB")
 SINGLE_PEAK = re.compile(r"single process peak RSS ([\d.]+) MB")
 SINGLE_LOAD = re.compile(r"single process load ([\d.]+) s")
 
@@ -186,6 +190,7 @@ def run(out: Path, log: Callable = print, timeout: float = 2400) -> dict:
                         "total": 0,
                         "rss_mb": 0.0,
                         "peak_mb": float(peak.group(1)) if peak else 0.0,
+                        "run_peak_mb": float(peak.group(1)) if peak else 0.0,
                         "load_s": float(load_s.group(1)) if load_s else None,
                     }
                 }
@@ -230,19 +235,21 @@ def llamafactory_true_size_lines(results) -> list:
 
 def lines(results: dict) -> list:
     out = [
-        "| run | load | rank bytes (MB) | RSS after load (MB) | peak RSS to then (MB) | load s | s / step | losses |"
+        "| run | load | rank bytes (MB) | RSS after load (MB) | peak RSS to then (MB) | peak RSS of the run (MB) "
+        "| load s | s / step | losses |"
     ]
-    out.append("|---|---|---|---|---|---|---|---|")
+    out.append("|---|---|---|---|---|---|---|---|---|")
     for label, row in results["runs"].items():
         name, load = label.rsplit("_", 1)
         ranks = row["ranks"]
-        fmt = lambda key, scale=1.0: " / ".join(f"{ranks[r][key] / scale:.0f}" for r in sorted(ranks))  # noqa: E731
+        fmt = lambda key, scale=1.0: " / ".join(f"{ranks[r].get(key, float('nan')) / scale:.0f}" for r in sorted(ranks))  # noqa: E731
         step = row.get("step_seconds")
         loads = " / ".join(
             "-" if ranks[r].get("load_s") is None else f"{ranks[r]['load_s']:.1f}" for r in sorted(ranks)
         )
         out.append(
-            f"| {name} | {load} | {fmt('bytes', 1e6)} | {fmt('rss_mb')} | {fmt('peak_mb')} | {loads} | "
+            f"| {name} | {load} | {fmt('bytes', 1e6)} | {fmt('rss_mb')} | {fmt('peak_mb')} | {fmt('run_peak_mb')} "
+            f"| {loads} | "
             f"{'-' if step is None else f'{step:.1f}'} | {' / '.join(f'{x:.4f}' for x in row.get('losses', []))} |"
         )
     return out

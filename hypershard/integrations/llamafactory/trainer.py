@@ -402,12 +402,17 @@ class HyperParallelTrainer(CustomSeq2SeqTrainer):
         faults.register()  # a failed collective then names the dead rank (hypershard.launch.faults)
         self.add_callback(_NoteStep())
         with faults.reporting():
-            return super().train(
+            output = super().train(
                 resume_from_checkpoint=resume_from_checkpoint,
                 trial=trial,
                 ignore_keys_for_eval=ignore_keys_for_eval,
                 **kwargs,
             )
+        from . import loading
+
+        rank, world = _rank_world()  # the run's peak per rank (VmHWM), beside the load line's
+        print(f"hypershard: llamafactory: rank {rank} of {world} trained; {loading.rss_text()}", flush=True)
+        return output
 
     def _save_checkpoint(self, model, trial) -> None:
         """HF's checkpoint-N, then -- once every rank reported its part written -- the COMPLETE
