@@ -51,10 +51,10 @@ Sections (see benchmarks/README.md for what each measures and how; the code is i
   pipelining  (only when named: ~8 min quick, ~10 GB) Qwen3.5-0.8B at true width cut to 4 layers on
               4 ranks: pp2 x dp2 (hs.pipeline, 1F1B, 4 microbatches) vs dp4 hs.fully_shard: step
               time, peak RSS per rank, bytes per axis (dp, pp), measured bubble vs (pp-1)/(m+pp-1)
-  llamafactory_true_size  (only when named: ~10 GB, tens of minutes on 2 cores) LlamaFactory's sft
-              stage on Qwen3.5-0.8B at true width cut to 4 layers, 4 ranks, 2 steps: full fine-
-              tuning on fully_shard dp4 and LoRA on dp2 x tp2, loaded shard-wise, whole, and by
-              LlamaFactory alone in one process: per-rank bytes, RSS, peak, step time, losses
+  llamafactory_true_size  (only when named: ~24 GB at its peak, ~14 min on 2 cores) LlamaFactory's
+              sft stage on Qwen3.5-0.8B at true width cut to 4 layers, 4 ranks, 2 steps: full fine-
+              tuning on fully_shard dp4 and LoRA on dp2 x tp2, loaded shard-wise, and by
+              LlamaFactory alone in one process: per-rank bytes, RSS, peaks, load s, step s, losses
 
 Writes bench/results.json, bench/RESULTS.md and bench/results.png and prints the tables.
 
