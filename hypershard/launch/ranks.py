@@ -123,7 +123,9 @@ def _stuck_report(tmp: str, ranks: list) -> str:
     lines = []
     for rank in ranks:
         phase_file, stack_file = Path(tmp, f"rank{rank}.phase"), Path(tmp, f"rank{rank}.stacks")
-        phase = phase_file.read_text() if phase_file.exists() else "not started"
+        # no phase file: the spawned process never reached _rank_main (still unpickling the target
+        # and importing its module, e.g. torch, which a CPU-starved machine can stretch past the timeout)
+        phase = phase_file.read_text() if phase_file.exists() else "not started (still importing the target's module)"
         lines.append(f"  rank {rank}: {phase}")
         stack = stack_file.read_text().splitlines() if stack_file.exists() else []
         # faulthandler prints innermost frames first under each "Thread ..." header.
@@ -135,7 +137,7 @@ def _stuck_report(tmp: str, ranks: list) -> str:
             elif shown < STACK_LINES:
                 lines.append(f"    {line}")
                 shown += 1
-        if not stack:
+        if not stack and phase_file.exists():
             lines.append("    (no Python stack written: stuck outside Python, e.g. in a C++ destructor at exit)")
     return "\n".join(lines)
 
