@@ -368,19 +368,14 @@ class Pipeline:
     def _microbatch_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """HF's causal-LM loss of this rank's tokens of one microbatch, summed and divided by the
         global batch's trained tokens."""
+        shifted = {}
         if self.cp_axis is not None:  # the targets shifted over the whole sequence, then this rank's block
-            targets = local_targets(labels, self.submesh, self.dp_axes, self.cp_axis, self.head_tail)
-            return self._loss_function(
-                logits=logits,
-                labels=targets,
-                shift_labels=targets,
-                vocab_size=self._vocab_size,
-                num_items_in_batch=self._num_items,
-            )
-        if self.submesh is not None:
+            labels = local_targets(labels, self.submesh, self.dp_axes, self.cp_axis, self.head_tail)
+            shifted = {"shift_labels": labels}
+        elif self.submesh is not None:
             labels = _dp_chunk(labels, self.submesh, self.dp_axes)
         return self._loss_function(
-            logits=logits, labels=labels, vocab_size=self._vocab_size, num_items_in_batch=self._num_items
+            logits=logits, labels=labels, vocab_size=self._vocab_size, num_items_in_batch=self._num_items, **shifted
         )
 
     def _side_inputs(self, input_ids: torch.Tensor, inputs: dict) -> list:
